@@ -1,0 +1,51 @@
+"""Small helpers over torch.fx nodes shared by the passes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+
+def example_value(node: Any) -> Any:
+    """The fake (or real) value Dynamo recorded for a node, if any."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def node_shape(node: Any) -> torch.Size | None:
+    value = example_value(node)
+    return value.shape if isinstance(value, torch.Tensor) else None
+
+
+def is_tensor_node(node: Any) -> bool:
+    return isinstance(example_value(node), torch.Tensor)
+
+
+def target_name(node: torch.fx.Node) -> str:
+    """A readable name for what a node calls: 'linear', 'view', 'getitem' ..."""
+    if node.op in ("call_method", "get_attr", "placeholder", "output"):
+        return str(node.target)
+    if node.op == "call_module":
+        return f"module {node.target}"
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.rsplit(".", 1)[-1]
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost module path of a node ('transformer_blocks.3.attn1'), or ''."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_module_path(path)
+
+
+def _clean_module_path(path: str) -> str:
+    # Dynamo writes L['self'].transformer_blocks[3].attn1; keep the dotted module path.
+    for prefix in ("L['self'].", "L['self']"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return path.replace("[", ".").replace("]", "").replace("'", "").strip(".")
