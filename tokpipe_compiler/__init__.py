@@ -1,7 +1,12 @@
-"""tokpipe_compiler: a torch.compile backend that pipelines diffusion transformers over token chunks."""
+"""tokpipe_compiler: a torch.compile backend that pipelines diffusion transformers over
+token chunks."""
 
+from .api import backend, capture_graphs, explain, reset
+from .backend import tokpipe
 from .config import Config
 from .errors import TokpipeError
+from .plan import Plan
 
-__all__ = ["Config", "TokpipeError"]
+__all__ = ["Config", "Plan", "TokpipeError", "backend", "capture_graphs", "explain", "reset",
+           "tokpipe"]
 __version__ = "0.1.0"

@@ -9,6 +9,10 @@ class TokpipeError(RuntimeError):
     """A model, input or option that the pipeline cannot handle, with what to do about it."""
 
 
+class NoTokenInput(TokpipeError):
+    """A graph (one piece of a model split by graph breaks, say) without the token input."""
+
+
 def user_line(node: torch.fx.Node) -> str:
     """The innermost user-code frame of a node's stack trace, or '<unknown>'."""
     trace = node.meta.get("stack_trace") or ""

@@ -48,4 +48,6 @@ def _clean_module_path(path: str) -> str:
     for prefix in ("L['self'].", "L['self']"):
         if path.startswith(prefix):
             path = path[len(prefix):]
-    return path.replace("[", ".").replace("]", "").replace("'", "").strip(".")
+    path = path.replace("[", ".").replace("]", "").replace("'", "")
+    parts = [p for p in path.split(".") if p and p not in ("__dict__", "_modules")]
+    return ".".join(parts)

@@ -1,0 +1,74 @@
+"""chunk_attention: each token-mixing attention becomes one `tokpipe::kv_attention` call.
+
+    out = sdpa(q, k, v, is_causal=c)
+becomes
+    out = tokpipe.kv_attention(q, k, v, kv_cache_3_k, kv_cache_3_v, tokpipe_chunk,
+                               per_unit, c, scale, mask_rows)
+
+The caches and `tokpipe_chunk` are new graph inputs that the runtime provides: a persistent
+K/V buffer per layer, and [first unit, units, visible units] of the chunk being run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from tokpipe_compiler.runtime import kv_attention as _op  # noqa: F401  (registers the op)
+from tokpipe_compiler.runtime.caches import CacheSpec
+
+from tokpipe_compiler.errors import TokpipeError, describe
+from tokpipe_compiler.graph_utils import example_value
+from tokpipe_compiler.tokens import ATTENTION, INVARIANT_INFO, META_KEY
+
+CHUNK_INPUT = "tokpipe_chunk"
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
+    attention = [n for n in gm.graph.nodes if n.meta.get(META_KEY, INVARIANT_INFO).kind == ATTENTION]
+    if not attention:
+        return []
+    chunk = _add_input(gm, CHUNK_INPUT, torch.zeros(3, dtype=torch.long))
+    specs = []
+    for layer, node in enumerate(attention):
+        args = _sdpa_args(node)
+        causal = bool(args.get("is_causal", False))
+        if mode == "causal" and not causal and args.get("attn_mask") is None:
+            raise TokpipeError(
+                f"mode='causal' needs causal attention, but {describe(node)} attends to the "
+                "whole sequence (no is_causal=True, no mask); use mode='stale' or 'sync'"
+            )
+        k, v = example_value(args["key"]), example_value(args["value"])
+        spec = CacheSpec(layer, f"kv_cache_{layer}_k", f"kv_cache_{layer}_v", tuple(k.shape),
+                         tuple(v.shape), k.dtype, node.meta[META_KEY].per_unit)
+        k_cache = _add_input(gm, spec.k_name, k)
+        v_cache = _add_input(gm, spec.v_name, v)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(
+                torch.ops.tokpipe.kv_attention.default,
+                (args["query"], args["key"], args["value"], k_cache, v_cache, chunk,
+                 spec.per_unit, causal, args.get("scale"), args.get("attn_mask")),
+            )
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        specs.append(spec)
+    gm.recompile()
+    return specs
+
+
+def _sdpa_args(node: torch.fx.Node) -> dict:
+    bound = dict(zip(_SDPA_ARGS, node.args, strict=False))
+    bound.update(node.kwargs)
+    if bound.get("dropout_p", 0.0):
+        raise TokpipeError(f"attention dropout is on in {describe(node)}; call model.eval()")
+    return bound
+
+
+def _add_input(gm: torch.fx.GraphModule, name: str, like: torch.Tensor) -> torch.fx.Node:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with gm.graph.inserting_after(placeholders[-1]):
+        node = gm.graph.placeholder(name)
+    node.meta["example_value"] = like
+    node.meta[META_KEY] = INVARIANT_INFO
+    return node

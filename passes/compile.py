@@ -1,0 +1,28 @@
+"""compile: a specialised stage graph becomes something to call, lazily and per chunk length.
+
+`eager` runs the FX graph as is (tests, debugging); `inductor` goes through compile_fx on
+the first call, with that call's real inputs as examples, so only the stages a rank runs
+are ever compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx
+
+log = logging.getLogger("tokpipe_compiler")
+
+StageFn = Callable[..., Sequence[torch.Tensor]]
+
+
+def compile_stage(gm: torch.fx.GraphModule, example_inputs: list, compiler: str) -> StageFn:
+    if compiler == "eager":
+        return gm
+    from torch._inductor.compile_fx import compile_fx
+
+    log.info("compiling %s with inductor", type(gm).__name__)
+    with torch.no_grad():
+        return compile_fx(gm, example_inputs)

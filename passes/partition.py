@@ -1,0 +1,125 @@
+"""partition: stage cut points on the residual stream, balanced by cost.
+
+Token-carrying nodes, in graph order, are cut into `stages` contiguous runs. A cut may only
+fall where the fewest token values are live (the residual stream between blocks); among
+those, a dynamic program picks the cuts that minimise the slowest stage. Invariant nodes
+belong to no stage: they run once per call in a prelude and are replicated where used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx
+
+from tokpipe_compiler.errors import TokpipeError
+from tokpipe_compiler.graph_utils import node_shape, target_name
+from tokpipe_compiler.tokens import META_KEY
+
+from .split import is_chunk_source
+
+
+@dataclass(frozen=True)
+class Partition:
+    stage_of: dict[torch.fx.Node, int]  # every token-carrying node -> its stage
+    cuts: tuple[int, ...]  # index into `order` of the first node of stages 1..S-1
+    order: tuple[torch.fx.Node, ...]  # token-carrying nodes in graph order
+    weights: tuple[float, ...]  # per-node weight used to balance (seconds or FLOPs)
+
+
+def token_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Nodes a stage computes: token-carrying, and not cut from a per-call tensor."""
+    return [n for n in gm.graph.nodes if n.op != "output" and n.meta[META_KEY].carries_tokens
+            and not is_chunk_source(n)]
+
+
+def partition(gm: torch.fx.GraphModule, stages: int, tokens: int) -> Partition:
+    order = token_nodes(gm)
+    weights = [stage_weight(n, tokens) for n in order]
+    live = live_counts(order)
+    cuts = _choose_cuts(weights, live, stages)
+    stage_of, stage = {}, 0
+    for i, node in enumerate(order):
+        while stage < len(cuts) and i >= cuts[stage]:
+            stage += 1
+        stage_of[node] = stage
+    return Partition(stage_of, tuple(cuts), tuple(order), tuple(weights))
+
+
+def live_counts(order: list[torch.fx.Node]) -> list[int]:
+    """live[i]: token values defined before position i and used at or after it, i.e. what a
+    cut in front of node i would have to send."""
+    position = {n: i for i, n in enumerate(order)}
+    last_use = []
+    for node in order:
+        uses = [position.get(u, len(order)) for u in node.users]
+        last_use.append(max(uses, default=-1))
+    diff = [0] * (len(order) + 2)
+    for i, end in enumerate(last_use):
+        if end > i:
+            diff[i + 1] += 1
+            diff[min(end, len(order)) + 1] -= 1
+    live, running = [], 0
+    for delta in diff[:-1]:
+        running += delta
+        live.append(running)
+    return live
+
+
+def stage_weight(node: torch.fx.Node, tokens: int) -> float:
+    """FLOPs of a node on the full sequence: matrix products dominate a DiT."""
+    shape = node_shape(node)
+    if shape is None:
+        return 0.0
+    out = float(shape.numel())
+    name = target_name(node)
+    if name == "linear":
+        return 2.0 * out * node_shape(node.args[1])[-1]
+    if name == "kv_attention" or name == "scaled_dot_product_attention":
+        q = node_shape(node.args[0])
+        return 4.0 * out * q[-2]
+    if name.startswith("conv"):
+        w = node_shape(node.args[1])
+        return 2.0 * out * w[1:].numel()
+    return out
+
+
+def _choose_cuts(weights: list[float], live: list[int], stages: int) -> list[int]:
+    if stages == 1:
+        return []
+    inner = range(1, len(weights))
+    for slack in range(0, 4):
+        floor = min(live[i] for i in inner) if len(weights) > 1 else 0
+        candidates = [i for i in inner if live[i] <= floor + slack]
+        if len(candidates) >= stages - 1:
+            return _balanced(weights, candidates, stages)
+    raise TokpipeError(
+        f"stages={stages} is more than this graph can be cut into: it has only "
+        f"{len(candidates) + 1} places to cut the token stream cleanly; use fewer stages"
+    )
+
+
+def _balanced(weights: list[float], candidates: list[int], stages: int) -> list[int]:
+    """Cuts (a subset of candidates, stages-1 of them) minimising the heaviest stage."""
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    points = [0, *candidates, len(weights)]
+    inf = float("inf")
+    # best[s][j]: minimal heaviest stage when the first s stages end at points[j].
+    best = [[inf] * len(points) for _ in range(stages + 1)]
+    back = [[0] * len(points) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for j in range(1, len(points)):
+            for i in range(j):
+                if best[s - 1][i] == inf:
+                    continue
+                cost = max(best[s - 1][i], prefix[points[j]] - prefix[points[i]])
+                if cost < best[s][j]:
+                    best[s][j], back[s][j] = cost, i
+    cuts, j = [], len(points) - 1
+    for s in range(stages, 0, -1):
+        j = back[s][j]
+        cuts.append(points[j])
+    return sorted(cuts)[1:]

@@ -1,0 +1,115 @@
+"""Token-axis rules for ops that only move elements around: views, reshapes, permutations.
+
+A token value is described by (axis, per_unit): a chunk of grid units [u0, u1) is the slice
+[u0 * per_unit, u1 * per_unit) of `axis`. `per_unit` is a Fraction while annotating; the
+annotate pass scales every per_unit by the least common denominator at the end, which is
+how a coarser grid (a patch of two latent rows, say) falls out of the graph by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+from math import prod
+
+
+def reshape_axis(
+    in_shape: Sequence[int], out_shape: Sequence[int], axis: int, per_unit: Fraction
+) -> tuple[int, Fraction] | str:
+    """Where the token axis lands through a reshape, or why it cannot be followed.
+
+    [1, 384, 16, 16] token 2 (per unit 1/2) -> [1, 384, 256]: token 2, per unit 8.
+    The token axis must be the outermost non-1 dim of its merge group, so a chunk of rows
+    stays one contiguous range after the reshape.
+    """
+    for in_dims, out_dims in _groups(list(in_shape), list(out_shape)):
+        if axis not in in_dims:
+            continue
+        before = [in_shape[d] for d in in_dims if d < axis]
+        if any(size != 1 for size in before):
+            return "the token axis is an inner factor of a merged axis (chunks would be strided)"
+        block = per_unit * prod(in_shape[d] for d in in_dims if d > axis)
+        for j in out_dims:
+            if out_shape[j] == 1:
+                continue
+            inner = prod(out_shape[d] for d in out_dims if d > j)
+            return j, block / inner
+        return "the token axis collapses to size 1"
+    return "shapes do not match"
+
+
+def _groups(a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Split two shapes of equal numel into runs of dims with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        gi, gj, pa, pb = [], [], 1, 1
+        if i < len(a):
+            gi.append(i)
+            pa *= a[i]
+            i += 1
+        if j < len(b):
+            gj.append(j)
+            pb *= b[j]
+            j += 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                gi.append(i)
+                pa *= a[i]
+                i += 1
+            elif pb < pa and j < len(b):
+                gj.append(j)
+                pb *= b[j]
+                j += 1
+            else:
+                return groups
+        # Trailing size-1 dims join the group they follow; this keeps the mapping stable.
+        groups.append((gi, gj))
+    return groups
+
+
+def permute_axis(axis: int, dims: Sequence[int], ndim: int) -> int:
+    """Output position of input axis `axis` under permute(dims)."""
+    dims = [d % ndim for d in dims]
+    return dims.index(axis)
+
+
+def transpose_axis(axis: int, d0: int, d1: int, ndim: int) -> int:
+    d0, d1 = d0 % ndim, d1 % ndim
+    if axis == d0:
+        return d1
+    if axis == d1:
+        return d0
+    return axis
+
+
+def getitem_axis(index: object, axis: int, shape: Sequence[int]) -> int | str:
+    """Where the token axis lands through tensor[index], or why it cannot be followed.
+
+    Only basic indexing is followed: None inserts an axis, an int drops one, a slice keeps
+    one, Ellipsis expands; the token axis itself may only be taken whole (`:`).
+    """
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(item is Ellipsis for item in items):
+        at = items.index(Ellipsis)
+        consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
+        items[at : at + 1] = [slice(None)] * (len(shape) - consumed)
+    in_dim, out_dim = 0, 0
+    for item in items:
+        if item is None:
+            out_dim += 1
+            continue
+        if in_dim == axis:
+            if isinstance(item, slice) and _is_whole(item, shape[axis]):
+                return out_dim
+            return f"indexing the token axis with {item!r}"
+        if isinstance(item, slice):
+            out_dim += 1
+        elif not isinstance(item, int):
+            return f"advanced indexing with {type(item).__name__}"
+        in_dim += 1
+    return out_dim + (axis - in_dim)
+
+
+def _is_whole(item: slice, size: int) -> bool:
+    start, stop, step = item.indices(size)
+    return start == 0 and stop == size and step == 1

@@ -1,0 +1,181 @@
+"""split: one GraphModule per stage, plus the prelude of invariant values.
+
+Every value a stage reads from outside comes in as a placeholder of one of three kinds:
+  boundary  a token value computed by an earlier stage for the same chunk (sent to it)
+  sliced    a full per-call tensor cut to the chunk by the runtime (the token input,
+            positional tables, mask rows)
+  call      a per-call value (parameters, timestep and text conditioning, K/V caches,
+            the chunk descriptor)
+The prelude computes the invariant values once per call; it never sees a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from tokpipe_compiler.runtime.chunking import chunk_slice
+
+from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY
+
+STAGE_KEY = "tokpipe_stage"
+BOUNDARY, SLICED, CALL = "boundary", "sliced", "call"
+
+
+@dataclass(frozen=True)
+class StageInput:
+    name: str  # placeholder name inside the stage graph
+    kind: str  # BOUNDARY, SLICED or CALL
+    source: str  # the value it is read from (a per-call value for SLICED)
+    axis: int | None = None
+    per_unit: int | None = None
+    producer: int | None = None  # stage that computes a BOUNDARY value
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One element of the graph's output tuple."""
+
+    kind: str  # "token", CALL or "const"
+    source: Any  # value name, or the constant itself
+    axis: int | None = None
+    per_unit: int | None = None
+    producer: int | None = None
+
+
+@dataclass
+class StageGraph:
+    index: int
+    gm: torch.fx.GraphModule  # at full sequence length; specialised per chunk length later
+    inputs: list[StageInput]
+    outputs: list[str]
+    output_infos: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> axis, per_unit
+
+
+@dataclass
+class SplitGraphs:
+    prelude: torch.fx.GraphModule
+    prelude_outputs: list[str]
+    input_names: list[str]  # placeholders of the original graph, in call order
+    stages: list[StageGraph]
+    outputs: list[OutputSpec]
+
+
+def is_chunk_source(node: torch.fx.Node) -> bool:
+    """Token values the runtime cuts from a full per-call tensor instead of computing."""
+    return node.op == "placeholder" or node.target is chunk_slice
+
+
+def split(gm: torch.fx.GraphModule, stages: int, runtime_inputs: set[str]) -> SplitGraphs:
+    """`runtime_inputs`: placeholders the runtime provides itself (K/V caches, the chunk)."""
+    graph_outputs = _output_nodes(gm)
+    stage_graphs = [_stage_graph(gm, s, graph_outputs) for s in range(stages)]
+    needed = {i.source for g in stage_graphs for i in g.inputs if i.kind != BOUNDARY}
+    needed |= {n.name for n in graph_outputs if not _info(n).carries_tokens}
+    prelude, prelude_outputs = _prelude(gm, needed - runtime_inputs, runtime_inputs)
+    return SplitGraphs(
+        prelude=prelude,
+        prelude_outputs=prelude_outputs,
+        input_names=[n.name for n in gm.graph.nodes
+                     if n.op == "placeholder" and n.name not in runtime_inputs],
+        stages=stage_graphs,
+        outputs=_output_specs(gm),
+    )
+
+
+def _info(node: torch.fx.Node):
+    return node.meta.get(META_KEY, INVARIANT_INFO)
+
+
+def _output_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return list(out.all_input_nodes)
+
+
+def _stage_graph(gm: torch.fx.GraphModule, stage: int, graph_outputs: list) -> StageGraph:
+    members = [n for n in gm.graph.nodes if n.meta.get(STAGE_KEY) == stage]
+    member_set = set(members)
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    inputs: list[StageInput] = []
+
+    def bring(arg: torch.fx.Node) -> torch.fx.Node:
+        if arg not in env:
+            inputs.append(_stage_input(arg))
+            env[arg] = graph.placeholder(inputs[-1].name)
+            env[arg].meta.update(arg.meta)
+        return env[arg]
+
+    for node in members:
+        for arg in node.all_input_nodes:
+            if arg not in member_set:
+                bring(arg)
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    exported = [n for n in members
+                if n in graph_outputs or any(u not in member_set and u.op != "output"
+                                             and u.meta.get(STAGE_KEY) is not None
+                                             for u in n.users)]
+    graph.output(tuple(env[n] for n in exported))
+    module = torch.fx.GraphModule(gm, graph, class_name=f"stage_{stage}")
+    infos = {n.name: (_info(n).axis, _info(n).per_unit) for n in exported}
+    return StageGraph(stage, module, inputs, [n.name for n in exported], infos)
+
+
+def _stage_input(arg: torch.fx.Node) -> StageInput:
+    info = _info(arg)
+    if is_chunk_source(arg) and info.carries_tokens:
+        source = arg.name if arg.op == "placeholder" else arg.args[0].name
+        return StageInput(arg.name, SLICED, source, info.axis, info.per_unit)
+    if info.carries_tokens:
+        return StageInput(arg.name, BOUNDARY, arg.name, info.axis, info.per_unit,
+                          arg.meta[STAGE_KEY])
+    return StageInput(arg.name, CALL, arg.name)
+
+
+def _prelude(
+    gm: torch.fx.GraphModule, needed: set[str], runtime_inputs: set[str]
+) -> tuple[torch.fx.GraphModule, list[str]]:
+    """A graph from the original inputs to every invariant value the stages read."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    wanted = _ancestors([by_name[name] for name in needed])
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name not in runtime_inputs:
+            env[node] = graph.placeholder(node.name)
+            env[node].meta.update(node.meta)
+        elif node in wanted and node.op != "output":
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    names = sorted(needed, key=lambda name: list(by_name).index(name))
+    graph.output(tuple(env[by_name[name]] for name in names))
+    return torch.fx.GraphModule(gm, graph, class_name="prelude"), names
+
+
+def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _output_specs(gm: torch.fx.GraphModule) -> list[OutputSpec]:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    specs = []
+    for value in values:
+        if not isinstance(value, torch.fx.Node):
+            specs.append(OutputSpec("const", value))
+        elif _info(value).carries_tokens and not is_chunk_source(value):
+            info = _info(value)
+            specs.append(OutputSpec("token", value.name, info.axis, info.per_unit,
+                                    value.meta[STAGE_KEY]))
+        else:
+            specs.append(OutputSpec(CALL, value.name))
+    return specs

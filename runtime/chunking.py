@@ -1,0 +1,50 @@
+"""The chunk table: how a step's token grid is cut into chunks, and slicing to a chunk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokpipe_compiler.errors import TokpipeError
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Units [start, stop) of the token grid (a unit is one row of patches)."""
+
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def units(self) -> int:
+        return self.stop - self.start
+
+
+def chunk_table(units: int, chunks: int) -> list[Chunk]:
+    """`chunks` contiguous ranges tiling [0, units): equal sizes, the last one smaller when
+    the split is uneven."""
+    if chunks > units:
+        raise TokpipeError(
+            f"chunks={chunks} is more than the {units} rows of the token grid; "
+            f"use chunks <= {units}"
+        )
+    size = -(-units // chunks)
+    bounds = [min(i * size, units) for i in range(chunks + 1)]
+    if bounds[-2] == units:  # ceil sizes can run out early (10 units, 4 chunks -> 3,3,3,1 ok;
+        # 5 units, 4 chunks -> 2,2,1,0 not): fall back to spreading the remainder.
+        base, extra = divmod(units, chunks)
+        sizes = [base + (i < extra) for i in range(chunks)]
+        bounds = [sum(sizes[:i]) for i in range(chunks + 1)]
+    return [Chunk(i, bounds[i], bounds[i + 1]) for i in range(chunks)]
+
+
+def chunk_slice(x: torch.Tensor, axis: int, per_unit: int) -> torch.Tensor:
+    """Marker for a per-token constant cut to the chunk. The split pass turns each call into
+    a stage input that the runtime slices with `slice_to_chunk`; it never runs in a graph."""
+    raise TokpipeError("chunk_slice is a marker and runs only through the tokpipe runtime")
+
+
+def slice_to_chunk(x: torch.Tensor, axis: int, per_unit: int, chunk: Chunk) -> torch.Tensor:
+    return x.narrow(axis, chunk.start * per_unit, chunk.units * per_unit)

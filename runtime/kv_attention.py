@@ -1,0 +1,66 @@
+"""The attention custom op that chunk_attention emits: write the chunk's K/V into the
+layer's cache at the chunk's offset, then attend over the cache with the mode's semantics."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# chunk tensor layout: [first unit of the chunk, units in the chunk, units of the cache to
+# attend to]. A tensor (not ints) so one compiled stage serves every chunk of a length.
+CHUNK_START, CHUNK_UNITS, CHUNK_VISIBLE = 0, 1, 2
+
+
+@torch.library.custom_op("tokpipe::kv_attention", mutates_args=("k_cache", "v_cache"))
+def kv_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: torch.Tensor,
+    per_unit: int,
+    causal: bool,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q, k, v: [..., n, D] for the chunk's n tokens; caches [..., L, D].
+
+    Keys visible to query i (global position offset + i): cache positions < visible, and,
+    when `causal`, <= offset + i. `mask` holds the chunk's rows of the model's own mask.
+    """
+    start, _, visible = (int(x) for x in chunk.tolist())
+    offset, n, kv_len = start * per_unit, q.shape[-2], visible * per_unit
+    if q.is_cuda and mask is None:
+        from .triton_attention import fused_kv_attention
+
+        return fused_kv_attention(q, k, v, k_cache, v_cache, offset, kv_len, causal, scale)
+    k_cache[..., offset : offset + n, :].copy_(k)
+    v_cache[..., offset : offset + n, :].copy_(v)
+    keys, values = k_cache[..., :kv_len, :], v_cache[..., :kv_len, :]
+    attn_mask = _visible_mask(q, offset, kv_len, causal, mask)
+    groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1
+    )
+
+
+@kv_attention.register_fake
+def _(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None, mask=None):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _visible_mask(
+    q: torch.Tensor, offset: int, kv_len: int, causal: bool, mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    if mask is not None:
+        mask = mask[..., :kv_len]
+    if not causal:
+        return mask
+    rows = torch.arange(offset, offset + q.shape[-2], device=q.device)[:, None]
+    allowed = torch.arange(kv_len, device=q.device)[None, :] <= rows
+    if mask is None:
+        return allowed
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return mask.masked_fill(~allowed, float("-inf"))

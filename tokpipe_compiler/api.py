@@ -1,0 +1,93 @@
+"""The public functions besides the backend: explain() and reset()."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from .backend import LazyProgram, TokpipeBackend, session_for_options
+from .config import Config
+from .driver import build_plan
+from .errors import NoTokenInput, TokpipeError
+from .plan import Plan
+
+# Attributes that lead from a torch.compile'd module to the backend Dynamo holds.
+_LINKS = ("dynamo_ctx", "callback", "_torchdynamo_orig_backend", "_torchdynamo_orig_callable",
+          "_inner_convert", "compiler_fn")
+
+
+def backend(**options: Any) -> TokpipeBackend:
+    """The tokpipe backend as a callable, options validated now:
+    `torch.compile(model, backend=tokpipe_compiler.backend(stages=2, chunks=4))`."""
+    return TokpipeBackend(**options)
+
+
+def reset(compiled: Any) -> None:
+    """Start a new generation: every K/V cache of `compiled` is dropped and warmup reruns.
+
+    `compiled`: what torch.compile returned, or a backend made by `backend(...)`.
+    """
+    if isinstance(compiled, TokpipeBackend):
+        compiled.reset()
+        return
+    if isinstance(compiled, LazyProgram):
+        compiled.session.reset()
+        return
+    session = _find_session(compiled)
+    if session is None:
+        raise TokpipeError(
+            f"reset() found no tokpipe backend behind {type(compiled).__name__}; pass what "
+            "torch.compile(..., backend='tokpipe') returned, or the backend object"
+        )
+    session.reset()
+
+
+def _find_session(obj: Any):
+    queue, seen = deque([(obj, 0)]), set()
+    while queue:
+        item, depth = queue.popleft()
+        if id(item) in seen or depth > 8:
+            continue
+        seen.add(id(item))
+        if isinstance(item, TokpipeBackend):
+            return item.session
+        kwargs = getattr(item, "kwargs", None)
+        if isinstance(kwargs, dict) and "options" in kwargs:
+            found = session_for_options(kwargs["options"])
+            if found is not None:
+                return found
+        for name in _LINKS:
+            child = getattr(item, name, None)
+            if child is not None:
+                queue.append((child, depth + 1))
+    return None
+
+
+def explain(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
+            **options: Any) -> Plan:
+    """The Plan the backend would run for `model(*args, **kwargs)`, without running the
+    pipeline (the model runs once, unpipelined, while Dynamo traces it)."""
+    config = Config.from_options(options)
+    graphs = capture_graphs(model, args, kwargs)
+    for gm in graphs:
+        try:
+            return build_plan(gm, config)
+        except NoTokenInput:
+            continue
+    raise TokpipeError("no traced graph of this model has a token input to pipeline")
+
+
+def capture_graphs(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> list:
+    """The FX graphs Dynamo makes of one call (several when the model has graph breaks)."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=record, dynamic=False)
+    with torch.no_grad():
+        compiled(*args, **(kwargs or {}))
+    return graphs

@@ -1,0 +1,79 @@
+"""The compiler driver: every pass, in order, in one place.
+
+    annotate -> partition (balanced by cost) -> chunk_attention -> split -> schedule
+    (compile runs later, per stage and chunk length, on the rank that runs the stage)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.fx
+
+from tokpipe_compiler.passes.annotate import annotate, raise_unsupported
+from tokpipe_compiler.passes.chunk_attention import CHUNK_INPUT, chunk_attention
+from tokpipe_compiler.passes.partition import partition
+from tokpipe_compiler.passes.split import STAGE_KEY, split
+from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
+from tokpipe_compiler.runtime.schedule import build_schedule
+
+from .config import Config
+from .errors import TokpipeError
+from .plan import Plan, describe_stages
+
+log = logging.getLogger("tokpipe_compiler")
+DUMP_ENV = "TOKPIPE_DUMP_PASSES"
+
+
+def build_plan(gm: torch.fx.GraphModule, config: Config) -> Plan:
+    """Dynamo's graph -> a Plan (stages, chunk table, schedule). `gm` is left untouched."""
+    gm = copy_graph_module(gm)
+    annotation = annotate(gm, config.token_input)
+    if annotation.unsupported:
+        raise_unsupported(annotation)
+    _dump("annotate", gm)
+    chunks = plan_chunks(annotation.units, config)
+    tokens_full = _token_count(annotation)
+    cut = partition(gm, config.stages, tokens_full)
+    for node, stage in cut.stage_of.items():
+        node.meta[STAGE_KEY] = stage
+    _dump("partition", gm)
+    caches = chunk_attention(gm, config.mode)
+    _dump("chunk_attention", gm)
+    runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in (c.k_name, c.v_name)}
+    graphs = split(gm, config.stages, runtime_inputs)
+    for stage in graphs.stages:
+        _dump(f"split/stage_{stage.index}", stage.gm)
+    consumers = {s: {i_stage.index for i_stage in graphs.stages for i in i_stage.inputs
+                     if i.producer == s} for s in range(config.stages)}
+    schedule = build_schedule(config.stages, len(chunks), consumers=consumers)
+    stages = describe_stages(graphs, caches, cut)
+    return Plan(config, graphs, stages, chunks, annotation.units, annotation.token_input.name,
+                caches, schedule, consumers)
+
+
+def plan_chunks(units: int, config: Config) -> list[Chunk]:
+    if config.mode == "sync":
+        return chunk_table(units, 1)
+    if config.chunks == "auto":
+        raise TokpipeError("chunks='auto' needs the cost model; pass an int for now")
+    return chunk_table(units, config.chunks)
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _token_count(annotation) -> int:
+    from tokpipe_compiler.graph_utils import node_shape
+
+    return int(node_shape(annotation.token_input).numel())
+
+
+def _dump(pass_name: str, gm: torch.fx.GraphModule) -> None:
+    if os.environ.get(DUMP_ENV) or log.isEnabledFor(logging.DEBUG):
+        log.debug("[%s]\n%s", pass_name, gm.print_readable(print_output=False))
