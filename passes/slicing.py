@@ -105,14 +105,17 @@ def terapipe_slices(
     time_fn: Callable[[int, int], float],
     granularity: int = 1,
     max_slices: int | None = None,
+    tolerance: float = 0.01,
 ) -> list[int]:
     """TeraPipe's slicing: minimise sum(t_i) + (stages - 1) * max(t_i).
 
     t_i = time_fn(l_i, end_i) for a slice of l_i tokens ending at token end_i (a causal
     slice attends to every token before end_i). Lengths are multiples of `granularity`
-    except possibly the last. For a bound on max(t_i), a DP minimises sum(t_i); the bound
-    walks down the Pareto front: each solution's own max is where the next search starts
-    below, and the walk stops once (stages - 1) * max can no longer win.
+    except possibly the last; at most `max_slices` slices. For a bound on max(t_i), a DP
+    minimises sum(t_i). The bound walks down from the largest slice time: each solution's
+    own max w sets the next bound below w * (1 - tolerance), and the walk stops once no
+    tighter bound can win. Skipping bounds within the tolerance costs at most
+    (stages - 1) * tolerance * w over the optimum; tolerance=0 is exact.
     """
     if total < 1 or stages < 1 or granularity < 1:
         raise ValueError(
@@ -132,7 +135,7 @@ def terapipe_slices(
         value = total_time + (stages - 1) * worst
         if value < best_value:
             best_value, best_cuts = value, cuts
-        below = bisect.bisect_left(candidates, worst)
+        below = bisect.bisect_left(candidates, worst * (1 - tolerance))
         if below == 0:
             break
         bound = candidates[below - 1]
