@@ -25,7 +25,8 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 
 def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
-    attention = [n for n in gm.graph.nodes if n.meta.get(META_KEY, INVARIANT_INFO).kind == ATTENTION]
+    attention = [n for n in gm.graph.nodes
+                 if n.meta.get(META_KEY, INVARIANT_INFO).kind == ATTENTION]
     if not attention:
         return []
     chunk = _add_input(gm, CHUNK_INPUT, torch.zeros(3, dtype=torch.long))

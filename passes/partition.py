@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch.fx
 
 from tokpipe_compiler.errors import TokpipeError
-from tokpipe_compiler.graph_utils import node_shape, target_name
 from tokpipe_compiler.tokens import META_KEY
 
+from .cost import node_cost
 from .split import is_chunk_source
 
 
@@ -33,9 +33,10 @@ def token_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             and not is_chunk_source(n)]
 
 
-def partition(gm: torch.fx.GraphModule, stages: int, tokens: int) -> Partition:
+def partition(gm: torch.fx.GraphModule, stages: int, tokens: int, chunk_tokens: int) -> Partition:
+    """tokens: attention sequence length; chunk_tokens: tokens of a typical chunk."""
     order = token_nodes(gm)
-    weights = [stage_weight(n, tokens) for n in order]
+    weights = [stage_weight(n, tokens, chunk_tokens) for n in order]
     live = live_counts(order)
     cuts = _choose_cuts(weights, live, stages)
     stage_of, stage = {}, 0
@@ -66,22 +67,9 @@ def live_counts(order: list[torch.fx.Node]) -> list[int]:
     return live
 
 
-def stage_weight(node: torch.fx.Node, tokens: int) -> float:
-    """FLOPs of a node on the full sequence: matrix products dominate a DiT."""
-    shape = node_shape(node)
-    if shape is None:
-        return 0.0
-    out = float(shape.numel())
-    name = target_name(node)
-    if name == "linear":
-        return 2.0 * out * node_shape(node.args[1])[-1]
-    if name == "kv_attention" or name == "scaled_dot_product_attention":
-        q = node_shape(node.args[0])
-        return 4.0 * out * q[-2]
-    if name.startswith("conv"):
-        w = node_shape(node.args[1])
-        return 2.0 * out * w[1:].numel()
-    return out
+def stage_weight(node: torch.fx.Node, tokens: int, chunk_tokens: int) -> float:
+    """FLOPs of a node on one chunk attending over the whole sequence."""
+    return node_cost(node, tokens).at(chunk_tokens, tokens)[0]
 
 
 def _choose_cuts(weights: list[float], live: list[int], stages: int) -> list[int]:

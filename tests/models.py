@@ -19,7 +19,8 @@ class Block(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width, elementwise_affine=False)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(),
+                                 nn.Linear(2 * width, width))
         self.ada = nn.Linear(width, 4 * width)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:

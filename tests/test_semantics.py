@@ -16,7 +16,7 @@ from .helpers import assert_rel_close, rel_error, trace
 from .models import TinyCausalLM, TinyDiT, dit_inputs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced_dit(depth: int, width: int, heads: int, grid: int):
     torch.manual_seed(depth * 100 + width + heads + grid)
     model = TinyDiT(depth=depth, width=width, heads=heads, grid=grid).eval()
@@ -24,7 +24,7 @@ def traced_dit(depth: int, width: int, heads: int, grid: int):
     return model, trace(model, latents, t, labels)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced_causal(depth: int, width: int, heads: int, length: int):
     torch.manual_seed(depth + width + length)
     model = TinyCausalLM(depth=depth, width=width, heads=heads).eval()

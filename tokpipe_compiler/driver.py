@@ -18,6 +18,7 @@ from tokpipe_compiler.passes.partition import partition
 from tokpipe_compiler.passes.split import STAGE_KEY, split
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
 from tokpipe_compiler.runtime.schedule import build_schedule
+from tokpipe_compiler.tokens import ATTENTION, META_KEY
 
 from .config import Config
 from .errors import TokpipeError
@@ -35,8 +36,8 @@ def build_plan(gm: torch.fx.GraphModule, config: Config) -> Plan:
         raise_unsupported(annotation)
     _dump("annotate", gm)
     chunks = plan_chunks(annotation.units, config)
-    tokens_full = _token_count(annotation)
-    cut = partition(gm, config.stages, tokens_full)
+    tokens = sequence_tokens(gm, annotation.units)
+    cut = partition(gm, config.stages, tokens, tokens * chunks[0].units // annotation.units)
     for node, stage in cut.stage_of.items():
         node.meta[STAGE_KEY] = stage
     _dump("partition", gm)
@@ -68,10 +69,11 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def _token_count(annotation) -> int:
-    from tokpipe_compiler.graph_utils import node_shape
-
-    return int(node_shape(annotation.token_input).numel())
+def sequence_tokens(gm: torch.fx.GraphModule, units: int) -> int:
+    """Tokens of the attention sequence (the longest token axis when there is none)."""
+    infos = [n.meta[META_KEY] for n in gm.graph.nodes if n.op != "output"]
+    attention = [i.per_unit for i in infos if i.kind == ATTENTION]
+    return units * max(attention or [i.per_unit for i in infos if i.carries_tokens])
 
 
 def _dump(pass_name: str, gm: torch.fx.GraphModule) -> None:

@@ -59,12 +59,15 @@ class Plan:
             lines.append(f"{s.index:>5} {s.node_count:>6} {_mib(s.param_bytes):>10} "
                          f"{s.weight / 1e9:>8.3f} {_kib(s.send_bytes_per_unit):>9} "
                          f"{_mib(s.kv_cache_bytes):>10}  {_span(s.modules)}")
-        lines.append("chunks (grid rows): " + " ".join(f"[{k.start},{k.stop})" for k in self.chunks))
+        table = " ".join(f"[{k.start},{k.stop})" for k in self.chunks)
+        lines.append(f"chunks (grid rows): {table}")
         lines.append("schedule:\n" + str(self.schedule))
         return "\n".join(lines)
 
 
-def describe_stages(graphs: SplitGraphs, caches: list[CacheSpec], cut: Partition) -> list[StagePlan]:
+def describe_stages(
+    graphs: SplitGraphs, caches: list[CacheSpec], cut: Partition
+) -> list[StagePlan]:
     by_cache = {name: c for c in caches for name in (c.k_name, c.v_name)}
     weight = [0.0] * len(graphs.stages)
     for node, w in zip(cut.order, cut.weights, strict=True):
