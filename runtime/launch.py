@@ -57,6 +57,7 @@ def launch(
     port = _free_port()
     procs: list[BaseProcess] = []
     conns: list[Connection] = []
+    outcomes: dict[int, _Outcome] = {}
     try:
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
@@ -66,9 +67,9 @@ def launch(
             child.close()  # so that EOF on `parent` means the rank is gone
             procs.append(proc)
             conns.append(parent)
-        outcomes = _supervise(procs, conns, time.monotonic() + timeout)
+        _supervise(procs, conns, time.monotonic() + timeout, outcomes)
     finally:
-        _stop(procs)
+        _stop(procs, outcomes)
     return _results(outcomes, world_size, timeout)
 
 
@@ -97,11 +98,13 @@ def _run_rank(fn: Callable[..., Any], args: tuple, config: tuple, conn: Connecti
 
 
 def _supervise(
-    procs: list[BaseProcess], conns: list[Connection], deadline: float
-) -> dict[int, _Outcome]:
-    """Outcomes of the ranks that reported before the deadline, or before the grace period
-    after the first failure ended."""
-    outcomes: dict[int, _Outcome] = {}
+    procs: list[BaseProcess],
+    conns: list[Connection],
+    deadline: float,
+    outcomes: dict[int, _Outcome],
+) -> None:
+    """Fills `outcomes` with the ranks that report before the deadline, or before the grace
+    period after the first failure ends."""
     while len(outcomes) < len(procs):
         failed = [o.at for o in outcomes.values() if not o.ok]
         if failed:
@@ -113,7 +116,6 @@ def _supervise(
         for conn in wait(waiting, timeout=remaining):
             rank = conns.index(conn)
             outcomes[rank] = _receive(conn, procs[rank])
-    return outcomes
 
 
 def _receive(conn: Connection, proc: BaseProcess) -> _Outcome:
@@ -127,12 +129,12 @@ def _receive(conn: Connection, proc: BaseProcess) -> _Outcome:
     return _Outcome(ok, payload, time.monotonic())
 
 
-def _stop(procs: list[BaseProcess]) -> None:
-    """Ends every rank: finished ones exit on their own, the rest are terminated, then
-    killed."""
+def _stop(procs: list[BaseProcess], outcomes: dict[int, _Outcome]) -> None:
+    """Ends every rank: those that reported exit on their own, the rest are terminated,
+    then killed."""
     deadline = time.monotonic() + _JOIN_S
-    for proc in procs:
-        proc.join(max(deadline - time.monotonic(), 0))
+    for rank in outcomes:
+        procs[rank].join(max(deadline - time.monotonic(), 0))
     for signal in ("terminate", "kill"):
         alive = [proc for proc in procs if proc.is_alive()]
         for proc in alive:

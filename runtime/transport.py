@@ -8,6 +8,14 @@ Shapes and dtypes are agreed once from the plan (`TensorSpec`), so a message car
 bytes only. Messages between a pair of ranks match by tag where the backend has tags (gloo)
 and by posting order where it has none (NCCL): both ends must post a pair's messages in the
 same order, which the schedule guarantees.
+
+Two backend facts shape how a schedule must post:
+- gloo: a send completes only once the peer has posted the matching receive, so post
+  receives before `flush`ing sends, or two ranks that send to each other wait for ever.
+  After a timed-out wait gloo closes the connection to that peer for good.
+- NCCL: both directions of a pair share one stream, so a pending receive from a peer holds
+  back later sends to it. With two ranks sending to each other, the two ends must agree on
+  one order of all their sends and receives.
 """
 
 from __future__ import annotations
@@ -182,12 +190,19 @@ class DistributedTransport:
         self._sends: list[_PendingSend] = []
 
     def post_recv(self, key: MessageKey, src: int, spec: TensorSpec) -> RecvHandle:
+        """Posts the receive now; `wait()` on the handle bounds the wait by `timeout`."""
         return _DistRecv(self, key, src, spec)
 
     def send(self, key: MessageKey, tensor: torch.Tensor, dst: int) -> None:
+        """Starts sending; `tensor` must not be modified until `flush` returns."""
+
         def error(reason: str) -> TokpipeError:
             return send_error(self.rank, dst, key, reason)
 
+        if tensor.device != self.device:
+            raise error(
+                f"the tensor is on {tensor.device}; this transport sends from {self.device}"
+            )
         data = as_bytes(tensor)
         works = [
             self._post(dist.isend, piece, dst, message_tag(key, i), error)
@@ -197,6 +212,7 @@ class DistributedTransport:
         self._reap()
 
     def flush(self) -> None:
+        """Waits for every started send, all within one `timeout`."""
         deadline = time.monotonic() + self.timeout
         while self._sends:
             self._finish(self._sends[0], deadline)

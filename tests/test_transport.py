@@ -172,20 +172,26 @@ def ring_rank(rank: int, world: int) -> list[torch.Tensor]:
         t.send(key(0, dst, c), payload(spec, seed=rank), dst)
     got = [h.wait() for h in handles]
     t.flush()
+    with pytest.raises(TokpipeError, match="the tensor is on meta"):
+        t.send(key(1, dst, 0), torch.empty(2, device="meta"), dst)
     return got
 
 
 def faulty_rank(rank: int, world: int, fault: str) -> None:
-    """Rank 1 exits or stalls; every other rank waits for a message from it."""
+    """Rank 1 exits or stalls; rank 0 sends to it, rank 2 receives from it."""
     t = DistributedTransport(timeout=FAULT_TIMEOUT)
     if rank == 1:
-        time.sleep(0.5)  # let the others post their receives first
+        time.sleep(0.5)  # let the others post first
         if fault == "exit":
             os._exit(3)
         time.sleep(3600)
     start = time.monotonic()
     try:
-        t.post_recv(key(3, rank, 2), src=1, spec=HIDDEN).wait()
+        if rank == 0:
+            t.send(key(3, 1, 2), torch.ones(HIDDEN.shape), dst=1)
+            t.flush()
+        else:
+            t.post_recv(key(3, rank, 2), src=1, spec=HIDDEN).wait()
     except TokpipeError as e:
         raise TokpipeError(f"{e} [waited {time.monotonic() - start:.2f} s]") from None
 
@@ -200,10 +206,14 @@ def sleeping_rank(rank: int, world: int) -> None:
     time.sleep(3600)
 
 
-def waited(text: str, rank: int) -> float:
-    match = re.search(rf"rank {rank} \(stage {rank}\) waiting for .*\[waited ([\d.]+) s\]", text)
+def waited(text: str, what: str) -> float:
+    match = re.search(re.escape(what) + r".*\[waited ([\d.]+) s\]", text)
     assert match, text
     return float(match.group(1))
+
+
+SENDING = "rank 0 sending step 3 chunk 2 'hidden' to rank 1 (stage 1)"
+WAITING = "rank 2 (stage 2) waiting for step 3 chunk 2 'hidden' from rank 1"
 
 
 @pytest.mark.slow
@@ -223,23 +233,24 @@ def test_dead_rank_fails_its_peers_fast():
         launch(faulty_rank, 3, args=("exit",), timeout=60.0)
     text = str(info.value)
     assert time.monotonic() - start < FAULT_TIMEOUT + 20
+    assert "rank(s) 0, 1, 2 of 3 failed" in text
     assert "rank 1 ---\nexited with code 3" in text
-    for rank in (0, 2):
-        assert "waiting for step 3 chunk 2 'hidden' from rank 1" in text
-        assert waited(text, rank) < FAULT_TIMEOUT + 2
+    assert "Connection closed by peer" in text
+    for what in (SENDING, WAITING):
+        assert waited(text, what) < FAULT_TIMEOUT + 2
 
 
 @pytest.mark.slow
 def test_stalled_rank_times_out_its_peers():
     start = time.monotonic()
     with pytest.raises(TokpipeError) as info:
-        launch(faulty_rank, 2, args=("stall",), timeout=60.0)
+        launch(faulty_rank, 3, args=("stall",), timeout=60.0)
     text = str(info.value)
     assert time.monotonic() - start < FAULT_TIMEOUT + 20
     assert "Rank(s) 1 still running were terminated" in text
-    assert "rank 0 (stage 0) waiting for step 3 chunk 2 'hidden' from rank 1" in text
     assert "timed out after 3 s" in text
-    assert FAULT_TIMEOUT - 0.5 < waited(text, 0) < FAULT_TIMEOUT + 2
+    for what in (SENDING, WAITING):
+        assert FAULT_TIMEOUT - 0.5 < waited(text, what) < FAULT_TIMEOUT + 2
 
 
 @pytest.mark.slow
