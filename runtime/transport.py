@@ -187,6 +187,9 @@ class DistributedTransport:
             if self.backend == "nccl"
             else torch.device("cpu")
         )
+        # gloo's point-to-point is_completed() stays false until wait() is called, so gloo
+        # must use wait(timeout); NCCL's wait has no usable timeout, so others are polled.
+        self._native_timeout = self.backend == "gloo"
         self._sends: list[_PendingSend] = []
 
     def post_recv(self, key: MessageKey, src: int, spec: TensorSpec) -> RecvHandle:
@@ -241,52 +244,54 @@ class DistributedTransport:
         self._wait_all(pending.works, deadline, error)
 
     def _reap(self) -> None:
-        """Drop finished sends (surfacing their errors) so long runs hold no stale tensors."""
+        """Drop finished sends (surfacing their errors) so long runs hold no stale tensors.
+
+        Under gloo nothing looks finished before it is waited for: there `flush` does this.
+        """
         while self._sends and all(w.is_completed() for w in self._sends[0].works):
             self._finish(self._sends.pop(0), time.monotonic() + self.timeout)
 
     def _wait_all(self, works: list[dist.Work], deadline: float, error: ErrorFn) -> None:
+        wait = _wait_native if self._native_timeout else _wait_polling
         try:
             for work in works:
-                self._wait_one(work, deadline)
+                wait(work, deadline, self.timeout)
         except _Failed as failed:
             raise error(failed.reason) from None
 
-    def _wait_one(self, work: dist.Work, deadline: float) -> None:
-        if self.backend == "gloo":
-            self._wait_native(work, deadline)
-        else:
-            self._wait_polling(work, deadline)
 
-    def _wait_native(self, work: dist.Work, deadline: float) -> None:
-        # gloo raises on timeout (and then closes the pair for good); returning False is
-        # treated the same in case a version reports it that way.
-        remaining = max(deadline - time.monotonic(), 1e-3)
-        try:
-            completed = work.wait(timeout=timedelta(seconds=remaining))
-        except RuntimeError as e:
-            raise _Failed(self._reason(e)) from None
-        if completed is False:
-            raise _Failed(f"timed out after {self.timeout:g} s")
+def _wait_native(work: dist.Work, deadline: float, timeout: float) -> None:
+    # gloo raises on timeout (and then closes the pair for good); returning False is
+    # treated the same in case a version reports it that way.
+    remaining = max(deadline - time.monotonic(), 1e-3)
+    try:
+        completed = work.wait(timeout=timedelta(seconds=remaining))
+    except RuntimeError as e:
+        raise _Failed(_reason(e, timeout)) from None
+    if completed is False:
+        raise _Failed(f"timed out after {timeout:g} s")
 
-    def _wait_polling(self, work: dist.Work, deadline: float) -> None:
-        # NCCL's wait() only orders streams and has no usable timeout: poll the work's event.
-        pause = 1e-4
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise _Failed(f"timed out after {self.timeout:g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 5e-3)
-        try:
-            work.wait()  # raises the backend's error, if any; orders the current stream
-        except RuntimeError as e:
-            raise _Failed(self._reason(e)) from None
 
-    def _reason(self, e: BaseException) -> str:
-        text = _first_line(e)
-        if "timed out" in text.lower():
-            return f"timed out after {self.timeout:g} s ({text})"
-        return f"failed ({text})"
+def _wait_polling(work: dist.Work, deadline: float, timeout: float) -> None:
+    # NCCL's wait() only orders streams and has no usable timeout: poll the work's event.
+    # is_completed() is also true for a failed work, so wait() still has to run.
+    pause = 1e-4
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise _Failed(f"timed out after {timeout:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)
+    try:
+        work.wait()  # raises the backend's error, if any; orders the current stream
+    except RuntimeError as e:
+        raise _Failed(_reason(e, timeout)) from None
+
+
+def _reason(e: BaseException, timeout: float) -> str:
+    text = _first_line(e)
+    if "timed out" in text.lower():
+        return f"timed out after {timeout:g} s ({text})"
+    return f"failed ({text})"
 
 
 def _first_line(e: BaseException) -> str:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokpipe_compiler.runtime import transport
 from tokpipe_compiler.runtime.launch import launch
 from tokpipe_compiler.runtime.transport import (
     DistributedTransport,
@@ -139,6 +140,47 @@ def test_message_tags_fit_a_c_int_and_separate_pieces():
             for p in range(3)}
     assert all(0 <= t < 2**31 for t in tags)
     assert len(tags) == 3 * 4 * 2 * 3
+
+
+class FakeWork:
+    """A backend work that completes `after` seconds from now (never if None)."""
+
+    def __init__(self, after: float | None, error: str | None = None, waited: bool = True):
+        self.done_at = None if after is None else time.monotonic() + after
+        self.error, self.waited = error, waited
+
+    def is_completed(self) -> bool:
+        return self.done_at is not None and time.monotonic() >= self.done_at
+
+    def wait(self, timeout=None) -> bool:
+        if self.error:
+            raise RuntimeError(self.error)
+        return self.waited
+
+
+@pytest.mark.parametrize(
+    ("work", "reason"),
+    [
+        (FakeWork(None), "timed out after 0.3 s"),
+        (FakeWork(0.05, "Connection closed by peer [x]:1.\nmore"), "failed (Connection closed"),
+    ],
+)
+def test_polling_wait_is_bounded_and_reports_the_backend_error(work, reason):
+    start = time.monotonic()
+    with pytest.raises(transport._Failed, match=re.escape(reason)):
+        transport._wait_polling(work, start + 0.3, timeout=0.3)
+    assert time.monotonic() - start < 1.0
+
+
+def test_polling_wait_returns_once_completed():
+    start = time.monotonic()
+    transport._wait_polling(FakeWork(0.05), start + 5.0, timeout=5.0)
+    assert time.monotonic() - start < 1.0
+
+
+def test_native_wait_treats_false_as_a_timeout():
+    with pytest.raises(transport._Failed, match="timed out after 2 s"):
+        transport._wait_native(FakeWork(0.0, waited=False), time.monotonic() + 2, timeout=2)
 
 
 def test_distributed_transport_needs_a_process_group():
