@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -52,6 +53,8 @@ def launch(
     process group (NCCL for a CUDA `device`, gloo otherwise) and `threads_per_rank` threads.
     Raises TokpipeError if a rank fails or the run exceeds `timeout` seconds.
     """
+    if world_size < 1:
+        raise TokpipeError(f"launch: world_size must be at least 1, got {world_size}")
     _check_picklable(fn, args)
     ctx = mp.get_context("spawn")
     port = _free_port()
@@ -124,6 +127,7 @@ def _receive(conn: Connection, proc: BaseProcess) -> _Outcome:
     except (EOFError, OSError):  # the pipe closed without a message: the rank died
         proc.join(_JOIN_S)
         ok, payload = False, f"exited with code {proc.exitcode} without returning or raising"
+        payload += " (its own output, on stderr, may say why)"
     except Exception:
         ok, payload = False, f"its result could not be unpickled:\n{traceback.format_exc()}"
     return _Outcome(ok, payload, time.monotonic())
@@ -167,13 +171,22 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _check_picklable(fn: Callable[..., Any], args: tuple) -> None:
+    name = getattr(fn, "__qualname__", repr(fn))
+    advice = (
+        "fn must be a module-level function of an importable module or script (not a "
+        "lambda, closure, nested function, or one defined interactively) and args must be "
+        "picklable: spawned ranks import fn by name."
+    )
+    # An interactive __main__ pickles fine here but cannot be imported by a spawned rank.
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(
+        sys.modules["__main__"], "__file__"
+    ):
+        raise TokpipeError(f"launch: {name!r} is defined interactively. {advice}")
     try:
         pickle.dumps((fn, args))
     except (pickle.PicklingError, AttributeError, TypeError) as e:
         raise TokpipeError(
-            f"launch: cannot send {getattr(fn, '__qualname__', fn)!r} and its args to the "
-            f"ranks ({e}). fn must be a module-level function (not a lambda, closure or "
-            "nested function) and args must be picklable."
+            f"launch: cannot send {name!r} and its args to the ranks ({e}). {advice}"
         ) from e
 
 
