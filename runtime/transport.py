@@ -1,0 +1,386 @@
+"""Moves activations between pipeline ranks: torch.distributed point-to-point, or in-process.
+
+Both transports share one interface. Receives are posted ahead of need (`post_recv`), sends
+return at once (`send`), and every wait is bounded by `timeout`: a missing message becomes a
+TokpipeError that names both ranks and the message, never a hang.
+
+Shapes and dtypes are agreed once from the plan (`TensorSpec`), so a message carries raw
+bytes only. Messages between a pair of ranks match by tag where the backend has tags (gloo)
+and by posting order where it has none (NCCL): both ends must post a pair's messages in the
+same order, which the schedule guarantees.
+
+Two backend facts shape how a schedule must post:
+- gloo: a send completes only once the peer has posted the matching receive, so post
+  receives before `flush`ing sends, or two ranks that send to each other wait for ever.
+  After a timed-out wait gloo closes the connection to that peer for good.
+- NCCL: both directions of a pair share one stream, so a pending receive from a peer holds
+  back later sends to it. With two ranks sending to each other, the two ends must agree on
+  one order of all their sends and receives.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from tokpipe_compiler.errors import TokpipeError
+
+_MAX_TAG = 2**31 - 1  # torch passes tags to the backend as a C int
+
+ErrorFn = Callable[[str], TokpipeError]
+
+
+@dataclass(frozen=True)
+class MessageKey:
+    """What a message is. `stage` is the stage the message is addressed to."""
+
+    step: int
+    stage: int
+    chunk: int
+    name: str
+
+    def __str__(self) -> str:
+        return f"step {self.step} chunk {self.chunk} {self.name!r}"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a message, known to both ends from the plan."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class RecvHandle(Protocol):
+    def wait(self) -> torch.Tensor:
+        """The received tensor; raises TokpipeError after the transport's timeout."""
+        ...
+
+
+class Transport(Protocol):
+    rank: int
+    world_size: int
+    timeout: float
+
+    def post_recv(self, key: MessageKey, src: int, spec: TensorSpec) -> RecvHandle: ...
+
+    def send(self, key: MessageKey, tensor: torch.Tensor, dst: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def recv_error(rank: int, src: int, key: MessageKey, reason: str) -> TokpipeError:
+    return TokpipeError(
+        f"rank {rank} (stage {key.stage}) waiting for {key} from rank {src}: {reason}. "
+        f"Check that rank {src} is alive and not stuck (its own error, if any, is the cause), "
+        "that every rank runs the same plan and schedule, and raise the transport timeout "
+        "if a stage is just slow (a first call may spend minutes compiling)."
+    )
+
+
+def send_error(rank: int, dst: int, key: MessageKey, reason: str) -> TokpipeError:
+    return TokpipeError(
+        f"rank {rank} sending {key} to rank {dst} (stage {key.stage}): {reason}. "
+        f"Check that rank {dst} is alive and posts this receive (a send completes only "
+        "once it is received), and that every rank runs the same plan and schedule."
+    )
+
+
+def message_tag(key: MessageKey, piece: int) -> int:
+    """A tag derived from the key alone, identical in every process (unlike `hash`).
+
+    Collisions are harmless: equal tags between a pair still match in posting order.
+    """
+    text = f"{key.step}/{key.stage}/{key.chunk}/{key.name}/{piece}"
+    return zlib.crc32(text.encode()) & _MAX_TAG
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous copy-or-alias of `tensor`: bit-exact for any dtype."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(data: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    return data.view(spec.dtype).view(spec.shape)
+
+
+def pieces(data: torch.Tensor, max_bytes: int) -> tuple[torch.Tensor, ...]:
+    """Contiguous slices of a flat byte tensor, each at most `max_bytes`; none if empty."""
+    return data.split(max_bytes) if data.numel() else ()
+
+
+class _Failed(Exception):
+    """A backend work did not complete: `reason` is for the user."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _DistRecv:
+    def __init__(self, owner: DistributedTransport, key: MessageKey, src: int, spec: TensorSpec):
+        self._owner, self._key, self._src, self._spec = owner, key, src, spec
+        self._data = torch.empty(spec.nbytes, dtype=torch.uint8, device=owner.device)
+        self._works = [
+            owner._post(dist.irecv, piece, src, message_tag(key, i), self._error)
+            for i, piece in enumerate(pieces(self._data, owner.max_message_bytes))
+        ]
+
+    def _error(self, reason: str) -> TokpipeError:
+        return recv_error(self._owner.rank, self._src, self._key, reason)
+
+    def wait(self) -> torch.Tensor:
+        self._owner._wait_all(self._works, time.monotonic() + self._owner.timeout, self._error)
+        self._works = []
+        return from_bytes(self._data, self._spec)
+
+
+@dataclass
+class _PendingSend:
+    key: MessageKey
+    dst: int
+    works: list[dist.Work]
+    data: torch.Tensor  # keeps the sent memory alive until the backend is done with it
+
+
+class DistributedTransport:
+    """torch.distributed isend/irecv between the ranks of `group` (default: the world).
+
+    Tensors live on the rank's device: the current CUDA device under NCCL, CPU otherwise.
+    Messages larger than `max_message_bytes` go in pieces (single huge messages hang some
+    NCCL setups) and are reassembled into one tensor.
+    """
+
+    def __init__(self, timeout: float = 60.0, max_message_bytes: int = 16 * 2**20, group=None):
+        if not dist.is_initialized():
+            raise TokpipeError(
+                "DistributedTransport needs torch.distributed initialised: run under torchrun "
+                "and call init_process_group_from_env(), or use runtime.launch.launch()."
+            )
+        if max_message_bytes < 1:
+            raise TokpipeError(f"max_message_bytes must be positive, got {max_message_bytes}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
+        self.backend = str(dist.get_backend(group))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
+        # gloo's point-to-point is_completed() stays false until wait() is called, so gloo
+        # must use wait(timeout); NCCL's wait has no usable timeout, so others are polled.
+        self._native_timeout = self.backend == "gloo"
+        self._sends: list[_PendingSend] = []
+
+    def post_recv(self, key: MessageKey, src: int, spec: TensorSpec) -> RecvHandle:
+        """Posts the receive now; `wait()` on the handle bounds the wait by `timeout`."""
+        return _DistRecv(self, key, src, spec)
+
+    def send(self, key: MessageKey, tensor: torch.Tensor, dst: int) -> None:
+        """Starts sending; `tensor` must not be modified until `flush` returns."""
+
+        def error(reason: str) -> TokpipeError:
+            return send_error(self.rank, dst, key, reason)
+
+        if tensor.device != self.device:
+            raise error(
+                f"the tensor is on {tensor.device}; this transport sends from {self.device}"
+            )
+        data = as_bytes(tensor)
+        works = [
+            self._post(dist.isend, piece, dst, message_tag(key, i), error)
+            for i, piece in enumerate(pieces(data, self.max_message_bytes))
+        ]
+        self._sends.append(_PendingSend(key, dst, works, data))
+        self._reap()
+
+    def flush(self) -> None:
+        """Waits for every started send, all within one `timeout`."""
+        deadline = time.monotonic() + self.timeout
+        while self._sends:
+            self._finish(self._sends[0], deadline)
+            self._sends.pop(0)
+
+    def close(self) -> None:
+        self.flush()
+
+    def _post(
+        self, op: Callable, piece: torch.Tensor, peer: int, tag: int, error: ErrorFn
+    ) -> dist.Work:
+        # NCCL ignores the tag; there, matching relies on both ends' posting order.
+        peer_key = "group_dst" if op is dist.isend else "group_src"
+        try:
+            work = op(piece, group=self.group, tag=tag, **{peer_key: peer})
+        except (RuntimeError, ValueError) as e:  # e.g. gloo closes a pair after a timeout
+            raise error(f"could not post ({_first_line(e)})") from e
+        if work is None:
+            raise error(f"rank {self.rank} is not in the transport's process group")
+        return work
+
+    def _finish(self, pending: _PendingSend, deadline: float) -> None:
+        def error(reason: str) -> TokpipeError:
+            return send_error(self.rank, pending.dst, pending.key, reason)
+
+        self._wait_all(pending.works, deadline, error)
+
+    def _reap(self) -> None:
+        """Drop finished sends (surfacing their errors) so long runs hold no stale tensors.
+
+        Under gloo nothing looks finished before it is waited for: there `flush` does this.
+        """
+        while self._sends and all(w.is_completed() for w in self._sends[0].works):
+            self._finish(self._sends.pop(0), time.monotonic() + self.timeout)
+
+    def _wait_all(self, works: list[dist.Work], deadline: float, error: ErrorFn) -> None:
+        wait = _wait_native if self._native_timeout else _wait_polling
+        try:
+            for work in works:
+                wait(work, deadline, self.timeout)
+        except _Failed as failed:
+            raise error(failed.reason) from None
+
+
+def _wait_native(work: dist.Work, deadline: float, timeout: float) -> None:
+    # gloo raises on timeout (and then closes the pair for good); returning False is
+    # treated the same in case a version reports it that way.
+    remaining = max(deadline - time.monotonic(), 1e-3)
+    try:
+        completed = work.wait(timeout=timedelta(seconds=remaining))
+    except RuntimeError as e:
+        raise _Failed(_reason(e, timeout)) from None
+    if completed is False:
+        raise _Failed(f"timed out after {timeout:g} s")
+
+
+def _wait_polling(work: dist.Work, deadline: float, timeout: float) -> None:
+    # NCCL's wait() only orders streams and has no usable timeout: poll the work's event.
+    # is_completed() is also true for a failed work, so wait() still has to run.
+    pause = 1e-4
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise _Failed(f"timed out after {timeout:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-3)
+    try:
+        work.wait()  # raises the backend's error, if any; orders the current stream
+    except RuntimeError as e:
+        raise _Failed(_reason(e, timeout)) from None
+
+
+def _reason(e: BaseException, timeout: float) -> str:
+    text = _first_line(e)
+    if "timed out" in text.lower():
+        return f"timed out after {timeout:g} s ({text})"
+    return f"failed ({text})"
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+class _LocalHub:
+    """Queues shared by one group of LocalTransports, keyed by (src, dst, key)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[int, int, MessageKey], queue.SimpleQueue] = {}
+
+    def queue(self, src: int, dst: int, key: MessageKey) -> queue.SimpleQueue:
+        with self._lock:
+            return self._queues.setdefault((src, dst, key), queue.SimpleQueue())
+
+
+class _LocalRecv:
+    def __init__(self, owner: LocalTransport, key: MessageKey, src: int, spec: TensorSpec):
+        self._owner, self._key, self._src, self._spec = owner, key, src, spec
+        self._queue = owner._hub.queue(src, owner.rank, key)
+
+    def wait(self) -> torch.Tensor:
+        rank = self._owner.rank
+        try:
+            tensor = self._queue.get(timeout=self._owner.timeout)
+        except queue.Empty:
+            reason = f"timed out after {self._owner.timeout:g} s"
+            raise recv_error(rank, self._src, self._key, reason) from None
+        if tuple(tensor.shape) != tuple(self._spec.shape) or tensor.dtype != self._spec.dtype:
+            got = f"got {tuple(tensor.shape)} {tensor.dtype}"
+            want = f"expected {tuple(self._spec.shape)} {self._spec.dtype}"
+            raise recv_error(rank, self._src, self._key, f"{got}, {want}")
+        return tensor
+
+
+class LocalTransport:
+    """The same interface for 'ranks' that are threads (or one loop) of one process.
+
+    A send is complete at once (the tensor is copied into a queue), so `flush` never waits.
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout: float = 60.0, hub=None):
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self._hub = hub if hub is not None else _LocalHub()
+
+    @classmethod
+    def group(cls, world_size: int, timeout: float = 60.0) -> list[LocalTransport]:
+        hub = _LocalHub()
+        return [cls(rank, world_size, timeout, hub) for rank in range(world_size)]
+
+    def post_recv(self, key: MessageKey, src: int, spec: TensorSpec) -> RecvHandle:
+        return _LocalRecv(self, key, src, spec)
+
+    def send(self, key: MessageKey, tensor: torch.Tensor, dst: int) -> None:
+        # A copy, so the receiver owns its tensor exactly as with a real transport.
+        self._hub.queue(self.rank, dst, key).put(tensor.detach().clone())
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def init_process_group_from_env(device: torch.device | str | None = None) -> tuple[int, int]:
+    """Initialise torch.distributed from torchrun's env:// variables; returns (rank, world).
+
+    NCCL for a CUDA device (set from LOCAL_RANK), gloo otherwise; `None` means CUDA when
+    available. Does nothing but report if already initialised.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    required = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    missing = [v for v in required if v not in os.environ]
+    if missing:
+        raise TokpipeError(
+            f"cannot initialise torch.distributed: {', '.join(missing)} not set. Launch with "
+            "torchrun, or tokpipe_compiler.runtime.launch.launch() on one machine."
+        )
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl", init_method="env://")
+    else:
+        dist.init_process_group("gloo", init_method="env://")
+    return dist.get_rank(), dist.get_world_size()
