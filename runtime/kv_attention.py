@@ -40,9 +40,10 @@ def kv_attention(
     keys, values = k_cache[..., :kv_len, :], v_cache[..., :kv_len, :]
     attn_mask = _visible_mask(q, offset, kv_len, causal, mask)
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
-    return F.scaled_dot_product_attention(
+    out = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1
     )
+    return out.contiguous()  # the fake kernel promises a contiguous result
 
 
 @kv_attention.register_fake
