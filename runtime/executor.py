@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 import torch
 from tokpipe_compiler.passes.split import BOUNDARY, SLICED, StageGraph
 
+from tokpipe_compiler.graph_utils import example_value
+
 from .chunking import Chunk, slice_to_chunk
 from .kv_attention import CHUNK_START, CHUNK_UNITS, CHUNK_VISIBLE
 from .schedule import COMPUTE, RECV, SEND, Action
+from .transport import MessageKey, TensorSpec
 
 StageRunner = Callable[[int, int, list[torch.Tensor]], Sequence[torch.Tensor]]
 CHUNK_INPUT = "tokpipe_chunk"
@@ -60,9 +63,14 @@ class Executor:
         self.timeline = timeline if timeline is not None else Timeline()
 
     def run(self, actions: Sequence[Action], chunks: Sequence[Chunk], call_env: dict,
-            visible: Callable[[Chunk], int]) -> dict[int, dict[str, torch.Tensor]]:
-        """Returns, per chunk index, every value this rank computed or received."""
+            visible: Callable[[Chunk], int], step: int = 0) -> dict[int, dict[str, torch.Tensor]]:
+        """Returns, per chunk index, every value this rank computed or received.
+
+        `step` numbers this call's messages (with each action's own step) so that messages
+        of different calls never match.
+        """
         values: dict[int, dict[str, torch.Tensor]] = {c.index: {} for c in chunks}
+        posted = self._post_receives(actions, chunks, step)
         for action in actions:
             start = time.perf_counter()
             chunk = chunks[action.chunk]
@@ -70,12 +78,30 @@ class Executor:
                 self._compute(action, chunk, call_env, values[chunk.index], visible(chunk))
                 self.timeline.record("compute", self.rank, action, start)
             elif action.kind == SEND:
-                self._send(action, values[chunk.index])
+                for name in boundary_names(self.stages, action.stage, action.peer):
+                    key = MessageKey(step + action.step, action.peer, action.chunk, name)
+                    self.transport.send(key, values[chunk.index][name], action.peer)
                 self.timeline.record("send", self.rank, action, start)
             elif action.kind == RECV:
-                self._recv(action, values[chunk.index])
+                for key, handle in posted.pop((action.step, action.chunk, action.stage)):
+                    values[chunk.index][key.name] = handle.wait()
                 self.timeline.record("recv", self.rank, action, start)
         return values
+
+    def _post_receives(self, actions: Sequence[Action], chunks: Sequence[Chunk], step: int):
+        """Every receive of the call, posted before any compute (gloo sends complete only
+        once the matching receive is posted)."""
+        posted = {}
+        for action in actions:
+            if action.kind != RECV:
+                continue
+            handles = []
+            for name in boundary_names(self.stages, action.stage, self.rank):
+                key = MessageKey(step + action.step, self.rank, action.chunk, name)
+                spec = value_spec(self.stages[action.stage], name, chunks[action.chunk])
+                handles.append((key, self.transport.post_recv(key, action.peer, spec)))
+            posted[(action.step, action.chunk, action.stage)] = handles
+        return posted
 
     def _compute(self, action: Action, chunk: Chunk, call_env: dict,
                  chunk_values: dict[str, torch.Tensor], visible: int) -> None:
@@ -85,13 +111,15 @@ class Executor:
         outputs = self.run_stage(action.stage, chunk.units, inputs)
         chunk_values.update(zip(stage.outputs, outputs, strict=True))
 
-    def _send(self, action: Action, chunk_values: dict[str, torch.Tensor]) -> None:
-        for name in boundary_names(self.stages, action.stage, action.peer):
-            self.transport.send(action, name, chunk_values[name], action.peer)
 
-    def _recv(self, action: Action, chunk_values: dict[str, torch.Tensor]) -> None:
-        for name in boundary_names(self.stages, action.stage, self.rank):
-            chunk_values[name] = self.transport.recv(action, name, action.peer)
+def value_spec(stage: StageGraph, name: str, chunk: Chunk) -> TensorSpec:
+    """Shape and dtype of a boundary value for one chunk, as both ends know it."""
+    node = next(n for n in stage.gm.graph.nodes if n.name == name)
+    value = example_value(node)
+    axis, per_unit = stage.output_infos[name]
+    shape = list(value.shape)
+    shape[axis] = chunk.units * per_unit
+    return TensorSpec(tuple(shape), value.dtype)
 
 
 def chunk_descriptor(chunk: Chunk, visible: int) -> torch.Tensor:

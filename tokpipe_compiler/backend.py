@@ -16,9 +16,10 @@ import torch
 import torch.fx
 
 from .config import Config
+from .distributed import make_program
 from .driver import build_plan
 from .errors import NoTokenInput, TokpipeError
-from .program import PipelinedProgram, Session
+from .program import Session
 
 log = logging.getLogger("tokpipe_compiler")
 
@@ -75,7 +76,7 @@ class LazyProgram:
     def _plan(self):
         config = self.config_fn()
         try:
-            return PipelinedProgram(build_plan(self.gm, config), self.session)
+            return make_program(build_plan(self.gm, config), self.session)
         except NoTokenInput as err:
             warnings.warn(f"tokpipe: running this graph unpipelined: {err}", stacklevel=3)
             return self.gm.forward

@@ -20,6 +20,7 @@ class Config:
     compiler: "inductor" compiles each stage with compile_fx; "eager" runs stage graphs as is.
     token_input: name or position of the input that carries the tokens (None: auto-detect).
     fallback: on a graph the pass cannot pipeline, run it unpipelined with a warning.
+    timeout: seconds a rank waits for another before it raises, naming what it waited for.
     """
 
     stages: int = 2
@@ -29,6 +30,7 @@ class Config:
     compiler: str = "inductor"
     token_input: str | int | None = None
     fallback: bool = False
+    timeout: float = 300.0
 
     def __post_init__(self) -> None:
         _check_int("stages", self.stages, 1)
@@ -41,6 +43,11 @@ class Config:
             raise ValueError(
                 f"option 'token_input' must be an input name, a position or None, "
                 f"got {self.token_input!r}"
+            )
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
+                or self.timeout <= 0:
+            raise ValueError(
+                f"option 'timeout' must be a number of seconds > 0, got {self.timeout!r}"
             )
         if not isinstance(self.fallback, bool):
             raise ValueError(f"option 'fallback' must be True or False, got {self.fallback!r}")

@@ -66,20 +66,24 @@ class PipelinedProgram:
             self.session.claim(self)
         with torch.no_grad():
             call_env = self._call_env(args)
-            chunks, schedule = self._step_layout()
-            executor = Executor(self.plan.graphs.stages, self._run_stage, timeline=self.timeline)
-            values = executor.run(schedule.ranks[0], chunks, call_env, self._visible(chunks))
+            chunks = self._step_chunks()
+            values = self._run(call_env, chunks)
             outputs = self._assemble(values, chunks, call_env)
         self.calls += 1
         self.caches.filled = True  # every chunk has written its K/V once
         return outputs
 
-    def _step_layout(self) -> tuple[list[Chunk], Any]:
+    def _step_chunks(self) -> list[Chunk]:
+        """The whole sequence as one chunk (sync mode, warmup calls), or the chunk table."""
         mode = self.plan.config.mode
         warm = mode == "stale" and self.calls < self.plan.config.warmup_steps
-        if mode == "sync" or warm:
-            return self.whole, self.sync_schedule
-        return self.plan.chunks, self.plan.schedule
+        return self.whole if mode == "sync" or warm else self.plan.chunks
+
+    def _run(self, call_env: dict, chunks: list[Chunk]) -> dict:
+        schedule = self.sync_schedule if len(chunks) == 1 else self.plan.schedule
+        executor = Executor(self.plan.graphs.stages, self._run_stage, timeline=self.timeline)
+        return executor.run(schedule.ranks[0], chunks, call_env, self._visible(chunks),
+                            step=self.calls)
 
     def _visible(self, chunks: list[Chunk]):
         """Cache units a chunk may attend to: the whole cache once it holds a full step
