@@ -23,7 +23,13 @@ import torch.fx
 from tokpipe_compiler.runtime.chunking import chunk_slice
 
 from tokpipe_compiler.errors import NoTokenInput, TokpipeError, describe
-from tokpipe_compiler.graph_utils import example_value, is_tensor_node, node_shape, target_name
+from tokpipe_compiler.graph_utils import (
+    example_value,
+    is_tensor_node,
+    is_user_input,
+    node_shape,
+    target_name,
+)
 from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY, UNSUPPORTED, TokenInfo
 
 from .rules import RULES, SLICES_KEY, RuleContext, op_key, scaled_per_unit, unsupported
@@ -46,7 +52,7 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None) -> Annotat
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        if node is seed:
+        if node is seed or _aligned_with(node, seed):
             infos[node] = TokenInfo("token", axis, Fraction(1))
         elif node.op == "placeholder" or not ctx.token_args(node):
             infos[node] = INVARIANT_INFO
@@ -79,6 +85,16 @@ def _apply_rule(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         return unsupported(f"rule for '{target_name(node)}' could not read its arguments: {err}")
 
 
+def _aligned_with(node: torch.fx.Node, seed: torch.fx.Node) -> bool:
+    """User inputs shaped exactly like the token input (a scheduler's history, a second
+    latent) carry tokens on the same axis."""
+    if node.op != "placeholder" or not is_user_input(node):
+        return False
+    value, ref = example_value(node), example_value(seed)
+    return isinstance(value, torch.Tensor) and value.shape == ref.shape \
+        and value.dtype == ref.dtype
+
+
 def find_token_input(gm: torch.fx.GraphModule, choice: str | int | None) -> torch.fx.Node:
     """The placeholder carrying the tokens: named, by position among user inputs, or the
     largest floating user input of rank >= 3."""
@@ -102,11 +118,6 @@ def find_token_input(gm: torch.fx.GraphModule, choice: str | int | None) -> torc
             "options={'token_input': NAME} to name it"
         )
     return max(candidates, key=lambda n: node_shape(n).numel())
-
-
-def is_user_input(node: torch.fx.Node) -> bool:
-    """Placeholders that are not the model's own parameters or buffers."""
-    return not (node.name.startswith("l_self_") or node.name.startswith("l__self___"))
 
 
 def seed_axis(node: torch.fx.Node) -> int:

@@ -7,6 +7,7 @@ wiring (which value each stage reads, from where) comes from the split pass's St
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +20,8 @@ from .chunking import Chunk, slice_to_chunk
 from .kv_attention import CHUNK_START, CHUNK_UNITS, CHUNK_VISIBLE
 from .schedule import COMPUTE, RECV, SEND, Action
 from .transport import MessageKey, TensorSpec
+
+KINDS = {COMPUTE: "compute", SEND: "send", RECV: "recv"}
 
 StageRunner = Callable[[int, int, list[torch.Tensor]], Sequence[torch.Tensor]]
 CHUNK_INPUT = "tokpipe_chunk"
@@ -42,72 +45,103 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
 
     def record(self, kind: str, rank: int, action: Action, start: float) -> None:
+        """An event from `start` until now."""
         self.events.append(Event(kind, rank, action.stage, action.chunk, action.step, start,
                                  time.perf_counter() - start))
 
 
 class Executor:
-    """Runs one rank's actions for one call.
+    """Runs one rank's actions for one call, or for a whole ring of steps.
 
-    call_env: per-call values by name (user inputs, prelude outputs, K/V caches).
+    env_for(step): per-step values by name (user inputs, prelude outputs, K/V caches).
     visible(chunk): cache units the chunk may attend to (the mode's semantics).
-    transport: moves BOUNDARY values between ranks (None when every stage is local).
+    carried: input name -> output name fed back as that input at the next step (ring mode).
+    transport: moves values between ranks (None when every stage is local).
     """
 
     def __init__(self, stages: list[StageGraph], run_stage: StageRunner, rank: int = 0,
-                 transport=None, timeline: Timeline | None = None):
+                 transport=None, timeline: Timeline | None = None,
+                 carried: dict[str, str] | None = None,
+                 progress: Callable[[int], None] | None = None):
         self.stages = stages
         self.run_stage = run_stage
         self.rank = rank
         self.transport = transport
         self.timeline = timeline if timeline is not None else Timeline()
+        self.carried = carried or {}
+        self.progress = progress
 
-    def run(self, actions: Sequence[Action], chunks: Sequence[Chunk], call_env: dict,
-            visible: Callable[[Chunk], int], step: int = 0) -> dict[int, dict[str, torch.Tensor]]:
-        """Returns, per chunk index, every value this rank computed or received.
+    def run(self, actions: Sequence[Action], chunks: Sequence[Chunk],
+            env_for: Callable[[int], dict], visible: Callable[[Chunk], int],
+            step_base: int = 0) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+        """Returns, per (step, chunk), every value this rank computed or received.
 
-        `step` numbers this call's messages (with each action's own step) so that messages
-        of different calls never match.
+        `step_base` numbers this run's messages (with each action's own step) so that
+        messages of different calls never match.
         """
-        values: dict[int, dict[str, torch.Tensor]] = {c.index: {} for c in chunks}
-        posted = self._post_receives(actions, chunks, step)
-        for action in actions:
+        values: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
+        posted = self._post_receives(actions, chunks, step_base)
+        step_ends = {max(i for i, a in enumerate(actions) if a.kind == COMPUTE and a.step == s)
+                     for s in {a.step for a in actions}}
+        for index, action in enumerate(actions):
             start = time.perf_counter()
-            chunk = chunks[action.chunk]
+            here = values[(action.step, action.chunk)]
             if action.kind == COMPUTE:
-                self._compute(action, chunk, call_env, values[chunk.index], visible(chunk))
-                self.timeline.record("compute", self.rank, action, start)
+                chunk = chunks[action.chunk]
+                self._compute(action, chunk, env_for(action.step), here, visible(chunk))
+                self._keep_carries(action, here, values)
             elif action.kind == SEND:
-                for name in boundary_names(self.stages, action.stage, action.peer):
-                    key = MessageKey(step + action.step, action.peer, action.chunk, name)
-                    self.transport.send(key, values[chunk.index][name], action.peer)
-                self.timeline.record("send", self.rank, action, start)
+                for key, value in self._outgoing(action, here, step_base):
+                    self.transport.send(key, value, action.peer)
             elif action.kind == RECV:
-                for key, handle in posted.pop((action.step, action.chunk, action.stage)):
-                    values[chunk.index][key.name] = handle.wait()
-                self.timeline.record("recv", self.rank, action, start)
+                for key, handle in posted.pop(action):
+                    here[key.name] = handle.wait()
+            self.timeline.record(KINDS[action.kind], self.rank, action, start)
+            if index in step_ends and self.progress is not None:
+                self.progress(action.step)
         return values
 
-    def _post_receives(self, actions: Sequence[Action], chunks: Sequence[Chunk], step: int):
-        """Every receive of the call, posted before any compute (gloo sends complete only
+    def _post_receives(self, actions: Sequence[Action], chunks: Sequence[Chunk], base: int):
+        """Every receive of the run, posted before any compute (gloo sends complete only
         once the matching receive is posted)."""
         posted = {}
         for action in actions:
             if action.kind != RECV:
                 continue
             handles = []
-            for name in boundary_names(self.stages, action.stage, self.rank):
-                key = MessageKey(step + action.step, self.rank, action.chunk, name)
-                spec = value_spec(self.stages[action.stage], name, chunks[action.chunk])
+            for name, spec in self._incoming(action, chunks[action.chunk]):
+                key = MessageKey(base + action.step, self.rank, action.chunk, name)
                 handles.append((key, self.transport.post_recv(key, action.peer, spec)))
-            posted[(action.step, action.chunk, action.stage)] = handles
+            posted[action] = handles
         return posted
 
-    def _compute(self, action: Action, chunk: Chunk, call_env: dict,
+    def _incoming(self, action: Action, chunk: Chunk) -> list[tuple[str, TensorSpec]]:
+        producer = self.stages[action.stage]
+        if action.carry:
+            return [(name, value_spec(producer, self.carried[name], chunk))
+                    for name in carried_names(self.stages, self.carried, action.stage, self.rank)]
+        return [(name, value_spec(producer, name, chunk))
+                for name in boundary_names(self.stages, action.stage, self.rank)]
+
+    def _outgoing(self, action: Action, here: dict, base: int):
+        if action.carry:
+            names = carried_names(self.stages, self.carried, action.stage, action.peer)
+            return [(MessageKey(base + action.step + 1, action.peer, action.chunk, name),
+                     here[self.carried[name]]) for name in names]
+        return [(MessageKey(base + action.step, action.peer, action.chunk, name), here[name])
+                for name in boundary_names(self.stages, action.stage, action.peer)]
+
+    def _keep_carries(self, action: Action, here: dict, values: dict) -> None:
+        """Outputs that feed the next step's inputs on this same rank stay here."""
+        for name, output in self.carried.items():
+            if output in here:
+                values[(action.step + 1, action.chunk)][name] = here[output]
+
+    def _compute(self, action: Action, chunk: Chunk, env: dict,
                  chunk_values: dict[str, torch.Tensor], visible: int) -> None:
         stage = self.stages[action.stage]
-        call_env[CHUNK_INPUT] = chunk_descriptor(chunk, visible)
-        inputs = [stage_input(i, chunk, call_env, chunk_values) for i in stage.inputs]
+        env[CHUNK_INPUT] = chunk_descriptor(chunk, visible)
+        inputs = [stage_input(i, chunk, env, chunk_values) for i in stage.inputs]
         outputs = self.run_stage(action.stage, chunk.units, inputs)
         chunk_values.update(zip(stage.outputs, outputs, strict=True))
 
@@ -130,7 +164,7 @@ def chunk_descriptor(chunk: Chunk, visible: int) -> torch.Tensor:
 
 
 def stage_input(spec, chunk: Chunk, call_env: dict, chunk_values: dict) -> torch.Tensor:
-    if spec.kind == BOUNDARY:
+    if spec.kind == BOUNDARY or spec.name in chunk_values:  # computed, received or carried
         return chunk_values[spec.name]
     if spec.kind == SLICED:
         return slice_to_chunk(call_env[spec.source], spec.axis, spec.per_unit, chunk)
@@ -142,3 +176,11 @@ def boundary_names(stages: list[StageGraph], producer: int, consumer_stage: int)
     wanted = {i.name for i in stages[consumer_stage].inputs
               if i.kind == BOUNDARY and i.producer == producer}
     return [name for name in stages[producer].outputs if name in wanted]
+
+
+def carried_names(stages: list[StageGraph], carried: dict[str, str], producer: int,
+                  consumer_stage: int) -> list[str]:
+    """Carried inputs that `consumer_stage` reads and whose outputs `producer` computes."""
+    reads = {i.source for i in stages[consumer_stage].inputs if i.kind == SLICED}
+    made = set(stages[producer].outputs)
+    return [name for name, out in carried.items() if name in reads and out in made]

@@ -6,7 +6,8 @@ from .backend import tokpipe
 from .config import Config
 from .errors import TokpipeError
 from .plan import Plan
+from .ring import Ring
 
-__all__ = ["Config", "Plan", "TokpipeError", "backend", "capture_graphs", "explain", "reset",
-           "tokpipe"]
+__all__ = ["Config", "Plan", "Ring", "TokpipeError", "backend", "capture_graphs", "explain",
+           "reset", "tokpipe"]
 __version__ = "0.1.0"

@@ -10,8 +10,6 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.runtime.caches import KVCaches
-from tokpipe_compiler.runtime.executor import Executor
-from tokpipe_compiler.runtime.schedule import build_schedule
 from tokpipe_compiler.runtime.transport import DistributedTransport
 
 from .errors import TokpipeError
@@ -39,35 +37,18 @@ class DistributedProgram(PipelinedProgram):
                 f"stages={stages} but torch.distributed runs {world} processes; launch one "
                 f"process per stage (torchrun --nproc-per-node {stages}) or set stages={world}"
             )
+        self.world = world
         self.caches = KVCaches(plan.stages[self.rank].caches)
         self.transport = DistributedTransport(timeout=plan.config.timeout)
-        self.chunked_actions = build_schedule(stages, len(plan.chunks), world=stages,
-                                              consumers=plan.consumers).ranks[self.rank]
-        self.sync_actions = build_schedule(stages, 1, world=stages,
-                                           consumers=plan.consumers).ranks[self.rank]
 
-    def _run(self, call_env: dict, chunks) -> dict:
-        actions = self.sync_actions if len(chunks) == 1 else self.chunked_actions
-        executor = Executor(self.plan.graphs.stages, self._run_stage, rank=self.rank,
-                            transport=self.transport, timeline=self.timeline)
-        values = executor.run(actions, chunks, call_env, self._visible(chunks), step=self.calls)
-        self.transport.flush()
-        return values
-
-    def _assemble(self, values: dict, chunks, call_env: dict) -> tuple:
-        out = []
-        for spec in self.plan.graphs.outputs:
-            if spec.kind != "token":
-                out.append(spec.source if spec.kind == "const" else call_env[spec.source])
-                continue
-            if spec.producer == self.rank:
-                pieces = [values[c.index][spec.source] for c in chunks]
-                tensor = torch.cat(pieces, spec.axis).contiguous()
-            else:
-                tensor = self._empty_like_output(spec)
-            dist.broadcast(tensor, src=spec.producer)
-            out.append(tensor)
-        return tuple(out)
+    def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The producer concatenates its chunks; every rank receives the whole output."""
+        if spec.producer == self.rank:
+            tensor = torch.cat(pieces, spec.axis).contiguous()
+        else:
+            tensor = self._empty_like_output(spec)
+        dist.broadcast(tensor, src=spec.producer)
+        return tensor
 
     def _empty_like_output(self, spec) -> torch.Tensor:
         stage = self.plan.graphs.stages[spec.producer]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -22,6 +23,27 @@ def node_shape(node: Any) -> torch.Size | None:
 
 def is_tensor_node(node: Any) -> bool:
     return isinstance(example_value(node), torch.Tensor)
+
+
+def source_name(node: torch.fx.Node) -> str:
+    """Where Dynamo got a placeholder from: "L['latents']", "L['self']._modules[...]..."."""
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    return source.name if source is not None else ""
+
+
+def is_user_input(node: torch.fx.Node) -> bool:
+    """A placeholder that is an argument of the call, not a module's parameter or buffer."""
+    name = source_name(node)
+    if name:
+        return re.fullmatch(r"L\['[^']+'\]", name) is not None and name != "L['self']"
+    return not node.name.startswith(("l_self_", "l__self___", "g_"))
+
+
+def is_parameter(node: torch.fx.Node) -> bool:
+    """A placeholder holding a module's parameter or buffer (the weights a stage holds)."""
+    name = source_name(node) or node.name
+    return node.op == "placeholder" and ("_parameters" in name or "_buffers" in name)
 
 
 def target_name(node: torch.fx.Node) -> str:

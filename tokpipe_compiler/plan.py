@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokpipe_compiler.graph_utils import example_value, module_path
+from tokpipe_compiler.graph_utils import example_value, is_parameter, module_path
 from tokpipe_compiler.passes.partition import Partition
 from tokpipe_compiler.passes.split import BOUNDARY, CALL, SplitGraphs, StageGraph
 from tokpipe_compiler.runtime.caches import CacheSpec
@@ -102,14 +102,10 @@ def _param_bytes(stage: StageGraph) -> int:
     total = 0
     for node in stage.gm.graph.nodes:
         spec = next((i for i in stage.inputs if i.name == node.name), None)
-        if spec is not None and spec.kind == CALL and is_parameter_name(node.name):
+        if spec is not None and spec.kind == CALL and is_parameter(node):
             value = example_value(node)
             total += value.numel() * value.element_size()
     return total
-
-
-def is_parameter_name(name: str) -> bool:
-    return name.startswith("l_self_") and ("_parameters_" in name or "_buffers_" in name)
 
 
 def _send_bytes(stage: StageGraph, graphs: SplitGraphs) -> int:

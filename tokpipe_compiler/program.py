@@ -9,6 +9,7 @@ other shapes starts a new generation by itself.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,7 +44,13 @@ class Session:
 
 
 class PipelinedProgram:
-    """Runs a Plan in one process: every stage, on the same chunk schedule as the ranks."""
+    """Runs a Plan in one process: every stage, on the same chunk schedule as the ranks.
+
+    Subclasses run one stage per rank (`rank`, `world`, `transport`); the step logic here is
+    shared, so both give the same numbers.
+    """
+
+    rank, world, transport = 0, 1, None
 
     def __init__(self, plan: Plan, session: Session | None = None):
         self.plan = plan
@@ -53,7 +60,6 @@ class PipelinedProgram:
         self.calls = 0
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
-        self.sync_schedule = build_schedule(len(plan.stages), 1, consumers=plan.consumers)
         if session is not None:
             session.programs.add(self)
 
@@ -62,16 +68,41 @@ class PipelinedProgram:
         self.calls = 0
 
     def __call__(self, *args: torch.Tensor) -> Any:
+        """One step: warmup (whole sequence) or chunked, by the mode and the call count."""
         if self.session is not None:
             self.session.claim(self)
         with torch.no_grad():
             call_env = self._call_env(args)
             chunks = self._step_chunks()
-            values = self._run(call_env, chunks)
-            outputs = self._assemble(values, chunks, call_env)
-        self.calls += 1
-        self.caches.filled = True  # every chunk has written its K/V once
+            values = self._run(lambda _: call_env, chunks)
+            outputs = self._assemble(values, chunks, call_env, step=0)
+        self._advance(1)
         return outputs
+
+    def run_ring(self, step_args: list[tuple], carried: dict[str, str],
+                 progress: Callable[[int], None] | None = None, first: int = 0) -> tuple:
+        """Steps after warmup as one ring: each chunk's carried outputs (input name ->
+        output name) feed the same chunk of the next step as soon as they are computed.
+        `progress(k)` is called as this rank finishes step `first + k`."""
+        envs: dict[int, dict] = {}
+
+        def env_for(step: int) -> dict:
+            if step not in envs:
+                envs.clear()  # one step's values at a time: steps run in order per rank
+                envs[step] = self._call_env(step_args[step])
+            return envs[step]
+
+        steps = len(step_args)
+        with torch.no_grad():
+            report = None if progress is None else (lambda k: progress(first + k))
+            values = self._run(env_for, self.plan.chunks, steps, carried, report)
+            outputs = self._assemble(values, self.plan.chunks, env_for(steps - 1), steps - 1)
+        self._advance(steps)
+        return outputs
+
+    def _advance(self, steps: int) -> None:
+        self.calls += steps
+        self.caches.filled = True  # every chunk has written its K/V once
 
     def _step_chunks(self) -> list[Chunk]:
         """The whole sequence as one chunk (sync mode, warmup calls), or the chunk table."""
@@ -79,11 +110,19 @@ class PipelinedProgram:
         warm = mode == "stale" and self.calls < self.plan.config.warmup_steps
         return self.whole if mode == "sync" or warm else self.plan.chunks
 
-    def _run(self, call_env: dict, chunks: list[Chunk]) -> dict:
-        schedule = self.sync_schedule if len(chunks) == 1 else self.plan.schedule
-        executor = Executor(self.plan.graphs.stages, self._run_stage, timeline=self.timeline)
-        return executor.run(schedule.ranks[0], chunks, call_env, self._visible(chunks),
-                            step=self.calls)
+    def _run(self, env_for, chunks: list[Chunk], steps: int = 1,
+             carried: dict[str, str] | None = None, progress=None) -> dict:
+        carries = carry_edges(self.plan, carried or {})
+        schedule = build_schedule(len(self.plan.stages), len(chunks), world=self.world,
+                                  steps=steps, consumers=self.plan.consumers, carries=carries)
+        executor = Executor(self.plan.graphs.stages, self._run_stage, rank=self.rank,
+                            transport=self.transport, timeline=self.timeline, carried=carried,
+                            progress=progress)
+        values = executor.run(schedule.ranks[self.rank], chunks, env_for,
+                              self._visible(chunks), step_base=self.calls)
+        if self.transport is not None:
+            self.transport.flush()
+        return values
 
     def _visible(self, chunks: list[Chunk]):
         """Cache units a chunk may attend to: the whole cache once it holds a full step
@@ -108,17 +147,30 @@ class PipelinedProgram:
     def _run_stage(self, stage: int, units: int, inputs: list[torch.Tensor]):
         return self.stage_programs[stage](units, inputs)
 
-    def _assemble(self, values: dict, chunks: list[Chunk], call_env: dict) -> tuple:
+    def _assemble(self, values: dict, chunks: list[Chunk], call_env: dict, step: int) -> tuple:
         out = []
         for spec in self.plan.graphs.outputs:
             if spec.kind == "const":
                 out.append(spec.source)
             elif spec.kind == "token":
-                pieces = [values[c.index][spec.source] for c in chunks]
-                out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, spec.axis))
+                out.append(self._gather(spec, [values[(step, c.index)].get(spec.source)
+                                               for c in chunks]))
             else:
                 out.append(call_env[spec.source])
         return tuple(out)
+
+    def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, spec.axis)
+
+
+def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
+    """Ring edges: the stage computing a carried output -> the stages reading its input."""
+    producer = {spec.source: spec.producer for spec in plan.graphs.outputs if spec.kind == "token"}
+    edges: dict[int, set[int]] = {}
+    for name, output in carried.items():
+        readers = {g.index for g in plan.graphs.stages for i in g.inputs if i.source == name}
+        edges.setdefault(producer[output], set()).update(readers)
+    return edges
 
 
 def _device_of(args: tuple) -> torch.device:

@@ -1,0 +1,128 @@
+"""Ring mode: the runtime owns the denoising loop, so no pipeline bubble between steps.
+
+The user writes one denoising step as a function (model call, guidance, scheduler update)
+whose outputs feed its next inputs. The scheduler update is token-wise, so the compiler
+places it in the last stage; each chunk's updated latents go straight back to stage 0 for
+the next step while later chunks of this step are still in flight (PipeFusion's schedule).
+
+    ring = tp.Ring(step, carry=["latents"], stages=2, chunks=4, warmup_steps=1)
+    (latents,) = ring.run({"latents": x, "labels": y}, per_step={"t": timesteps})
+
+The numbers equal the per-call loop `for k: latents = compiled(latents, t[k], ...)` with the
+same options: every K/V has the same freshness in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .config import Config
+from .distributed import make_program
+from .driver import build_plan
+from .errors import TokpipeError
+
+
+class Ring:
+    """A step function compiled once and run for whole generations.
+
+    carry: names of the inputs that the step's outputs become, in output order.
+    options: the backend's options (stages, chunks, mode, warmup_steps, compiler, timeout).
+    """
+
+    def __init__(self, step_fn: Callable[..., Any], carry: Sequence[str], **options: Any):
+        self.step_fn = step_fn
+        self.carry = list(carry)
+        self.config = Config.from_options({"token_input": self.carry[0], **options})
+        if self.config.mode == "stale" and self.config.warmup_steps < 1:
+            raise ValueError("ring mode in 'stale' needs option 'warmup_steps' >= 1, got 0: "
+                             "the first step must fill the K/V caches")
+        self.program = None
+        self._traced: tuple[torch.fx.GraphModule, list[Any], list[str]] | None = None
+
+    def run(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor] | None = None,
+            steps: int | None = None, progress: Callable[[int], None] | None = None) -> tuple:
+        """Runs `steps` steps (default: the length of the per-step tensors) from `inputs`
+        (the carried inputs' first values and the inputs fixed for the generation).
+        `per_step[name][k]` is input `name` at step k. Returns the last step's outputs."""
+        per_step = per_step or {}
+        steps = steps if steps is not None else _steps_of(per_step)
+        missing = [name for name in self.carry if name not in inputs]
+        if missing:
+            raise TokpipeError(f"Ring.run needs a first value for carried input(s) {missing}")
+        values = {**inputs, **{k: v[0] for k, v in per_step.items()}}
+        program = self._program(values)
+        program.reset()
+        carried = self._carried_outputs(program)
+        warmup = min(self.config.warmup_steps, steps)
+        outputs: tuple = ()
+        for k in range(warmup):
+            outputs = program(*self._args(values, per_step, k))
+            values.update(self._carried_values(outputs))
+            if progress is not None:
+                progress(k)
+        if steps > warmup:
+            step_args = [self._args(values, per_step, k) for k in range(warmup, steps)]
+            outputs = program.run_ring(step_args, carried, progress=progress, first=warmup)
+        return outputs
+
+    def _program(self, values: dict[str, Any]):
+        if self.program is None:
+            self._traced = trace_step(self.step_fn, values)
+            self.program = make_program(build_plan(self._traced[0], self.config), None)
+        return self.program
+
+    def _args(self, values: dict[str, Any], per_step: dict[str, torch.Tensor], k: int) -> tuple:
+        _, example, names = self._traced
+        current = {**values, **{name: v[k] for name, v in per_step.items()}}
+        return tuple(current[_user_name(n)] if _user_name(n) in current else example[i]
+                     for i, n in enumerate(names))
+
+    def _carried_outputs(self, program) -> dict[str, str]:
+        """Placeholder name of each carried input -> name of the output value it becomes."""
+        outputs = program.plan.graphs.outputs
+        if len(outputs) < len(self.carry):
+            raise TokpipeError(f"the step function returns {len(outputs)} values but "
+                               f"carry names {len(self.carry)}")
+        carried = {}
+        for name, spec in zip(self.carry, outputs, strict=False):
+            if spec.kind != "token":
+                raise TokpipeError(f"carried input {name!r} is fed by an output that is not "
+                                   "token-wise (ring mode needs a token-wise scheduler update)")
+            carried[f"l_{name}_"] = spec.source
+        return carried
+
+    def _carried_values(self, outputs: tuple) -> dict[str, Any]:
+        return dict(zip(self.carry, outputs, strict=False))
+
+
+def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]):
+    """(graph, example inputs, placeholder names) of one call of the step function."""
+    graphs: list[tuple] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        graphs.append((gm, list(example_inputs), names))
+        return gm.forward
+
+    try:
+        with torch.no_grad():
+            torch.compile(step_fn, backend=record, fullgraph=True, dynamic=False)(**values)
+    except torch._dynamo.exc.Unsupported as err:
+        raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
+                           f"it: {str(err).splitlines()[0]}") from err
+    return graphs[-1]
+
+
+def _user_name(placeholder: str) -> str:
+    return placeholder[2:-1] if placeholder.startswith("l_") else placeholder
+
+
+def _steps_of(per_step: dict[str, torch.Tensor]) -> int:
+    lengths = {len(v) for v in per_step.values()}
+    if len(lengths) != 1:
+        raise TokpipeError("pass steps=..., or per-step inputs of one common length; got "
+                           f"lengths {sorted(lengths)}")
+    return lengths.pop()
