@@ -9,6 +9,7 @@ import torch
 
 from tokpipe_compiler import Config
 from tokpipe_compiler.driver import build_plan
+from tokpipe_compiler.graph_utils import record_sources
 from tokpipe_compiler.program import PipelinedProgram
 
 
@@ -37,7 +38,7 @@ def trace(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Traced:
 
     def record(gm, example_inputs, **_):
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        graphs.append(Traced(gm, list(example_inputs), names))
+        graphs.append(Traced(record_sources(gm), list(example_inputs), names))
         return gm.forward
 
     torch._dynamo.reset()  # tests trace many models of one class: start each from scratch

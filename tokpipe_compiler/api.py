@@ -11,6 +11,7 @@ from .backend import LazyProgram, TokpipeBackend, session_for_options
 from .config import Config
 from .driver import build_plan
 from .errors import NoTokenInput, TokpipeError
+from .graph_utils import record_sources
 from .plan import Plan
 
 # Attributes that lead from a torch.compile'd module to the backend Dynamo holds.
@@ -84,7 +85,7 @@ def capture_graphs(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> 
     graphs: list[torch.fx.GraphModule] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
-        graphs.append(gm)
+        graphs.append(record_sources(gm))
         return gm.forward
 
     compiled = torch.compile(model, backend=record, dynamic=False)

@@ -19,6 +19,7 @@ from .config import Config
 from .distributed import make_program
 from .driver import build_plan
 from .errors import NoTokenInput, TokpipeError
+from .graph_utils import record_sources
 from .program import Session
 
 log = logging.getLogger("tokpipe_compiler")
@@ -63,7 +64,7 @@ class LazyProgram:
     """What Dynamo gets back: plans on the first call, then runs the pipeline."""
 
     def __init__(self, gm: torch.fx.GraphModule, config_fn, session: Session):
-        self.gm = gm
+        self.gm = record_sources(gm)
         self.config_fn = config_fn
         self.session = session
         self.program: Any = None

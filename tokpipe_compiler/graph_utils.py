@@ -25,11 +25,22 @@ def is_tensor_node(node: Any) -> bool:
     return isinstance(example_value(node), torch.Tensor)
 
 
+SOURCE_KEY = "tokpipe_source"
+
+
+def record_sources(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Keep where each placeholder came from. Dynamo drops its `grapharg` metadata once the
+    backend returns, and the plan is made later, on the first call."""
+    for node in gm.graph.nodes:
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if node.op == "placeholder" and source is not None:
+            node.meta[SOURCE_KEY] = source.name
+    return gm
+
+
 def source_name(node: torch.fx.Node) -> str:
     """Where Dynamo got a placeholder from: "L['latents']", "L['self']._modules[...]..."."""
-    arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
-    return source.name if source is not None else ""
+    return node.meta.get(SOURCE_KEY, "")
 
 
 def is_user_input(node: torch.fx.Node) -> bool:

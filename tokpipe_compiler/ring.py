@@ -23,6 +23,7 @@ from .config import Config
 from .distributed import make_program
 from .driver import build_plan
 from .errors import TokpipeError
+from .graph_utils import record_sources
 
 
 class Ring:
@@ -104,7 +105,7 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]):
 
     def record(gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        graphs.append((gm, list(example_inputs), names))
+        graphs.append((record_sources(gm), list(example_inputs), names))
         return gm.forward
 
     try:
