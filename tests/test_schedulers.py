@@ -16,11 +16,14 @@ from diffusers import (
 )
 from hypothesis import given
 from hypothesis import strategies as st
+from tokpipe_compiler.passes.annotate import annotate
 
 from tokpipe_compiler.api import capture_graphs
-from tokpipe_compiler.passes.annotate import annotate
 from tokpipe_compiler.schedulers import K, step_table, update
 from tokpipe_compiler.tokens import META_KEY
+
+# diffusers' schedulers trip numpy 2's __array__ copy deprecation; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:diffusers")
 
 SHAPE = (1, 4, 8, 8)
 RTOL = 1e-5
@@ -53,12 +56,12 @@ CONFIGS: dict[str, Callable[[], object]] = {
     "dpm-heun-karras": lambda: DPMSolverMultistepScheduler(
         solver_type="heun", use_karras_sigmas=True),
     "dpm-euler-at-final": lambda: DPMSolverMultistepScheduler(
-        final_sigmas_type="sigma_min", euler_at_final=True),
+        final_sigmas_type="sigma_min", lower_order_final=False, euler_at_final=True),
     "dpm-order1": lambda: DPMSolverMultistepScheduler(solver_order=1),
     "dpm-flow": lambda: DPMSolverMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
 }
-STEPS = (4, 7, 20)
+STEPS = (4, 14, 15, 20)  # DPM's lower_order_final switches off at 15 steps
 
 
 def fake_model(x_in: torch.Tensor, k: int) -> torch.Tensor:
@@ -104,7 +107,8 @@ def test_matches_diffusers_every_step(name: str, steps: int) -> None:
     got = adapter_loop(scheduler, steps, x)
     assert len(got) == len(want)
     errors = [relative_error(g, w) for g, w in zip(got, want, strict=True)]
-    assert max(errors) <= RTOL, f"per-step relative errors {errors}"
+    # all(), not max(): a NaN error must fail the test
+    assert all(e <= RTOL for e in errors), f"per-step relative errors {errors}"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -210,5 +214,5 @@ def test_update_traces_to_token_wise_graph() -> None:
     (gm,) = capture_graphs(last_stage_step, (x, out, hist, table.coeffs[4]), None)
     annotation = annotate(gm, "latents")
     assert not annotation.unsupported
-    outputs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert all(n.meta[META_KEY].carries_tokens for n in outputs)
