@@ -11,6 +11,9 @@ out_k and (DPM-Solver++ 2M) the previous step's data prediction, so one update s
 `step_table` precomputes the row (c0..c4) of every step in float64 from a diffusers scheduler;
 `update` applies one row. The runtime feeds `latents * input_scale[k]` and `timesteps[k]` to the
 model, and starts the history at zeros (its coefficient is zero on the first step).
+
+Tables cover the whole schedule from its first step, as a text-to-image loop runs it; `step()`
+arguments that add noise (DDIM's eta, Euler's s_churn) are taken at their zero defaults.
 """
 
 from __future__ import annotations
