@@ -47,7 +47,8 @@ class Ring:
             steps: int | None = None, progress: Callable[[int], None] | None = None) -> tuple:
         """Runs `steps` steps (default: the length of the per-step tensors) from `inputs`
         (the carried inputs' first values and the inputs fixed for the generation).
-        `per_step[name][k]` is input `name` at step k. Returns the last step's outputs."""
+        `per_step[name][k]` is input `name` at step k. Returns the carried values after the
+        last step, in `carry` order."""
         per_step = per_step or {}
         steps = steps if steps is not None else _steps_of(per_step)
         missing = [name for name in self.carry if name not in inputs]
@@ -67,7 +68,7 @@ class Ring:
         if steps > warmup:
             step_args = [self._args(values, per_step, k) for k in range(warmup, steps)]
             outputs = program.run_ring(step_args, carried, progress=progress, first=warmup)
-        return outputs
+        return tuple(outputs[: len(self.carry)])
 
     def _program(self, values: dict[str, Any]):
         if self.program is None:
