@@ -44,9 +44,9 @@ def _configs() -> list[triton.Config]:
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, shift,
-    start, stop, rows, offset, offs_d, d_mask,
-    qk_scale, APPLY_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc, m_i, l_i, q, rows, offset, offs_d, d_mask, qk_scale,
+    k_base, v_base, stride_kn, stride_vn, shift, start, stop,
+    APPLY_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax update of (acc, m_i, l_i) over keys [start, stop).
 
@@ -63,7 +63,7 @@ def _attend_range(
         v = tl.load(
             v_base + (cols - shift)[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0
         )
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         allowed = col_mask[None, :]
         if APPLY_CAUSAL:
             allowed = allowed & (cols[None, :] <= offset + rows[:, None])
@@ -72,15 +72,17 @@ def _attend_range(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
+# Tuned per chunk length too: short chunks need small query blocks to fill the GPU.
 # Autotuning reruns the kernel on the caller's tensors. That is safe: the store writes the
 # same values every time, and no program reads the cache rows that are stored.
-@triton.autotune(configs=_configs(), key=["HEAD_DIM_PAD", "CAUSAL"])
-@triton.jit
+@triton.autotune(configs=_configs(), key=["n", "HEAD_DIM_PAD", "CAUSAL"])
+# Offsets change with every chunk: specializing on their divisibility would only recompile.
+@triton.jit(do_not_specialize=["offset", "kv_len"])
 def _fused_kv_attention_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr,
     stride_qb, stride_qh, stride_qn,
@@ -91,7 +93,7 @@ def _fused_kv_attention_kernel(
     stride_ob, stride_oh, stride_on,
     n, offset, kv_len, qk_scale,
     HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Store this block's chunk rows into the cache (one head per group), then attend."""
     row_lo = tl.program_id(0) * BLOCK_M
@@ -129,17 +131,21 @@ def _fused_kv_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    # Earlier keys from the cache, then the chunk's own keys from k/v, then later cache keys.
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, kc_base, vc_base, stride_kcn, stride_vcn, 0,
-        0, tl.minimum(offset, key_hi), rows, offset, offs_d, d_mask, qk_scale, False, BLOCK_N,
+        acc, m_i, l_i, q, rows, offset, offs_d, d_mask, qk_scale,
+        kc_base, vc_base, stride_kcn, stride_vcn, 0, 0, tl.minimum(offset, key_hi),
+        False, PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offset,
-        offset, fresh_hi, rows, offset, offs_d, d_mask, qk_scale, CAUSAL, BLOCK_N,
+        acc, m_i, l_i, q, rows, offset, offs_d, d_mask, qk_scale,
+        k_base, v_base, stride_kn, stride_vn, offset, offset, fresh_hi,
+        CAUSAL, PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, kc_base, vc_base, stride_kcn, stride_vcn, 0,
-        offset + n, key_hi, rows, offset, offs_d, d_mask, qk_scale, False, BLOCK_N,
+        acc, m_i, l_i, q, rows, offset, offs_d, d_mask, qk_scale,
+        kc_base, vc_base, stride_kcn, stride_vcn, 0, offset + n, key_hi,
+        False, PRECISION, BLOCK_N,
     )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -234,6 +240,8 @@ def fused_kv_attention(
         HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d,
         # tl.dot needs every block dim >= 16; pad D up to a power of two and mask the rest.
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
+        # float32 callers get float32 products, not TF32 (16-bit types ignore this).
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
 
