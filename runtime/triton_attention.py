@@ -38,8 +38,24 @@ def _configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
+        for bm, bn, w, s in [
+            (64, 32, 4, 2),
+            (64, 64, 4, 3),
+            (128, 64, 4, 3),
+            (128, 64, 8, 3),
+            (128, 128, 8, 2),
+        ]
     ]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
+    """float32 tiles are twice as large and use no tensor cores: keep only the smallest.
+
+    Larger float32 tiles overflow shared memory on A100-class GPUs and compile slowly.
+    """
+    if named_args["q_ptr"].dtype != torch.float32:
+        return configs
+    return [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
 @triton.jit
@@ -80,7 +96,11 @@ def _attend_range(
 # Tuned per chunk length too: short chunks need small query blocks to fill the GPU.
 # Autotuning reruns the kernel on the caller's tensors. That is safe: the store writes the
 # same values every time, and no program reads the cache rows that are stored.
-@triton.autotune(configs=_configs(), key=["n", "HEAD_DIM_PAD", "CAUSAL"])
+@triton.autotune(
+    configs=_configs(),
+    key=["n", "HEAD_DIM_PAD", "CAUSAL"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 # Offsets change with every chunk: specializing on their divisibility would only recompile.
 @triton.jit(do_not_specialize=["offset", "kv_len"])
 def _fused_kv_attention_kernel(

@@ -181,3 +181,10 @@ def _valid() -> dict[str, object]:
 def test_bad_arguments_are_named(change: dict[str, object], named: str) -> None:
     with pytest.raises(TokpipeError, match=named):
         ta.fused_kv_attention(**{**_valid(), **change})
+
+
+def test_float32_autotunes_only_the_smallest_tile() -> None:
+    triton = pytest.importorskip("triton")
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}) for m, n in [(128, 64), (64, 32)]]
+    assert ta._prune(configs, {"q_ptr": torch.zeros(1)}) == [configs[1]]
+    assert ta._prune(configs, {"q_ptr": torch.zeros(1, dtype=torch.bfloat16)}) == configs
