@@ -59,10 +59,11 @@ def _find_session(obj: Any):
             found = session_for_options(kwargs["options"])
             if found is not None:
                 return found
-        for name in _LINKS:
-            child = getattr(item, name, None)
-            if child is not None:
-                queue.append((child, depth + 1))
+        children = [getattr(item, name, None) for name in _LINKS]
+        # torch.compile of a plain function keeps its Dynamo context in the wrapper's closure.
+        children += [cell.cell_contents for cell in getattr(item, "__closure__", None) or ()
+                     if cell.cell_contents is not None]
+        queue.extend((child, depth + 1) for child in children if child is not None)
     return None
 
 

@@ -1,0 +1,153 @@
+"""Serial and pipelined DiT generation on this CPU, every competitor in one run.
+
+    python benchmarks/cpu_pipeline.py [--steps 20] [--chunks 2 4 8] [--quick]
+
+Model: DiT-S/2 sized DiTTransformer2DModel (12 layers, hidden 384, 6 heads, patch 2, 64x64
+latent = 1024 tokens), seeded random weights, DDIM, 1 warmup step. Competitors: serial eager
+on 1 and 2 threads, serial Inductor on 2 threads; tokpipe on 2 ranks of 1 thread, per-call
+and ring mode, for each chunk count. Prints each time, its speedup over serial eager on 1
+thread, the ideal speedup S / (W + (S-W)/N * (1 + (N-1)/(M*(S-W)))) and the ratio to it, and
+for ring mode where each rank's time went (compute, waiting on receives, sending).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from tokpipe_compiler.runtime.launch import launch
+
+import tokpipe_compiler as tp
+from tokpipe_compiler.schedulers import step_table, update
+
+FULL = {"layers": 12, "heads": 6, "head_dim": 64, "side": 64}
+QUICK = {"layers": 4, "heads": 4, "head_dim": 32, "side": 32}
+RANKS, WARMUP = 2, 1
+
+
+def build(shape: dict, steps: int):
+    from diffusers import DDIMScheduler, DiTTransformer2DModel
+
+    torch.manual_seed(0)
+    model = DiTTransformer2DModel(
+        num_attention_heads=shape["heads"], attention_head_dim=shape["head_dim"],
+        in_channels=4, out_channels=8, num_layers=shape["layers"], sample_size=shape["side"],
+        patch_size=2, num_embeds_ada_norm=1000, norm_type="ada_norm_zero",
+    ).eval()
+    table = step_table(DDIMScheduler(clip_sample=False), steps)
+    side = shape["side"]
+    latents = torch.randn(1, 4, side, side, generator=torch.Generator().manual_seed(1))
+
+    def denoise(latents, timestep, input_scale, coeffs, labels):
+        out = model(latents * input_scale, timestep=timestep[None], class_labels=labels).sample
+        return update(latents, out[:, :4], None, coeffs)
+
+    per_step = {"timestep": table.timesteps, "input_scale": table.input_scale,
+                "coeffs": table.coeffs}
+    return denoise, {"latents": latents, "labels": torch.tensor([207])}, per_step
+
+
+def step_inputs(per_step: dict, k: int) -> tuple:
+    return tuple(per_step[n][k] for n in ("timestep", "input_scale", "coeffs"))
+
+
+def serial(shape: dict, steps: int, threads: int, inductor: bool) -> float:
+    torch.set_num_threads(threads)
+    denoise, inputs, per_step = build(shape, steps)
+    fn = torch.compile(denoise, dynamic=False) if inductor else denoise
+    with torch.no_grad():
+        if inductor:
+            fn(inputs["latents"], *step_inputs(per_step, 0), inputs["labels"])  # compile
+        x, start = inputs["latents"], time.perf_counter()
+        for k in range(steps):
+            x, _ = fn(x, *step_inputs(per_step, k), inputs["labels"])
+    return time.perf_counter() - start
+
+
+def pipelined(rank: int, world: int, shape: dict, steps: int, chunks: int, ring: bool) -> dict:
+    denoise, inputs, per_step = build(shape, steps)
+    options = {"stages": world, "chunks": chunks, "mode": "stale", "warmup_steps": WARMUP,
+               "compiler": "eager", "timeout": 600.0}
+    if ring:
+        runner = tp.Ring(denoise, carry=["latents"], **options)
+        runner.run(inputs, per_step=per_step, steps=WARMUP + 1)  # plan every chunk length
+        program = runner.program
+        program.timeline.events.clear()
+        dist.barrier()
+        start = time.perf_counter()
+        runner.run(inputs, per_step=per_step)
+    else:
+        compiled = torch.compile(denoise, backend=tp.backend(**options), dynamic=False)
+        x = inputs["latents"]
+        with torch.no_grad():
+            for k in range(WARMUP + 1):
+                x, _ = compiled(x, *step_inputs(per_step, k), inputs["labels"])
+            tp.reset(compiled)
+            dist.barrier()
+            start, x = time.perf_counter(), inputs["latents"]
+            for k in range(steps):
+                x, _ = compiled(x, *step_inputs(per_step, k), inputs["labels"])
+        program = None
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "breakdown": breakdown(program) if program else None}
+
+
+def breakdown(program) -> dict:
+    totals = {"compute": 0.0, "recv": 0.0, "send": 0.0}
+    for event in program.timeline.events:
+        totals[event.kind] += event.duration
+    computes = [e.duration for e in program.timeline.events if e.kind == "compute"]
+    totals["per_chunk_ms"] = 1e3 * sorted(computes)[len(computes) // 2] if computes else 0.0
+    return totals
+
+
+def ideal(steps: int, ranks: int, chunks: int) -> float:
+    rest = steps - WARMUP
+    return steps / (WARMUP + rest / ranks * (1 + (ranks - 1) / (chunks * rest)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--quick", action="store_true", help="a small model, for a smoke run")
+    args = parser.parse_args()
+    shape = QUICK if args.quick else FULL
+    print(f"model {shape}, {args.steps} steps, warmup {WARMUP}, {RANKS} ranks x 1 thread")
+    rows = [("serial eager, 1 thread", serial(shape, args.steps, 1, False), None, None),
+            ("serial eager, 2 threads", serial(shape, args.steps, 2, False), None, None),
+            ("serial inductor, 2 threads", serial(shape, args.steps, 2, True), None, None)]
+    for chunks in args.chunks:
+        for ring in (False, True):
+            results = launch(pipelined, RANKS, args=(shape, args.steps, chunks, ring),
+                             timeout=3600)
+            seconds = max(r["seconds"] for r in results)
+            label = f"tokpipe {'ring' if ring else 'per-call'}, chunks {chunks}"
+            rows.append((label, seconds, ideal(args.steps, RANKS, chunks),
+                         [r["breakdown"] for r in results]))
+    report(rows)
+
+
+def report(rows: list) -> None:
+    base = rows[0][1]
+    fastest_serial = min(r[1] for r in rows[:3])
+    print(f"\n{'run':<30} {'time s':>8} {'speedup':>8} {'vs best':>9} {'ideal':>6} "
+          f"{'of ideal':>8}")
+    for label, seconds, bound, _ in rows:  # speedup over serial eager 1 thread, and over
+        speedup = base / seconds              # the fastest serial run ("vs best")
+        extra = f"{bound:>6.2f} {speedup / bound:>8.0%}" if bound else ""
+        print(f"{label:<30} {seconds:>8.2f} {speedup:>7.2f}x {fastest_serial / seconds:>8.2f}x "
+              f"{extra}")
+    print("\nwhere ring-mode time went, per rank (s): compute / waiting on receives / sending;"
+          " median compute per chunk")
+    for label, _, _, parts in rows:
+        if parts and parts[0]:
+            shown = "  ".join(f"r{i}: {p['compute']:.2f}/{p['recv']:.2f}/{p['send']:.3f} "
+                              f"({p['per_chunk_ms']:.1f} ms)" for i, p in enumerate(parts))
+            print(f"{label:<30} {shown}")
+
+
+if __name__ == "__main__":
+    main()
