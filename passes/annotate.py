@@ -28,6 +28,7 @@ from tokpipe_compiler.graph_utils import (
     is_tensor_node,
     is_user_input,
     node_shape,
+    source_name,
     target_name,
 )
 from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY, UNSUPPORTED, TokenInfo
@@ -101,7 +102,8 @@ def find_token_input(gm: torch.fx.GraphModule, choice: str | int | None) -> torc
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and is_user_input(n)]
     if isinstance(choice, str):
         for node in inputs:
-            if choice in (node.name, node.target) or node.name in (f"l_{choice}_", choice):
+            if choice in (node.name, node.target) or node.name == f"l_{choice}_" \
+                    or source_name(node) == f"L['{choice}']":
                 return node
         raise NoTokenInput(
             f"token_input={choice!r} matches no input of the graph; inputs are "

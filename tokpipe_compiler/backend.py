@@ -21,6 +21,7 @@ from .driver import build_plan
 from .errors import NoTokenInput, TokpipeError
 from .graph_utils import record_sources
 from .program import Session
+from .static import StaticGraph, has_symbolic_shapes, shape_key
 
 log = logging.getLogger("tokpipe_compiler")
 
@@ -61,23 +62,30 @@ def session_for_options(options: dict | None) -> Session | None:
 
 
 class LazyProgram:
-    """What Dynamo gets back: plans on the first call, then runs the pipeline."""
+    """What Dynamo gets back: plans on the first call, then runs the pipeline. A graph with
+    symbolic shapes gets one plan per concrete input shape."""
 
     def __init__(self, gm: torch.fx.GraphModule, config_fn, session: Session):
         self.gm = record_sources(gm)
         self.config_fn = config_fn
         self.session = session
-        self.program: Any = None
+        self.dynamic = has_symbolic_shapes(gm)
+        self.programs: dict[Any, Any] = {}
 
     def __call__(self, *args: Any) -> Any:
-        if self.program is None:
-            self.program = self._plan()
-        return self.program(*args)
+        key = shape_key(args) if self.dynamic else None
+        if key not in self.programs:
+            self.programs[key] = self._plan(args)
+        return self.programs[key](*args)
 
-    def _plan(self):
+    def _plan(self, args: tuple):
         config = self.config_fn()
+        gm, select = self.gm, None
+        if self.dynamic:
+            static = StaticGraph(self.gm, args)
+            gm, select = static.gm, static.select
         try:
-            return make_program(build_plan(self.gm, config), self.session)
+            program = make_program(build_plan(gm, config), self.session)
         except NoTokenInput as err:
             warnings.warn(f"tokpipe: running this graph unpipelined: {err}", stacklevel=3)
             return self.gm.forward
@@ -87,3 +95,4 @@ class LazyProgram:
             warnings.warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}",
                           stacklevel=3)
             return self.gm.forward
+        return program if select is None else lambda *a: program(*select(a))
