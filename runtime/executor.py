@@ -32,15 +32,17 @@ class Event:
     step: int
     start: float
     duration: float
+    units: int | None = None  # grid rows of the chunk (tells warmup calls from chunked ones)
 
 
 @dataclass
 class Timeline:
     events: list[Event] = field(default_factory=list)
 
-    def record(self, kind: str, rank: int, action: Action, start: float) -> None:
+    def record(self, kind: str, rank: int, action: Action, start: float,
+               units: int | None = None) -> None:
         self.events.append(Event(kind, rank, action.stage, action.chunk, action.step, start,
-                                 time.perf_counter() - start))
+                                 time.perf_counter() - start, units))
 
 
 class Executor:
@@ -68,7 +70,7 @@ class Executor:
             chunk = chunks[action.chunk]
             if action.kind == COMPUTE:
                 self._compute(action, chunk, call_env, values[chunk.index], visible(chunk))
-                self.timeline.record("compute", self.rank, action, start)
+                self.timeline.record("compute", self.rank, action, start, chunk.units)
             elif action.kind == SEND:
                 self._send(action, values[chunk.index])
                 self.timeline.record("send", self.rank, action, start)

@@ -1,4 +1,4 @@
-"""The public functions besides the backend: explain() and reset()."""
+"""The public functions besides the backend: explain(), reset(), programs()."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from .config import Config
 from .driver import build_plan
 from .errors import NoTokenInput, TokpipeError
 from .plan import Plan
+from .program import PipelinedProgram
 
 # Attributes that lead from a torch.compile'd module to the backend Dynamo holds.
 _LINKS = ("dynamo_ctx", "callback", "_torchdynamo_orig_backend", "_torchdynamo_orig_callable",
@@ -42,6 +43,18 @@ def reset(compiled: Any) -> None:
             "torch.compile(..., backend='tokpipe') returned, or the backend object"
         )
     session.reset()
+
+
+def programs(compiled: Any) -> list[PipelinedProgram]:
+    """The pipelined programs behind `compiled` (one per Dynamo graph planned so far),
+    each with its `plan` and the `timeline` of its calls."""
+    if isinstance(compiled, PipelinedProgram):
+        return [compiled]
+    session = compiled.session if isinstance(compiled, (TokpipeBackend, LazyProgram)) else (
+        _find_session(compiled))
+    if session is None:
+        raise TokpipeError(f"found no tokpipe backend behind {type(compiled).__name__}")
+    return list(session.programs)
 
 
 def _find_session(obj: Any):
