@@ -40,23 +40,23 @@ def predicted_boxes(plan: Plan, steps: int = 2) -> list[Box]:
     boxes: list[Box] = []
     step_start = 0.0
     for step in range(steps):
-        # One rank's actions for this step, in schedule order, interleaved by readiness.
+        # Each rank takes its computes in schedule order, as soon as their inputs exist.
         free = [step_start] * len(plan.stages)
         pending = [[a for a in rank if a.kind == COMPUTE]
                    for rank in plan.distributed_schedule().ranks]
         while any(pending):
-            for rank, actions in enumerate(pending):
-                if not actions:
-                    continue
-                a = actions[0]
-                inputs = [(step, p, a.chunk) for p in producers[a.stage]]
-                if any(key not in done for key in inputs):
-                    continue
-                start = max([free[rank], *(done[k] for k in inputs)])
+            ready = [(rank, actions[0]) for rank, actions in enumerate(pending) if actions
+                     and all((step, p, actions[0].chunk) in done
+                             for p in producers[actions[0].stage])]
+            if not ready:
+                raise ValueError(f"the schedule deadlocks:\n{plan.distributed_schedule()}")
+            for rank, a in ready:
+                inputs = [done[(step, p, a.chunk)] for p in producers[a.stage]]
+                start = max([free[rank], *inputs])
                 end = start + flops[(a.stage, a.chunk)] / scale
                 done[(step, a.stage, a.chunk)] = free[rank] = end
                 boxes.append(Box(rank, a.stage, a.chunk, step, start, end))
-                actions.pop(0)
+                pending[rank].pop(0)
         step_start = max(free)
     return boxes
 

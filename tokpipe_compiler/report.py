@@ -41,7 +41,7 @@ def _stage_table(plan: Plan) -> list[str]:
                  human_count(plan.prelude_flops()) + "/call", "-", "-"))
     notes = ["FLOP/chunk and send/chunk: the largest chunk; params: what the stage's rank "
              "holds"]
-    return _table(rows, left={1}) + notes
+    return _table(rows, left=frozenset({1})) + notes
 
 
 def _chunk_table(plan: Plan) -> list[str]:
@@ -74,7 +74,7 @@ def _bubble(plan: Plan) -> list[str]:
             f"{plan.bubble_fraction(RING_STEPS):.1%} over a {RING_STEPS}-step PipeFusion ring"]
 
 
-def _table(rows: list[tuple[str, ...]], left: set[int] = frozenset()) -> list[str]:
+def _table(rows: list[tuple[str, ...]], left: frozenset[int] = frozenset()) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) if i in left else cell.rjust(w)
                       for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
