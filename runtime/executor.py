@@ -38,16 +38,18 @@ class Event:
     step: int
     start: float
     duration: float
+    units: int | None = None  # grid rows of the chunk (tells warmup calls from chunked ones)
 
 
 @dataclass
 class Timeline:
     events: list[Event] = field(default_factory=list)
 
-    def record(self, kind: str, rank: int, action: Action, start: float) -> None:
-        """An event from `start` until now."""
+    def record(self, kind: str, rank: int, action: Action, start: float,
+               units: int | None = None) -> None:
+        """An event from `start` until now; `units`: grid rows of the chunk."""
         self.events.append(Event(kind, rank, action.stage, action.chunk, action.step, start,
-                                 time.perf_counter() - start))
+                                 time.perf_counter() - start, units))
 
 
 class Executor:
@@ -96,7 +98,8 @@ class Executor:
             elif action.kind == RECV:
                 for key, handle in posted.pop(action):
                     here[key.name] = handle.wait()
-            self.timeline.record(KINDS[action.kind], self.rank, action, start)
+            self.timeline.record(KINDS[action.kind], self.rank, action, start,
+                                 chunks[action.chunk].units)
             if index in step_ends and self.progress is not None:
                 self.progress(action.step)
         return values

@@ -1,7 +1,8 @@
-"""The public functions besides the backend: explain() and reset()."""
+"""The public functions besides the backend: explain(), reset(), programs()."""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any
 
@@ -13,6 +14,9 @@ from .driver import build_plan
 from .errors import NoTokenInput, TokpipeError
 from .graph_utils import record_sources
 from .plan import Plan
+from .program import PipelinedProgram
+
+log = logging.getLogger("tokpipe_compiler")
 
 # Attributes that lead from a torch.compile'd module to the backend Dynamo holds.
 _LINKS = ("dynamo_ctx", "callback", "_torchdynamo_orig_backend", "_torchdynamo_orig_callable",
@@ -43,6 +47,18 @@ def reset(compiled: Any) -> None:
             "torch.compile(..., backend='tokpipe') returned, or the backend object"
         )
     session.reset()
+
+
+def programs(compiled: Any) -> list[PipelinedProgram]:
+    """The pipelined programs behind `compiled` (one per Dynamo graph planned so far),
+    each with its `plan` and the `timeline` of its calls."""
+    if isinstance(compiled, PipelinedProgram):
+        return [compiled]
+    session = compiled.session if isinstance(compiled, (TokpipeBackend, LazyProgram)) else (
+        _find_session(compiled))
+    if session is None:
+        raise TokpipeError(f"found no tokpipe backend behind {type(compiled).__name__}")
+    return list(session.programs)
 
 
 def _find_session(obj: Any):
@@ -89,7 +105,14 @@ def capture_graphs(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> 
         graphs.append(record_sources(gm))
         return gm.forward
 
-    compiled = torch.compile(model, backend=record, dynamic=False)
-    with torch.no_grad():
-        compiled(*args, **(kwargs or {}))
-    return graphs
+    for _ in range(2):
+        with torch.no_grad():
+            torch.compile(model, backend=record, dynamic=False)(*args, **(kwargs or {}))
+        if graphs:
+            return graphs
+        # Dynamo stops tracing a function after its recompile limit and runs it eagerly;
+        # start its caches afresh once (compiled models recompile on their next call).
+        log.warning("Dynamo traced nothing (recompile limit?); resetting its caches")
+        torch.compiler.reset()
+    raise TokpipeError("Dynamo traced no graph of this model; is it a torch.nn.Module with "
+                       "tensor inputs? (TORCH_LOGS=graph_breaks shows why)")

@@ -70,7 +70,8 @@ class LazyProgram:
         self.config_fn = config_fn
         self.session = session
         self.dynamic = has_symbolic_shapes(gm)
-        self.programs: dict[Any, Any] = {}
+        self.programs: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> callable
+        self.pipelined: list[Any] = []  # the pipelined programs among them
 
     def __call__(self, *args: Any) -> Any:
         key = shape_key(args) if self.dynamic else None
@@ -95,4 +96,5 @@ class LazyProgram:
             warnings.warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}",
                           stacklevel=3)
             return self.gm.forward
+        self.pipelined.append(program)
         return program if select is None else lambda *a: program(*select(a))

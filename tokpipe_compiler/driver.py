@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.fx
@@ -22,10 +21,8 @@ from tokpipe_compiler.tokens import ATTENTION, META_KEY
 
 from .config import Config
 from .errors import TokpipeError
-from .plan import Plan, describe_stages
-
-log = logging.getLogger("tokpipe_compiler")
-DUMP_ENV = "TOKPIPE_DUMP_PASSES"
+from .logs import PLAN, dump_graph
+from .plan import Plan, describe_stages, stage_costs
 
 
 def build_plan(gm: torch.fx.GraphModule, config: Config) -> Plan:
@@ -34,25 +31,29 @@ def build_plan(gm: torch.fx.GraphModule, config: Config) -> Plan:
     annotation = annotate(gm, config.token_input)
     if annotation.unsupported:
         raise_unsupported(annotation)
-    _dump("annotate", gm)
+    dump_graph("annotate", gm)
     chunks = plan_chunks(annotation.units, config)
     tokens = sequence_tokens(gm, annotation.units)
     cut = partition(gm, config.stages, tokens, tokens * chunks[0].units // annotation.units)
     for node, stage in cut.stage_of.items():
         node.meta[STAGE_KEY] = stage
-    _dump("partition", gm)
+    costs = stage_costs(cut, config.stages, tokens)  # before chunk_attention rewrites sdpa
+    dump_graph("partition", gm)
     caches = chunk_attention(gm, config.mode)
-    _dump("chunk_attention", gm)
+    dump_graph("chunk_attention", gm)
     runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in (c.k_name, c.v_name)}
     graphs = split(gm, config.stages, runtime_inputs)
     for stage in graphs.stages:
-        _dump(f"split/stage_{stage.index}", stage.gm)
+        dump_graph(f"split/stage_{stage.index}", stage.gm)
     consumers = {s: {i_stage.index for i_stage in graphs.stages for i in i_stage.inputs
                      if i.producer == s} for s in range(config.stages)}
     schedule = build_schedule(config.stages, len(chunks), consumers=consumers)
-    stages = describe_stages(graphs, caches, cut)
-    return Plan(config, graphs, stages, chunks, annotation.units, annotation.token_input.name,
-                caches, schedule, consumers)
+    stages = describe_stages(graphs, caches, cut, costs)
+    plan = Plan(config, graphs, stages, chunks, annotation.units, annotation.token_input.name,
+                caches, schedule, consumers, tokens)
+    if PLAN.isEnabledFor(logging.INFO):
+        PLAN.info("%s", plan)
+    return plan
 
 
 def plan_chunks(units: int, config: Config) -> list[Chunk]:
@@ -75,7 +76,3 @@ def sequence_tokens(gm: torch.fx.GraphModule, units: int) -> int:
     attention = [i.per_unit for i in infos if i.kind == ATTENTION]
     return units * max(attention or [i.per_unit for i in infos if i.carries_tokens])
 
-
-def _dump(pass_name: str, gm: torch.fx.GraphModule) -> None:
-    if os.environ.get(DUMP_ENV) or log.isEnabledFor(logging.DEBUG):
-        log.debug("[%s]\n%s", pass_name, gm.print_readable(print_output=False))

@@ -84,3 +84,8 @@ def _clean_module_path(path: str) -> str:
     path = path.replace("[", ".").replace("]", "").replace("'", "")
     parts = [p for p in path.split(".") if p and p not in ("__dict__", "_modules")]
     return ".".join(parts)
+
+
+def node_count(gm: torch.fx.GraphModule) -> int:
+    """Nodes that compute something (not inputs or the output)."""
+    return sum(n.op not in ("placeholder", "output") for n in gm.graph.nodes)

@@ -1,0 +1,94 @@
+"""The `tokpipe` command.
+
+    tokpipe inspect SPEC --stages N --chunks M --mode MODE --out DIR
+
+prints the plan the backend would run for SPEC and writes its dump (plan.save) to DIR.
+With --run K it also runs K denoising calls in this process and writes trace.json (Chrome
+trace) and the measured-against-predicted time per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from .config import COMPILERS, MODES
+from .errors import TokpipeError
+from .specs import EXAMPLES, SpecError, load_spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, TokpipeError, ValueError) as err:
+        print(f"tokpipe: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokpipe", description="Inspect what the tokpipe compiler makes of a model.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    inspect = commands.add_parser(
+        "inspect", help="print the plan and write its dump", epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    inspect.add_argument("spec", metavar="SPEC",
+                         help="diffusers:ClassName, module:function or file.py:function")
+    inspect.add_argument("--config", help="JSON config of a diffusers:ClassName model")
+    inspect.add_argument("--stages", type=int, default=2)
+    inspect.add_argument("--chunks", type=int, default=4)
+    inspect.add_argument("--mode", choices=MODES, default="stale")
+    inspect.add_argument("--warmup-steps", type=int, default=1)
+    inspect.add_argument("--compiler", choices=COMPILERS, default="eager",
+                         help="for --run (default eager)")
+    inspect.add_argument("--out", type=Path, help="folder for the dump (default: none)")
+    inspect.add_argument("--run", type=int, default=0, metavar="K",
+                         help="run K calls in-process; write trace.json to --out")
+    inspect.set_defaults(func=_inspect)
+    return parser
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .api import explain, programs
+
+    model, call_args, call_kwargs = load_spec(args.spec, args.config)
+    options = {"stages": args.stages, "chunks": args.chunks, "mode": args.mode,
+               "warmup_steps": args.warmup_steps, "compiler": args.compiler}
+    plan = explain(model, call_args, call_kwargs, **options)
+    print(plan)
+    program = None
+    if args.run:
+        program = _run(model, call_args, call_kwargs, options, args.run, programs)
+        plan = program.plan
+    if args.out is not None:
+        files = plan.save(args.out, program)
+        if program is not None:
+            from .trace import write_chrome_trace
+
+            files.append(write_chrome_trace(program.timeline, args.out / "trace.json"))
+        print(f"\nwrote {len(files)} files to {args.out}/: "
+              + ", ".join(f.name for f in files))
+    return 0
+
+
+def _run(model, call_args, call_kwargs, options, calls: int, programs):
+    from .api import backend
+    from .trace import compare, format_comparison
+
+    compiled = torch.compile(model, backend=backend(**options), dynamic=False)
+    with torch.no_grad():
+        for _ in range(calls):
+            compiled(*call_args, **call_kwargs)
+    program = programs(compiled)[0]
+    print(f"\nmeasured against predicted, {calls} call(s):")
+    print(format_comparison(compare(program.plan, program.timeline)))
+    return program
+
+
+if __name__ == "__main__":
+    sys.exit(main())
