@@ -41,3 +41,18 @@ def test_pixart_within_a_factor_of_two_of_published(capsys):
         assert 0.5 < sim.pipelined_s / pipelined < 2
     simulate.main(["--pixart"])
     assert capsys.readouterr().out.count("published") == 2 * 3
+
+
+def test_simulate_a_plan_from_explain():
+    import tokpipe_compiler as tp
+
+    from .models import TinyDiT, dit_inputs
+
+    model = TinyDiT(depth=4, width=64, heads=2, grid=16).eval()
+    plan = tp.explain(model, dit_inputs(model, 16), stages=2, chunks=4)
+    fast = tp.simulate(plan, "h200", "nvlink4")
+    slow = tp.simulate(plan, "a100-pcie", "pcie4")
+    assert 0 < fast.speedup < 2 and 0 < slow.speedup < 2
+    assert fast.serial_s < slow.serial_s
+    with pytest.raises(ValueError, match="world=3"):
+        tp.simulate(plan, world=3)

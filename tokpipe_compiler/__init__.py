@@ -8,7 +8,8 @@ from .errors import TokpipeError
 from .logs import set_logs
 from .plan import Plan
 from .ring import Ring
+from .simulate import simulate
 
 __all__ = ["Config", "Plan", "Ring", "TokpipeError", "backend", "capture_graphs", "explain",
-           "programs", "reset", "set_logs", "tokpipe"]
+           "programs", "reset", "set_logs", "simulate", "tokpipe"]
 __version__ = "0.1.0"

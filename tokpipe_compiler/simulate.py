@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 import sympy
 
@@ -124,6 +125,25 @@ def simulate_model(
     busy = pipelined_steps * chunks * sum(per_stage)
     bubble = 1 - busy / (world * span) if span > 0 else 0.0
     return SimResult(serial, total, serial / total, per_stage, bubble)
+
+
+def simulate(plan: Any, device: str | DeviceModel = "h200", link: str | LinkModel = "nvlink4",
+             world: int | None = None, steps: int = 20) -> SimResult:
+    """Predicted serial and pipelined time of `steps` steps of `plan` (from explain()) on
+    `world` devices (default: one per stage) joined by `link`; names pick the presets in
+    DEVICES and LINKS."""
+    device = DEVICES[device] if isinstance(device, str) else device
+    link = LINKS[link] if isinstance(link, str) else link
+    if device is None:
+        device = cpu_device()
+    world = world or len(plan.stages)
+    if world != len(plan.stages):
+        raise ValueError(f"world={world} but the plan has {len(plan.stages)} stages; "
+                         f"explain() with stages={world}")
+    per_token = plan.tokens / plan.units
+    sends = [s.send_bytes_per_unit / per_token for s in plan.stages]
+    return simulate_model([s.cost for s in plan.stages], sends, plan.tokens, len(plan.chunks),
+                          steps, plan.config.warmup_steps, device, link, world)
 
 
 # ---- PixArt-alpha 1024px, to check the simulator against published PipeFusion numbers ----
