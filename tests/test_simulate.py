@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tokpipe_compiler import simulate
+import tokpipe_compiler.simulate as simulate_module
 from tokpipe_compiler.simulate import DEVICES, LINKS, pixart_stage_costs, simulate_model
 
 
@@ -36,10 +36,10 @@ def test_world_must_match_stages():
 
 
 def test_pixart_within_a_factor_of_two_of_published(capsys):
-    for _, sim, serial, pipelined in simulate.pixart_comparison(chunks=4):
+    for _, sim, serial, pipelined in simulate_module.pixart_comparison(chunks=4):
         assert 0.5 < sim.serial_s / serial < 2
         assert 0.5 < sim.pipelined_s / pipelined < 2
-    simulate.main(["--pixart"])
+    simulate_module.main(["--pixart"])
     assert capsys.readouterr().out.count("published") == 2 * 3
 
 
