@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-import tokpipe_compiler.simulate as simulate_module
-from tokpipe_compiler.simulate import DEVICES, LINKS, pixart_stage_costs, simulate_model
+from tokpipe_compiler import simulator as simulate_module
+from tokpipe_compiler.simulator import DEVICES, LINKS, pixart_stage_costs, simulate_model
 
 
 @pytest.mark.parametrize("device", ["h200", "a100-pcie", "l20"])

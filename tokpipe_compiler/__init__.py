@@ -8,7 +8,7 @@ from .errors import TokpipeError
 from .logs import set_logs
 from .plan import Plan
 from .ring import Ring
-from .simulate import simulate
+from .simulator import simulate
 
 __all__ = ["Config", "Plan", "Ring", "TokpipeError", "backend", "capture_graphs", "explain",
            "programs", "reset", "set_logs", "simulate", "tokpipe"]

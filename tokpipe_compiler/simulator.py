@@ -1,6 +1,6 @@
 """Predict pipelined time on hardware we may not have, from stage costs and spec sheets.
 
-python -m tokpipe_compiler.simulate --pixart   # predicted vs published PipeFusion runs
+python -m tokpipe_compiler.simulator --pixart   # predicted vs published PipeFusion runs
 """
 
 from __future__ import annotations
