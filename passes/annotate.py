@@ -15,7 +15,7 @@ cut to the chunk by a `chunk_slice` node inserted in front of the use.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import torch
@@ -122,13 +122,50 @@ def _is_float(node: torch.fx.Node) -> bool:
 
 def _insert_chunk_slices(gm: torch.fx.GraphModule, scale: int) -> None:
     for node in list(gm.graph.nodes):
-        for operand, axis, per_unit in node.meta.pop(SLICES_KEY, []):
+        for operand, axis, info in node.meta.pop(SLICES_KEY, []):
+            info = scaled_per_unit(info, scale)
             with gm.graph.inserting_before(node):
-                sliced = gm.graph.call_function(chunk_slice, (operand, axis, int(per_unit * scale)))
-            sliced.meta["example_value"] = example_value(operand)
-            sliced.meta[META_KEY] = TokenInfo("token", axis, int(per_unit * scale))
-            sliced.meta["stack_trace"] = node.meta.get("stack_trace")
+                sliced = _chunk_table(gm.graph, operand, axis, info)
+            for new in _new_nodes(operand, sliced):
+                new.meta["stack_trace"] = node.meta.get("stack_trace")
             node.replace_input_with(operand, sliced)
+
+
+def _chunk_table(graph: torch.fx.Graph, table: torch.fx.Node, axis: int,
+                 info: TokenInfo) -> torch.fx.Node:
+    """The chunk's rows of a per-token table: chunk_slice(table), or, around text segments,
+    cat([table head, chunk_slice(middle rows), table tail])."""
+    if not info.segmented:
+        return _add(graph, chunk_slice, (table, axis, info.per_unit), example_value(table), info)
+    full = node_shape(table)[axis]
+    bounds = [(0, info.lead), (info.lead, full - info.trail), (full - info.trail, full)]
+    parts = [_add(graph, torch.narrow, (table, axis, a, b - a),
+                  example_value(table).narrow(axis, a, b - a), INVARIANT_INFO)
+             for a, b in bounds]
+    middle = replace(info, lead=0, trail=0)
+    parts[1] = _add(graph, chunk_slice, (parts[1], axis, info.per_unit),
+                    example_value(parts[1]), middle)
+    kept = [p for p, (a, b) in zip(parts, bounds, strict=True) if b > a]
+    return _add(graph, torch.cat, (kept, axis), example_value(table), info)
+
+
+def _add(graph: torch.fx.Graph, target, args: tuple, value, info: TokenInfo) -> torch.fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["example_value"] = value
+    node.meta[META_KEY] = info
+    return node
+
+
+def _new_nodes(stop: torch.fx.Node, node: torch.fx.Node) -> list[torch.fx.Node]:
+    """`node` and the nodes it was built from, back to `stop`."""
+    found, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        if current is stop or current in found:
+            continue
+        found.append(current)
+        stack.extend(current.all_input_nodes)
+    return found
 
 
 def raise_unsupported(annotation: Annotation) -> None:
