@@ -1,0 +1,121 @@
+"""Small configs and random inputs for diffusers transformers (tests and scripts/coverage.py).
+
+Each entry builds a model with random weights at a size that traces and runs in seconds on
+a CPU, and its keyword inputs for a seed (a new seed: new latents, text and timestep).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Inputs = Callable[[int], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Entry:
+    config: dict[str, Any]
+    inputs: Inputs
+    chunks: int = 2  # chunks for the coverage run (at most the token grid's rows)
+    notes: str = ""
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def image(channels: int, size: int = 8, frames: int | None = None, frames_first=False,
+          **text: tuple[int, ...]) -> Inputs:
+    """Latents [1, C, H, W] (or video [1, C, F, H, W] / [1, F, C, H, W]), a timestep, and
+    random tensors of the given shapes by keyword."""
+
+    def make(seed: int) -> dict[str, Any]:
+        g = _gen(seed)
+        if frames is None:
+            shape = (1, channels, size, size)
+        else:
+            shape = (1, frames, channels, size, size) if frames_first else (
+                1, channels, frames, size, size)
+        out = {"hidden_states": torch.randn(*shape, generator=g),
+               "timestep": torch.rand(1, generator=g) * 900 + 50}
+        out.update({k: torch.randn(*s, generator=g) for k, s in text.items()})
+        return out
+
+    return make
+
+
+def _flux_inputs(seed: int) -> dict[str, Any]:
+    g, side = _gen(seed), 4
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    return {"hidden_states": torch.randn(1, side * side, 8, generator=g),
+            "encoder_hidden_states": torch.randn(1, 5, 12, generator=g),
+            "pooled_projections": torch.randn(1, 10, generator=g),
+            "timestep": torch.rand(1, generator=g), "img_ids": img_ids,
+            "txt_ids": torch.zeros(5, 3)}
+
+
+def _dit_inputs(seed: int) -> dict[str, Any]:
+    g = _gen(seed)
+    return {"hidden_states": torch.randn(1, 4, 8, 8, generator=g),
+            "timestep": torch.randint(0, 1000, (1,), generator=g),
+            "class_labels": torch.randint(0, 10, (1,), generator=g)}
+
+
+def _hunyuan_inputs(seed: int) -> dict[str, Any]:
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed
+
+    g = _gen(seed)
+    return {"hidden_states": torch.randn(1, 4, 8, 8, generator=g),
+            "timestep": torch.rand(1, generator=g) * 900 + 50,
+            "encoder_hidden_states": torch.randn(1, 5, 12, generator=g),
+            "text_embedding_mask": torch.ones(1, 5),
+            "encoder_hidden_states_t5": torch.randn(1, 6, 16, generator=g),
+            "text_embedding_mask_t5": torch.ones(1, 6),
+            "image_rotary_emb": get_2d_rotary_pos_embed(8, ((0, 0), (4, 4)), (4, 4))}
+
+
+HEADS = {"num_attention_heads": 2, "attention_head_dim": 8}
+
+ZOO: dict[str, Entry] = {
+    "DiTTransformer2DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 8, "num_layers": 2, "sample_size": 8,
+         "patch_size": 2, "num_embeds_ada_norm": 10}, _dit_inputs),
+    "PixArtTransformer2DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 8, "num_layers": 2, "sample_size": 8,
+         "patch_size": 2, "cross_attention_dim": 16, "caption_channels": 12,
+         "use_additional_conditions": False},
+        image(4, encoder_hidden_states=(1, 5, 12))),
+    "SD3Transformer2DModel": Entry(
+        {**HEADS, "sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2,
+         "joint_attention_dim": 12, "caption_projection_dim": 16, "pooled_projection_dim": 10,
+         "out_channels": 4, "pos_embed_max_size": 8},
+        image(4, encoder_hidden_states=(1, 5, 12), pooled_projections=(1, 10))),
+    "FluxTransformer2DModel": Entry(
+        {**HEADS, "patch_size": 1, "in_channels": 8, "num_layers": 1, "num_single_layers": 1,
+         "joint_attention_dim": 12, "pooled_projection_dim": 10, "axes_dims_rope": (2, 2, 4)},
+        _flux_inputs, chunks=4),
+    "HunyuanDiT2DModel": Entry(
+        {**HEADS, "in_channels": 4, "patch_size": 2, "activation_fn": "gelu-approximate",
+         "sample_size": 8, "hidden_size": 16, "num_layers": 6, "mlp_ratio": 2.0,
+         "learn_sigma": True, "cross_attention_dim": 12, "norm_type": "layer_norm",
+         "cross_attention_dim_t5": 16, "pooled_projection_dim": 10, "text_len": 5,
+         "text_len_t5": 6, "use_style_cond_and_image_meta_size": False},
+        _hunyuan_inputs, notes="long skips from block i to block depth-1-i"),
+    "CogVideoXTransformer3DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 4, "time_embed_dim": 8,
+         "text_embed_dim": 12, "num_layers": 2, "sample_width": 8, "sample_height": 8,
+         "sample_frames": 13, "patch_size": 2, "temporal_compression_ratio": 4,
+         "max_text_seq_length": 5},
+        image(4, frames=4, frames_first=True, encoder_hidden_states=(1, 5, 12)), chunks=4),
+}
+
+
+def build(name: str, seed: int = 0) -> torch.nn.Module:
+    import diffusers
+
+    torch.manual_seed(seed)
+    return getattr(diffusers, name)(**ZOO[name].config).eval()
