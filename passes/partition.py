@@ -9,6 +9,7 @@ belong to no stage: they run once per call in a prelude and are replicated where
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch.fx
 
@@ -105,7 +106,7 @@ def _choose_cuts(weights: list[float], live: list[int], stages: int) -> list[int
 
 def _heaviest(weights: list[float], cuts: list[int]) -> float:
     bounds = [0, *cuts, len(weights)]
-    return max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return max(sum(weights[a:b]) for a, b in pairwise(bounds))
 
 
 def _balanced(weights: list[float], candidates: list[int], stages: int) -> list[int]:

@@ -9,7 +9,6 @@ import functools
 
 import pytest
 import torch
-
 from tokpipe_compiler.runtime.executor import boundary_names
 
 from .helpers import Traced, assert_rel_close, rel_error, trace
@@ -28,7 +27,7 @@ def traced(name: str) -> tuple[torch.nn.Module, Traced]:
 
 
 def run(name: str, program, seed: int) -> torch.Tensor:
-    model, t = traced(name)
+    _, t = traced(name)
     return program(*t.args(**_kwargs_names(t, ZOO[name].inputs(seed))))[0]
 
 
