@@ -40,18 +40,7 @@ class Annotation:
 
 def annotate(gm: torch.fx.GraphModule, token_input: str | int | None) -> Annotation:
     seed = find_token_input(gm, token_input)
-    axis = seed_axis(seed)
-    infos: dict[torch.fx.Node, TokenInfo] = {}
-    ctx = RuleContext(infos)
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            continue
-        if node is seed:
-            infos[node] = TokenInfo("token", axis, Fraction(1))
-        elif node.op == "placeholder" or not ctx.token_args(node):
-            infos[node] = INVARIANT_INFO
-        else:
-            infos[node] = _apply_rule(node, ctx)
+    axis, infos = _first_supported(gm, seed)
     scale = math.lcm(*(Fraction(i.per_unit).denominator for i in infos.values()
                        if i.carries_tokens))
     rows = node_shape(seed)[axis]
@@ -65,6 +54,37 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None) -> Annotat
     _insert_chunk_slices(gm, scale)
     bad = tuple(n for n, i in infos.items() if i.kind == UNSUPPORTED)
     return Annotation(seed, rows // scale, bad)
+
+
+def _first_supported(
+    gm: torch.fx.GraphModule, seed: torch.fx.Node
+) -> tuple[int, dict[torch.fx.Node, TokenInfo]]:
+    """The first candidate seed axis whose propagation meets no unsupported op (else the
+    first candidate, whose errors the user sees)."""
+    tried = []
+    for axis in seed_axes(seed):
+        infos = _propagate(gm, seed, axis)
+        if all(i.kind != UNSUPPORTED for i in infos.values()):
+            return axis, infos
+        tried.append((axis, infos))
+    return tried[0]
+
+
+def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node,
+               axis: int) -> dict[torch.fx.Node, TokenInfo]:
+    infos: dict[torch.fx.Node, TokenInfo] = {}
+    ctx = RuleContext(infos)
+    for node in gm.graph.nodes:
+        node.meta.pop(SLICES_KEY, None)  # left by an earlier candidate axis
+        if node.op == "output":
+            continue
+        if node is seed:
+            infos[node] = TokenInfo("token", axis, Fraction(1))
+        elif node.op == "placeholder" or not ctx.token_args(node):
+            infos[node] = INVARIANT_INFO
+        else:
+            infos[node] = _apply_rule(node, ctx)
+    return infos
 
 
 def _apply_rule(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
@@ -109,10 +129,11 @@ def is_user_input(node: torch.fx.Node) -> bool:
     return not (node.name.startswith("l_self_") or node.name.startswith("l__self___"))
 
 
-def seed_axis(node: torch.fx.Node) -> int:
-    """Rows of an image latent [B, C, H, W]; the sequence of tokens [B, L, D] or ids [B, L]."""
+def seed_axes(node: torch.fx.Node) -> list[int]:
+    """Candidate token axes, in order: rows of an image latent [B, C, H, W]; the sequence of
+    tokens [B, L, D] or ids [B, L]; frames of a video [B, C, F, H, W], or [B, F, C, H, W]."""
     ndim = len(node_shape(node))
-    return {2: 1, 3: 1, 4: 2}.get(ndim, 1)
+    return {2: [1], 3: [1], 4: [2], 5: [2, 1]}.get(ndim, [1])
 
 
 def _is_float(node: torch.fx.Node) -> bool:

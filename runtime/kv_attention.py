@@ -46,9 +46,11 @@ def kv_attention(
     keys, values = k_cache[..., :kv_len, :], v_cache[..., :kv_len, :]
     attn_mask = _visible_mask(q, offset, kv_len, causal, mask)
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
+    # Contiguous, as the fake implementation promises: compiled code around the op relies on
+    # the strides it was traced with, and SDPA's output strides depend on its inputs'.
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1
-    )
+    ).contiguous()
 
 
 @kv_attention.register_fake
@@ -74,7 +76,7 @@ def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, tr
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
-    )
+    ).contiguous()
 
 
 def _visible_mask(

@@ -78,7 +78,41 @@ def _hunyuan_inputs(seed: int) -> dict[str, Any]:
             "image_rotary_emb": get_2d_rotary_pos_embed(8, ((0, 0), (4, 4)), (4, 4))}
 
 
+def _ltx_inputs(seed: int) -> dict[str, Any]:
+    g = _gen(seed)
+    return {"hidden_states": torch.randn(1, 2 * 4 * 4, 8, generator=g),
+            "encoder_hidden_states": torch.randn(1, 5, 12, generator=g),
+            "timestep": torch.rand(1, generator=g) * 900 + 50,
+            "encoder_attention_mask": torch.ones(1, 5), "num_frames": 2, "height": 4, "width": 4}
+
+
+def _qwen_inputs(seed: int) -> dict[str, Any]:
+    g = _gen(seed)
+    return {"hidden_states": torch.randn(1, 16, 8, generator=g),
+            "encoder_hidden_states": torch.randn(1, 5, 12, generator=g),
+            "encoder_hidden_states_mask": torch.ones(1, 5), "timestep": torch.rand(1, generator=g),
+            "img_shapes": [(1, 4, 4)]}
+
+
+def _chroma_inputs(seed: int) -> dict[str, Any]:
+    out = _flux_inputs(seed)
+    del out["pooled_projections"]
+    return out
+
+
+def _cogview_inputs(seed: int) -> dict[str, Any]:
+    out = image(4, encoder_hidden_states=(1, 5, 12))(seed)
+    size = torch.tensor([[8.0, 8.0]])
+    return {**out, "original_size": size, "target_size": size, "crop_coords": torch.zeros(1, 2)}
+
+
+def _with(inputs: Inputs, **fixed: Any) -> Inputs:
+    return lambda seed: {**inputs(seed), **fixed}
+
+
 HEADS = {"num_attention_heads": 2, "attention_head_dim": 8}
+TEXT = {"encoder_hidden_states": (1, 5, 12)}
+VIDEO = image(4, frames=2, **TEXT)
 
 ZOO: dict[str, Entry] = {
     "DiTTransformer2DModel": Entry(
@@ -111,6 +145,75 @@ ZOO: dict[str, Entry] = {
          "sample_frames": 13, "patch_size": 2, "temporal_compression_ratio": 4,
          "max_text_seq_length": 5},
         image(4, frames=4, frames_first=True, encoder_hidden_states=(1, 5, 12)), chunks=4),
+    "Transformer2DModel": Entry(
+        {**HEADS, "in_channels": 4, "num_layers": 1, "patch_size": 2, "sample_size": 8,
+         "norm_type": "ada_norm_zero", "num_embeds_ada_norm": 10}, _dit_inputs),
+    "AuraFlowTransformer2DModel": Entry(
+        {**HEADS, "sample_size": 8, "patch_size": 2, "in_channels": 4, "num_mmdit_layers": 1,
+         "num_single_dit_layers": 1, "joint_attention_dim": 12, "caption_projection_dim": 16,
+         "out_channels": 4, "pos_embed_max_size": 16}, image(4, **TEXT)),
+    "Lumina2Transformer2DModel": Entry(
+        {"sample_size": 8, "patch_size": 2, "in_channels": 4, "hidden_size": 16,
+         "num_layers": 1, "num_refiner_layers": 1, "num_attention_heads": 2, "num_kv_heads": 1,
+         "multiple_of": 16, "axes_dim_rope": (2, 2, 4), "axes_lens": (32, 32, 32),
+         "cap_feat_dim": 12},
+        _with(image(4, **TEXT), encoder_attention_mask=torch.ones(1, 5, dtype=torch.bool))),
+    "SanaTransformer2DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 4, "num_layers": 1,
+         "num_cross_attention_heads": 2, "cross_attention_head_dim": 8,
+         "cross_attention_dim": 16, "caption_channels": 12, "sample_size": 8, "patch_size": 1},
+        image(4, **TEXT)),
+    "WanTransformer3DModel": Entry(
+        {**HEADS, "patch_size": (1, 2, 2), "in_channels": 4, "out_channels": 4, "text_dim": 12,
+         "freq_dim": 16, "ffn_dim": 32, "num_layers": 1, "rope_max_seq_len": 32}, VIDEO),
+    "SkyReelsV2Transformer3DModel": Entry(
+        {**HEADS, "patch_size": (1, 2, 2), "in_channels": 4, "out_channels": 4, "text_dim": 12,
+         "freq_dim": 16, "ffn_dim": 32, "num_layers": 1, "rope_max_seq_len": 32}, VIDEO),
+    "LTXVideoTransformer3DModel": Entry(
+        {**HEADS, "in_channels": 8, "out_channels": 8, "cross_attention_dim": 16,
+         "num_layers": 1, "caption_channels": 12}, _ltx_inputs),
+    "MochiTransformer3DModel": Entry(
+        {**HEADS, "patch_size": 2, "num_layers": 1, "pooled_projection_dim": 16,
+         "in_channels": 4, "text_embed_dim": 12, "time_embed_dim": 16,
+         "max_sequence_length": 5}, _with(VIDEO, encoder_attention_mask=torch.ones(1, 5))),
+    "HunyuanVideoTransformer3DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 4, "num_layers": 1, "num_single_layers": 1,
+         "num_refiner_layers": 1, "patch_size": 2, "patch_size_t": 1, "guidance_embeds": False,
+         "text_embed_dim": 12, "pooled_projection_dim": 10, "rope_axes_dim": (2, 2, 4)},
+        _with(image(4, frames=2, pooled_projections=(1, 10), **TEXT),
+              encoder_attention_mask=torch.ones(1, 5))),
+    "LatteTransformer3DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 4, "num_layers": 1,
+         "cross_attention_dim": 16, "sample_size": 8, "patch_size": 2,
+         "norm_type": "ada_norm_single", "caption_channels": 12, "video_length": 2}, VIDEO),
+    "AllegroTransformer3DModel": Entry(
+        {**HEADS, "patch_size": 2, "patch_size_t": 1, "in_channels": 4, "out_channels": 4,
+         "num_layers": 1, "cross_attention_dim": 16, "sample_height": 8, "sample_width": 8,
+         "sample_frames": 2, "caption_channels": 12}, VIDEO),
+    "CogView3PlusTransformer2DModel": Entry(
+        {**HEADS, "patch_size": 2, "in_channels": 4, "num_layers": 1, "out_channels": 4,
+         "text_embed_dim": 12, "time_embed_dim": 8, "condition_dim": 4,
+         "pos_embed_max_size": 8, "sample_size": 8}, _cogview_inputs),
+    "CogView4Transformer2DModel": Entry(
+        {**HEADS, "patch_size": 2, "in_channels": 4, "num_layers": 1, "out_channels": 4,
+         "text_embed_dim": 12, "time_embed_dim": 8, "condition_dim": 4,
+         "pos_embed_max_size": 8, "sample_size": 8, "rope_axes_dim": (4, 4)}, _cogview_inputs),
+    "ChromaTransformer2DModel": Entry(
+        {**HEADS, "patch_size": 1, "in_channels": 8, "num_layers": 1, "num_single_layers": 1,
+         "joint_attention_dim": 12, "axes_dims_rope": (2, 2, 4),
+         "approximator_num_channels": 8, "approximator_hidden_dim": 16,
+         "approximator_layers": 1}, _chroma_inputs, chunks=4),
+    "QwenImageTransformer2DModel": Entry(
+        {**HEADS, "patch_size": 2, "in_channels": 8, "out_channels": 2, "num_layers": 1,
+         "joint_attention_dim": 12, "axes_dims_rope": (2, 2, 4)}, _qwen_inputs, chunks=4),
+    "CosmosTransformer3DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 4, "num_layers": 1, "mlp_ratio": 2.0,
+         "text_embed_dim": 12, "adaln_lora_dim": 4, "max_size": (4, 16, 16),
+         "patch_size": (1, 2, 2)},
+        _with(VIDEO, padding_mask=torch.zeros(1, 1, 8, 8))),
+    "TransformerTemporalModel": Entry(
+        {**HEADS, "in_channels": 4, "norm_num_groups": 2, "num_layers": 1},
+        _with(image(4), num_frames=1)),
 }
 
 
