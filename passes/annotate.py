@@ -26,7 +26,7 @@ from tokpipe_compiler.errors import NoTokenInput, TokpipeError, describe
 from tokpipe_compiler.graph_utils import example_value, is_tensor_node, node_shape, target_name
 from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY, UNSUPPORTED, TokenInfo
 
-from .rules import RULES, SLICES_KEY, RuleContext, op_key, scaled_per_unit, unsupported
+from .rules import IN_PLACE, RULES, SLICES_KEY, RuleContext, op_key, scaled_per_unit, unsupported
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ def _apply_rule(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     rule = RULES.get(op_key(node))
     if rule is None:
         return unsupported(f"no token rule for '{target_name(node)}'")
-    if not (is_tensor_node(node) or isinstance(example_value(node), (tuple, list))):
+    if not (is_tensor_node(node) or isinstance(example_value(node), (tuple, list))
+            or node.target in IN_PLACE):
         return unsupported(f"'{target_name(node)}' of a token tensor gives a non-tensor value")
     try:
         return rule(node, ctx)
@@ -131,9 +132,10 @@ def is_user_input(node: torch.fx.Node) -> bool:
 
 def seed_axes(node: torch.fx.Node) -> list[int]:
     """Candidate token axes, in order: rows of an image latent [B, C, H, W]; the sequence of
-    tokens [B, L, D] or ids [B, L]; frames of a video [B, C, F, H, W], or [B, F, C, H, W]."""
+    tokens [B, L, D] (or [B, C, L]) or ids [B, L]; frames of a video [B, C, F, H, W] (or
+    [B, F, C, H, W])."""
     ndim = len(node_shape(node))
-    return {2: [1], 3: [1], 4: [2], 5: [2, 1]}.get(ndim, [1])
+    return {2: [1], 3: [1, 2], 4: [2], 5: [2, 1]}.get(ndim, [1])
 
 
 def _is_float(node: torch.fx.Node) -> bool:

@@ -36,7 +36,7 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
     for layer, node in enumerate(attention):
         args = _sdpa_args(node)
         causal = bool(args.get("is_causal", False))
-        info = node.meta[META_KEY]
+        info = args["key"].meta[META_KEY]  # queries may lack the text segment of the keys
         if causal and info.segmented:
             raise TokpipeError(
                 f"{describe(node)} is causal over a sequence with whole text segments around "

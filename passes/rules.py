@@ -67,10 +67,11 @@ def first_token(node: torch.fx.Node, ctx: RuleContext) -> tuple[torch.fx.Node, T
 
 def slice_operand(node: torch.fx.Node, operand: torch.fx.Node, axis: int, info: TokenInfo) -> str:
     """Record that an invariant operand is a per-token table (a positional embedding, say)
-    that must be cut to the chunk before `node` uses it; returns why it cannot be, or ''."""
+    that must be cut to the chunk before `node` uses it; returns why it cannot be, or ''.
+    `axis`: the operand's axis that lines up with the token axis of `info`, `node`'s own."""
     if not info.per_unit:
         return ""  # a segment-only value: every chunk uses the table whole
-    table, full = node_shape(operand)[axis], node_shape(node)[axis]
+    table, full = node_shape(operand)[axis], node_shape(node)[info.axis]
     if table != full:
         return (f"a per-token table of {table} rows meets a token axis of {full} rows (a "
                 "table longer than the sequence must be cut to it before the model uses it)")
@@ -93,7 +94,7 @@ _ELEMENTWISE = [
 _ELEMENTWISE_METHODS = [
     "add", "sub", "mul", "div", "pow", "neg", "exp", "log", "sin", "cos", "tanh", "sigmoid",
     "sqrt", "rsqrt", "abs", "clamp", "square", "relu", "masked_fill", "to", "float", "half",
-    "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach", "__add__",
+    "bfloat16", "double", "type", "contiguous", "clone", "detach", "__add__",
     "__mul__", "__radd__", "__rmul__", "__sub__", "__rsub__", "__truediv__", "add_", "mul_",
     "clamp_", "erf", "lerp", "addcmul", "float_power", "sign",
 ]
@@ -122,6 +123,44 @@ def elementwise(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     return out
 
 
+@register(torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
+          torch.randn_like, torch.rand_like, "method:new_empty", "method:new_zeros")
+def like(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if src is not node.args[0] or node_shape(node) != node_shape(src):
+        return unsupported("a token tensor gives the shape of a new tensor")
+    return info
+
+
+# Ops that write into their first argument and return nothing: their rule checks the write
+# keeps the token layout; later readers of the argument see the written value.
+IN_PLACE = {operator.setitem}
+
+
+@register(operator.setitem)
+def setitem(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    target, index, value = node.args
+    info = ctx.info(target)
+    if info is None or not info.carries_tokens:
+        return unsupported("a token value is written into a tensor without tokens")
+    shape = node_shape(target)
+    moved = getitem_axis(expand_index(index, len(shape)), info.axis, shape)
+    if isinstance(moved, str) or moved[1] is not None:
+        return unsupported("a write into part of the token axis")
+    written = ctx.info(value)
+    if written is not None and written.carries_tokens and written.per_unit != info.per_unit:
+        return unsupported("a write of values with another token layout")
+    return info
+
+
+@register("method:type_as")
+def type_as(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    info = ctx.info(node.args[0])
+    if info is None or not info.carries_tokens:
+        return unsupported("the dtype of an invariant value is taken from a token tensor")
+    return info
+
+
 # -- views and layout -------------------------------------------------------------------------
 
 
@@ -141,6 +180,24 @@ def reshape(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         return unsupported("a reshape splits the text segment of the token axis")
     return replace(info, kind=TOKEN, axis=axis, per_unit=info.per_unit * ratio,
                    lead=int(lead), trail=int(trail))
+
+
+@register(torch.view_as_complex, torch.view_as_real)
+def complex_view(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if info.axis == len(node_shape(src)) - 1:
+        return unsupported("a complex view over the token axis")
+    return info
+
+
+@register(F.pad, torch._C._nn.pad)
+def pad(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    widths = node.args[1] if len(node.args) > 1 else node.kwargs["pad"]
+    from_last = len(node_shape(src)) - 1 - info.axis
+    if src is not node.args[0] or any(widths[2 * from_last : 2 * from_last + 2]):
+        return unsupported("padding along the token axis")
+    return info
 
 
 @register("method:permute", torch.permute)
@@ -264,7 +321,8 @@ def reduction(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         return unsupported(f"{node.target} over all elements mixes tokens")
     dims = [d % ndim for d in (dims if isinstance(dims, (tuple, list)) else [dims])]
     if info.axis in dims:
-        return unsupported(f"{node.target} over the token axis mixes tokens")
+        return unsupported(f"{node.target} over the token axis mixes tokens (sums over tokens, "
+                           "as in linear attention, are not chunked yet)")
     keepdim = node.kwargs.get("keepdim", len(node.args) > 2 and node.args[2] is True)
     shift = 0 if keepdim else sum(1 for d in dims if d < info.axis)
     return info.moved(info.axis - shift)
@@ -323,7 +381,8 @@ def matmul(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     a, b = node.args[0], node.args[1]
     ia, ib = ctx.info(a), ctx.info(b)
     out_ndim = len(node_shape(node))
-    hint = "write attention with F.scaled_dot_product_attention so tokpipe can chunk it"
+    hint = ("a sum over tokens such as linear attention is not chunked yet; write attention "
+            "with F.scaled_dot_product_attention so tokpipe can chunk it")
     if ib is not None and ib.carries_tokens:
         nb = len(node_shape(b))
         if ib.axis == nb - 2 or (ia is not None and ia.carries_tokens):
@@ -431,12 +490,14 @@ def attention(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     iq, ik, iv = ctx.info(q), ctx.info(k), ctx.info(v)
     nd = len(node_shape(q))
     if not (ik.carries_tokens or iv.carries_tokens):
-        return iq.moved(iq.axis)  # cross-attention: keys are invariant
+        return _cross_attention(node, iq, (k, v))
     if not (iq.carries_tokens and ik.carries_tokens and iv.carries_tokens):
         return unsupported("self-attention whose queries, keys and values differ in token use")
+    if len({iq, ik, iv}) == 1 and iq.axis < nd - 2:
+        return iq  # tokens on a batch or head axis: each item attends on its own
     if {iq.axis, ik.axis, iv.axis} != {nd - 2}:
         return unsupported("attention whose sequence axis is not the token axis")
-    if len({iq, ik, iv}) != 1:
+    if ik != iv or iq not in (ik, replace(ik, lead=0, trail=0)):
         return unsupported("queries and keys of different token granularity or segments")
     mask = args.get("attn_mask")
     if isinstance(mask, torch.fx.Node):
@@ -448,6 +509,19 @@ def attention(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
             if why:
                 return unsupported(why)
     return iq.moved(nd - 2, ATTENTION)
+
+
+def _cross_attention(node: torch.fx.Node, iq: TokenInfo, keys: tuple) -> TokenInfo:
+    """Queries chunked, keys and values invariant. With the tokens on a batch axis (video
+    frames folded into the batch), the keys of each item are cut to the chunk's items."""
+    nd = len(node_shape(node))
+    if iq.axis < nd - 2:
+        for kv in keys:
+            if node_shape(kv)[iq.axis] != 1:
+                why = slice_operand(node, kv, iq.axis, iq)
+                if why:
+                    return unsupported(why)
+    return iq
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")

@@ -60,9 +60,10 @@ def _(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None, mask=None,
 
 
 def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, trail):
-    """Attention over [lead segment, visible chunked cache, trail segment]."""
+    """Attention over [lead segment, visible chunked cache, trail segment]. The queries are
+    the chunk's tokens, with or without the segments (text attending too, or not)."""
     start, _, visible = (int(x) for x in chunk.tolist())
-    full, n = k_cache.shape[-2], q.shape[-2] - lead - trail
+    full, n = k_cache.shape[-2], k.shape[-2] - lead - trail
     offset = lead + start * per_unit
     for cache, new in ((k_cache, k), (v_cache, v)):
         cache[..., :lead, :].copy_(new[..., :lead, :])

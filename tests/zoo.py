@@ -106,6 +106,21 @@ def _cogview_inputs(seed: int) -> dict[str, Any]:
     return {**out, "original_size": size, "target_size": size, "crop_coords": torch.zeros(1, 2)}
 
 
+def _ids_inputs(axes: int, pooled: bool) -> Inputs:
+    """Flux-style packed latents with position ids: text ids zero, image ids (0.., row, col)."""
+
+    def make(seed: int) -> dict[str, Any]:
+        out = _flux_inputs(seed)
+        if not pooled:
+            del out["pooled_projections"]
+        pad = torch.zeros(16, axes - 3)
+        out["img_ids"] = torch.cat([out["img_ids"], pad], -1)
+        out["txt_ids"] = torch.zeros(5, axes)
+        return out
+
+    return make
+
+
 def _with(inputs: Inputs, **fixed: Any) -> Inputs:
     return lambda seed: {**inputs(seed), **fixed}
 
@@ -211,6 +226,52 @@ ZOO: dict[str, Entry] = {
          "text_embed_dim": 12, "adaln_lora_dim": 4, "max_size": (4, 16, 16),
          "patch_size": (1, 2, 2)},
         _with(VIDEO, padding_mask=torch.zeros(1, 1, 8, 8))),
+    "Flux2Transformer2DModel": Entry(
+        {**HEADS, "patch_size": 1, "in_channels": 8, "num_layers": 1, "num_single_layers": 1,
+         "joint_attention_dim": 12, "timestep_guidance_channels": 16,
+         "axes_dims_rope": (2, 2, 2, 2), "guidance_embeds": False},
+        _ids_inputs(4, pooled=False), chunks=4),
+    "BriaTransformer2DModel": Entry(
+        {**HEADS, "patch_size": 1, "in_channels": 8, "num_layers": 1, "num_single_layers": 1,
+         "joint_attention_dim": 12, "pooled_projection_dim": 10, "axes_dims_rope": [2, 2, 4]},
+        _ids_inputs(3, pooled=True), chunks=4),
+    "LongCatImageTransformer2DModel": Entry(
+        {**HEADS, "patch_size": 1, "in_channels": 8, "num_layers": 1, "num_single_layers": 1,
+         "joint_attention_dim": 12, "pooled_projection_dim": 10, "axes_dims_rope": [2, 2, 4]},
+        _ids_inputs(3, pooled=False), chunks=4),
+    "OvisImageTransformer2DModel": Entry(
+        {**HEADS, "patch_size": 1, "in_channels": 8, "out_channels": 8, "num_layers": 1,
+         "num_single_layers": 1, "joint_attention_dim": 12, "axes_dims_rope": (2, 2, 4)},
+        _ids_inputs(3, pooled=False), chunks=4),
+    "ChronoEditTransformer3DModel": Entry(
+        {**HEADS, "patch_size": (1, 2, 2), "in_channels": 4, "out_channels": 4, "text_dim": 12,
+         "freq_dim": 16, "ffn_dim": 32, "num_layers": 1, "rope_max_seq_len": 32}, VIDEO),
+    "SanaVideoTransformer3DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 4, "num_layers": 1,
+         "num_cross_attention_heads": 2, "cross_attention_head_dim": 8,
+         "cross_attention_dim": 16, "caption_channels": 12, "sample_size": 8,
+         "rope_max_seq_len": 32}, VIDEO),
+    "ConsisIDTransformer3DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 4, "time_embed_dim": 8,
+         "text_embed_dim": 12, "num_layers": 1, "sample_width": 8, "sample_height": 8,
+         "sample_frames": 5, "patch_size": 2, "max_text_seq_length": 5},
+        image(4, frames=2, frames_first=True, **TEXT)),
+    "HunyuanImageTransformer2DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 4, "num_layers": 1, "num_single_layers": 1,
+         "num_refiner_layers": 1, "patch_size": (2, 2), "text_embed_dim": 12,
+         "rope_axes_dim": (4, 4)},
+        _with(image(4, **TEXT), encoder_attention_mask=torch.ones(1, 5))),
+    "PRXTransformer2DModel": Entry(
+        {"in_channels": 4, "patch_size": 2, "context_in_dim": 12, "hidden_size": 16,
+         "mlp_ratio": 2.0, "num_heads": 2, "depth": 2, "axes_dim": [4, 4]}, image(4, **TEXT)),
+    "StableAudioDiTModel": Entry(
+        {"sample_size": 16, "in_channels": 4, "num_layers": 1, **HEADS,
+         "num_key_value_attention_heads": 1, "out_channels": 4, "cross_attention_dim": 16,
+         "time_proj_dim": 8, "global_states_input_dim": 12, "cross_attention_input_dim": 12},
+        lambda seed: {"hidden_states": torch.randn(1, 4, 16, generator=_gen(seed)),
+                      "timestep": torch.tensor([10.0 + seed]),
+                      "encoder_hidden_states": torch.randn(1, 5, 12, generator=_gen(seed)),
+                      "global_hidden_states": torch.randn(1, 1, 12, generator=_gen(seed + 1))}),
     "TransformerTemporalModel": Entry(
         {**HEADS, "in_channels": 4, "norm_num_groups": 2, "num_layers": 1},
         _with(image(4), num_frames=1)),
