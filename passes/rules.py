@@ -144,11 +144,20 @@ def setitem(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     if info is None or not info.carries_tokens:
         return unsupported("a token value is written into a tensor without tokens")
     shape = node_shape(target)
-    moved = getitem_axis(expand_index(index, len(shape)), info.axis, shape)
-    if isinstance(moved, str) or moved[1] is not None:
-        return unsupported("a write into part of the token axis")
+    items = expand_index(index, len(shape))
+    moved = getitem_axis(items, info.axis, shape)
+    if isinstance(moved, str):
+        return unsupported(moved)
+    part = info
+    if moved[1] is not None:  # a write into the image tokens after a text segment, say
+        start, stop, _ = items[moved[1]].indices(shape[info.axis])
+        part = segments.cut(info, shape[info.axis], start, stop)
+        if isinstance(part, str):
+            return unsupported(part)
     written = ctx.info(value)
-    if written is not None and written.carries_tokens and written.per_unit != info.per_unit:
+    if written is not None and written.carries_tokens and (
+            written.per_unit, written.lead, written.trail) != (
+            part.per_unit, part.lead, part.trail):
         return unsupported("a write of values with another token layout")
     return info
 

@@ -70,7 +70,7 @@ def _rewrite_token_bounds(node: torch.fx.Node, units: int) -> None:
         return
     full = example_value(src).shape[info.axis]
     key = op_key(node)
-    if key is operator.getitem:
+    if key in (operator.getitem, operator.setitem):
         shape = example_value(src).shape
         items = expand_index(node.args[1], len(shape))
         moved = getitem_axis(items, info.axis, shape)
@@ -78,7 +78,7 @@ def _rewrite_token_bounds(node: torch.fx.Node, units: int) -> None:
             start, stop, _ = items[moved[1]].indices(full)
             items[moved[1]] = slice(segments.to_chunk(start, info, full, units),
                                     segments.to_chunk(stop, info, full, units))
-            node.args = (src, tuple(items))
+            node.args = (src, tuple(items), *node.args[2:])
     elif split_pieces(node, info) is not None:
         sizes = [piece.extent(units) for piece in split_pieces(node, info)]
         node.args = (src, sizes, *node.args[2:])
