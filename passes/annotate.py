@@ -40,6 +40,7 @@ class Annotation:
 
 def annotate(gm: torch.fx.GraphModule, token_input: str | int | None) -> Annotation:
     seed = find_token_input(gm, token_input)
+    _static_dtypes(gm)
     axis, infos = _first_supported(gm, seed)
     scale = math.lcm(*(Fraction(i.per_unit).denominator for i in infos.values()
                        if i.carries_tokens))
@@ -54,6 +55,14 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None) -> Annotat
     _insert_chunk_slices(gm, scale)
     bad = tuple(n for n, i in infos.items() if i.kind == UNSUPPORTED)
     return Annotation(seed, rows // scale, bad)
+
+
+def _static_dtypes(gm: torch.fx.GraphModule) -> None:
+    """x.type_as(y) -> x.to(dtype of y): the dtype is known statically, and a token `y`
+    must not make an invariant `x` depend on the tokens."""
+    for node in gm.graph.nodes:
+        if op_key(node) == "method:type_as" and isinstance(node.args[1], torch.fx.Node):
+            node.target, node.args = "to", (node.args[0], example_value(node.args[1]).dtype)
 
 
 def _first_supported(

@@ -94,7 +94,7 @@ _ELEMENTWISE = [
 _ELEMENTWISE_METHODS = [
     "add", "sub", "mul", "div", "pow", "neg", "exp", "log", "sin", "cos", "tanh", "sigmoid",
     "sqrt", "rsqrt", "abs", "clamp", "square", "relu", "masked_fill", "to", "float", "half",
-    "bfloat16", "double", "type", "contiguous", "clone", "detach", "__add__",
+    "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach", "__add__",
     "__mul__", "__radd__", "__rmul__", "__sub__", "__rsub__", "__truediv__", "add_", "mul_",
     "clamp_", "erf", "lerp", "addcmul", "float_power", "sign",
 ]
@@ -159,14 +159,6 @@ def setitem(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
             written.per_unit, written.lead, written.trail) != (
             part.per_unit, part.lead, part.trail):
         return unsupported("a write of values with another token layout")
-    return info
-
-
-@register("method:type_as")
-def type_as(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
-    info = ctx.info(node.args[0])
-    if info is None or not info.carries_tokens:
-        return unsupported("the dtype of an invariant value is taken from a token tensor")
     return info
 
 
@@ -306,6 +298,20 @@ def along_dim(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     if dim is None or dim % len(node_shape(src)) == info.axis:
         return unsupported(f"{target_name(node)} along the token axis mixes tokens")
     return info
+
+
+@register("method:repeat_interleave", torch.repeat_interleave)
+def repeat_interleave(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = _dim_arg(node, 2)
+    if src is not node.args[0] or not isinstance(repeats, int) or dim is None:
+        return unsupported("repeat_interleave with tensor repeats or without a dim")
+    if dim % len(node_shape(src)) != info.axis:
+        return info
+    # Each token repeated in place: a chunk's rows stay one contiguous, longer range.
+    return replace(info, per_unit=info.per_unit * repeats, lead=info.lead * repeats,
+                   trail=info.trail * repeats)
 
 
 @register("method:unbind", torch.unbind)

@@ -189,8 +189,10 @@ ZOO: dict[str, Entry] = {
          "num_layers": 1, "caption_channels": 12}, _ltx_inputs),
     "MochiTransformer3DModel": Entry(
         {**HEADS, "patch_size": 2, "num_layers": 1, "pooled_projection_dim": 16,
-         "in_channels": 4, "text_embed_dim": 12, "time_embed_dim": 16,
-         "max_sequence_length": 5}, _with(VIDEO, encoder_attention_mask=torch.ones(1, 5))),
+         "in_channels": 4, "text_embed_dim": 16, "time_embed_dim": 16,
+         "max_sequence_length": 5},  # its text pooler has 8 heads: text width 16
+        _with(image(4, frames=2, encoder_hidden_states=(1, 5, 16)),
+              encoder_attention_mask=torch.ones(1, 5))),
     "HunyuanVideoTransformer3DModel": Entry(
         {**HEADS, "in_channels": 4, "out_channels": 4, "num_layers": 1, "num_single_layers": 1,
          "num_refiner_layers": 1, "patch_size": 2, "patch_size_t": 1, "guidance_embeds": False,
@@ -222,10 +224,10 @@ ZOO: dict[str, Entry] = {
         {**HEADS, "patch_size": 2, "in_channels": 8, "out_channels": 2, "num_layers": 1,
          "joint_attention_dim": 12, "axes_dims_rope": (2, 2, 4)}, _qwen_inputs, chunks=4),
     "CosmosTransformer3DModel": Entry(
-        {**HEADS, "in_channels": 4, "out_channels": 4, "num_layers": 1, "mlp_ratio": 2.0,
+        {"num_attention_heads": 2, "attention_head_dim": 24, "in_channels": 4,
+         "out_channels": 4, "num_layers": 1, "mlp_ratio": 2.0,
          "text_embed_dim": 12, "adaln_lora_dim": 4, "max_size": (4, 16, 16),
-         "patch_size": (1, 2, 2)},
-        _with(VIDEO, padding_mask=torch.zeros(1, 1, 8, 8))),
+         "patch_size": (1, 2, 2), "concat_padding_mask": False}, VIDEO),
     "Flux2Transformer2DModel": Entry(
         {**HEADS, "patch_size": 1, "in_channels": 8, "num_layers": 1, "num_single_layers": 1,
          "joint_attention_dim": 12, "timestep_guidance_channels": 16,
