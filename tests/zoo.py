@@ -274,6 +274,16 @@ ZOO: dict[str, Entry] = {
                       "timestep": torch.tensor([10.0 + seed]),
                       "encoder_hidden_states": torch.randn(1, 5, 12, generator=_gen(seed)),
                       "global_hidden_states": torch.randn(1, 1, 12, generator=_gen(seed + 1))}),
+    "WanVACETransformer3DModel": Entry(
+        {**HEADS, "patch_size": (1, 2, 2), "in_channels": 4, "out_channels": 4, "text_dim": 12,
+         "freq_dim": 16, "ffn_dim": 32, "num_layers": 2, "rope_max_seq_len": 32,
+         "vace_layers": [0], "vace_in_channels": 4},
+        lambda seed: {**VIDEO(seed), "control_hidden_states": torch.randn(
+            1, 4, 2, 8, 8, generator=_gen(seed + 7))}),
+    "MotifVideoTransformer3DModel": Entry(
+        {**HEADS, "in_channels": 4, "out_channels": 4, "num_layers": 1, "num_single_layers": 1,
+         "patch_size": 2, "patch_size_t": 1, "text_embed_dim": 12, "rope_axes_dim": (2, 2, 4)},
+        _with(VIDEO, encoder_attention_mask=torch.ones(1, 5))),
     "TransformerTemporalModel": Entry(
         {**HEADS, "in_channels": 4, "norm_num_groups": 2, "num_layers": 1},
         _with(image(4), num_frames=1)),
