@@ -15,7 +15,7 @@ cut to the chunk by a `chunk_slice` node inserted in front of the use.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import torch
@@ -33,7 +33,7 @@ from tokpipe_compiler.graph_utils import (
 )
 from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY, UNSUPPORTED, TokenInfo
 
-from .rules import RULES, SLICES_KEY, RuleContext, op_key, scaled_per_unit, unsupported
+from .rules import IN_PLACE, RULES, SLICES_KEY, RuleContext, op_key, scaled_per_unit, unsupported
 
 
 @dataclass(frozen=True)
@@ -47,18 +47,8 @@ class Annotation:
 
 def annotate(gm: torch.fx.GraphModule, token_input: str | int | None) -> Annotation:
     seed = find_token_input(gm, token_input)
-    axis = seed_axis(seed)
-    infos: dict[torch.fx.Node, TokenInfo] = {}
-    ctx = RuleContext(infos)
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            continue
-        if node is seed or _aligned_with(node, seed):
-            infos[node] = TokenInfo("token", axis, Fraction(1))
-        elif node.op == "placeholder" or not ctx.token_args(node):
-            infos[node] = INVARIANT_INFO
-        else:
-            infos[node] = _apply_rule(node, ctx)
+    _static_dtypes(gm)
+    axis, infos = _first_supported(gm, seed)
     scale = math.lcm(*(Fraction(i.per_unit).denominator for i in infos.values()
                        if i.carries_tokens))
     rows = node_shape(seed)[axis]
@@ -74,11 +64,51 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None) -> Annotat
     return Annotation(seed, rows // scale, bad)
 
 
+def _static_dtypes(gm: torch.fx.GraphModule) -> None:
+    """x.type_as(y) -> x.to(dtype of y): the dtype is known statically, and a token `y`
+    must not make an invariant `x` depend on the tokens."""
+    for node in gm.graph.nodes:
+        if op_key(node) == "method:type_as" and isinstance(node.args[1], torch.fx.Node):
+            node.target, node.args = "to", (node.args[0], example_value(node.args[1]).dtype)
+
+
+def _first_supported(
+    gm: torch.fx.GraphModule, seed: torch.fx.Node
+) -> tuple[int, dict[torch.fx.Node, TokenInfo]]:
+    """The first candidate seed axis whose propagation meets no unsupported op (else the
+    first candidate, whose errors the user sees)."""
+    tried = []
+    for axis in seed_axes(seed):
+        infos = _propagate(gm, seed, axis)
+        if all(i.kind != UNSUPPORTED for i in infos.values()):
+            return axis, infos
+        tried.append((axis, infos))
+    return tried[0]
+
+
+def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node,
+               axis: int) -> dict[torch.fx.Node, TokenInfo]:
+    infos: dict[torch.fx.Node, TokenInfo] = {}
+    ctx = RuleContext(infos)
+    for node in gm.graph.nodes:
+        node.meta.pop(SLICES_KEY, None)  # left by an earlier candidate axis
+        if node.op == "output":
+            continue
+        if node is seed or _aligned_with(node, seed):
+            infos[node] = TokenInfo("token", axis, Fraction(1))
+        elif node.op == "placeholder" or not ctx.token_args(node):
+            infos[node] = INVARIANT_INFO
+        else:
+            infos[node] = _apply_rule(node, ctx)
+    return infos
+
+
 def _apply_rule(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     rule = RULES.get(op_key(node))
     if rule is None:
         return unsupported(f"no token rule for '{target_name(node)}'")
-    if not (is_tensor_node(node) or isinstance(example_value(node), (tuple, list))):
+    if not (is_tensor_node(node) or isinstance(example_value(node), (tuple, list))
+            or node.target in IN_PLACE):
         return unsupported(f"'{target_name(node)}' of a token tensor gives a non-tensor value")
     try:
         return rule(node, ctx)
@@ -122,10 +152,12 @@ def find_token_input(gm: torch.fx.GraphModule, choice: str | int | None) -> torc
     return max(candidates, key=lambda n: node_shape(n).numel())
 
 
-def seed_axis(node: torch.fx.Node) -> int:
-    """Rows of an image latent [B, C, H, W]; the sequence of tokens [B, L, D] or ids [B, L]."""
+def seed_axes(node: torch.fx.Node) -> list[int]:
+    """Candidate token axes, in order: rows of an image latent [B, C, H, W]; the sequence of
+    tokens [B, L, D] (or [B, C, L]) or ids [B, L]; frames of a video [B, C, F, H, W] (or
+    [B, F, C, H, W])."""
     ndim = len(node_shape(node))
-    return {2: 1, 3: 1, 4: 2}.get(ndim, 1)
+    return {2: [1], 3: [1, 2], 4: [2], 5: [2, 1]}.get(ndim, [1])
 
 
 def _is_float(node: torch.fx.Node) -> bool:
@@ -135,13 +167,50 @@ def _is_float(node: torch.fx.Node) -> bool:
 
 def _insert_chunk_slices(gm: torch.fx.GraphModule, scale: int) -> None:
     for node in list(gm.graph.nodes):
-        for operand, axis, per_unit in node.meta.pop(SLICES_KEY, []):
+        for operand, axis, info in node.meta.pop(SLICES_KEY, []):
+            info = scaled_per_unit(info, scale)
             with gm.graph.inserting_before(node):
-                sliced = gm.graph.call_function(chunk_slice, (operand, axis, int(per_unit * scale)))
-            sliced.meta["example_value"] = example_value(operand)
-            sliced.meta[META_KEY] = TokenInfo("token", axis, int(per_unit * scale))
-            sliced.meta["stack_trace"] = node.meta.get("stack_trace")
+                sliced = _chunk_table(gm.graph, operand, axis, info)
+            for new in _new_nodes(operand, sliced):
+                new.meta["stack_trace"] = node.meta.get("stack_trace")
             node.replace_input_with(operand, sliced)
+
+
+def _chunk_table(graph: torch.fx.Graph, table: torch.fx.Node, axis: int,
+                 info: TokenInfo) -> torch.fx.Node:
+    """The chunk's rows of a per-token table: chunk_slice(table), or, around text segments,
+    cat([table head, chunk_slice(middle rows), table tail])."""
+    if not info.segmented:
+        return _add(graph, chunk_slice, (table, axis, info.per_unit), example_value(table), info)
+    full = node_shape(table)[axis]
+    bounds = [(0, info.lead), (info.lead, full - info.trail), (full - info.trail, full)]
+    parts = [_add(graph, torch.narrow, (table, axis, a, b - a),
+                  example_value(table).narrow(axis, a, b - a), INVARIANT_INFO)
+             for a, b in bounds]
+    middle = replace(info, lead=0, trail=0)
+    parts[1] = _add(graph, chunk_slice, (parts[1], axis, info.per_unit),
+                    example_value(parts[1]), middle)
+    kept = [p for p, (a, b) in zip(parts, bounds, strict=True) if b > a]
+    return _add(graph, torch.cat, (kept, axis), example_value(table), info)
+
+
+def _add(graph: torch.fx.Graph, target, args: tuple, value, info: TokenInfo) -> torch.fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["example_value"] = value
+    node.meta[META_KEY] = info
+    return node
+
+
+def _new_nodes(stop: torch.fx.Node, node: torch.fx.Node) -> list[torch.fx.Node]:
+    """`node` and the nodes it was built from, back to `stop`."""
+    found, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        if current is stop or current in found:
+            continue
+        found.append(current)
+        stack.extend(current.all_input_nodes)
+    return found
 
 
 def raise_unsupported(annotation: Annotation) -> None:

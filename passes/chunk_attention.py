@@ -3,10 +3,11 @@
     out = sdpa(q, k, v, is_causal=c)
 becomes
     out = tokpipe.kv_attention(q, k, v, kv_cache_3_k, kv_cache_3_v, tokpipe_chunk,
-                               per_unit, c, scale, mask_rows)
+                               per_unit, c, scale, mask_rows, lead, trail)
 
 The caches and `tokpipe_chunk` are new graph inputs that the runtime provides: a persistent
 K/V buffer per layer, and [first unit, units, visible units] of the chunk being run.
+`lead`/`trail` count whole text tokens around the chunk's tokens (joint attention).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from tokpipe_compiler.errors import TokpipeError, describe
 from tokpipe_compiler.graph_utils import example_value
 from tokpipe_compiler.tokens import ATTENTION, INVARIANT_INFO, META_KEY
 
+from .rules import sdpa_args
+
 CHUNK_INPUT = "tokpipe_chunk"
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
 def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
@@ -34,6 +36,12 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
     for layer, node in enumerate(attention):
         args = _sdpa_args(node)
         causal = bool(args.get("is_causal", False))
+        info = args["key"].meta[META_KEY]  # queries may lack the text segment of the keys
+        if causal and info.segmented:
+            raise TokpipeError(
+                f"{describe(node)} is causal over a sequence with whole text segments around "
+                "the chunked tokens; tokpipe chunks causal attention only over one sequence"
+            )
         if mode == "causal" and not causal and args.get("attn_mask") is None:
             raise TokpipeError(
                 f"mode='causal' needs causal attention, but {describe(node)} attends to the "
@@ -48,7 +56,8 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
             new = gm.graph.call_function(
                 torch.ops.tokpipe.kv_attention.default,
                 (args["query"], args["key"], args["value"], k_cache, v_cache, chunk,
-                 spec.per_unit, causal, args.get("scale"), args.get("attn_mask")),
+                 spec.per_unit, causal, args.get("scale"), args.get("attn_mask"), info.lead,
+                 info.trail),
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
@@ -59,8 +68,7 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
 
 
 def _sdpa_args(node: torch.fx.Node) -> dict:
-    bound = dict(zip(_SDPA_ARGS, node.args, strict=False))
-    bound.update(node.kwargs)
+    bound = sdpa_args(node)
     if bound.get("dropout_p", 0.0):
         raise TokpipeError(f"attention dropout is on in {describe(node)}; call model.eval()")
     return bound

@@ -9,6 +9,7 @@ belong to no stage: they run once per call in a prelude and are replicated where
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch.fx
 
@@ -72,19 +73,40 @@ def stage_weight(node: torch.fx.Node, tokens: int, chunk_tokens: int) -> float:
     return node_cost(node, tokens).at(chunk_tokens, tokens)[0]
 
 
+# A stage this much heavier than an even share is worth sending more values at a cut (the
+# pending long skips of a U-shaped model, say) for a better balance.
+_IMBALANCE = 1.25
+
+
 def _choose_cuts(weights: list[float], live: list[int], stages: int) -> list[int]:
+    """Cuts where the fewest token values are live, allowing up to 3 more where that is
+    what it takes to balance the stages."""
     if stages == 1:
         return []
     inner = range(1, len(weights))
+    floor = min(live[i] for i in inner) if len(weights) > 1 else 0
+    fair, best = sum(weights) / stages, None
     for slack in range(0, 4):
-        floor = min(live[i] for i in inner) if len(weights) > 1 else 0
         candidates = [i for i in inner if live[i] <= floor + slack]
-        if len(candidates) >= stages - 1:
-            return _balanced(weights, candidates, stages)
-    raise TokpipeError(
-        f"stages={stages} is more than this graph can be cut into: it has only "
-        f"{len(candidates) + 1} places to cut the token stream cleanly; use fewer stages"
-    )
+        if len(candidates) < stages - 1:
+            continue
+        cuts = _balanced(weights, candidates, stages)
+        heaviest = _heaviest(weights, cuts)
+        if best is None or heaviest < best[0]:
+            best = (heaviest, cuts)
+        if heaviest <= _IMBALANCE * fair:
+            break
+    if best is None:
+        raise TokpipeError(
+            f"stages={stages} is more than this graph can be cut into: it has only "
+            f"{len(candidates) + 1} places to cut the token stream cleanly; use fewer stages"
+        )
+    return best[1]
+
+
+def _heaviest(weights: list[float], cuts: list[int]) -> float:
+    bounds = [0, *cuts, len(weights)]
+    return max(sum(weights[a:b]) for a, b in pairwise(bounds))
 
 
 def _balanced(weights: list[float], candidates: list[int], stages: int) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -16,10 +17,11 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tokpipe_compiler.graph_utils import example_value, node_shape
+from tokpipe_compiler.graph_utils import example_value, node_shape, target_name
 from tokpipe_compiler.tokens import ATTENTION, TOKEN, UNSUPPORTED, TokenInfo
 
-from .shape_rules import getitem_axis, permute_axis, reshape_axis, transpose_axis
+from . import segments
+from .shape_rules import expand_index, getitem_axis, permute_axis, reshape_axis, transpose_axis
 
 Rule = Callable[[torch.fx.Node, "RuleContext"], TokenInfo]
 RULES: dict[Any, Rule] = {}
@@ -63,10 +65,18 @@ def first_token(node: torch.fx.Node, ctx: RuleContext) -> tuple[torch.fx.Node, T
     return arg, ctx.infos[arg]
 
 
-def slice_operand(node: torch.fx.Node, operand: torch.fx.Node, axis: int, per_unit: Any) -> None:
+def slice_operand(node: torch.fx.Node, operand: torch.fx.Node, axis: int, info: TokenInfo) -> str:
     """Record that an invariant operand is a per-token table (a positional embedding, say)
-    that must be cut to the chunk before `node` uses it."""
-    node.meta.setdefault(SLICES_KEY, []).append((operand, axis, per_unit))
+    that must be cut to the chunk before `node` uses it; returns why it cannot be, or ''.
+    `axis`: the operand's axis that lines up with the token axis of `info`, `node`'s own."""
+    if not info.per_unit:
+        return ""  # a segment-only value: every chunk uses the table whole
+    table, full = node_shape(operand)[axis], node_shape(node)[info.axis]
+    if table != full:
+        return (f"a per-token table of {table} rows meets a token axis of {full} rows (a "
+                "table longer than the sequence must be cut to it before the model uses it)")
+    node.meta.setdefault(SLICES_KEY, []).append((operand, axis, info.moved(axis)))
+    return ""
 
 
 # -- elementwise (broadcasting) ---------------------------------------------------------------
@@ -93,22 +103,63 @@ _ELEMENTWISE_METHODS = [
 @register(*_ELEMENTWISE, *(f"method:{m}" for m in _ELEMENTWISE_METHODS))
 def elementwise(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     out_ndim = len(node_shape(node))
-    axis = per_unit = None
+    out = None
     for arg in ctx.token_args(node):
         info = ctx.infos[arg]
-        at = info.axis + out_ndim - len(node_shape(arg))
-        if axis is None:
-            axis, per_unit = at, info.per_unit
-        elif (at, info.per_unit) != (axis, per_unit):
-            return unsupported("operands carry tokens on different axes")
+        at = info.moved(info.axis + out_ndim - len(node_shape(arg)))
+        if out is None:
+            out = at
+        elif at != out:
+            return unsupported("operands carry tokens on different axes or segments")
     for arg in node.all_input_nodes:
         shape = node_shape(arg)
         if ctx.infos[arg].carries_tokens or shape is None:
             continue
-        at = axis - (out_ndim - len(shape))
+        at = out.axis - (out_ndim - len(shape))
         if at >= 0 and shape[at] != 1:
-            slice_operand(node, arg, at, per_unit)
-    return TokenInfo(TOKEN, axis, per_unit)
+            why = slice_operand(node, arg, at, out)
+            if why:
+                return unsupported(why)
+    return out
+
+
+@register(torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
+          torch.randn_like, torch.rand_like, "method:new_empty", "method:new_zeros")
+def like(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if src is not node.args[0] or node_shape(node) != node_shape(src):
+        return unsupported("a token tensor gives the shape of a new tensor")
+    return info
+
+
+# Ops that write into their first argument and return nothing: their rule checks the write
+# keeps the token layout; later readers of the argument see the written value.
+IN_PLACE = {operator.setitem}
+
+
+@register(operator.setitem)
+def setitem(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    target, index, value = node.args
+    info = ctx.info(target)
+    if info is None or not info.carries_tokens:
+        return unsupported("a token value is written into a tensor without tokens")
+    shape = node_shape(target)
+    items = expand_index(index, len(shape))
+    moved = getitem_axis(items, info.axis, shape)
+    if isinstance(moved, str):
+        return unsupported(moved)
+    part = info
+    if moved[1] is not None:  # a write into the image tokens after a text segment, say
+        start, stop, _ = items[moved[1]].indices(shape[info.axis])
+        part = segments.cut(info, shape[info.axis], start, stop)
+        if isinstance(part, str):
+            return unsupported(part)
+    written = ctx.info(value)
+    if written is not None and written.carries_tokens and (
+            written.per_unit, written.lead, written.trail) != (
+            part.per_unit, part.lead, part.trail):
+        return unsupported("a write of values with another token layout")
+    return info
 
 
 # -- views and layout -------------------------------------------------------------------------
@@ -121,10 +172,33 @@ def reshape(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
     if src is not node.args[0]:
         return unsupported("the token tensor gives the target shape of a reshape")
-    moved = reshape_axis(node_shape(src), node_shape(node), info.axis, info.per_unit)
+    moved = reshape_axis(node_shape(src), node_shape(node), info.axis)
     if isinstance(moved, str):
         return unsupported(moved)
-    return TokenInfo(TOKEN, *moved)
+    axis, ratio = moved
+    lead, trail = info.lead * ratio, info.trail * ratio
+    if lead.denominator != 1 or trail.denominator != 1:
+        return unsupported("a reshape splits the text segment of the token axis")
+    return replace(info, kind=TOKEN, axis=axis, per_unit=info.per_unit * ratio,
+                   lead=int(lead), trail=int(trail))
+
+
+@register(torch.view_as_complex, torch.view_as_real)
+def complex_view(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if info.axis == len(node_shape(src)) - 1:
+        return unsupported("a complex view over the token axis")
+    return info
+
+
+@register(F.pad, torch._C._nn.pad)
+def pad(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    widths = node.args[1] if len(node.args) > 1 else node.kwargs["pad"]
+    from_last = len(node_shape(src)) - 1 - info.axis
+    if src is not node.args[0] or any(widths[2 * from_last : 2 * from_last + 2]):
+        return unsupported("padding along the token axis")
+    return info
 
 
 @register("method:permute", torch.permute)
@@ -133,14 +207,14 @@ def permute(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     dims = node.args[1:] if node.op == "call_method" else node.args[1]
     if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
         dims = dims[0]
-    return TokenInfo(TOKEN, permute_axis(info.axis, dims, len(node_shape(src))), info.per_unit)
+    return info.moved(permute_axis(info.axis, dims, len(node_shape(src))))
 
 
 @register("method:transpose", torch.transpose, "method:swapaxes", torch.swapaxes)
 def transpose(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
     d0, d1 = node.args[1], node.args[2]
-    return TokenInfo(TOKEN, transpose_axis(info.axis, d0, d1, len(node_shape(src))), info.per_unit)
+    return info.moved(transpose_axis(info.axis, d0, d1, len(node_shape(src))))
 
 
 @register("method:expand", "method:expand_as")
@@ -149,7 +223,7 @@ def expand(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     if src is not node.args[0]:
         return unsupported("the token tensor gives the target shape of an expand")
     shift = len(node_shape(node)) - len(node_shape(src))
-    return TokenInfo(TOKEN, info.axis + shift, info.per_unit)
+    return info.moved(info.axis + shift)
 
 
 @register(operator.getitem)
@@ -158,11 +232,41 @@ def getitem(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     if src is not node.args[0]:
         return unsupported("a token tensor is used as an index")
     if not isinstance(example_value(src), torch.Tensor):
-        return info  # an element of a tuple from chunk/split: same layout as its source
-    moved = getitem_axis(node.args[1], info.axis, node_shape(src))
+        return _tuple_element(src, info, node.args[1])
+    shape = node_shape(src)
+    moved = getitem_axis(expand_index(node.args[1], len(shape)), info.axis, shape)
     if isinstance(moved, str):
         return unsupported(moved)
-    return TokenInfo(TOKEN, moved, info.per_unit)
+    axis, position = moved
+    if position is None:
+        return info.moved(axis)
+    start, stop, _ = expand_index(node.args[1], len(shape))[position].indices(shape[info.axis])
+    piece = segments.cut(info, shape[info.axis], start, stop)
+    return unsupported(piece) if isinstance(piece, str) else piece.moved(axis)
+
+
+def _tuple_element(src: torch.fx.Node, info: TokenInfo, index: int) -> TokenInfo:
+    """An element of a tuple from chunk/split: the source's layout, or its piece of a split
+    along the token axis."""
+    pieces = split_pieces(src, info)
+    return pieces[index] if isinstance(pieces, list) else info
+
+
+_SPLITS = {"method:split": "split_size", torch.split: "split_size_or_sections",
+           "method:split_with_sizes": "split_sizes", torch.split_with_sizes: "split_sizes"}
+
+
+def split_pieces(node: torch.fx.Node, info: TokenInfo) -> list[TokenInfo] | None:
+    """Per-piece TokenInfos of a split by sizes along the token axis (None for other ops)."""
+    if op_key(node) not in _SPLITS:
+        return None
+    src = node.args[0]
+    dim = _dim_arg(node, 2, 0) % len(node_shape(src))
+    sizes = node.args[1] if len(node.args) > 1 else node.kwargs[_SPLITS[op_key(node)]]
+    if dim != info.axis or not isinstance(sizes, (list, tuple)):
+        return None
+    pieces = segments.cut_sizes(info, node_shape(src)[dim], sizes)
+    return pieces if isinstance(pieces, list) else None
 
 
 # -- ops that work along one dim ---------------------------------------------------------------
@@ -174,15 +278,40 @@ def _dim_arg(node: torch.fx.Node, position: int, default: Any = None) -> Any:
     return node.kwargs.get("dim", default)
 
 
-@register("method:chunk", torch.chunk, "method:split", torch.split, "method:softmax",
-          F.softmax, torch.softmax, "method:log_softmax", F.log_softmax, "method:cumsum")
+@register("method:chunk", torch.chunk, "method:split", torch.split, "method:split_with_sizes",
+          torch.split_with_sizes)
+def split_op(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    dim = _dim_arg(node, 2, 0) % len(node_shape(src))
+    if dim == info.axis and split_pieces(node, info) is None:
+        return unsupported(f"{target_name(node)} along the token axis cuts through the chunks "
+                           "(only a split by sizes at the text/image boundary is followed)")
+    return info
+
+
+@register("method:softmax", F.softmax, torch.softmax, "method:log_softmax", F.log_softmax,
+          "method:cumsum", torch.cumsum)
 def along_dim(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
-    default = -1 if "softmax" in str(node.target) else 0
-    dim = _dim_arg(node, 2, default)
+    default = -1 if "softmax" in str(node.target) else None
+    dim = _dim_arg(node, 1, default)
     if dim is None or dim % len(node_shape(src)) == info.axis:
-        return unsupported(f"{node.target} along the token axis mixes tokens")
+        return unsupported(f"{target_name(node)} along the token axis mixes tokens")
     return info
+
+
+@register("method:repeat_interleave", torch.repeat_interleave)
+def repeat_interleave(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = _dim_arg(node, 2)
+    if src is not node.args[0] or not isinstance(repeats, int) or dim is None:
+        return unsupported("repeat_interleave with tensor repeats or without a dim")
+    if dim % len(node_shape(src)) != info.axis:
+        return info
+    # Each token repeated in place: a chunk's rows stay one contiguous, longer range.
+    return replace(info, per_unit=info.per_unit * repeats, lead=info.lead * repeats,
+                   trail=info.trail * repeats)
 
 
 @register("method:unbind", torch.unbind)
@@ -191,7 +320,7 @@ def unbind(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     dim = _dim_arg(node, 1, 0) % len(node_shape(src))
     if dim == info.axis:
         return unsupported("unbind along the token axis")
-    return TokenInfo(TOKEN, info.axis - (dim < info.axis), info.per_unit)
+    return info.moved(info.axis - (dim < info.axis))
 
 
 _REDUCTIONS = ["sum", "mean", "amax", "amin", "var", "std", "norm", "logsumexp", "prod"]
@@ -207,10 +336,11 @@ def reduction(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         return unsupported(f"{node.target} over all elements mixes tokens")
     dims = [d % ndim for d in (dims if isinstance(dims, (tuple, list)) else [dims])]
     if info.axis in dims:
-        return unsupported(f"{node.target} over the token axis mixes tokens")
+        return unsupported(f"{node.target} over the token axis mixes tokens (sums over tokens, "
+                           "as in linear attention, are not chunked yet)")
     keepdim = node.kwargs.get("keepdim", len(node.args) > 2 and node.args[2] is True)
     shift = 0 if keepdim else sum(1 for d in dims if d < info.axis)
-    return TokenInfo(TOKEN, info.axis - shift, info.per_unit)
+    return info.moved(info.axis - shift)
 
 
 @register(torch.cat, torch.concat, torch.concatenate)
@@ -219,15 +349,33 @@ def cat(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     ndim = len(node_shape(node))
     dim = _dim_arg(node, 1, 0) % ndim
     infos = [ctx.infos[t] for t in tensors if ctx.infos[t].carries_tokens]
-    axis, per_unit = infos[0].axis, infos[0].per_unit
-    if any((i.axis, i.per_unit) != (axis, per_unit) for i in infos):
+    if len({i.axis for i in infos}) != 1:
         return unsupported("concatenated tensors carry tokens on different axes")
-    if dim == axis:
-        return unsupported("concatenation along the token axis (e.g. joint text+image tokens)")
+    if dim == infos[0].axis:
+        pieces = [(ctx.info(t) if ctx.infos[t].carries_tokens else None, node_shape(t)[dim])
+                  for t in tensors]
+        joined = segments.joined(pieces)
+        return unsupported(joined) if isinstance(joined, str) else joined
+    if any(i != infos[0] for i in infos):
+        return unsupported("concatenated tensors carry tokens with different layouts")
     for t in tensors:
-        if not ctx.infos[t].carries_tokens and node_shape(t)[axis] != 1:
-            slice_operand(node, t, axis, per_unit)
-    return TokenInfo(TOKEN, axis, per_unit)
+        if not ctx.infos[t].carries_tokens and node_shape(t)[infos[0].axis] != 1:
+            why = slice_operand(node, t, infos[0].axis, infos[0])
+            if why:
+                return unsupported(why)
+    return infos[0].moved(infos[0].axis)
+
+
+@register(torch.stack)
+def stack(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    tensors = node.args[0]
+    ndim = len(node_shape(node))
+    dim = _dim_arg(node, 1, 0) % ndim
+    infos = {ctx.infos[t] for t in tensors if ctx.infos[t].carries_tokens}
+    if len(infos) != 1 or len(infos) != len({ctx.infos[t] for t in tensors}):
+        return unsupported("stacks tensors that carry tokens differently (or not at all)")
+    info = infos.pop()
+    return info.moved(info.axis + (dim <= info.axis))
 
 
 # -- contractions ------------------------------------------------------------------------------
@@ -248,18 +396,19 @@ def matmul(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     a, b = node.args[0], node.args[1]
     ia, ib = ctx.info(a), ctx.info(b)
     out_ndim = len(node_shape(node))
-    hint = "write attention with F.scaled_dot_product_attention so tokpipe can chunk it"
+    hint = ("a sum over tokens such as linear attention is not chunked yet; write attention "
+            "with F.scaled_dot_product_attention so tokpipe can chunk it")
     if ib is not None and ib.carries_tokens:
         nb = len(node_shape(b))
         if ib.axis == nb - 2 or (ia is not None and ia.carries_tokens):
             return unsupported(f"matmul contracts over the token axis (mixes tokens); {hint}")
         if ib.axis == nb - 1:
-            return TokenInfo(TOKEN, out_ndim - 1, ib.per_unit)
-        return TokenInfo(TOKEN, ib.axis + out_ndim - nb, ib.per_unit)
+            return ib.moved(out_ndim - 1)
+        return ib.moved(ib.axis + out_ndim - nb)
     na = len(node_shape(a))
     if ia.axis == na - 1:
         return unsupported(f"matmul contracts over the token axis (mixes tokens); {hint}")
-    return TokenInfo(TOKEN, ia.axis + out_ndim - na, ia.per_unit)
+    return ia.moved(ia.axis + out_ndim - na)
 
 
 @register(torch.einsum, torch.functional.einsum)
@@ -272,17 +421,17 @@ def einsum(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         return unsupported("einsum with an implicit output or ellipsis")
     inputs, output = equation.split("->")
     letters = inputs.split(",")
-    token_letter = per_unit = None
+    token_letter = token_info = None
     for spec, arg in zip(letters, operands, strict=True):
         info = ctx.info(arg)
         if info is not None and info.carries_tokens:
             letter = spec[info.axis]
             if token_letter not in (None, letter):
                 return unsupported("einsum operands carry tokens on different letters")
-            token_letter, per_unit = letter, info.per_unit
+            token_letter, token_info = letter, info
     if token_letter not in output:
         return unsupported(f"einsum sums over the token index '{token_letter}'")
-    return TokenInfo(TOKEN, output.index(token_letter), per_unit)
+    return token_info.moved(output.index(token_letter))
 
 
 # -- normalisation -----------------------------------------------------------------------------
@@ -312,8 +461,10 @@ def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
     if src is not node.args[0]:
         return unsupported("a convolution's weight depends on the tokens")
+    if info.axis == 0:
+        return info  # the token axis is the batch (video frames folded into it)
     spatial = info.axis - 2
-    if spatial < 0:
+    if spatial < 0 or info.segmented:
         return unsupported("convolution over the token axis as channels")
     weight = node_shape(node.args[1])
     kernel = weight[2 + spatial]
@@ -325,7 +476,7 @@ def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
             "token axis reaches across chunk rows (only patchify convolutions, kernel == "
             "stride, padding 0, can be chunked)"
         )
-    return TokenInfo(TOKEN, info.axis, info.per_unit / stride)
+    return replace(info, kind=TOKEN, per_unit=info.per_unit / stride)
 
 
 def _conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list[int]:
@@ -349,30 +500,57 @@ def embedding(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 @register(F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 def attention(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
-    q, k, v = node.args[:3]
+    args = sdpa_args(node)
+    q, k, v = args["query"], args["key"], args["value"]
     iq, ik, iv = ctx.info(q), ctx.info(k), ctx.info(v)
     nd = len(node_shape(q))
     if not (ik.carries_tokens or iv.carries_tokens):
-        return TokenInfo(TOKEN, iq.axis, iq.per_unit)  # cross-attention: keys are invariant
+        return _cross_attention(node, iq, (k, v))
     if not (iq.carries_tokens and ik.carries_tokens and iv.carries_tokens):
         return unsupported("self-attention whose queries, keys and values differ in token use")
+    if len({iq, ik, iv}) == 1 and iq.axis < nd - 2:
+        return iq  # tokens on a batch or head axis: each item attends on its own
     if {iq.axis, ik.axis, iv.axis} != {nd - 2}:
         return unsupported("attention whose sequence axis is not the token axis")
-    if len({iq.per_unit, ik.per_unit, iv.per_unit}) != 1:
-        return unsupported("queries and keys of different token granularity")
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if ik != iv or iq not in (ik, replace(ik, lead=0, trail=0)):
+        return unsupported("queries and keys of different token granularity or segments")
+    mask = args.get("attn_mask")
     if isinstance(mask, torch.fx.Node):
         if ctx.info(mask).carries_tokens:
             return unsupported("an attention mask computed from the tokens")
         shape = node_shape(mask)
         if len(shape) >= 2 and shape[-2] != 1:
-            slice_operand(node, mask, len(shape) - 2, iq.per_unit)
-    return TokenInfo(ATTENTION, nd - 2, iq.per_unit)
+            why = slice_operand(node, mask, len(shape) - 2, iq)
+            if why:
+                return unsupported(why)
+    return iq.moved(nd - 2, ATTENTION)
+
+
+def _cross_attention(node: torch.fx.Node, iq: TokenInfo, keys: tuple) -> TokenInfo:
+    """Queries chunked, keys and values invariant. With the tokens on a batch axis (video
+    frames folded into the batch), the keys of each item are cut to the chunk's items."""
+    nd = len(node_shape(node))
+    if iq.axis < nd - 2:
+        for kv in keys:
+            if node_shape(kv)[iq.axis] != 1:
+                why = slice_operand(node, kv, iq.axis, iq)
+                if why:
+                    return unsupported(why)
+    return iq
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def sdpa_args(node: torch.fx.Node) -> dict[str, Any]:
+    """The arguments of a scaled_dot_product_attention call, by name."""
+    bound = dict(zip(_SDPA_ARGS, node.args, strict=False))
+    bound.update(node.kwargs)
+    return bound
 
 
 def scaled_per_unit(info: TokenInfo, scale: int) -> TokenInfo:
     """The same info with per_unit multiplied by the grid scale (Fraction -> int)."""
     if not info.carries_tokens:
         return info
-    value = Fraction(info.per_unit) * scale
-    return TokenInfo(info.kind, info.axis, int(value), info.reason)
+    return replace(info, per_unit=int(Fraction(info.per_unit) * scale))

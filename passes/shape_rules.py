@@ -14,11 +14,12 @@ from math import prod
 
 
 def reshape_axis(
-    in_shape: Sequence[int], out_shape: Sequence[int], axis: int, per_unit: Fraction
+    in_shape: Sequence[int], out_shape: Sequence[int], axis: int
 ) -> tuple[int, Fraction] | str:
-    """Where the token axis lands through a reshape, or why it cannot be followed.
+    """(output axis, elements per input element along it) of a reshape, or why the token
+    axis cannot be followed through it.
 
-    [1, 384, 16, 16] token 2 (per unit 1/2) -> [1, 384, 256]: token 2, per unit 8.
+    [1, 384, 16, 16] token 2 -> [1, 384, 256]: token 2, 16 (per unit 1/2 becomes 8).
     The token axis must be the outermost non-1 dim of its merge group, so a chunk of rows
     stays one contiguous range after the reshape.
     """
@@ -28,7 +29,7 @@ def reshape_axis(
         before = [in_shape[d] for d in in_dims if d < axis]
         if any(size != 1 for size in before):
             return "the token axis is an inner factor of a merged axis (chunks would be strided)"
-        block = per_unit * prod(in_shape[d] for d in in_dims if d > axis)
+        block = Fraction(prod(in_shape[d] for d in in_dims if d > axis))
         for j in out_dims:
             if out_shape[j] == 1:
                 continue
@@ -82,32 +83,38 @@ def transpose_axis(axis: int, d0: int, d1: int, ndim: int) -> int:
     return axis
 
 
-def getitem_axis(index: object, axis: int, shape: Sequence[int]) -> int | str:
-    """Where the token axis lands through tensor[index], or why it cannot be followed.
-
-    Only basic indexing is followed: None inserts an axis, an int drops one, a slice keeps
-    one, Ellipsis expands; the token axis itself may only be taken whole (`:`).
-    """
+def expand_index(index: object, ndim: int) -> list:
+    """The items of tensor[index] with Ellipsis spelled out as slices."""
     items = list(index) if isinstance(index, tuple) else [index]
     if any(item is Ellipsis for item in items):
         at = items.index(Ellipsis)
         consumed = sum(1 for it in items if it is not None and it is not Ellipsis)
-        items[at : at + 1] = [slice(None)] * (len(shape) - consumed)
+        items[at : at + 1] = [slice(None)] * (ndim - consumed)
+    return items
+
+
+def getitem_axis(items: list, axis: int, shape: Sequence[int]) -> tuple[int, int | None] | str:
+    """(output axis, position in `items` of the token axis' item, None when taken whole) of
+    tensor[items] (see expand_index), or why it cannot be followed.
+
+    Only basic indexing is followed: None inserts an axis, an int drops one, a slice keeps
+    one; the token axis itself may only be sliced with step 1.
+    """
     in_dim, out_dim = 0, 0
-    for item in items:
+    for position, item in enumerate(items):
         if item is None:
             out_dim += 1
             continue
         if in_dim == axis:
-            if isinstance(item, slice) and _is_whole(item, shape[axis]):
-                return out_dim
-            return f"indexing the token axis with {item!r}"
+            if not isinstance(item, slice) or item.indices(shape[axis])[2] != 1:
+                return f"indexing the token axis with {item!r}"
+            return out_dim, None if _is_whole(item, shape[axis]) else position
         if isinstance(item, slice):
             out_dim += 1
         elif not isinstance(item, int):
             return f"advanced indexing with {type(item).__name__}"
         in_dim += 1
-    return out_dim + (axis - in_dim)
+    return out_dim + (axis - in_dim), None
 
 
 def _is_whole(item: slice, size: int) -> bool:

@@ -11,6 +11,7 @@ rewrites fails here, by name, instead of computing a wrong answer.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -21,7 +22,9 @@ from tokpipe_compiler.errors import TokpipeError, describe
 from tokpipe_compiler.graph_utils import example_value
 from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY, TokenInfo
 
-from .rules import op_key
+from . import segments
+from .rules import op_key, split_pieces
+from .shape_rules import expand_index, getitem_axis
 
 _SHAPE_ARG_OPS = {"method:view", "method:reshape", "method:expand", torch.reshape}
 _UNFLATTEN_OPS = {"method:unflatten", torch.unflatten}
@@ -29,7 +32,7 @@ _UNFLATTEN_OPS = {"method:unflatten", torch.unflatten}
 
 def chunk_shape(shape: torch.Size, info: TokenInfo, units: int) -> tuple[int, ...]:
     out = list(shape)
-    out[info.axis] = units * info.per_unit
+    out[info.axis] = info.extent(units)
     return tuple(out)
 
 
@@ -42,6 +45,7 @@ def specialize(stage_gm: torch.fx.GraphModule, units: int) -> torch.fx.GraphModu
         info = node.meta.get(META_KEY, INVARIANT_INFO)
         if info.carries_tokens and isinstance(example_value(node), torch.Tensor):
             _rewrite_sizes(node, chunk_shape(example_value(node).shape, info, units))
+        _rewrite_token_bounds(node, units)
     gm = torch.fx.GraphModule(stage_gm, graph, class_name=f"{type(stage_gm).__name__}_{units}u")
     check_shapes(gm, units)
     return gm
@@ -55,6 +59,31 @@ def _rewrite_sizes(node: torch.fx.Node, shape: tuple[int, ...]) -> None:
     elif key in _UNFLATTEN_OPS:
         dim = node.args[1] % (len(shape) - len(node.args[2]) + 1)
         node.args = (node.args[0], node.args[1], shape[dim : dim + len(node.args[2])])
+
+
+def _rewrite_token_bounds(node: torch.fx.Node, units: int) -> None:
+    """Slices and splits of a segmented token axis (`x[:, 16:]`, `x.split([5, 16], 1)`)
+    have literal bounds on the full axis: move them to the chunk's axis."""
+    src = node.args[0] if node.args else None
+    info = src.meta.get(META_KEY, INVARIANT_INFO) if isinstance(src, torch.fx.Node) else None
+    if info is None or not info.carries_tokens or not isinstance(example_value(src), torch.Tensor):
+        return
+    full = example_value(src).shape[info.axis]
+    key = op_key(node)
+    if key in (operator.getitem, operator.setitem):
+        shape = example_value(src).shape
+        items = expand_index(node.args[1], len(shape))
+        moved = getitem_axis(items, info.axis, shape)
+        if not isinstance(moved, str) and moved[1] is not None:
+            start, stop, _ = items[moved[1]].indices(full)
+            items[moved[1]] = slice(segments.to_chunk(start, info, full, units),
+                                    segments.to_chunk(stop, info, full, units))
+            node.args = (src, tuple(items), *node.args[2:])
+    elif split_pieces(node, info) is not None:
+        sizes = [piece.extent(units) for piece in split_pieces(node, info)]
+        node.args = (src, sizes, *node.args[2:])
+        node.kwargs = {k: v for k, v in node.kwargs.items()
+                       if k not in ("split_size", "split_size_or_sections", "split_sizes")}
 
 
 def input_shapes(gm: torch.fx.GraphModule, units: int) -> list[tuple[tuple[int, ...], Any]]:

@@ -23,12 +23,18 @@ def kv_attention(
     causal: bool,
     scale: float | None = None,
     mask: torch.Tensor | None = None,
+    lead: int = 0,
+    trail: int = 0,
 ) -> torch.Tensor:
     """q, k, v: [..., n, D] for the chunk's n tokens; caches [..., L, D].
 
     Keys visible to query i (global position offset + i): cache positions < visible, and,
     when `causal`, <= offset + i. `mask` holds the chunk's rows of the model's own mask.
+    `lead`/`trail`: tokens before/after the chunk's (text tokens of joint attention), whole
+    in every chunk: written to the cache's ends and always visible.
     """
+    if lead or trail:
+        return _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, trail)
     start, _, visible = (int(x) for x in chunk.tolist())
     offset, n, kv_len = start * per_unit, q.shape[-2], visible * per_unit
     if q.is_cuda and mask is None:
@@ -40,15 +46,38 @@ def kv_attention(
     keys, values = k_cache[..., :kv_len, :], v_cache[..., :kv_len, :]
     attn_mask = _visible_mask(q, offset, kv_len, causal, mask)
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
-    out = F.scaled_dot_product_attention(
+    # Contiguous, as the fake implementation promises: compiled code around the op relies on
+    # the strides it was traced with, and SDPA's output strides depend on its inputs'.
+    return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1
-    )
-    return out.contiguous()  # the fake kernel promises a contiguous result
+    ).contiguous()
 
 
 @kv_attention.register_fake
-def _(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None, mask=None):
+def _(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None, mask=None, lead=0,
+      trail=0):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, trail):
+    """Attention over [lead segment, visible chunked cache, trail segment]. The queries are
+    the chunk's tokens, with or without the segments (text attending too, or not)."""
+    start, _, visible = (int(x) for x in chunk.tolist())
+    full, n = k_cache.shape[-2], k.shape[-2] - lead - trail
+    offset = lead + start * per_unit
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        cache[..., :lead, :].copy_(new[..., :lead, :])
+        cache[..., offset : offset + n, :].copy_(new[..., lead : lead + n, :])
+        cache[..., full - trail :, :].copy_(new[..., lead + n :, :])
+    seen = torch.cat([torch.arange(lead + visible * per_unit, device=q.device),
+                      torch.arange(full - trail, full, device=q.device)])
+    keys, values = k_cache.index_select(-2, seen), v_cache.index_select(-2, seen)
+    if mask is not None:
+        mask = mask.index_select(-1, seen)
+    groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
+    ).contiguous()
 
 
 def _visible_mask(

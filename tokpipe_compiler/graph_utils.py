@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -46,8 +45,9 @@ def source_name(node: torch.fx.Node) -> str:
 def is_user_input(node: torch.fx.Node) -> bool:
     """A placeholder that is an argument of the call, not a module's parameter or buffer."""
     name = source_name(node)
-    if name:
-        return re.fullmatch(r"L\['[^']+'\]", name) is not None and name != "L['self']"
+    if name:  # L['latents'], L['kwargs']['hidden_states']; not L['self']... or a closure's
+        owned = any(part in name for part in ("_parameters", "_buffers", "._modules"))
+        return name.startswith("L[") and not name.startswith("L['self']") and not owned
     return not node.name.startswith(("l_self_", "l__self___", "g_"))
 
 

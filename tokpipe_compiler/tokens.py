@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 TOKEN = "token"
 INVARIANT = "invariant"
@@ -24,16 +24,34 @@ class TokenInfo:
     (one patch row of an image latent), so a chunk of units [u0, u1) is the slice
     [u0 * per_unit, u1 * per_unit) of `axis`.
     reason: for UNSUPPORTED, why.
+    lead, trail: elements along `axis` before and after the chunked range that every chunk
+    carries whole: the text tokens of joint text+image attention. A value that is only such
+    a segment (the text stream after joint attention) has per_unit 0: it changes with the
+    chunk but its size does not.
     """
 
     kind: str
     axis: int | None = None
     per_unit: int | None = None
     reason: str | None = None
+    lead: int = 0
+    trail: int = 0
 
     @property
     def carries_tokens(self) -> bool:
         return self.kind in (TOKEN, ATTENTION)
+
+    @property
+    def segmented(self) -> bool:
+        return bool(self.lead or self.trail)
+
+    def extent(self, units: int) -> int:
+        """Size of the token axis on a chunk of `units` grid units."""
+        return self.lead + units * self.per_unit + self.trail
+
+    def moved(self, axis: int, kind: str = TOKEN) -> TokenInfo:
+        """The same token layout on another axis."""
+        return replace(self, kind=kind, axis=axis)
 
 
 INVARIANT_INFO = TokenInfo(INVARIANT)

@@ -1,0 +1,279 @@
+"""Model coverage: every transformer class diffusers exports, traced and run in each mode.
+
+    python scripts/coverage.py            # writes docs/models.md
+    python scripts/coverage.py --check    # fails if a class that worked stops working
+    python scripts/coverage.py SD3Transformer2DModel   # print some rows only
+
+Small configs and inputs come from tests/zoo.py; a class without an entry gets a row that
+says so. Each mode is compared with the Dynamo graph run as is (eager) on the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.helpers import rel_error  # noqa: E402
+from tests.zoo import ZOO, build  # noqa: E402
+from tokpipe_compiler import Config  # noqa: E402
+from tokpipe_compiler.driver import build_plan  # noqa: E402
+from tokpipe_compiler.program import PipelinedProgram  # noqa: E402
+
+DOC = ROOT / "docs" / "models.md"
+MODES = ("sync", "stale", "causal")
+TOLERANCE = 1e-5
+STAGES = 2
+# Statuses from best to worst: a class may not move right of its committed status.
+RANK = {"matches": 0, "n/a": 0, "runs": 1, "fails": 2, "untraced": 3, "unbuilt": 3}
+
+
+SEMANTICS = """\
+## What the modes mean for these models
+
+**Joint text+image attention** (SD3, Flux and its kin, CogVideoX, AuraFlow, HunyuanVideo ...):
+the text tokens are a whole, unchunked *segment* of the token axis that rides with every
+chunk (`TokenInfo.lead`/`trail`). A chunk's attention runs over [text K/V, visible image
+K/V cache]; the text queries attend too, so each chunk carries its own copy of the text
+stream through the stage, computed from that chunk's view of the caches. In `sync` (and
+warmup) that view is the whole fresh sequence: exact. In `stale` it is fresh image K/V for
+chunks 0..p and the previous step's for the rest, the same approximation PipeFusion makes
+for image tokens; the text stream of the last chunk sees every image token fresh. So the
+text stream is never older than the image K/V it is mixed with, unlike reusing the text
+computed with the first chunk. Cost: the text tokens are computed once per chunk (for
+SD3 at 1024px, 333 text tokens against 4096/M image tokens per chunk). An exact pipelined
+text stream does not exist: text K/V of block l+1 depend on every image token of block l,
+so no chunk of block l+1 may start before all of block l is done; `sync` is the exact
+choice. Image-only queries over [text, image] keys (PRX) need no text stream at all.
+
+**Long skips** (HunyuanDiT, U-shaped): a skip value crosses stage boundaries as one
+boundary value, sent from the stage that computes it to the one stage that reads it.
+
+**Video** (CogVideoX, Wan, Latte, Allegro, HunyuanVideo ...): a grid unit is one latent
+frame; chunks are contiguous frame ranges of the frames-first flattened token grid, and
+positional tables are cut to the same ranges. Attention that runs per frame (Latte's
+spatial blocks) carries the frames on its batch axis and is chunked without a cache.
+
+**Sums over tokens** (linear attention: Sana, SanaVideo): not chunked yet; the compiler
+stops with an error naming the op and the line. The plan for them: a per-unit partial sum
+kept in a cache like K/V, fresh for earlier chunks and stale for later ones (per layer
+(D+1)/(2 * tokens per unit) the size of a K/V cache).
+"""
+
+
+@dataclass
+class Row:
+    name: str
+    traced: str
+    modes: dict[str, str]
+    drift: str = ""  # stale on a changed input: relative difference from eager
+
+
+def transformer_classes() -> list[str]:
+    import diffusers
+    from diffusers import ModelMixin
+
+    names = []
+    for name in dir(diffusers):
+        value = getattr(diffusers, name, None)
+        if (inspect.isclass(value) and issubclass(value, ModelMixin)
+                and value.__module__.startswith("diffusers.models.transformers")):
+            names.append(name)
+    return sorted(names)
+
+
+def one_line(err: BaseException) -> str:
+    """The reason of an error in one line: the op and why, for tokpipe's own errors."""
+    text = str(err)
+    op = re.search(r"^\s*- (\w+)\(", text, re.M)
+    why = re.search(r"why: (.*)", text)
+    if op and why:
+        return f"{op.group(1)}: {why.group(1)}"
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return f"{type(err).__name__}: {first}"[:160]
+
+
+def trace_graphs(model: torch.nn.Module, inputs: dict) -> list:
+    graphs = []
+
+    def record(gm, example_inputs, **_):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=record, dynamic=False)(**inputs)
+    return graphs
+
+
+def graph_args(gm: torch.fx.GraphModule, example: list, inputs: dict) -> list:
+    """The graph's inputs with the user inputs of `inputs` in place of the traced ones."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    args = list(example)
+    for key, value in inputs.items():
+        for candidate in (f"l_{key}_", f"l_kwargs_{key}_"):
+            if candidate in names and isinstance(value, torch.Tensor):
+                args[names.index(candidate)] = value
+    return args
+
+
+def first_tensor(values) -> torch.Tensor:
+    values = values if isinstance(values, (tuple, list)) else [values]
+    return next(v for v in values if isinstance(v, torch.Tensor))
+
+
+def run_mode(gm, example, name: str, mode: str) -> tuple[str, str]:
+    """(status, stale drift) of one mode."""
+    entry = ZOO[name]
+    a = graph_args(gm, example, entry.inputs(1))
+    b = graph_args(gm, example, next_step(entry.inputs(1)))
+    with torch.no_grad():
+        ref_a, ref_b = first_tensor(gm(*a)), first_tensor(gm(*b))
+    config = Config(stages=STAGES, chunks=entry.chunks, mode=mode, warmup_steps=1,
+                    compiler="eager")
+    try:
+        program = PipelinedProgram(build_plan(gm, config))
+        out = first_tensor(program(*a))
+        if mode == "stale":
+            out = first_tensor(program(*a))  # repeated input: stale K/V are the fresh ones
+    except Exception as err:  # a row per failure is the point
+        if mode == "causal" and "needs causal attention" in str(err):
+            return "n/a (no causal attention)", ""
+        return f"fails: {one_line(err)}", ""
+    error = rel_error(out, ref_a)
+    status = "matches" if error <= TOLERANCE else f"runs (max rel err {error:.1e})"
+    drift = ""
+    if mode == "stale":
+        drift = f"{rel_error(first_tensor(program(*b)), ref_b):.1e}"
+    return status, drift
+
+
+def next_step(inputs: dict) -> dict:
+    """The inputs of a following denoising step: latents nudged by 5% noise, timestep a
+    little lower, text unchanged (what stale K/V approximate in practice)."""
+    g = torch.Generator().manual_seed(99)
+    out = dict(inputs)
+    latents = "hidden_states" if "hidden_states" in out else "x"
+    out[latents] = out[latents] + 0.05 * torch.randn(out[latents].shape, generator=g)
+    for key in ("timestep", "t", "timesteps"):
+        if isinstance(out.get(key), torch.Tensor) and out[key].is_floating_point():
+            out[key] = out[key] * 0.98
+    return out
+
+
+def cover(name: str) -> Row:
+    if name not in ZOO:
+        return Row(name, "unbuilt: no small config in tests/zoo.py", {})
+    try:
+        model = build(name)
+        inputs = ZOO[name].inputs(0)
+        graphs = trace_graphs(model, inputs)
+    except Exception as err:
+        return Row(name, f"untraced: {one_line(err)}", {})
+    if len(graphs) != 1:
+        return Row(name, f"untraced: {len(graphs)} graphs (graph breaks)", {})
+    gm, example = graphs[0]
+    row = Row(name, "yes", {})
+    for mode in MODES:
+        row.modes[mode], drift = run_mode(gm, example, name, mode)
+        row.drift = row.drift or drift
+    return row
+
+
+def render(rows: list[Row], seconds: float) -> str:
+    traced = [r for r in rows if r.traced == "yes"]
+    working = [r for r in traced if all(r.modes[m] == "matches" for m in ("sync", "stale"))]
+    share = 100 * len(working) / max(1, len(traced))
+    lines = [
+        "# Model coverage",
+        "",
+        "Generated by `python scripts/coverage.py` (checked in CI by `--check`); do not edit.",
+        f"Every transformer class diffusers {_diffusers_version()} exports, built from a small "
+        "config in `tests/zoo.py` with random weights, traced by Dynamo and run with "
+        f"{STAGES} stages, eager stage graphs, float32. *matches*: max |out - eager| <= "
+        f"{TOLERANCE:g} max |eager| (stale: on the second call with the same input). "
+        "*stale drift*: the same relative error for stale on the next denoising step "
+        "(latents nudged by 5% noise, text unchanged): the PipeFusion approximation, which "
+        "for joint text+image models includes the text stream's (see below).",
+        "",
+        f"Classes: {len(rows)}; built: {sum(r.name in ZOO for r in rows)}; traced as one "
+        f"graph: {len(traced)}; sync and stale match eager: {len(working)} "
+        f"({share:.0f}% of the traced). Run time {seconds:.0f} s.",
+        "",
+        "| class | traced (full graph) | " + " | ".join(MODES) + " | stale drift |",
+        "|---|---|" + "---|" * len(MODES) + "---|",
+    ]
+    for r in rows:
+        modes = [r.modes.get(m, "") for m in MODES]
+        lines.append(f"| {r.name} | {r.traced} | " + " | ".join(modes) + f" | {r.drift} |")
+    return "\n".join(lines) + "\n\n" + SEMANTICS
+
+
+def _diffusers_version() -> str:
+    import diffusers
+
+    return diffusers.__version__
+
+
+def statuses(text: str) -> dict[tuple[str, str], str]:
+    """(class, column) -> the first word of each status in a rendered table."""
+    out = {}
+    columns = ("traced", *MODES)
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != len(columns) + 2 or cells[0] == "class" or cells[0].startswith("-"):
+            continue
+        for column, cell in zip(columns, cells[1:], strict=False):
+            word = re.split(r"[:( ]", cell)[0] if cell else ""
+            out[(cells[0], column)] = {"yes": "matches"}.get(word, word)
+    return out
+
+
+def regressions(old: str, new: str) -> list[str]:
+    before, after = statuses(old), statuses(new)
+    return [f"{cls} {col}: {was} -> {after.get((cls, col), 'missing')}"
+            for (cls, col), was in before.items()
+            if RANK.get(after.get((cls, col), "fails"), 2) > RANK.get(was, 2)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="compare with the committed table; fail on regressions")
+    parser.add_argument("classes", nargs="*",
+                        help="only these classes, printed (default: all, into docs/models.md)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(2)
+    start = time.perf_counter()
+    names = args.classes or transformer_classes()
+    rows = []
+    for name in names:
+        rows.append(cover(name))
+        print(f"{name}: {rows[-1].traced} {rows[-1].modes}", file=sys.stderr, flush=True)
+    text = render(rows, time.perf_counter() - start)
+    if args.check:
+        lost = regressions(DOC.read_text(), text)
+        for line in lost:
+            print(f"regression: {line}", file=sys.stderr)
+        return 1 if lost else 0
+    if args.classes:  # a partial run prints its rows and leaves the table alone
+        print(text)
+        return 0
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
