@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from tokpipe_compiler.runtime import kv_attention as _op  # noqa: F401  (registers the op)
 from tokpipe_compiler.runtime.caches import CacheSpec
+from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 
 from tokpipe_compiler.errors import TokpipeError, describe
 from tokpipe_compiler.graph_utils import example_value
 from tokpipe_compiler.tokens import ATTENTION, INVARIANT_INFO, META_KEY
 
 from .rules import sdpa_args
-
-CHUNK_INPUT = "tokpipe_chunk"
 
 
 def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:

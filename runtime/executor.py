@@ -17,14 +17,13 @@ from tokpipe_compiler.passes.split import BOUNDARY, SLICED, StageGraph
 from tokpipe_compiler.graph_utils import example_value
 
 from .chunking import Chunk, slice_to_chunk
-from .kv_attention import CHUNK_START, CHUNK_UNITS, CHUNK_VISIBLE
+from .kv_attention import CHUNK_INPUT, CHUNK_START, CHUNK_UNITS, CHUNK_VISIBLE
 from .schedule import COMPUTE, RECV, SEND, Action
 from .transport import MessageKey, TensorSpec
 
 KINDS = {COMPUTE: "compute", SEND: "send", RECV: "recv"}
 
 StageRunner = Callable[[int, int, list[torch.Tensor]], Sequence[torch.Tensor]]
-CHUNK_INPUT = "tokpipe_chunk"
 
 
 @dataclass

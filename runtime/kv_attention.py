@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+CHUNK_INPUT = "tokpipe_chunk"  # the graph input that carries the chunk descriptor
 # chunk tensor layout: [first unit of the chunk, units in the chunk, units of the cache to
 # attend to]. A tensor (not ints) so one compiled stage serves every chunk of a length.
 CHUNK_START, CHUNK_UNITS, CHUNK_VISIBLE = 0, 1, 2

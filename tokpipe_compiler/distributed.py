@@ -40,6 +40,36 @@ class DistributedProgram(PipelinedProgram):
         self.world = world
         self.caches = KVCaches(plan.stages[self.rank].caches)
         self.transport = DistributedTransport(timeout=plan.config.timeout)
+        graph = plan.graphs.stages[self.rank]
+        self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
+        self.on_device: dict[int, torch.Tensor] = {}  # this stage's weights, moved once
+
+    def _call_env(self, args: tuple) -> dict:
+        """Per-call values; on a GPU, what this rank's stage reads moves to its device (its
+        parameters once: a rank holds only its own stage's weights there)."""
+        env = super()._call_env(args)
+        if self.device.type == "cpu":
+            return env
+        for name in self.reads & env.keys():
+            value = env[name]
+            if isinstance(value, torch.Tensor) and value.device != self.device:
+                env[name] = self._moved(value)
+        return env
+
+    def _moved(self, value: torch.Tensor) -> torch.Tensor:
+        if isinstance(value, torch.nn.Parameter):
+            if id(value) not in self.on_device:
+                self.on_device[id(value)] = value.detach().to(self.device)
+            return self.on_device[id(value)]
+        return value.to(self.device, non_blocking=True)
+
+    def _device(self, args: tuple) -> torch.device:
+        return self.device
+
+    @property
+    def resident_param_bytes(self) -> int:
+        """Bytes of parameters this rank moved to its device."""
+        return sum(t.numel() * t.element_size() for t in self.on_device.values())
 
     def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The producer concatenates its chunks; every rank receives the whole output."""

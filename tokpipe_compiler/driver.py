@@ -12,10 +12,11 @@ import torch
 import torch.fx
 
 from tokpipe_compiler.passes.annotate import annotate, raise_unsupported
-from tokpipe_compiler.passes.chunk_attention import CHUNK_INPUT, chunk_attention
+from tokpipe_compiler.passes.chunk_attention import chunk_attention
 from tokpipe_compiler.passes.partition import partition
 from tokpipe_compiler.passes.split import STAGE_KEY, split
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
+from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 from tokpipe_compiler.runtime.schedule import build_schedule
 from tokpipe_compiler.tokens import ATTENTION, META_KEY
 

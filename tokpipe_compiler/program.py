@@ -140,9 +140,12 @@ class PipelinedProgram:
         env = dict(zip(graphs.input_names, args, strict=True))
         prelude_values = graphs.prelude(*args)
         env.update(zip(graphs.prelude_outputs, prelude_values, strict=True))
-        device = _device_of(args)
-        env.update(self.caches.tensors(device))
+        env.update(self.caches.tensors(self._device(args)))
         return env
+
+    def _device(self, args: tuple) -> torch.device:
+        """Where the K/V caches live: with the inputs."""
+        return _device_of(args)
 
     def _run_stage(self, stage: int, units: int, inputs: list[torch.Tensor]):
         return self.stage_programs[stage](units, inputs)
