@@ -5,7 +5,8 @@
 Model: DiT-S/2 sized DiTTransformer2DModel (12 layers, hidden 384, 6 heads, patch 2, 64x64
 latent = 1024 tokens), seeded random weights, DDIM, 1 warmup step. Competitors: serial eager
 on 1 and 2 threads, serial Inductor on 2 threads; tokpipe on 2 ranks of 1 thread, per-call
-and ring mode, for each chunk count. Prints each time, its speedup over serial eager on 1
+and ring mode, for each chunk count, its stages compiled by Inductor (or --compiler eager).
+Compilation happens before timing, for every competitor. Prints each time, its speedup over serial eager on 1
 thread, the ideal speedup S / (W + (S-W)/N * (1 + (N-1)/(M*(S-W)))) and the ratio to it, and
 for ring mode where each rank's time went (compute, waiting on receives, sending).
 """
@@ -66,10 +67,11 @@ def serial(shape: dict, steps: int, threads: int, inductor: bool) -> float:
     return time.perf_counter() - start
 
 
-def pipelined(rank: int, world: int, shape: dict, steps: int, chunks: int, ring: bool) -> dict:
+def pipelined(rank: int, world: int, shape: dict, steps: int, chunks: int, ring: bool,
+              compiler: str) -> dict:
     denoise, inputs, per_step = build(shape, steps)
     options = {"stages": world, "chunks": chunks, "mode": "stale", "warmup_steps": WARMUP,
-               "compiler": "eager", "timeout": 600.0}
+               "compiler": compiler, "timeout": 1800.0}
     if ring:
         runner = tp.Ring(denoise, carry=["latents"], **options)
         runner.run(inputs, per_step=per_step, steps=WARMUP + 1)  # plan every chunk length
@@ -113,16 +115,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--quick", action="store_true", help="a small model, for a smoke run")
+    parser.add_argument("--compiler", choices=["inductor", "eager"], default="inductor",
+                        help="how tokpipe compiles its stages (untimed: compiled before timing)")
     args = parser.parse_args()
     shape = QUICK if args.quick else FULL
-    print(f"model {shape}, {args.steps} steps, warmup {WARMUP}, {RANKS} ranks x 1 thread")
+    print(f"model {shape}, {args.steps} steps, warmup {WARMUP}, {RANKS} ranks x 1 thread, "
+          f"tokpipe stages: {args.compiler}")
     rows = [("serial eager, 1 thread", serial(shape, args.steps, 1, False), None, None),
             ("serial eager, 2 threads", serial(shape, args.steps, 2, False), None, None),
             ("serial inductor, 2 threads", serial(shape, args.steps, 2, True), None, None)]
     for chunks in args.chunks:
         for ring in (False, True):
-            results = launch(pipelined, RANKS, args=(shape, args.steps, chunks, ring),
-                             timeout=3600)
+            results = launch(pipelined, RANKS, timeout=3600,
+                             args=(shape, args.steps, chunks, ring, args.compiler))
             seconds = max(r["seconds"] for r in results)
             label = f"tokpipe {'ring' if ring else 'per-call'}, chunks {chunks}"
             rows.append((label, seconds, ideal(args.steps, RANKS, chunks),
