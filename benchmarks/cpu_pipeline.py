@@ -6,8 +6,8 @@ Model: DiT-S/2 sized DiTTransformer2DModel (12 layers, hidden 384, 6 heads, patc
 latent = 1024 tokens), seeded random weights, DDIM, 1 warmup step. Competitors: serial eager
 on 1 and 2 threads, serial Inductor on 2 threads; tokpipe on 2 ranks of 1 thread, per-call
 and ring mode, for each chunk count, its stages compiled by Inductor (or --compiler eager).
-Compilation happens before timing, for every competitor. Prints each time, its speedup over serial eager on 1
-thread, the ideal speedup S / (W + (S-W)/N * (1 + (N-1)/(M*(S-W)))) and the ratio to it, and
+Compilation happens before timing, for every competitor. Prints each time, its speedup
+over serial eager on 1 thread, the ideal speedup S / (W + (S-W)/N * (1 + (N-1)/(M*(S-W)))) and the ratio to it, and
 for ring mode where each rank's time went (compute, waiting on receives, sending).
 """
 
