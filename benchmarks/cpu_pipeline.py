@@ -7,8 +7,9 @@ latent = 1024 tokens), seeded random weights, DDIM, 1 warmup step. Competitors: 
 on 1 and 2 threads, serial Inductor on 2 threads; tokpipe on 2 ranks of 1 thread, per-call
 and ring mode, for each chunk count, its stages compiled by Inductor (or --compiler eager).
 Compilation happens before timing, for every competitor. Prints each time, its speedup
-over serial eager on 1 thread, the ideal speedup S / (W + (S-W)/N * (1 + (N-1)/(M*(S-W)))) and the ratio to it, and
-for ring mode where each rank's time went (compute, waiting on receives, sending).
+over serial eager on 1 thread, the ideal speedup S / (W + (S-W)/N * (1 + (N-1)/(M*(S-W))))
+and the ratio to it, and for ring mode where each rank's time went (compute, waiting on
+receives, sending).
 """
 
 from __future__ import annotations
