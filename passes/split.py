@@ -11,6 +11,7 @@ The prelude computes the invariant values once per call; it never sees a token.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +142,7 @@ def _prelude(
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     by_name = {n.name: n for n in gm.graph.nodes}
-    wanted = _ancestors([by_name[name] for name in needed])
+    wanted = _with_writes(gm, _ancestors([by_name[name] for name in needed]))
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name not in runtime_inputs:
             env[node] = graph.placeholder(node.name)
@@ -151,6 +152,23 @@ def _prelude(
     names = sorted(needed, key=lambda name: list(by_name).index(name))
     graph.output(tuple(env[by_name[name]] for name in names))
     return torch.fx.GraphModule(gm, graph, class_name="prelude"), names
+
+
+def _with_writes(gm: torch.fx.GraphModule, wanted: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """`wanted` plus the in-place writes into its values (`ids[..., 0] = rows`, `x.add_(y)`):
+    they have no users, so following inputs alone would drop them."""
+    while True:
+        writes = [n for n in gm.graph.nodes if n not in wanted and _writes_into(n) in wanted]
+        if not writes:
+            return wanted
+        wanted |= _ancestors(writes)
+
+
+def _writes_into(node: torch.fx.Node) -> torch.fx.Node | None:
+    in_place = node.target is operator.setitem or (
+        node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"))
+    target = node.args[0] if in_place and node.args else None
+    return target if isinstance(target, torch.fx.Node) else None
 
 
 def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
