@@ -19,6 +19,7 @@ import torch
 import torch.fx
 from tokpipe_compiler.runtime.chunking import chunk_slice
 
+from tokpipe_compiler.errors import TokpipeError, describe
 from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY
 
 STAGE_KEY = "tokpipe_stage"
@@ -181,6 +182,18 @@ def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
         seen.add(node)
         stack.extend(node.all_input_nodes)
     return seen
+
+
+def check_chunked_outputs(gm: torch.fx.GraphModule) -> None:
+    """Outputs must be assembled from chunks: whole text tokens, of which every chunk
+    computes its own copy, cannot be."""
+    for value in _output_nodes(gm):
+        info = _info(value)
+        if info.carries_tokens and (info.segmented or not info.per_unit):
+            raise TokpipeError(
+                f"the graph returns {describe(value)}, which holds whole text tokens that "
+                "every chunk computes its own copy of (joint attention's text stream); "
+                "return only the image tokens, or use mode='sync'")
 
 
 def _output_specs(gm: torch.fx.GraphModule) -> list[OutputSpec]:
