@@ -11,6 +11,7 @@ The prelude computes the invariant values once per call; it never sees a token.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 import torch.fx
 from tokpipe_compiler.runtime.chunking import chunk_slice
 
+from tokpipe_compiler.errors import TokpipeError, describe
 from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY
 
 STAGE_KEY = "tokpipe_stage"
@@ -141,7 +143,7 @@ def _prelude(
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     by_name = {n.name: n for n in gm.graph.nodes}
-    wanted = _ancestors([by_name[name] for name in needed])
+    wanted = _with_writes(gm, _ancestors([by_name[name] for name in needed]))
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name not in runtime_inputs:
             env[node] = graph.placeholder(node.name)
@@ -151,6 +153,23 @@ def _prelude(
     names = sorted(needed, key=lambda name: list(by_name).index(name))
     graph.output(tuple(env[by_name[name]] for name in names))
     return torch.fx.GraphModule(gm, graph, class_name="prelude"), names
+
+
+def _with_writes(gm: torch.fx.GraphModule, wanted: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """`wanted` plus the in-place writes into its values (`ids[..., 0] = rows`, `x.add_(y)`):
+    they have no users, so following inputs alone would drop them."""
+    while True:
+        writes = [n for n in gm.graph.nodes if n not in wanted and _writes_into(n) in wanted]
+        if not writes:
+            return wanted
+        wanted |= _ancestors(writes)
+
+
+def _writes_into(node: torch.fx.Node) -> torch.fx.Node | None:
+    in_place = node.target is operator.setitem or (
+        node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"))
+    target = node.args[0] if in_place and node.args else None
+    return target if isinstance(target, torch.fx.Node) else None
 
 
 def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -163,6 +182,18 @@ def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
         seen.add(node)
         stack.extend(node.all_input_nodes)
     return seen
+
+
+def check_chunked_outputs(gm: torch.fx.GraphModule) -> None:
+    """Outputs must be assembled from chunks: whole text tokens, of which every chunk
+    computes its own copy, cannot be."""
+    for value in _output_nodes(gm):
+        info = _info(value)
+        if info.carries_tokens and (info.segmented or not info.per_unit):
+            raise TokpipeError(
+                f"the graph returns {describe(value)}, which holds whole text tokens that "
+                "every chunk computes its own copy of (joint attention's text stream); "
+                "return only the image tokens, or use mode='sync'")
 
 
 def _output_specs(gm: torch.fx.GraphModule) -> list[OutputSpec]:

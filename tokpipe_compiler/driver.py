@@ -14,7 +14,7 @@ import torch.fx
 from tokpipe_compiler.passes.annotate import annotate, raise_unsupported
 from tokpipe_compiler.passes.chunk_attention import chunk_attention
 from tokpipe_compiler.passes.partition import partition
-from tokpipe_compiler.passes.split import STAGE_KEY, split
+from tokpipe_compiler.passes.split import STAGE_KEY, check_chunked_outputs, split
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 from tokpipe_compiler.runtime.schedule import build_schedule
@@ -43,6 +43,8 @@ def build_plan(gm: torch.fx.GraphModule, config: Config) -> Plan:
     caches = chunk_attention(gm, config.mode)
     dump_graph("chunk_attention", gm)
     runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in (c.k_name, c.v_name)}
+    if config.mode != "sync":
+        check_chunked_outputs(gm)
     graphs = split(gm, config.stages, runtime_inputs)
     for stage in graphs.stages:
         dump_graph(f"split/stage_{stage.index}", stage.gm)
