@@ -85,3 +85,49 @@ def test_ring_across_ranks_equals_in_process_bit_for_bit(world):
     expected = ring_run(options)
     for got in launch(_ring_on_rank, world, args=(options,), timeout=240):
         assert torch.equal(got, expected)
+
+
+def scheduler_step(name: str):
+    """A DiT step with a diffusers scheduler's token-wise update; DPM carries its history."""
+    from diffusers import (
+        DDIMScheduler,
+        DPMSolverMultistepScheduler,
+        EulerDiscreteScheduler,
+        FlowMatchEulerDiscreteScheduler,
+    )
+
+    from tokpipe_compiler.schedulers import step_table, update
+
+    scheduler = {"ddim": DDIMScheduler(clip_sample=False), "euler": EulerDiscreteScheduler(),
+                 "flow": FlowMatchEulerDiscreteScheduler(),
+                 "dpm": DPMSolverMultistepScheduler()}[name]
+    table = step_table(scheduler, STEPS)
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+
+    def step(latents, history, timestep, input_scale, coeffs, labels):
+        eps = model(latents * input_scale, timestep[None], labels)
+        x, h = update(latents, eps, history, coeffs)
+        return (x, h) if table.history else (x, history)
+
+    latents, _, labels = dit_inputs(model, 8)
+    per_step = {"timestep": table.timesteps.round().long(), "input_scale": table.input_scale,
+                "coeffs": table.coeffs}
+    return step, latents, labels, per_step
+
+
+@pytest.mark.parametrize("name", ["ddim", "euler", "flow", "dpm"])
+def test_ring_equals_per_call_loop_for_each_scheduler(name):
+    torch._dynamo.reset()
+    step, latents, labels, per_step = scheduler_step(name)
+    history = torch.zeros_like(latents)
+    ring = tp.Ring(step, carry=["latents", "history"], **OPTIONS)
+    got, _ = ring.run({"latents": latents, "history": history, "labels": labels},
+                      per_step=per_step)
+    compiled = torch.compile(step, backend=tp.backend(**OPTIONS), dynamic=False)
+    x, h = latents, history
+    with torch.no_grad():
+        for k in range(STEPS):
+            x, h = compiled(x, h, *(per_step[n][k] for n in ("timestep", "input_scale",
+                                                             "coeffs")), labels)
+    assert torch.equal(got, x)

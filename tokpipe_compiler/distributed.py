@@ -4,13 +4,14 @@ that computes it), bit for bit what the in-process runtime returns."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.runtime.caches import KVCaches
-from tokpipe_compiler.runtime.transport import DistributedTransport
+from tokpipe_compiler.runtime.transport import DistributedTransport, init_process_group_from_env
 
 from .errors import TokpipeError
 from .graph_utils import example_value
@@ -19,8 +20,14 @@ from .program import PipelinedProgram, Session
 
 
 def distributed_world() -> tuple[int, int] | None:
-    """(rank, world size) when torch.distributed runs more than one process, else None."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    """(rank, world size) when torch.distributed runs more than one process, else None.
+    Under torchrun (WORLD_SIZE > 1 in the environment) the process group is started here
+    if the script did not: NCCL when CUDA is available, gloo otherwise."""
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        init_process_group_from_env()
+    if dist.is_initialized() and dist.get_world_size() > 1:
         return dist.get_rank(), dist.get_world_size()
     return None
 

@@ -90,6 +90,8 @@ class Ring:
                                f"carry names {len(self.carry)}")
         carried = {}
         for name, spec in zip(self.carry, outputs, strict=False):
+            if spec.source == f"l_{name}_":
+                continue  # returned unchanged: nothing to carry
             if spec.kind != "token":
                 raise TokpipeError(f"carried input {name!r} is fed by an output that is not "
                                    "token-wise (ring mode needs a token-wise scheduler update)")
