@@ -26,6 +26,11 @@ class StageProgram:
         return self.specialised[units]
 
     def __call__(self, units: int, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        if self.compiler == "inductor":
+            # Compiled code is specialised to its inputs' strides; a chunk cut from a full
+            # tensor and one received or carried whole differ. (K/V caches are contiguous,
+            # so they are passed as themselves and written in place.)
+            inputs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in inputs]
         if units not in self.compiled:
             self.compiled[units] = compile_stage(self.graph_for(units), inputs, self.compiler)
         with torch.no_grad():
