@@ -11,8 +11,10 @@ import logging
 import torch
 import torch.fx
 
-from tokpipe_compiler.passes.annotate import annotate, raise_unsupported
+from tokpipe_compiler.graph_utils import example_value
+from tokpipe_compiler.passes.annotate import Annotation, annotate, raise_unsupported
 from tokpipe_compiler.passes.chunk_attention import chunk_attention
+from tokpipe_compiler.passes.chunking_choice import StageTime, choose_causal, choose_stale
 from tokpipe_compiler.passes.partition import partition
 from tokpipe_compiler.passes.split import STAGE_KEY, check_chunked_outputs, split
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
@@ -20,9 +22,9 @@ from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 from tokpipe_compiler.runtime.schedule import build_schedule
 from tokpipe_compiler.tokens import ATTENTION, META_KEY
 
+from . import calibrate
 from .config import Config
-from .errors import TokpipeError
-from .logs import PLAN, dump_graph
+from .logs import LOG, PLAN, dump_graph
 from .plan import Plan, describe_stages, stage_costs
 
 
@@ -33,8 +35,8 @@ def build_plan(gm: torch.fx.GraphModule, config: Config) -> Plan:
     if annotation.unsupported:
         raise_unsupported(annotation)
     dump_graph("annotate", gm)
-    chunks = plan_chunks(annotation.units, config)
     tokens = sequence_tokens(gm, annotation.units)
+    chunks = plan_chunks(gm, annotation, tokens, config)
     cut = partition(gm, config.stages, tokens, tokens * chunks[0].units // annotation.units)
     for node, stage in cut.stage_of.items():
         node.meta[STAGE_KEY] = stage
@@ -59,12 +61,35 @@ def build_plan(gm: torch.fx.GraphModule, config: Config) -> Plan:
     return plan
 
 
-def plan_chunks(units: int, config: Config) -> list[Chunk]:
+def plan_chunks(
+    gm: torch.fx.GraphModule, annotation: Annotation, tokens: int, config: Config
+) -> list[Chunk]:
+    units = annotation.units
     if config.mode == "sync":
         return chunk_table(units, 1)
-    if config.chunks == "auto":
-        raise TokpipeError("chunks='auto' needs the cost model; pass an int for now")
-    return chunk_table(units, config.chunks)
+    if config.chunks != "auto":
+        return chunk_table(units, config.chunks)
+    stage_times = predicted_stage_times(gm, annotation, tokens, config.stages)
+    if config.mode == "causal":
+        chunks = choose_causal(units, tokens, stage_times)
+    else:
+        chunks = choose_stale(units, tokens, stage_times)
+    LOG.info("chunks='auto' (%s): %d chunks of %s grid units", config.mode, len(chunks),
+             [c.units for c in chunks])
+    return chunks
+
+
+def predicted_stage_times(
+    gm: torch.fx.GraphModule, annotation: Annotation, tokens: int, stages: int
+) -> list[StageTime]:
+    """Seconds per chunk of each stage of a provisional partition (one chunk per stage),
+    at the calibrated rates of the device the token input lives on."""
+    first = chunk_table(annotation.units, min(stages, annotation.units))[0]
+    cut = partition(gm, stages, tokens, tokens * first.units // annotation.units)
+    value = example_value(annotation.token_input)
+    device = str(value.device) if isinstance(value, torch.Tensor) else "cpu"
+    rates = calibrate.load_or_measure(device)
+    return [calibrate.time_fn(cost, rates) for cost in stage_costs(cut, stages, tokens)]
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

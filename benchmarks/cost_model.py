@@ -1,0 +1,169 @@
+"""The cost model against measured stage times on this CPU (1 thread, eager stages).
+
+    python benchmarks/cost_model.py [--quick] [--runs 5]
+
+(a) DiT-S/2 (12 layers, hidden 384, 6 heads, 64x64 latent), stale mode, 2 stages, 4 chunks:
+    each stage's predicted seconds per chunk against the median measured one.
+(b) TinyCausalLM (4096 tokens, width 256, 4 layers), causal mode, 2 stages: uniform chunks
+    against TeraPipe's slicing with the same count, predicted and measured (per-chunk stage
+    times combined as a pipeline would run them: sum(t_i) + (S - 1) * max(t_i)).
+(c) DiT: predicted step time of chunks="auto" against fixed chunk counts 1, 2, 4, 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tokpipe_compiler.passes.chunking_choice import (
+    choose_causal,
+    choose_stale,
+    slowest_times,
+    step_time,
+    table_step_time,
+)
+from tokpipe_compiler.runtime.chunking import chunk_table
+
+from tokpipe_compiler import Config, calibrate
+from tokpipe_compiler.driver import build_plan
+from tokpipe_compiler.plan import Plan
+from tokpipe_compiler.program import PipelinedProgram
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.models
+from tests.models import TinyCausalLM
+
+DIT_FULL = {"layers": 12, "heads": 6, "head_dim": 64, "side": 64}
+DIT_QUICK = {"layers": 4, "heads": 4, "head_dim": 32, "side": 32}
+LM_FULL = {"tokens": 4096, "width": 256, "layers": 4}
+LM_QUICK = {"tokens": 512, "width": 64, "layers": 2}
+STAGES = 2
+
+
+def capture(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, list]:
+    """Dynamo's one graph of fn(*args), and its example inputs."""
+    graphs = []
+
+    def record(gm, example_inputs, **_):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=record, dynamic=False)(*args)
+    return graphs[0]
+
+
+def measure(plan: Plan, inputs: list, runs: int) -> dict[tuple[int, int], float]:
+    """Median compute seconds of each (stage, chunk) over `runs` pipelined calls."""
+    program = PipelinedProgram(plan)
+    with torch.no_grad():
+        for _ in range(plan.config.warmup_steps + 1):  # warmup, then one untimed call
+            program(*inputs)
+        program.timeline.events.clear()
+        for _ in range(runs):
+            program(*inputs)
+    samples = defaultdict(list)
+    for event in program.timeline.events:
+        if event.kind == "compute":
+            samples[event.stage, event.chunk].append(event.duration)
+    return {key: statistics.median(v) for key, v in samples.items()}
+
+
+def predict(plan: Plan, rates: calibrate.DeviceRates) -> dict[tuple[int, int], float]:
+    return {(s.index, c.index): calibrate.seconds(s.cost, rates, plan.chunk_tokens(c),
+                                                  plan.context_tokens(c))
+            for s in plan.stages for c in plan.chunks}
+
+
+def stage_times(plan: Plan, rates: calibrate.DeviceRates) -> list:
+    return [calibrate.time_fn(s.cost, rates) for s in plan.stages]
+
+
+def dit(shape: dict):
+    from diffusers import DiTTransformer2DModel
+
+    torch.manual_seed(0)
+    model = DiTTransformer2DModel(
+        num_attention_heads=shape["heads"], attention_head_dim=shape["head_dim"],
+        in_channels=4, out_channels=8, num_layers=shape["layers"], sample_size=shape["side"],
+        patch_size=2, num_embeds_ada_norm=1000, norm_type="ada_norm_zero",
+    ).eval()
+    t, labels = torch.tensor([500]), torch.tensor([207])
+
+    def forward(latents):
+        return model(latents, timestep=t, class_labels=labels).sample
+
+    return capture(forward, torch.randn(1, 4, shape["side"], shape["side"]))
+
+
+def stage_accuracy(gm, inputs, rates, runs: int) -> None:
+    plan = build_plan(gm, Config(stages=STAGES, chunks=4, mode="stale", compiler="eager"))
+    measured, predicted = measure(plan, inputs, runs), predict(plan, rates)
+    print("(a) DiT stage seconds per chunk (stale, 2 stages, 4 chunks)")
+    errors = []
+    for s in plan.stages:
+        p = statistics.fmean(predicted[s.index, c.index] for c in plan.chunks)
+        m = statistics.fmean(measured[s.index, c.index] for c in plan.chunks)
+        errors.append(abs(p / m - 1))
+        print(f"  stage {s.index}: predicted {p * 1e3:8.2f} ms  measured {m * 1e3:8.2f} ms"
+              f"  predicted/measured {p / m:.2f}")
+    print(f"  median |error| {statistics.median(errors):.1%}")
+
+
+def auto_vs_fixed(gm, rates) -> None:
+    plan = build_plan(gm, Config(stages=STAGES, chunks=STAGES, mode="stale", compiler="eager"))
+    times = stage_times(plan, rates)
+    print("(c) DiT predicted step time (stale, 2 stages, one call)")
+    auto = choose_stale(plan.units, plan.tokens, times)
+    for label, table in [("auto", auto),
+                         *((str(m), chunk_table(plan.units, m)) for m in (1, 2, 4, 8))]:
+        step = table_step_time(table, times, plan.units, plan.tokens, causal=False)
+        print(f"  chunks={label:>4} ({len(table)}): {step * 1e3:8.2f} ms")
+
+
+def combined(per_chunk: dict[tuple[int, int], float], plan: Plan) -> float:
+    slowest = [max(per_chunk[s.index, c.index] for s in plan.stages) for c in plan.chunks]
+    return step_time(slowest, len(plan.stages))
+
+
+def causal_slicing(shape: dict, rates, runs: int, chunks: int) -> None:
+    torch.manual_seed(0)
+    model = TinyCausalLM(depth=shape["layers"], width=shape["width"], heads=4).eval()
+    gm, inputs = capture(model, torch.randn(1, shape["tokens"], shape["width"]))
+    config = Config(stages=STAGES, chunks=chunks, mode="causal", compiler="eager")
+    uniform = build_plan(gm, config)
+    table = choose_causal(uniform.units, uniform.tokens, stage_times(uniform, rates), chunks)
+    sliced = replace(build_plan(gm, replace(config, chunks=len(table))), chunks=table)
+    print(f"(b) TinyCausalLM {shape['tokens']} tokens, 2 stages: uniform vs TeraPipe slicing")
+    results = {}
+    for name, plan in (("uniform", uniform), ("terapipe", sliced)):
+        slow = slowest_times(plan.chunks, stage_times(plan, rates), plan.units, plan.tokens,
+                             causal=True)
+        results[name] = (step_time(slow, STAGES), combined(measure(plan, inputs, runs), plan))
+        print(f"  {name:>8} {[c.units for c in plan.chunks]}: predicted "
+              f"{results[name][0] * 1e3:8.2f} ms  measured {results[name][1] * 1e3:8.2f} ms")
+    (pu, mu), (pt, mt) = results["uniform"], results["terapipe"]
+    print(f"  uniform / terapipe: predicted {pu / pt:.2f}x  measured {mu / mt:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--chunks", type=int, default=4, help="chunk count of (b)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rates = calibrate.load_or_measure("cpu", threads=1)
+    gm, inputs = dit(DIT_QUICK if args.quick else DIT_FULL)
+    stage_accuracy(gm, inputs, rates, args.runs)
+    causal_slicing(LM_QUICK if args.quick else LM_FULL, rates, args.runs, args.chunks)
+    auto_vs_fixed(gm, rates)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""chunks="auto": a chunk table chosen from predicted stage times.
+
+A stage time is seconds of one chunk on one stage as a function of (chunk tokens, context
+tokens), e.g. `calibrate.time_fn` of the stage's Cost. A pipelined call over chunks with
+slowest-stage times t_i takes sum(t_i) + (S - 1) * max(t_i): TeraPipe's objective, and
+`pipeline_time` of one call when the stages are balanced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+
+from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
+
+from .slicing import choose_chunks, terapipe_slices
+
+StageTime = Callable[[int, int], float]  # (chunk tokens, context tokens) -> seconds
+
+MAX_CUT_POINTS = 64  # the slicing DP is quadratic in cut points (cubic with a count cap)
+
+
+def step_time(slowest: Sequence[float], stages: int) -> float:
+    """Predicted seconds of one pipelined call whose chunks' slowest stages take `slowest`."""
+    return sum(slowest) + (stages - 1) * max(slowest)
+
+
+def slowest_times(
+    table: Sequence[Chunk], stage_times: Sequence[StageTime], units: int, tokens: int,
+    causal: bool,
+) -> list[float]:  # fmt: skip
+    """Per chunk, the predicted seconds of its slowest stage."""
+    def tok(u: int) -> int:
+        return u * tokens // units
+
+    return [max(t(tok(c.units), tok(c.stop) if causal else tokens) for t in stage_times)
+            for c in table]
+
+
+def table_step_time(
+    table: Sequence[Chunk], stage_times: Sequence[StageTime], units: int, tokens: int,
+    causal: bool,
+) -> float:  # fmt: skip
+    times = slowest_times(table, stage_times, units, tokens, causal)
+    return step_time(times, len(stage_times))
+
+
+def choose_stale(units: int, tokens: int, stage_times: Sequence[StageTime]) -> list[Chunk]:
+    """The uniform table whose chunk count has the least predicted step time."""
+    def predict(m: int) -> float:
+        return table_step_time(chunk_table(units, m), stage_times, units, tokens, False)
+
+    return chunk_table(units, choose_chunks(units, len(stage_times), predict))
+
+
+def choose_causal(
+    units: int, tokens: int, stage_times: Sequence[StageTime], max_slices: int | None = None
+) -> list[Chunk]:
+    """TeraPipe's slicing: later chunks attend over more context, so they are shorter."""
+    def slowest(length: int, end: int) -> float:
+        return max(t(length * tokens // units, end * tokens // units) for t in stage_times)
+
+    granularity = math.ceil(units / MAX_CUT_POINTS)
+    sizes = terapipe_slices(units, len(stage_times), slowest, granularity, max_slices)
+    return table_from_sizes(sizes)
+
+
+def table_from_sizes(sizes: Sequence[int]) -> list[Chunk]:
+    bounds = [0, *accumulate(sizes)]
+    return [Chunk(i, bounds[i], bounds[i + 1]) for i in range(len(sizes))]
