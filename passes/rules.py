@@ -18,7 +18,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from tokpipe_compiler.graph_utils import example_value, node_shape, target_name
-from tokpipe_compiler.tokens import ATTENTION, TOKEN, UNSUPPORTED, TokenInfo
+from tokpipe_compiler.tokens import ATTENTION, INVARIANT_INFO, TOKEN, UNSUPPORTED, TokenInfo
 
 from . import segments
 from .shape_rules import expand_index, getitem_axis, permute_axis, reshape_axis, transpose_axis
@@ -124,9 +124,12 @@ def elementwise(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 
 @register(torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
-          torch.randn_like, torch.rand_like, "method:new_empty", "method:new_zeros")
+          torch.randn_like, torch.rand_like, "method:new_empty", "method:new_zeros",
+          "method:new_ones", "method:new_full")
 def like(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
+    if node.op == "call_method" and src is node.args[0] and node_shape(node) != node_shape(src):
+        return INVARIANT_INFO  # x.new_ones(size): only x's dtype and device are used
     if src is not node.args[0] or node_shape(node) != node_shape(src):
         return unsupported("a token tensor gives the shape of a new tensor")
     return info
