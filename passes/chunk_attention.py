@@ -21,7 +21,7 @@ from tokpipe_compiler.errors import TokpipeError, describe
 from tokpipe_compiler.graph_utils import example_value
 from tokpipe_compiler.tokens import ATTENTION, INVARIANT_INFO, META_KEY
 
-from .rules import sdpa_args
+from .compute_rules import sdpa_args
 
 
 def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:

@@ -1,0 +1,187 @@
+"""Token-axis rules for ops that compute: contractions, norms, the patchify convolution,
+embeddings and attention. Registered into the table of `rules.py`."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from tokpipe_compiler.graph_utils import node_shape
+from tokpipe_compiler.tokens import ATTENTION, TOKEN, TokenInfo
+
+from .rules import RuleContext, first_token, register, slice_operand, unsupported
+
+# -- contractions ------------------------------------------------------------------------------
+
+
+@register(F.linear, torch._C._nn.linear)
+def linear(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if src is not node.args[0]:
+        return unsupported("a linear layer's weight depends on the tokens")
+    if info.axis == len(node_shape(src)) - 1:
+        return unsupported("a linear layer contracts over the token axis")
+    return info
+
+
+@register(operator.matmul, torch.matmul, "method:matmul", torch.bmm, "method:bmm")
+def matmul(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    a, b = node.args[0], node.args[1]
+    ia, ib = ctx.info(a), ctx.info(b)
+    out_ndim = len(node_shape(node))
+    hint = ("a sum over tokens such as linear attention is not chunked yet; write attention "
+            "with F.scaled_dot_product_attention so tokpipe can chunk it")
+    if ib is not None and ib.carries_tokens:
+        nb = len(node_shape(b))
+        if ib.axis == nb - 2 or (ia is not None and ia.carries_tokens):
+            return unsupported(f"matmul contracts over the token axis (mixes tokens); {hint}")
+        if ib.axis == nb - 1:
+            return ib.moved(out_ndim - 1)
+        return ib.moved(ib.axis + out_ndim - nb)
+    na = len(node_shape(a))
+    if ia.axis == na - 1:
+        return unsupported(f"matmul contracts over the token axis (mixes tokens); {hint}")
+    return ia.moved(ia.axis + out_ndim - na)
+
+
+@register(torch.einsum, torch.functional.einsum)
+def einsum(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    equation = node.args[0].replace(" ", "")
+    operands = node.args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = operands[0]
+    if "..." in equation or "->" not in equation:
+        return unsupported("einsum with an implicit output or ellipsis")
+    inputs, output = equation.split("->")
+    letters = inputs.split(",")
+    token_letter = token_info = None
+    for spec, arg in zip(letters, operands, strict=True):
+        info = ctx.info(arg)
+        if info is not None and info.carries_tokens:
+            letter = spec[info.axis]
+            if token_letter not in (None, letter):
+                return unsupported("einsum operands carry tokens on different letters")
+            token_letter, token_info = letter, info
+    if token_letter not in output:
+        return unsupported(f"einsum sums over the token index '{token_letter}'")
+    return token_info.moved(output.index(token_letter))
+
+
+# -- normalisation -----------------------------------------------------------------------------
+
+
+@register(F.layer_norm, torch.layer_norm, F.rms_norm, torch.rms_norm)
+def layer_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if src is not node.args[0]:
+        return unsupported("a norm's weight depends on the tokens")
+    normalized = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
+    if info.axis >= len(node_shape(src)) - len(normalized):
+        return unsupported("the norm normalises over the token axis")
+    return info
+
+
+@register(F.group_norm, torch.group_norm, F.instance_norm, F.batch_norm)
+def group_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    return unsupported(f"{node.target.__name__} normalises over all positions (mixes tokens)")
+
+
+# -- convolution (patch embedding) -------------------------------------------------------------
+
+
+@register(torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d)
+def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if src is not node.args[0]:
+        return unsupported("a convolution's weight depends on the tokens")
+    if info.axis == 0:
+        return info  # the token axis is the batch (video frames folded into it)
+    spatial = info.axis - 2
+    if spatial < 0 or info.segmented:
+        return unsupported("convolution over the token axis as channels")
+    weight = node_shape(node.args[1])
+    kernel = weight[2 + spatial]
+    stride, padding, dilation = (_conv_param(node, i, name, len(weight) - 2)[spatial]
+                                 for i, name in ((3, "stride"), (4, "padding"), (5, "dilation")))
+    if kernel != stride or padding != 0 or dilation != 1:
+        return unsupported(
+            f"convolution with kernel {kernel}, stride {stride}, padding {padding} along the "
+            "token axis reaches across chunk rows (only patchify convolutions, kernel == "
+            "stride, padding 0, can be chunked)"
+        )
+    return replace(info, kind=TOKEN, per_unit=info.per_unit / stride)
+
+
+def _conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list[int]:
+    default = 0 if name == "padding" else 1
+    value = node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+    if isinstance(value, str):
+        return [-1] * dims  # 'same'/'valid' padding strings: treat as unsupported padding
+    return list(value) if isinstance(value, (tuple, list)) else [value] * dims
+
+
+# -- embeddings and attention ------------------------------------------------------------------
+
+
+@register(F.embedding, torch.embedding)
+def embedding(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if src is not node.args[0]:
+        return unsupported("an embedding table depends on the tokens")
+    return info
+
+
+@register(F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+def attention(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    args = sdpa_args(node)
+    q, k, v = args["query"], args["key"], args["value"]
+    iq, ik, iv = ctx.info(q), ctx.info(k), ctx.info(v)
+    nd = len(node_shape(q))
+    if not (ik.carries_tokens or iv.carries_tokens):
+        return _cross_attention(node, iq, (k, v))
+    if not (iq.carries_tokens and ik.carries_tokens and iv.carries_tokens):
+        return unsupported("self-attention whose queries, keys and values differ in token use")
+    if len({iq, ik, iv}) == 1 and iq.axis < nd - 2:
+        return iq  # tokens on a batch or head axis: each item attends on its own
+    if {iq.axis, ik.axis, iv.axis} != {nd - 2}:
+        return unsupported("attention whose sequence axis is not the token axis")
+    if ik != iv or iq not in (ik, replace(ik, lead=0, trail=0)):
+        return unsupported("queries and keys of different token granularity or segments")
+    mask = args.get("attn_mask")
+    if isinstance(mask, torch.fx.Node):
+        if ctx.info(mask).carries_tokens:
+            return unsupported("an attention mask computed from the tokens")
+        shape = node_shape(mask)
+        if len(shape) >= 2 and shape[-2] != 1:
+            why = slice_operand(node, mask, len(shape) - 2, iq)
+            if why:
+                return unsupported(why)
+    return iq.moved(nd - 2, ATTENTION)
+
+
+def _cross_attention(node: torch.fx.Node, iq: TokenInfo, keys: tuple) -> TokenInfo:
+    """Queries chunked, keys and values invariant. With the tokens on a batch axis (video
+    frames folded into the batch), the keys of each item are cut to the chunk's items."""
+    nd = len(node_shape(node))
+    if iq.axis < nd - 2:
+        for kv in keys:
+            if node_shape(kv)[iq.axis] != 1:
+                why = slice_operand(node, kv, iq.axis, iq)
+                if why:
+                    return unsupported(why)
+    return iq
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def sdpa_args(node: torch.fx.Node) -> dict[str, Any]:
+    """The arguments of a scaled_dot_product_attention call, by name."""
+    bound = dict(zip(_SDPA_ARGS, node.args, strict=False))
+    bound.update(node.kwargs)
+    return bound
