@@ -210,3 +210,18 @@ def _output_specs(gm: torch.fx.GraphModule) -> list[OutputSpec]:
         else:
             specs.append(OutputSpec(CALL, value.name))
     return specs
+
+
+def prelude_for(graphs: SplitGraphs, stages: set[int]) -> tuple[torch.fx.GraphModule, list[str]]:
+    """The prelude cut down to what `stages` read (and the graph's invariant outputs): on
+    one rank per stage, a rank computes and holds only its own stages' conditioning."""
+    needed = {i.source for g in graphs.stages if g.index in stages for i in g.inputs
+              if i.kind != BOUNDARY}
+    needed |= {o.source for o in graphs.outputs if o.kind == CALL}
+    keep = [name for name in graphs.prelude_outputs if name in needed]
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(graphs.prelude.graph, {})
+    values = dict(zip(graphs.prelude_outputs, output, strict=True))
+    graph.output(tuple(values[name] for name in keep))
+    graph.eliminate_dead_code()  # in-place writes count as side effects and stay
+    return torch.fx.GraphModule(graphs.prelude, graph, class_name="prelude"), keep

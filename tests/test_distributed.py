@@ -67,3 +67,21 @@ def test_killed_rank_makes_the_others_raise_in_time():
     text = str(err.value)
     assert "rank 1" in text and "rank 0" in text
     assert "chunk" in text and "step" in text
+
+
+def _param_share(rank: int, world: int, options: dict) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = TinyDiT(depth=4, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
+    with torch.no_grad():
+        compiled(*dit_inputs(model, 8))
+    (program,) = tp.programs(compiled)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(b.numel() * b.element_size() for b in model.buffers())
+    return program.param_bytes, total
+
+
+def test_each_rank_holds_its_share_of_the_weights():
+    options = {"stages": 2, "chunks": 2, "mode": "stale", "compiler": "eager", "timeout": 60.0}
+    for held, total in launch(_param_share, 2, args=(options,), timeout=240):
+        assert abs(held - total / 2) <= 0.1 * total / 2, (held, total)

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.runtime.caches import KVCaches
 from tokpipe_compiler.runtime.transport import DistributedTransport, init_process_group_from_env
 
 from .errors import TokpipeError
-from .graph_utils import example_value
+from .graph_utils import example_value, is_parameter
 from .plan import Plan
 from .program import PipelinedProgram, Session
 
@@ -48,6 +49,7 @@ class DistributedProgram(PipelinedProgram):
         self.caches = KVCaches(plan.stages[self.rank].caches)
         self.transport = DistributedTransport(timeout=plan.config.timeout)
         graph = plan.graphs.stages[self.rank]
+        self.prelude = prelude_for(plan.graphs, {self.rank})
         self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
         self.on_device: dict[int, torch.Tensor] = {}  # this stage's weights, moved once
 
@@ -74,9 +76,17 @@ class DistributedProgram(PipelinedProgram):
         return self.device
 
     @property
-    def resident_param_bytes(self) -> int:
-        """Bytes of parameters this rank moved to its device."""
-        return sum(t.numel() * t.element_size() for t in self.on_device.values())
+    def param_bytes(self) -> int:
+        """Bytes of the parameters this rank's prelude and stage read: what it holds on its
+        device (the rest of the model stays wherever the caller keeps it)."""
+        used = {n.name for n in self.prelude[0].graph.nodes if n.op == "placeholder" and n.users}
+        used |= self.reads
+        total = 0
+        for node in self.plan.graphs.prelude.graph.nodes:
+            value = example_value(node)
+            if node.name in used and is_parameter(node) and value is not None:
+                total += value.numel() * value.element_size()
+        return total
 
     def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The producer concatenates its chunks; every rank receives the whole output."""

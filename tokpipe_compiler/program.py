@@ -60,6 +60,7 @@ class PipelinedProgram:
         self.calls = 0
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
+        self.prelude = (plan.graphs.prelude, plan.graphs.prelude_outputs)
         if session is not None:
             session.programs.add(self)
 
@@ -138,8 +139,8 @@ class PipelinedProgram:
     def _call_env(self, args: tuple[torch.Tensor, ...]) -> dict[str, Any]:
         graphs = self.plan.graphs
         env = dict(zip(graphs.input_names, args, strict=True))
-        prelude_values = graphs.prelude(*args)
-        env.update(zip(graphs.prelude_outputs, prelude_values, strict=True))
+        prelude, outputs = self.prelude
+        env.update(zip(outputs, prelude(*args), strict=True))
         env.update(self.caches.tensors(self._device(args)))
         return env
 
