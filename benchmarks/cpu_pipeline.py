@@ -94,7 +94,12 @@ def pipelined(rank: int, world: int, shape: dict, steps: int, chunks: int, ring:
                 x, _ = compiled(x, *step_inputs(per_step, k), inputs["labels"])
         program = None
     elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "breakdown": breakdown(program) if program else None}
+    if program is None:
+        (program,) = tp.programs(compiled)
+        breakdown_of = None
+    else:
+        breakdown_of = breakdown(program)
+    return {"seconds": elapsed, "breakdown": breakdown_of, "chunks": len(program.plan.chunks)}
 
 
 def breakdown(program) -> dict:
@@ -114,7 +119,8 @@ def ideal(steps: int, ranks: int, chunks: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--chunks", nargs="+", default=["2", "4", "8", "auto"],
+                        help="chunk counts, or auto (the cost model chooses)")
     parser.add_argument("--quick", action="store_true", help="a small model, for a smoke run")
     parser.add_argument("--compiler", choices=["inductor", "eager"], default="inductor",
                         help="how tokpipe compiles its stages (untimed: compiled before timing)")
@@ -125,13 +131,15 @@ def main() -> None:
     rows = [("serial eager, 1 thread", serial(shape, args.steps, 1, False), None, None),
             ("serial eager, 2 threads", serial(shape, args.steps, 2, False), None, None),
             ("serial inductor, 2 threads", serial(shape, args.steps, 2, True), None, None)]
-    for chunks in args.chunks:
+    for chunks in (c if c == "auto" else int(c) for c in args.chunks):
         for ring in (False, True):
             results = launch(pipelined, RANKS, timeout=3600,
                              args=(shape, args.steps, chunks, ring, args.compiler))
             seconds = max(r["seconds"] for r in results)
             label = f"tokpipe {'ring' if ring else 'per-call'}, chunks {chunks}"
-            rows.append((label, seconds, ideal(args.steps, RANKS, chunks),
+            used = results[0]["chunks"]
+            label += f" ({used})" if chunks == "auto" else ""
+            rows.append((label, seconds, ideal(args.steps, RANKS, used),
                          [r["breakdown"] for r in results]))
     report(rows)
 

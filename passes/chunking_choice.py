@@ -46,10 +46,19 @@ def table_step_time(
     return step_time(times, len(stage_times))
 
 
-def choose_stale(units: int, tokens: int, stage_times: Sequence[StageTime]) -> list[Chunk]:
-    """The uniform table whose chunk count has the least predicted step time."""
+def choose_stale(units: int, tokens: int, stage_times: Sequence[StageTime],
+                 ring_steps: int | None = None) -> list[Chunk]:
+    """The uniform table whose chunk count has the least predicted time: of one call, or,
+    for a ring of `ring_steps` steps, of the whole ring (the pipeline fills once, then each
+    step takes max(chunks, stages) slowest-chunk times)."""
+    stages = len(stage_times)
+
     def predict(m: int) -> float:
-        return table_step_time(chunk_table(units, m), stage_times, units, tokens, False)
+        table = chunk_table(units, m)
+        if ring_steps is None:
+            return table_step_time(table, stage_times, units, tokens, False)
+        slowest = max(slowest_times(table, stage_times, units, tokens, False))
+        return slowest * ((stages - 1) + ring_steps * max(m, stages))
 
     return chunk_table(units, choose_chunks(units, len(stage_times), predict))
 

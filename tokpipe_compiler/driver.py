@@ -28,15 +28,16 @@ from .logs import LOG, PLAN, dump_graph
 from .plan import Plan, describe_stages, stage_costs
 
 
-def build_plan(gm: torch.fx.GraphModule, config: Config) -> Plan:
-    """Dynamo's graph -> a Plan (stages, chunk table, schedule). `gm` is left untouched."""
+def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None = None) -> Plan:
+    """Dynamo's graph -> a Plan (stages, chunk table, schedule). `gm` is left untouched.
+    `ring_steps`: the plan runs as a ring of that many steps (chunks="auto" chooses for it)."""
     gm = copy_graph_module(gm)
     annotation = annotate(gm, config.token_input)
     if annotation.unsupported:
         raise_unsupported(annotation)
     dump_graph("annotate", gm)
     tokens = sequence_tokens(gm, annotation.units)
-    chunks = plan_chunks(gm, annotation, tokens, config)
+    chunks = plan_chunks(gm, annotation, tokens, config, ring_steps)
     cut = partition(gm, config.stages, tokens, tokens * chunks[0].units // annotation.units)
     for node, stage in cut.stage_of.items():
         node.meta[STAGE_KEY] = stage
@@ -62,7 +63,8 @@ def build_plan(gm: torch.fx.GraphModule, config: Config) -> Plan:
 
 
 def plan_chunks(
-    gm: torch.fx.GraphModule, annotation: Annotation, tokens: int, config: Config
+    gm: torch.fx.GraphModule, annotation: Annotation, tokens: int, config: Config,
+    ring_steps: int | None = None,
 ) -> list[Chunk]:
     units = annotation.units
     if config.mode == "sync":
@@ -73,7 +75,7 @@ def plan_chunks(
     if config.mode == "causal":
         chunks = choose_causal(units, tokens, stage_times)
     else:
-        chunks = choose_stale(units, tokens, stage_times)
+        chunks = choose_stale(units, tokens, stage_times, ring_steps)
     LOG.info("chunks='auto' (%s): %d chunks of %s grid units", config.mode, len(chunks),
              [c.units for c in chunks])
     return chunks

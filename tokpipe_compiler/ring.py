@@ -55,7 +55,8 @@ class Ring:
         if missing:
             raise TokpipeError(f"Ring.run needs a first value for carried input(s) {missing}")
         values = {**inputs, **{k: v[0] for k, v in per_step.items()}}
-        program = self._program(values)
+        generation = _steps_of(per_step) if per_step else steps  # what "auto" plans for
+        program = self._program(values, generation - self.config.warmup_steps)
         program.reset()
         carried = self._carried_outputs(program)
         warmup = min(self.config.warmup_steps, steps)
@@ -70,10 +71,11 @@ class Ring:
             outputs = program.run_ring(step_args, carried, progress=progress, first=warmup)
         return tuple(outputs[: len(self.carry)])
 
-    def _program(self, values: dict[str, Any]):
+    def _program(self, values: dict[str, Any], ring_steps: int):
         if self.program is None:
             self._traced = trace_step(self.step_fn, values)
-            self.program = make_program(build_plan(self._traced[0], self.config), None)
+            plan = build_plan(self._traced[0], self.config, ring_steps=max(ring_steps, 1))
+            self.program = make_program(plan, None)
         return self.program
 
     def _args(self, values: dict[str, Any], per_step: dict[str, torch.Tensor], k: int) -> tuple:
