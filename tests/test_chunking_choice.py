@@ -37,6 +37,16 @@ def test_stale_trades_overhead_against_fill():
     assert len(choose_stale(16, 256, [linear_stage(1e-6, 0.0)] * 2)) == 16
 
 
+def test_ring_needs_fewer_chunks_than_one_call():
+    """A call pays the fill every step, a ring once: with a per-chunk overhead the ring
+    settles on fewer chunks, never fewer than the stages (the ring would stall)."""
+    stages = [linear_stage(1e-6, 2e-5)] * 2
+    per_call = len(choose_stale(16, 1024, stages))
+    ring = len(choose_stale(16, 1024, stages, ring_steps=19))
+    assert 2 <= ring < per_call
+    assert len(choose_stale(16, 1024, [linear_stage(1e-6, 0.0)] * 2, ring_steps=19)) >= 2
+
+
 def test_causal_chunks_shrink_with_context():
     def attention_heavy(n, c):
         return 1e-3 + 1e-6 * n * c
