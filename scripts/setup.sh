@@ -11,9 +11,10 @@ fi
 if ! "$PY" -c "import diffusers, hypothesis, pytest, PIL, matplotlib, sympy" 2>/dev/null; then
   "$PY" -m pip install -q -e ".[test]"
 fi
-# The package must be this checkout's, not one installed from elsewhere.
-here="$(pwd)/tokpipe_compiler"
-there="$("$PY" -c 'import os, tokpipe_compiler as t; print(os.path.dirname(t.__file__))' \
+# The package must be this checkout's, not one installed from elsewhere. Asked from another
+# folder (here, Python would find ./tokpipe_compiler first) and through a mapped subpackage.
+here="$(pwd)/passes"
+there="$(cd / && "$PY" -c 'import os, tokpipe_compiler.passes as p; print(os.path.dirname(p.__file__))' \
   2>/dev/null || true)"
 if [ "$there" != "$here" ]; then
   "$PY" -m pip install -q --no-deps -e .
