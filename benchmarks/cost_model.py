@@ -31,6 +31,7 @@ from tokpipe_compiler.runtime.chunking import chunk_table
 
 from tokpipe_compiler import Config, calibrate
 from tokpipe_compiler.driver import build_plan
+from tokpipe_compiler.graph_utils import record_sources
 from tokpipe_compiler.plan import Plan
 from tokpipe_compiler.program import PipelinedProgram
 
@@ -49,7 +50,7 @@ def capture(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, list]:
     graphs = []
 
     def record(gm, example_inputs, **_):
-        graphs.append((gm, list(example_inputs)))
+        graphs.append((record_sources(gm), list(example_inputs)))
         return gm.forward
 
     torch._dynamo.reset()
