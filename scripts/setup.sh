@@ -8,7 +8,8 @@ PY="${PYTHON:-python3}"
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-if ! "$PY" -c "import diffusers, hypothesis, pytest, PIL, matplotlib, sympy" 2>/dev/null; then
+if ! "$PY" -c "import diffusers, hypothesis, pytest, PIL, matplotlib, sympy, ruff, triton" \
+    2>/dev/null; then
   "$PY" -m pip install -q -e ".[test]"
 fi
 # The package must be this checkout's, not one installed from elsewhere. Asked from another
