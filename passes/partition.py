@@ -14,6 +14,7 @@ from itertools import pairwise
 import torch.fx
 
 from tokpipe_compiler.errors import TokpipeError
+from tokpipe_compiler.graph_utils import example_value
 from tokpipe_compiler.tokens import META_KEY
 
 from .cost import node_cost
@@ -34,12 +35,16 @@ def token_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             and not is_chunk_source(n)]
 
 
-def partition(gm: torch.fx.GraphModule, stages: int, tokens: int, chunk_tokens: int) -> Partition:
-    """tokens: attention sequence length; chunk_tokens: tokens of a typical chunk."""
+def partition(gm: torch.fx.GraphModule, stages: int, tokens: int, chunk_tokens: int,
+              flops_per_byte: float = 0.0) -> Partition:
+    """tokens: attention sequence length; chunk_tokens: tokens of a typical chunk.
+    flops_per_byte: what sending one byte between stages costs, in FLOPs of compute time
+    (device rate / link bandwidth; 0 when the stages share a process)."""
     order = token_nodes(gm)
     weights = [stage_weight(n, tokens, chunk_tokens) for n in order]
     live = live_counts(order)
-    cuts = _choose_cuts(weights, live, stages)
+    sends = [flops_per_byte * b for b in live_bytes(order, chunk_tokens / max(tokens, 1))]
+    cuts = _choose_cuts(weights, live, stages, sends)
     stage_of, stage = {}, 0
     for i, node in enumerate(order):
         while stage < len(cuts) and i >= cuts[stage]:
@@ -51,16 +56,27 @@ def partition(gm: torch.fx.GraphModule, stages: int, tokens: int, chunk_tokens: 
 def live_counts(order: list[torch.fx.Node]) -> list[int]:
     """live[i]: token values defined before position i and used at or after it, i.e. what a
     cut in front of node i would have to send."""
-    position = {n: i for i, n in enumerate(order)}
-    last_use = []
+    return _live_sums(order, [1] * len(order))
+
+
+def live_bytes(order: list[torch.fx.Node], fraction: float) -> list[float]:
+    """Bytes a cut in front of each position sends per chunk (`fraction` of the sequence)."""
+    sizes = []
     for node in order:
-        uses = [position.get(u, len(order)) for u in node.users]
-        last_use.append(max(uses, default=-1))
+        value = example_value(node)
+        full = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+        sizes.append(full * fraction)
+    return _live_sums(order, sizes)
+
+
+def _live_sums(order: list[torch.fx.Node], sizes: list) -> list:
+    position = {n: i for i, n in enumerate(order)}
     diff = [0] * (len(order) + 2)
-    for i, end in enumerate(last_use):
+    for i, node in enumerate(order):
+        end = max((position.get(u, len(order)) for u in node.users), default=-1)
         if end > i:
-            diff[i + 1] += 1
-            diff[min(end, len(order)) + 1] -= 1
+            diff[i + 1] += sizes[i]
+            diff[min(end, len(order)) + 1] -= sizes[i]
     live, running = [], 0
     for delta in diff[:-1]:
         running += delta
@@ -78,7 +94,8 @@ def stage_weight(node: torch.fx.Node, tokens: int, chunk_tokens: int) -> float:
 _IMBALANCE = 1.25
 
 
-def _choose_cuts(weights: list[float], live: list[int], stages: int) -> list[int]:
+def _choose_cuts(weights: list[float], live: list[int], stages: int,
+                 sends: list[float]) -> list[int]:
     """Cuts where the fewest token values are live, allowing up to 3 more where that is
     what it takes to balance the stages."""
     if stages == 1:
@@ -90,8 +107,8 @@ def _choose_cuts(weights: list[float], live: list[int], stages: int) -> list[int
         candidates = [i for i in inner if live[i] <= floor + slack]
         if len(candidates) < stages - 1:
             continue
-        cuts = _balanced(weights, candidates, stages)
-        heaviest = _heaviest(weights, cuts)
+        cuts = _balanced(weights, candidates, stages, sends)
+        heaviest = _heaviest(weights, cuts, sends)
         if best is None or heaviest < best[0]:
             best = (heaviest, cuts)
         if heaviest <= _IMBALANCE * fair:
@@ -104,13 +121,17 @@ def _choose_cuts(weights: list[float], live: list[int], stages: int) -> list[int
     return best[1]
 
 
-def _heaviest(weights: list[float], cuts: list[int]) -> float:
+def _heaviest(weights: list[float], cuts: list[int], sends: list[float]) -> float:
+    """The slowest stage: its compute plus the send at its end (the last stage sends none)."""
     bounds = [0, *cuts, len(weights)]
-    return max(sum(weights[a:b]) for a, b in pairwise(bounds))
+    return max(sum(weights[a:b]) + (sends[b] if b < len(weights) else 0.0)
+               for a, b in pairwise(bounds))
 
 
-def _balanced(weights: list[float], candidates: list[int], stages: int) -> list[int]:
-    """Cuts (a subset of candidates, stages-1 of them) minimising the heaviest stage."""
+def _balanced(weights: list[float], candidates: list[int], stages: int,
+              sends: list[float]) -> list[int]:
+    """Cuts (a subset of candidates, stages-1 of them) minimising the heaviest stage, a
+    stage's cost being its compute plus the send at its end."""
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
@@ -125,7 +146,8 @@ def _balanced(weights: list[float], candidates: list[int], stages: int) -> list[
             for i in range(j):
                 if best[s - 1][i] == inf:
                     continue
-                cost = max(best[s - 1][i], prefix[points[j]] - prefix[points[i]])
+                send = sends[points[j]] if points[j] < len(weights) else 0.0
+                cost = max(best[s - 1][i], prefix[points[j]] - prefix[points[i]] + send)
                 if cost < best[s][j]:
                     best[s][j], back[s][j] = cost, i
     cuts, j = [], len(points) - 1

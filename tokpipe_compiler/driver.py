@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 import torch.fx
 
 from tokpipe_compiler.graph_utils import example_value
@@ -38,7 +39,8 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     dump_graph("annotate", gm)
     tokens = sequence_tokens(gm, annotation.units)
     chunks = plan_chunks(gm, annotation, tokens, config, ring_steps)
-    cut = partition(gm, config.stages, tokens, tokens * chunks[0].units // annotation.units)
+    cut = partition(gm, config.stages, tokens, tokens * chunks[0].units // annotation.units,
+                    send_cost(annotation))
     for node, stage in cut.stage_of.items():
         node.meta[STAGE_KEY] = stage
     costs = stage_costs(cut, config.stages, tokens)  # before chunk_attention rewrites sdpa
@@ -79,6 +81,22 @@ def plan_chunks(
     LOG.info("chunks='auto' (%s): %d chunks of %s grid units", config.mode, len(chunks),
              [c.units for c in chunks])
     return chunks
+
+
+def send_cost(annotation: Annotation) -> float:
+    """FLOPs one byte sent between ranks is worth: the device's matrix rate over the link's
+    bandwidth (gloo on a CPU copies through memory; GPUs are assumed on PCIe, the slower
+    case). Zero when every stage runs in this process."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return 0.0
+    value = example_value(annotation.token_input)
+    device = str(value.device) if isinstance(value, torch.Tensor) else "cpu"
+    rates = calibrate.load_or_measure(device)
+    if device.startswith("cuda"):
+        from .simulator import LINKS
+
+        return rates.matmul_flops / LINKS["pcie4"].bandwidth
+    return rates.matmul_flops / rates.mem_bandwidth
 
 
 def predicted_stage_times(
