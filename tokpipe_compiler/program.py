@@ -60,6 +60,7 @@ class PipelinedProgram:
         self.calls = 0
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
+        self.schedules: dict[tuple, tuple] = {}  # (chunks, steps, carries) -> my actions
         self.prelude = (plan.graphs.prelude, plan.graphs.prelude_outputs)
         if session is not None:
             session.programs.add(self)
@@ -113,17 +114,25 @@ class PipelinedProgram:
 
     def _run(self, env_for, chunks: list[Chunk], steps: int = 1,
              carried: dict[str, str] | None = None, progress=None) -> dict:
-        carries = carry_edges(self.plan, carried or {})
-        schedule = build_schedule(len(self.plan.stages), len(chunks), world=self.world,
-                                  steps=steps, consumers=self.plan.consumers, carries=carries)
+        actions = self._actions(len(chunks), steps, carried or {})
         executor = Executor(self.plan.graphs.stages, self._run_stage, rank=self.rank,
                             transport=self.transport, timeline=self.timeline, carried=carried,
                             progress=progress)
-        values = executor.run(schedule.ranks[self.rank], chunks, env_for,
+        values = executor.run(actions, chunks, env_for,
                               self._visible(chunks), step_base=self.calls)
         if self.transport is not None:
             self.transport.flush()
         return values
+
+    def _actions(self, chunks: int, steps: int, carried: dict[str, str]) -> tuple:
+        """This rank's actions, built and checked once per layout (not on every call)."""
+        key = (chunks, steps, tuple(sorted(carried.items())))
+        if key not in self.schedules:
+            schedule = build_schedule(len(self.plan.stages), chunks, world=self.world,
+                                      steps=steps, consumers=self.plan.consumers,
+                                      carries=carry_edges(self.plan, carried))
+            self.schedules[key] = schedule.ranks[self.rank]
+        return self.schedules[key]
 
     def _visible(self, chunks: list[Chunk]):
         """Cache units a chunk may attend to: the whole cache once it holds a full step
