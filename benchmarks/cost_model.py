@@ -36,10 +36,12 @@ from tokpipe_compiler.plan import Plan
 from tokpipe_compiler.program import PipelinedProgram
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.models
+from cpu_pipeline import FULL as DIT_FULL  # the same DiT as the pipeline benchmark
+from cpu_pipeline import QUICK as DIT_QUICK
+from cpu_pipeline import dit_model
+
 from tests.models import TinyCausalLM
 
-DIT_FULL = {"layers": 12, "heads": 6, "head_dim": 64, "side": 64}
-DIT_QUICK = {"layers": 4, "heads": 4, "head_dim": 32, "side": 32}
 LM_FULL = {"tokens": 4096, "width": 256, "layers": 4}
 LM_QUICK = {"tokens": 512, "width": 64, "layers": 2}
 STAGES = 2
@@ -86,14 +88,7 @@ def stage_times(plan: Plan, rates: calibrate.DeviceRates) -> list:
 
 
 def dit(shape: dict):
-    from diffusers import DiTTransformer2DModel
-
-    torch.manual_seed(0)
-    model = DiTTransformer2DModel(
-        num_attention_heads=shape["heads"], attention_head_dim=shape["head_dim"],
-        in_channels=4, out_channels=8, num_layers=shape["layers"], sample_size=shape["side"],
-        patch_size=2, num_embeds_ada_norm=1000, norm_type="ada_norm_zero",
-    ).eval()
+    model = dit_model(shape)
     t, labels = torch.tensor([500]), torch.tensor([207])
 
     def forward(latents):

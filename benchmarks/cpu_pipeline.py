@@ -29,15 +29,22 @@ QUICK = {"layers": 4, "heads": 4, "head_dim": 32, "side": 32}
 RANKS, WARMUP = 2, 1
 
 
-def build(shape: dict, steps: int):
-    from diffusers import DDIMScheduler, DiTTransformer2DModel
+def dit_model(shape: dict):
+    """The benchmark DiT, seeded: the same weights in every process and script."""
+    from diffusers import DiTTransformer2DModel
 
     torch.manual_seed(0)
-    model = DiTTransformer2DModel(
+    return DiTTransformer2DModel(
         num_attention_heads=shape["heads"], attention_head_dim=shape["head_dim"],
         in_channels=4, out_channels=8, num_layers=shape["layers"], sample_size=shape["side"],
         patch_size=2, num_embeds_ada_norm=1000, norm_type="ada_norm_zero",
     ).eval()
+
+
+def build(shape: dict, steps: int):
+    from diffusers import DDIMScheduler
+
+    model = dit_model(shape)
     table = step_table(DDIMScheduler(clip_sample=False), steps)
     side = shape["side"]
     latents = torch.randn(1, 4, side, side, generator=torch.Generator().manual_seed(1))
