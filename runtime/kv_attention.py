@@ -45,8 +45,10 @@ def kv_attention(
     k_cache[..., offset : offset + n, :].copy_(k)
     v_cache[..., offset : offset + n, :].copy_(v)
     keys, values = k_cache[..., :kv_len, :], v_cache[..., :kv_len, :]
-    attn_mask = _visible_mask(q, offset, kv_len, causal, mask)
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
+    if causal and mask is None and q.device.type == "cpu" and kv_len == offset + n:
+        return _causal_cpu(q, keys, values, offset, scale, groups)
+    attn_mask = _visible_mask(q, offset, kv_len, causal, mask)
     # Contiguous, as the fake implementation promises: compiled code around the op relies on
     # the strides it was traced with, and SDPA's output strides depend on its inputs'.
     return F.scaled_dot_product_attention(
@@ -55,8 +57,7 @@ def kv_attention(
 
 
 @kv_attention.register_fake
-def _(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None, mask=None, lead=0,
-      trail=0):
+def _(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None, mask=None, lead=0, trail=0):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -70,8 +71,12 @@ def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, tr
         cache[..., :lead, :].copy_(new[..., :lead, :])
         cache[..., offset : offset + n, :].copy_(new[..., lead : lead + n, :])
         cache[..., full - trail :, :].copy_(new[..., lead + n :, :])
-    seen = torch.cat([torch.arange(lead + visible * per_unit, device=q.device),
-                      torch.arange(full - trail, full, device=q.device)])
+    seen = torch.cat(
+        [
+            torch.arange(lead + visible * per_unit, device=q.device),
+            torch.arange(full - trail, full, device=q.device),
+        ]
+    )
     keys, values = k_cache.index_select(-2, seen), v_cache.index_select(-2, seen)
     if mask is not None:
         mask = mask.index_select(-1, seen)
@@ -79,6 +84,38 @@ def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, tr
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
     ).contiguous()
+
+
+def _causal_cpu(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, offset: int,
+    scale: float | None, groups: int,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention of a chunk at `offset` without a mask: the context before the chunk
+    unmasked, the chunk's own block with the kernel's causal flag (which skips the masked
+    half), merged by their log-sum-exps. With an explicit [n, offset + n] mask every chunk
+    would pay for its whole rectangle: about n * n / 2 wasted, which is what the cost model
+    and TeraPipe's slicing assume causal attention saves."""
+    shape = q.shape
+    q4, k4, v4 = _as_4d(q, 1), _as_4d(keys, groups), _as_4d(values, groups)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(q4, k4[..., offset:, :], v4[..., offset:, :], 0.0, True, scale=scale)
+    if offset:
+        before, lse_before = flash(
+            q4, k4[..., :offset, :], v4[..., :offset, :], 0.0, False, scale=scale
+        )
+        # softmax over both parts = each part's output weighted by its share of exp(lse)
+        weight = torch.sigmoid(lse_before - lse).unsqueeze(-1)
+        out = torch.lerp(out.float(), before.float(), weight).to(q.dtype)
+    return out.reshape(*shape[:-1], values.shape[-1]).contiguous()
+
+
+def _as_4d(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[..., L, D] as [batch, heads, L, D], K/V heads repeated for grouped queries."""
+    if t.dim() < 4:
+        t = t.reshape(*(1,) * (4 - t.dim()), *t.shape)
+    elif t.dim() > 4:
+        t = t.flatten(0, t.dim() - 4)
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
 
 
 def _visible_mask(
