@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from itertools import accumulate
 
-from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
+from tokpipe_compiler.runtime.chunking import Chunk, chunk_table, table_from_sizes
 
 from .slicing import choose_chunks, terapipe_slices
 
@@ -74,7 +73,3 @@ def choose_causal(
     sizes = terapipe_slices(units, len(stage_times), slowest, granularity, max_slices)
     return table_from_sizes(sizes)
 
-
-def table_from_sizes(sizes: Sequence[int]) -> list[Chunk]:
-    bounds = [0, *accumulate(sizes)]
-    return [Chunk(i, bounds[i], bounds[i + 1]) for i in range(len(sizes))]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -38,6 +40,30 @@ def chunk_table(units: int, chunks: int) -> list[Chunk]:
         sizes = [base + (i < extra) for i in range(chunks)]
         bounds = [sum(sizes[:i]) for i in range(chunks + 1)]
     return [Chunk(i, bounds[i], bounds[i + 1]) for i in range(chunks)]
+
+
+def table_from_sizes(sizes: Sequence[int]) -> list[Chunk]:
+    """Consecutive chunks of `sizes` units each."""
+    bounds = [0, *accumulate(sizes)]
+    return [Chunk(i, bounds[i], bounds[i + 1]) for i in range(len(sizes))]
+
+
+def table_from_tokens(units: int, tokens: int, lengths: Sequence[int]) -> list[Chunk]:
+    """The chunks of a user's explicit token lengths, which must tile the grid by whole
+    rows: `tokens` tokens in `units` rows."""
+    per_unit = tokens // units
+    if sum(lengths) != tokens:
+        raise TokpipeError(
+            f"chunks={list(lengths)} covers {sum(lengths)} tokens but the token input has "
+            f"{tokens}; give lengths that sum to {tokens}"
+        )
+    ragged = [n for n in lengths if n % per_unit]
+    if ragged:
+        raise TokpipeError(
+            f"chunk lengths {ragged} are not whole rows of the token grid ({per_unit} tokens "
+            f"a row, {units} rows); use multiples of {per_unit}"
+        )
+    return table_from_sizes([n // per_unit for n in lengths])
 
 
 def chunk_slice(x: torch.Tensor, axis: int, per_unit: int) -> torch.Tensor:

@@ -36,7 +36,8 @@ def test_entry_point_registers_the_backend():
 @pytest.mark.parametrize(("options", "name"), [
     ({"stages": 0}, "stages"), ({"chunks": "many"}, "chunks"), ({"mode": "fast"}, "mode"),
     ({"warmup_steps": -1}, "warmup_steps"), ({"compiler": "tvm"}, "compiler"),
-    ({"fallback": "yes"}, "fallback"), ({"chunk": 4}, "chunk"),
+    ({"fallback": "yes"}, "fallback"), ({"chunk": 4}, "chunk"), ({"chunks": [8, 0]}, "chunks"),
+    ({"chunks": []}, "chunks"), ({"chunks": [8.0]}, "chunks"),
 ])
 def test_bad_options_name_the_option(options, name):
     with pytest.raises(ValueError, match=re.escape(name)):

@@ -73,3 +73,19 @@ def test_too_many_stages_is_a_clear_error(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["inspect", "my_models:tiny_dit", "--chunks", "9"]) == 2
     assert "chunks=9 is more than the 4 rows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("chunks", "shown"), [("auto", "chunk(s)"), ("8,4,4", "x 3 chunk(s)")])
+def test_chunks_as_auto_or_token_lengths(chunks, shown, tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_models.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["inspect", "my_models:tiny_dit", "--chunks", chunks]) == 0
+    assert shown in capsys.readouterr().out
+
+
+def test_unreadable_chunks_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", "my_models:tiny_dit", "--chunks", "many"])
+    assert exit_info.value.code == 2
+    assert "--chunks must be auto, a count or comma-separated token lengths" in \
+        capsys.readouterr().err

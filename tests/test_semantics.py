@@ -6,11 +6,14 @@ Tolerance: float32, max |pipelined - eager| <= 1e-5 * max |eager|.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tokpipe_compiler import TokpipeError
 
 from .helpers import assert_rel_close, rel_error, trace
 from .models import TinyCausalLM, TinyDiT, dit_inputs
@@ -111,6 +114,44 @@ def test_causal_equals_eager(config, data):
         (out,) = program(*traced.args(x=x))
         with torch.no_grad():
             assert_rel_close(out, model(x))
+
+
+@settings(max_examples=15)
+@given(config=st.tuples(st.integers(1, 2), st.sampled_from([16, 32]), st.sampled_from([9, 16])),
+       data=st.data())
+def test_causal_with_explicit_lengths_equals_eager(config, data):
+    """Any lengths the user pins (TeraPipe's uneven slicing among them) stay exact."""
+    depth, width, length = config
+    model, traced = traced_causal(depth, width, 2, length)
+    cuts = data.draw(st.sets(st.integers(1, length - 1), max_size=5))
+    bounds = [0, *sorted(cuts), length]
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    program = traced.program(mode="causal", stages=data.draw(st.integers(1, 2)), chunks=lengths)
+    assert [c.units for c in program.plan.chunks] == lengths  # one token a row here
+    x = torch.randn(1, length, width, generator=torch.Generator().manual_seed(length))
+    (out,) = program(*traced.args(x=x))
+    with torch.no_grad():
+        assert_rel_close(out, model(x))
+
+
+def test_stale_with_explicit_lengths_repeats_eager():
+    model, traced = traced_dit(2, 16, 2, 16)  # 8 rows of 8 tokens
+    program = traced.program(mode="stale", stages=2, chunks=[24, 8, 32])
+    assert [c.units for c in program.plan.chunks] == [3, 1, 4]
+    latents, t, labels = dit_inputs(model, 16)
+    for _ in range(2):  # warmup, then a pipelined call on the same input
+        (out,) = program(*traced.args(latents=latents, timestep=t, labels=labels))
+    assert_rel_close(out, eager(model, latents, t, labels))
+
+
+@pytest.mark.parametrize(("lengths", "words"), [
+    ([32, 16], "covers 48 tokens but the token input has 64"),
+    ([20, 44], r"chunk lengths \[20, 44\] are not whole rows .*multiples of 8"),
+])
+def test_explicit_lengths_that_do_not_tile_the_grid_are_errors(lengths, words):
+    _, traced = traced_dit(2, 16, 2, 16)
+    with pytest.raises(TokpipeError, match=words):
+        traced.program(mode="stale", stages=2, chunks=lengths)
 
 
 def test_reset_restarts_warmup():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .config import COMPILERS, MODES
+from .config import COMPILERS, MODES, parse_chunks
 from .errors import TokpipeError
 from .specs import EXAMPLES, SpecError, load_spec
 
@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="diffusers:ClassName, module:function or file.py:function")
     inspect.add_argument("--config", help="JSON config of a diffusers:ClassName model")
     inspect.add_argument("--stages", type=int, default=2)
-    inspect.add_argument("--chunks", type=int, default=4)
+    inspect.add_argument("--chunks", type=parse_chunks, default=4,
+                        help="a count, auto, or token lengths like 1728,960,768,640")
     inspect.add_argument("--mode", choices=MODES, default="stale")
     inspect.add_argument("--warmup-steps", type=int, default=1)
     inspect.add_argument("--compiler", choices=COMPILERS, default="eager",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -14,7 +15,9 @@ class Config:
     """What the user asked for. Every field is checked in `__post_init__`.
 
     stages: pipeline stages (one per rank when torch.distributed is initialised).
-    chunks: token chunks per step (int), or "auto" to let the cost model choose.
+    chunks: token chunks per step: a count (equal chunks), "auto" (the cost model chooses:
+        a count for stale mode, TeraPipe's uneven lengths for causal mode), or a sequence of
+        token lengths, one per chunk, in whole rows of the token grid.
     mode: "stale" (PipeFusion), "causal" (TeraPipe, exact) or "sync" (exact reference).
     warmup_steps: calls after a reset that run synchronously and fill the K/V caches.
     compiler: "inductor" compiles each stage with compile_fx; "eager" runs stage graphs as is.
@@ -24,7 +27,7 @@ class Config:
     """
 
     stages: int = 2
-    chunks: int | str = 4
+    chunks: int | str | tuple[int, ...] = 4
     mode: str = "stale"
     warmup_steps: int = 1
     compiler: str = "inductor"
@@ -34,8 +37,10 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_int("stages", self.stages, 1)
-        if self.chunks != "auto":
-            _check_int("chunks", self.chunks, 1, extra=' or "auto"')
+        if isinstance(self.chunks, (list, tuple)):
+            object.__setattr__(self, "chunks", _token_lengths(self.chunks))
+        elif self.chunks != "auto":
+            _check_int("chunks", self.chunks, 1, extra=' or "auto" or a list of token lengths')
         _check_choice("mode", self.mode, MODES)
         _check_int("warmup_steps", self.warmup_steps, 0)
         _check_choice("compiler", self.compiler, COMPILERS)
@@ -71,6 +76,28 @@ class Config:
 def _check_int(name: str, value: Any, minimum: int, extra: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"option '{name}' must be an int >= {minimum}{extra}, got {value!r}")
+
+
+def parse_chunks(text: str) -> int | str | tuple[int, ...]:
+    """The `chunks` option from a command line: "auto", a count, or comma-separated token
+    lengths ("1728,960,768,640")."""
+    if text == "auto":
+        return text
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--chunks must be auto, a count or comma-separated token lengths, got {text!r}"
+        ) from None
+    return values[0] if len(values) == 1 and "," not in text else values
+
+
+def _token_lengths(value: list | tuple) -> tuple[int, ...]:
+    if not value or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value):
+        raise ValueError(
+            f"option 'chunks' as a sequence must hold token lengths (ints >= 1), got {value!r}"
+        )
+    return tuple(value)
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .config import parse_chunks
 from .ring import Ring
 from .runtime.launch import launch
 from .schedulers import step_table, update
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--chunks", type=parse_chunks, default=4,
+                        help="a count, auto, or token lengths like 1728,960,768,640")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--compiler", choices=["eager", "inductor"], default="eager")
     parser.add_argument("--out", type=Path, default=Path("out/tokpipe_demo.png"))

@@ -18,7 +18,7 @@ from tokpipe_compiler.passes.chunk_attention import chunk_attention
 from tokpipe_compiler.passes.chunking_choice import StageTime, choose_causal, choose_stale
 from tokpipe_compiler.passes.partition import partition
 from tokpipe_compiler.passes.split import STAGE_KEY, check_chunked_outputs, split
-from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
+from tokpipe_compiler.runtime.chunking import Chunk, chunk_table, table_from_tokens
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 from tokpipe_compiler.runtime.schedule import build_schedule
 from tokpipe_compiler.tokens import ATTENTION, META_KEY
@@ -71,6 +71,8 @@ def plan_chunks(
     units = annotation.units
     if config.mode == "sync":
         return chunk_table(units, 1)
+    if isinstance(config.chunks, tuple):
+        return table_from_tokens(units, tokens, config.chunks)
     if config.chunks != "auto":
         return chunk_table(units, config.chunks)
     stage_times = predicted_stage_times(gm, annotation, tokens, config.stages)
