@@ -5,8 +5,9 @@
 (a) DiT-S/2 (12 layers, hidden 384, 6 heads, 64x64 latent), stale mode, 2 stages, 4 chunks:
     each stage's predicted seconds per chunk against the median measured one.
 (b) TinyCausalLM (4096 tokens, width 256, 4 layers), causal mode, 2 stages: uniform chunks
-    against TeraPipe's slicing with the same count, predicted and measured (per-chunk stage
-    times combined as a pipeline would run them: sum(t_i) + (S - 1) * max(t_i)).
+    against TeraPipe's slicing with the same count: predicted; measured in process (per-chunk
+    stage times combined as a pipeline runs them: sum(t_i) + (S - 1) * max(t_i)); and measured
+    as the wall time of one call pipelined on 2 ranks of 1 thread (median of the runs).
 (c) DiT: predicted step time of chunks="auto" against fixed chunk counts 1, 2, 4, 8.
 """
 
@@ -15,11 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tokpipe_compiler.passes.chunking_choice import (
     choose_causal,
     choose_stale,
@@ -28,7 +31,9 @@ from tokpipe_compiler.passes.chunking_choice import (
     table_step_time,
 )
 from tokpipe_compiler.runtime.chunking import chunk_table
+from tokpipe_compiler.runtime.launch import launch
 
+import tokpipe_compiler as tp
 from tokpipe_compiler import Config, calibrate
 from tokpipe_compiler.driver import build_plan
 from tokpipe_compiler.graph_utils import record_sources
@@ -127,24 +132,53 @@ def combined(per_chunk: dict[tuple[int, int], float], plan: Plan) -> float:
     return step_time(slowest, len(plan.stages))
 
 
-def causal_slicing(shape: dict, rates, runs: int, chunks: int) -> None:
+def causal_model(shape: dict) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The benchmark's causal transformer and input, seeded: the same in every process."""
     torch.manual_seed(0)
     model = TinyCausalLM(depth=shape["layers"], width=shape["width"], heads=4).eval()
-    gm, inputs = capture(model, torch.randn(1, shape["tokens"], shape["width"]))
+    return model, torch.randn(1, shape["tokens"], shape["width"])
+
+
+def causal_rank(rank: int, world: int, shape: dict, lengths: list[int], runs: int) -> float:
+    """Median wall seconds of one pipelined call on `world` ranks, chunks of `lengths`."""
+    model, x = causal_model(shape)
+    backend = tp.backend(stages=world, chunks=lengths, mode="causal", compiler="eager",
+                         warmup_steps=0)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    times = []
+    with torch.no_grad():
+        for k in range(runs + 1):  # the first call plans and is not timed
+            dist.barrier()
+            start = time.perf_counter()
+            compiled(x)
+            if k:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def causal_slicing(shape: dict, rates, runs: int, chunks: int) -> None:
+    model, x = causal_model(shape)
+    gm, inputs = capture(model, x)
     config = Config(stages=STAGES, chunks=chunks, mode="causal", compiler="eager")
     uniform = build_plan(gm, config)
     table = choose_causal(uniform.units, uniform.tokens, stage_times(uniform, rates), chunks)
-    sliced = replace(build_plan(gm, replace(config, chunks=len(table))), chunks=table)
-    print(f"(b) TinyCausalLM {shape['tokens']} tokens, 2 stages: uniform vs TeraPipe slicing")
+    sliced = build_plan(gm, replace(config, chunks=[uniform.chunk_tokens(c) for c in table]))
+    print(f"(b) TinyCausalLM {shape['tokens']} tokens, 2 stages: uniform vs TeraPipe slicing "
+          f"(predicted; in process: per-chunk times combined; 2 ranks: wall time of a call)")
     results = {}
     for name, plan in (("uniform", uniform), ("terapipe", sliced)):
         slow = slowest_times(plan.chunks, stage_times(plan, rates), plan.units, plan.tokens,
                              causal=True)
-        results[name] = (step_time(slow, STAGES), combined(measure(plan, inputs, runs), plan))
-        print(f"  {name:>8} {[c.units for c in plan.chunks]}: predicted "
-              f"{results[name][0] * 1e3:8.2f} ms  measured {results[name][1] * 1e3:8.2f} ms")
-    (pu, mu), (pt, mt) = results["uniform"], results["terapipe"]
-    print(f"  uniform / terapipe: predicted {pu / pt:.2f}x  measured {mu / mt:.2f}x")
+        lengths = [plan.chunk_tokens(c) for c in plan.chunks]
+        ranks = launch(causal_rank, STAGES, args=(shape, lengths, runs), timeout=1800)
+        results[name] = (step_time(slow, STAGES), combined(measure(plan, inputs, runs), plan),
+                         max(ranks))
+        predicted, in_process, distributed = (1e3 * t for t in results[name])
+        print(f"  {name:>8} {lengths}: predicted {predicted:7.1f} ms  in process "
+              f"{in_process:7.1f} ms  2 ranks {distributed:7.1f} ms")
+    ratios = [u / t for u, t in zip(results["uniform"], results["terapipe"], strict=True)]
+    print(f"  uniform / terapipe: predicted {ratios[0]:.2f}x  in process {ratios[1]:.2f}x  "
+          f"2 ranks {ratios[2]:.2f}x")
 
 
 def main() -> None:

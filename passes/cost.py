@@ -22,6 +22,10 @@ from tokpipe_compiler.graph_utils import example_value, target_name
 from tokpipe_compiler.tokens import META_KEY, TokenInfo
 
 N, C = sympy.symbols("n c", positive=True, integer=True)
+# Key positions per tile of the device's causal attention kernel: a kernel skips masked
+# tiles, not masked elements, so a chunk's own causal block costs min(n, tile) / 2 more keys
+# per query than its unmasked half. 0 (the default) counts useful work only.
+TILE = sympy.Symbol("tile", nonnegative=True, integer=True)
 
 Dims = list[sympy.Expr]
 
@@ -50,9 +54,9 @@ class Cost:
             self.launches + other.launches,
         )
 
-    def at(self, n: int, c: int) -> tuple[float, float, float, float]:
+    def at(self, n: int, c: int, tile: int = 0) -> tuple[float, float, float, float]:
         """(flops, bytes, matmul_flops, attention_flops) as numbers for n and c."""
-        values = {N: n, C: c}
+        values = {N: n, C: c, TILE: tile}
         exprs = (self.flops, self.bytes, self.matmul_flops, self.attention_flops)
         return tuple(float(sympy.sympify(e).subs(values)) for e in exprs)
 
@@ -243,7 +247,7 @@ def _attention(node: torch.fx.Node, tokens: int) -> Cost:
     keys = kd[-2]
     key_info = _info(k)
     if _arg(node, 5, "is_causal", False) and key_info is not None and key_info.carries_tokens:
-        keys = C - N / 2  # the chunk's own block is half masked
+        keys = C - N / 2 + sympy.Min(N, TILE) / 2  # the chunk's own block is half masked
     rows = _numel(dims(node, tokens)[:-1])  # batch * heads * query tokens
     flops = rows * keys * (2 * qd[-1] + 2 * vd[-1] + _SOFTMAX_FLOPS)
     nbytes = _nbytes(q, tokens) + _nbytes(k, tokens, C) + _nbytes(v, tokens, C)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, replace
 
 import pytest
 import sympy
@@ -63,10 +64,10 @@ def test_matmul_flops():
     assert at(node_cost(only(g, "matmul"), 12).flops, 4) == 2 * 3 * 4 * 5 * 7
 
 
-def _sdpa_graph(kv_len: int, kv_tokens: bool) -> torch.fx.Graph:
+def _sdpa_graph(kv_len: int, kv_tokens: bool, causal: bool = False) -> torch.fx.Graph:
     kv_info = token(2, 1) if kv_tokens else INVARIANT_INFO
     return traced(
-        lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
         {
             "q": torch.randn(1, 2, 12, 8),
             "k": torch.randn(1, 2, kv_len, 8),
@@ -87,6 +88,19 @@ def test_self_attention_flops_in_chunk_and_context():
     assert sympy.expand(cost.flops - 2 * N * C * (4 * 8 + 5)) == 0
     assert cost.attention_flops == cost.flops
     assert at(cost.bytes, 3, 12) == 4 * (2 * 3 * 8 * 2 + 2 * 12 * 8 * 2)
+
+
+def test_causal_attention_counts_half_its_own_block_plus_the_kernel_tile():
+    cost = node_cost(only(_sdpa_graph(12, True, causal=True), "scaled_dot_product_attention"), 12)
+    per_key = 2 * (4 * 8 + 5)  # heads * (q.k and p.v: 4 * D, softmax: 5) per query row
+    flops, *_ = cost.at(4, 12)
+    assert flops == per_key * 4 * (12 - 4 / 2)  # useful work: the context and half the block
+    assert cost.at(4, 12, tile=2)[0] == per_key * 4 * (12 - 4 / 2 + 2 / 2)
+    assert cost.at(4, 12, tile=64)[0] == per_key * 4 * 12  # a tile wider than the chunk
+    tiled = replace(RATES, causal_tile=64.0)
+    assert calibrate.seconds(cost, tiled, 4, 12) > calibrate.seconds(cost, RATES, 4, 12)
+    assert calibrate.time_fn(cost, tiled)(4, 12) == pytest.approx(
+        calibrate.seconds(cost, tiled, 4, 12))
 
 
 def test_cross_attention_keys_do_not_scale():
@@ -158,3 +172,6 @@ def test_rates_cache_roundtrip(tmp_path, monkeypatch):
     assert calls == ["cpu"]
     path.write_text("{not json")
     assert calibrate.load_or_measure("cpu", 3) == RATES and len(calls) == 2
+    older = {k: v for k, v in asdict(RATES).items() if k != "causal_tile"}
+    path.write_text(json.dumps(older))  # written by a version that measured less
+    assert calibrate.load_or_measure("cpu", 3) == RATES and len(calls) == 3

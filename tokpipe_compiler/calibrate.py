@@ -11,14 +11,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import sympy
 import torch
 import torch.nn.functional as F
 
-from tokpipe_compiler.passes.cost import C, Cost, N
+from tokpipe_compiler.passes.cost import TILE, C, Cost, N
 
 CACHE_ENV = "TOKPIPE_CACHE_DIR"
 
@@ -32,6 +32,8 @@ class DeviceRates:
     mem_bandwidth: B/s of a streaming elementwise op.
     attention_flops: FLOP/s of the fused attention kernel.
     per_op_overhead: seconds of launch/dispatch per kernel-running node.
+    causal_tile: key positions per tile of the causal attention kernel (it computes whole
+    tiles, so the diagonal block of a chunk costs more than its unmasked half).
     """
 
     matmul_flops: float
@@ -39,6 +41,7 @@ class DeviceRates:
     attention_flops: float
     per_op_overhead: float
     matmul_half: float = 0.0
+    causal_tile: float = 0.0
 
     def matmul_rate(self, m: float) -> float:
         return self.matmul_flops * m / (m + self.matmul_half)
@@ -46,14 +49,15 @@ class DeviceRates:
 
 def seconds(cost: Cost, rates: DeviceRates, n: int, c: int) -> float:
     """Predicted time of `cost` for a chunk of n tokens attending over c tokens."""
-    flops, nbytes, mm, attn = cost.at(n, c)
+    flops, nbytes, mm, attn = cost.at(n, c, round(rates.causal_tile))
     return _combine(flops, nbytes, mm, attn, cost.launches, rates, n)
 
 
 def time_fn(cost: Cost, rates: DeviceRates) -> Callable[[int, int], float]:
     """`seconds` as a fast function of (n, c), for dynamic programs that call it often."""
     exprs = (cost.flops, cost.bytes, cost.matmul_flops, cost.attention_flops)
-    evaluate = sympy.lambdify((N, C), [sympy.sympify(e) for e in exprs], "math")
+    exprs = [sympy.sympify(e).subs(TILE, round(rates.causal_tile)) for e in exprs]
+    evaluate = sympy.lambdify((N, C), exprs, "math")
 
     def predict(n: int, c: int) -> float:
         flops, nbytes, mm, attn = (float(v) for v in evaluate(n, c))
@@ -132,6 +136,16 @@ def _attention_rate(device: str, dtype: torch.dtype) -> float:
     return flops / _time(lambda: F.scaled_dot_product_attention(q, kv, kv), device)
 
 
+def _causal_tile(device: str, dtype: torch.dtype) -> float:
+    """Tile width that explains the causal kernel's time on a square n x n block: it
+    computes n * (n + tile) / 2 scores where n * n / 2 are needed."""
+    n = 1024
+    q = torch.randn(1, 4, n, 64, device=device, dtype=dtype)
+    full = _time(lambda: F.scaled_dot_product_attention(q, q, q), device)
+    causal = _time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), device)
+    return min(max(n * (2 * causal / full - 1), 0.0), float(n))
+
+
 def _bandwidth(device: str, dtype: torch.dtype) -> float:
     # On a CPU a chunk's activations and a layer's weights live in the last-level cache, so
     # measure at that size (12 MB moved); on a GPU stream well past L2.
@@ -160,6 +174,7 @@ def measure_rates(device: str = "cpu", threads: int | None = None) -> DeviceRate
                 attention_flops=_attention_rate(device, dtype),
                 per_op_overhead=_overhead(device),
                 matmul_half=half,
+                causal_tile=_causal_tile(device, dtype),
             )
     finally:
         torch.set_num_threads(previous)
@@ -179,9 +194,12 @@ def load_or_measure(
     path = cache_path(device, threads)
     if path.exists() and not refresh:
         try:
-            return DeviceRates(**json.loads(path.read_text()))
+            cached = json.loads(path.read_text())
+            if set(cached) == {f.name for f in fields(DeviceRates)}:
+                return DeviceRates(**cached)
         except (TypeError, ValueError):
-            pass  # a stale or corrupt cache is remeasured
+            pass
+        # a corrupt cache, or one from a version with other rates, is remeasured
     rates = measure_rates(device, threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(rates), indent=1))
