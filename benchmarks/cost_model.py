@@ -1,6 +1,6 @@
 """The cost model against measured stage times on this CPU (1 thread, eager stages).
 
-    python benchmarks/cost_model.py [--quick] [--runs 5]
+    python benchmarks/cost_model.py [--quick] [--runs 5] [--chunks 3 4]
 
 (a) DiT-S/2 (12 layers, hidden 384, 6 heads, 64x64 latent), stale mode, 2 stages, 4 chunks:
     each stage's predicted seconds per chunk against the median measured one.
@@ -163,8 +163,9 @@ def causal_slicing(shape: dict, rates, runs: int, chunks: int) -> None:
     uniform = build_plan(gm, config)
     table = choose_causal(uniform.units, uniform.tokens, stage_times(uniform, rates), chunks)
     sliced = build_plan(gm, replace(config, chunks=[uniform.chunk_tokens(c) for c in table]))
-    print(f"(b) TinyCausalLM {shape['tokens']} tokens, 2 stages: uniform vs TeraPipe slicing "
-          f"(predicted; in process: per-chunk times combined; 2 ranks: wall time of a call)")
+    print(f"(b) TinyCausalLM {shape['tokens']} tokens, 2 stages, {chunks} chunks: uniform vs "
+          f"TeraPipe slicing (predicted; in process: per-chunk times combined; 2 ranks: wall "
+          f"time of a call)")
     results = {}
     for name, plan in (("uniform", uniform), ("terapipe", sliced)):
         slow = slowest_times(plan.chunks, stage_times(plan, rates), plan.units, plan.tokens,
@@ -185,13 +186,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small models")
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--chunks", type=int, default=4, help="chunk count of (b)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[3, 4],
+                        help="chunk counts of (b)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rates = calibrate.load_or_measure("cpu", threads=1)
     gm, inputs = dit(DIT_QUICK if args.quick else DIT_FULL)
     stage_accuracy(gm, inputs, rates, args.runs)
-    causal_slicing(LM_QUICK if args.quick else LM_FULL, rates, args.runs, args.chunks)
+    for chunks in args.chunks:
+        causal_slicing(LM_QUICK if args.quick else LM_FULL, rates, args.runs, chunks)
     auto_vs_fixed(gm, rates)
 
 
