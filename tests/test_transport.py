@@ -222,6 +222,9 @@ def ring_rank(rank: int, world: int) -> list[torch.Tensor]:
 def faulty_rank(rank: int, world: int, fault: str) -> None:
     """Rank 1 exits or stalls; rank 0 sends to it, rank 2 receives from it."""
     t = DistributedTransport(timeout=FAULT_TIMEOUT)
+    # Start the clocks together: a rank slow to start (a loaded machine) would otherwise time
+    # out after launch stopped collecting the others' reports.
+    dist.barrier()
     if rank == 1:
         time.sleep(0.5)  # let the others post first
         if fault == "exit":
