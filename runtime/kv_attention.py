@@ -10,6 +10,7 @@ CHUNK_INPUT = "tokpipe_chunk"  # the graph input that carries the chunk descript
 # chunk tensor layout: [first unit of the chunk, units in the chunk, units of the cache to
 # attend to]. A tensor (not ints) so one compiled stage serves every chunk of a length.
 CHUNK_START, CHUNK_UNITS, CHUNK_VISIBLE = 0, 1, 2
+_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 @torch.library.custom_op("tokpipe::kv_attention", mutates_args=("k_cache", "v_cache"))
@@ -46,7 +47,7 @@ def kv_attention(
     v_cache[..., offset : offset + n, :].copy_(v)
     keys, values = k_cache[..., :kv_len, :], v_cache[..., :kv_len, :]
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
-    if causal and mask is None and q.device.type == "cpu" and kv_len == offset + n:
+    if causal and mask is None and kv_len == offset + n and _has_cpu_flash(q):
         return _causal_cpu(q, keys, values, offset, scale, groups)
     attn_mask = _visible_mask(q, offset, kv_len, causal, mask)
     # Contiguous, as the fake implementation promises: compiled code around the op relies on
@@ -104,9 +105,17 @@ def _causal_cpu(
             q4, k4[..., :offset, :], v4[..., :offset, :], 0.0, False, scale=scale
         )
         # softmax over both parts = each part's output weighted by its share of exp(lse)
-        weight = torch.sigmoid(lse_before - lse).unsqueeze(-1)
-        out = torch.lerp(out.float(), before.float(), weight).to(q.dtype)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        weight = torch.sigmoid(lse_before - lse).unsqueeze(-1).to(acc)
+        out = torch.lerp(out.to(acc), before.to(acc), weight).to(q.dtype)
     return out.reshape(*shape[:-1], values.shape[-1]).contiguous()
+
+
+def _has_cpu_flash(q: torch.Tensor) -> bool:
+    # The CPU flash kernel returns the log-sum-exp that merging needs; elsewhere (or with
+    # a dtype it lacks) the masked path is exact too, only slower.
+    return (q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
 def _as_4d(t: torch.Tensor, groups: int) -> torch.Tensor:
