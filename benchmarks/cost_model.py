@@ -139,8 +139,11 @@ def causal_model(shape: dict) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.randn(1, shape["tokens"], shape["width"])
 
 
-def causal_rank(rank: int, world: int, shape: dict, lengths: list[int], runs: int) -> float:
-    """Median wall seconds of one pipelined call on `world` ranks, chunks of `lengths`."""
+def causal_rank(
+    rank: int, world: int, shape: dict, lengths: list[int] | str, runs: int
+) -> tuple[float, list[int]]:
+    """Median wall seconds of one pipelined call on `world` ranks with chunks=`lengths`, and
+    the chunk lengths the plan used."""
     model, x = causal_model(shape)
     backend = tp.backend(stages=world, chunks=lengths, mode="causal", compiler="eager",
                          warmup_steps=0)
@@ -153,7 +156,9 @@ def causal_rank(rank: int, world: int, shape: dict, lengths: list[int], runs: in
             compiled(x)
             if k:
                 times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    (program,) = tp.programs(compiled)
+    used = [program.plan.chunk_tokens(c) for c in program.plan.chunks]
+    return statistics.median(times), used
 
 
 def causal_slicing(shape: dict, rates, runs: int, chunks: int) -> None:
@@ -173,13 +178,20 @@ def causal_slicing(shape: dict, rates, runs: int, chunks: int) -> None:
         lengths = [plan.chunk_tokens(c) for c in plan.chunks]
         ranks = launch(causal_rank, STAGES, args=(shape, lengths, runs), timeout=1800)
         results[name] = (step_time(slow, STAGES), combined(measure(plan, inputs, runs), plan),
-                         max(ranks))
+                         max(seconds for seconds, _ in ranks))
         predicted, in_process, distributed = (1e3 * t for t in results[name])
         print(f"  {name:>8} {lengths}: predicted {predicted:7.1f} ms  in process "
               f"{in_process:7.1f} ms  2 ranks {distributed:7.1f} ms")
     ratios = [u / t for u, t in zip(results["uniform"], results["terapipe"], strict=True)]
     print(f"  uniform / terapipe: predicted {ratios[0]:.2f}x  in process {ratios[1]:.2f}x  "
           f"2 ranks {ratios[2]:.2f}x")
+
+
+def causal_auto(shape: dict, runs: int) -> None:
+    """chunks="auto" as a user runs it: TeraPipe's slicing with the count chosen too."""
+    ranks = launch(causal_rank, STAGES, args=(shape, "auto", runs), timeout=1800)
+    seconds, lengths = max(ranks)
+    print(f'  chunks="auto": {len(lengths)} chunks {lengths}: 2 ranks {seconds * 1e3:7.1f} ms')
 
 
 def main() -> None:
@@ -195,6 +207,7 @@ def main() -> None:
     stage_accuracy(gm, inputs, rates, args.runs)
     for chunks in args.chunks:
         causal_slicing(LM_QUICK if args.quick else LM_FULL, rates, args.runs, chunks)
+    causal_auto(LM_QUICK if args.quick else LM_FULL, args.runs)
     auto_vs_fixed(gm, rates)
 
 

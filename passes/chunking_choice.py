@@ -18,6 +18,10 @@ from .slicing import choose_chunks, terapipe_slices
 StageTime = Callable[[int, int], float]  # (chunk tokens, context tokens) -> seconds
 
 MAX_CUT_POINTS = 64  # the slicing DP is quadratic in cut points (cubic with a count cap)
+# chunks="auto" in causal mode makes at most this many chunks: more, smaller chunks cost more
+# in per-chunk runtime overhead, which the cost model does not see, than the model says they
+# save (measured in BENCHMARKS.md).
+MAX_AUTO_CAUSAL_CHUNKS = 16
 
 
 def step_time(slowest: Sequence[float], stages: int) -> float:
@@ -65,11 +69,13 @@ def choose_stale(units: int, tokens: int, stage_times: Sequence[StageTime],
 def choose_causal(
     units: int, tokens: int, stage_times: Sequence[StageTime], max_slices: int | None = None
 ) -> list[Chunk]:
-    """TeraPipe's slicing: later chunks attend over more context, so they are shorter."""
+    """TeraPipe's slicing: later chunks attend over more context, so they are shorter.
+    At most `max_slices` chunks (default MAX_AUTO_CAUSAL_CHUNKS)."""
     def slowest(length: int, end: int) -> float:
         return max(t(length * tokens // units, end * tokens // units) for t in stage_times)
 
     granularity = math.ceil(units / MAX_CUT_POINTS)
-    sizes = terapipe_slices(units, len(stage_times), slowest, granularity, max_slices)
+    cap = MAX_AUTO_CAUSAL_CHUNKS if max_slices is None else max_slices
+    sizes = terapipe_slices(units, len(stage_times), slowest, granularity, cap)
     return table_from_sizes(sizes)
 
