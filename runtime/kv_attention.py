@@ -10,6 +10,9 @@ CHUNK_INPUT = "tokpipe_chunk"  # the graph input that carries the chunk descript
 # chunk tensor layout: [first unit of the chunk, units in the chunk, units of the cache to
 # attend to]. A tensor (not ints) so one compiled stage serves every chunk of a length.
 CHUNK_START, CHUNK_UNITS, CHUNK_VISIBLE = 0, 1, 2
+# The CPU flash kernel returns the log-sum-exp that merging a chunk's two parts needs; where
+# it is missing (or lacks the dtype) the masked path is exact too, only slower.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -58,7 +61,8 @@ def kv_attention(
 
 
 @kv_attention.register_fake
-def _(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None, mask=None, lead=0, trail=0):
+def _(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None, mask=None, lead=0,
+      trail=0):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -72,12 +76,8 @@ def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, tr
         cache[..., :lead, :].copy_(new[..., :lead, :])
         cache[..., offset : offset + n, :].copy_(new[..., lead : lead + n, :])
         cache[..., full - trail :, :].copy_(new[..., lead + n :, :])
-    seen = torch.cat(
-        [
-            torch.arange(lead + visible * per_unit, device=q.device),
-            torch.arange(full - trail, full, device=q.device),
-        ]
-    )
+    seen = torch.cat([torch.arange(lead + visible * per_unit, device=q.device),
+                      torch.arange(full - trail, full, device=q.device)])
     keys, values = k_cache.index_select(-2, seen), v_cache.index_select(-2, seen)
     if mask is not None:
         mask = mask.index_select(-1, seen)
@@ -98,10 +98,9 @@ def _causal_cpu(
     and TeraPipe's slicing assume causal attention saves."""
     shape = q.shape
     q4, k4, v4 = _as_4d(q, 1), _as_4d(keys, groups), _as_4d(values, groups)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    out, lse = flash(q4, k4[..., offset:, :], v4[..., offset:, :], 0.0, True, scale=scale)
+    out, lse = _CPU_FLASH(q4, k4[..., offset:, :], v4[..., offset:, :], 0.0, True, scale=scale)
     if offset:
-        before, lse_before = flash(
+        before, lse_before = _CPU_FLASH(
             q4, k4[..., :offset, :], v4[..., :offset, :], 0.0, False, scale=scale
         )
         # softmax over both parts = each part's output weighted by its share of exp(lse)
@@ -112,10 +111,7 @@ def _causal_cpu(
 
 
 def _has_cpu_flash(q: torch.Tensor) -> bool:
-    # The CPU flash kernel returns the log-sum-exp that merging needs; elsewhere (or with
-    # a dtype it lacks) the masked path is exact too, only slower.
-    return (q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES
-            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
+    return _CPU_FLASH is not None and q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES
 
 
 def _as_4d(t: torch.Tensor, groups: int) -> torch.Tensor:

@@ -56,8 +56,8 @@ def seconds(cost: Cost, rates: DeviceRates, n: int, c: int) -> float:
 def time_fn(cost: Cost, rates: DeviceRates) -> Callable[[int, int], float]:
     """`seconds` as a fast function of (n, c), for dynamic programs that call it often."""
     exprs = (cost.flops, cost.bytes, cost.matmul_flops, cost.attention_flops)
-    exprs = [sympy.sympify(e).subs(TILE, round(rates.causal_tile)) for e in exprs]
-    evaluate = sympy.lambdify((N, C), exprs, "math")
+    tiled = [sympy.sympify(e).subs(TILE, round(rates.causal_tile)) for e in exprs]
+    evaluate = sympy.lambdify((N, C), tiled, "math")
 
     def predict(n: int, c: int) -> float:
         flops, nbytes, mm, attn = (float(v) for v in evaluate(n, c))
