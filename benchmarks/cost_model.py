@@ -177,11 +177,15 @@ def causal_slicing(shape: dict, rates, runs: int, chunks: int) -> None:
                              causal=True)
         lengths = [plan.chunk_tokens(c) for c in plan.chunks]
         ranks = launch(causal_rank, STAGES, args=(shape, lengths, runs), timeout=1800)
-        results[name] = (step_time(slow, STAGES), combined(measure(plan, inputs, runs), plan),
+        measured = measure(plan, inputs, runs)
+        results[name] = (step_time(slow, STAGES), combined(measured, plan),
                          max(seconds for seconds, _ in ranks))
         predicted, in_process, distributed = (1e3 * t for t in results[name])
         print(f"  {name:>8} {lengths}: predicted {predicted:7.1f} ms  in process "
               f"{in_process:7.1f} ms  2 ranks {distributed:7.1f} ms")
+        ratios = predict(plan, rates)
+        print("           stage 0 predicted/measured per chunk: "
+              + " ".join(f"{ratios[0, c.index] / measured[0, c.index]:.2f}" for c in plan.chunks))
     ratios = [u / t for u, t in zip(results["uniform"], results["terapipe"], strict=True)]
     print(f"  uniform / terapipe: predicted {ratios[0]:.2f}x  in process {ratios[1]:.2f}x  "
           f"2 ranks {ratios[2]:.2f}x")
