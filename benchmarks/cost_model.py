@@ -23,29 +23,30 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tokpipe_compiler.passes.chunking_choice import (
+
+import tokpipe_compiler as tp
+from tokpipe_compiler import Config
+from tokpipe_compiler.core.fx import record_sources
+from tokpipe_compiler.costmodel import calibrate
+from tokpipe_compiler.costmodel.chunk_choice import (
     choose_causal,
     choose_stale,
     slowest_times,
     step_time,
     table_step_time,
 )
+from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.programs.pipelined import PipelinedProgram
 from tokpipe_compiler.runtime.chunking import chunk_table
 from tokpipe_compiler.runtime.launch import launch
 
-import tokpipe_compiler as tp
-from tokpipe_compiler import Config, calibrate
-from tokpipe_compiler.driver import build_plan
-from tokpipe_compiler.graph_utils import record_sources
-from tokpipe_compiler.plan import Plan
-from tokpipe_compiler.program import PipelinedProgram
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.models
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.fixtures
 from cpu_pipeline import FULL as DIT_FULL  # the same DiT as the pipeline benchmark
 from cpu_pipeline import QUICK as DIT_QUICK
 from cpu_pipeline import dit_model
 
-from tests.models import TinyCausalLM
+from tests.fixtures.models import TinyCausalLM
 
 LM_FULL = {"tokens": 4096, "width": 256, "layers": 4}
 LM_QUICK = {"tokens": 512, "width": 64, "layers": 2}

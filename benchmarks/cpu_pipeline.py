@@ -19,10 +19,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from tokpipe_compiler.runtime.launch import launch
 
 import tokpipe_compiler as tp
-from tokpipe_compiler.schedulers import step_table, update
+from tokpipe_compiler.pipelines.schedulers import step_table, update
+from tokpipe_compiler.runtime.launch import launch
 
 FULL = {"layers": 12, "heads": 6, "head_dim": 64, "side": 64}
 QUICK = {"layers": 4, "heads": 4, "head_dim": 32, "side": 32}

@@ -88,10 +88,7 @@ def check_cases(quick: bool) -> list[Case]:
 
 def check(case: Case) -> str | None:
     """None if the kernel matches the reference, else what went wrong."""
-    from tokpipe_compiler.runtime.triton_attention import (
-        fused_kv_attention,
-        reference_kv_attention,
-    )
+    from tokpipe_compiler.runtime.triton_attention import fused_kv_attention, reference_kv_attention
 
     q, k, v, k_cache, v_cache = case.inputs()
     ref_k, ref_v = k_cache.clone(), v_cache.clone()

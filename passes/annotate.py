@@ -20,10 +20,9 @@ from fractions import Fraction
 
 import torch
 import torch.fx
-from tokpipe_compiler.runtime.chunking import chunk_slice
 
-from tokpipe_compiler.errors import NoTokenInput, TokpipeError, describe
-from tokpipe_compiler.graph_utils import (
+from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError, describe
+from tokpipe_compiler.core.fx import (
     example_value,
     is_tensor_node,
     is_user_input,
@@ -31,9 +30,23 @@ from tokpipe_compiler.graph_utils import (
     source_name,
     target_name,
 )
-from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY, UNSUPPORTED, TokenInfo
-
-from .rules import IN_PLACE, RULES, SLICES_KEY, RuleContext, op_key, scaled_per_unit, unsupported
+from tokpipe_compiler.core.meta import (
+    INVARIANT_INFO,
+    META_KEY,
+    SLICES_KEY,
+    TOKEN,
+    UNSUPPORTED,
+    TokenInfo,
+)
+from tokpipe_compiler.passes.rules import (
+    IN_PLACE,
+    RULES,
+    RuleContext,
+    op_key,
+    scaled_per_unit,
+    unsupported,
+)
+from tokpipe_compiler.runtime.chunking import chunk_slice
 
 
 @dataclass(frozen=True)
@@ -95,7 +108,7 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node,
         if node.op == "output":
             continue
         if node is seed or _aligned_with(node, seed):
-            infos[node] = TokenInfo("token", axis, Fraction(1))
+            infos[node] = TokenInfo(TOKEN, axis, Fraction(1))
         elif node.op == "placeholder" or not ctx.token_args(node):
             infos[node] = INVARIANT_INFO
         else:

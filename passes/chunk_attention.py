@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+
+from tokpipe_compiler.core.errors import TokpipeError, describe
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.meta import ATTENTION, INVARIANT_INFO, META_KEY
+from tokpipe_compiler.passes.compute_rules import sdpa_args
 from tokpipe_compiler.runtime.caches import CacheSpec
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
-
-from tokpipe_compiler.errors import TokpipeError, describe
-from tokpipe_compiler.graph_utils import example_value
-from tokpipe_compiler.tokens import ATTENTION, INVARIANT_INFO, META_KEY
-
-from .compute_rules import sdpa_args
 
 
 def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:

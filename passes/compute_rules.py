@@ -11,10 +11,15 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tokpipe_compiler.graph_utils import node_shape
-from tokpipe_compiler.tokens import ATTENTION, TOKEN, TokenInfo
-
-from .rules import RuleContext, first_token, register, slice_operand, unsupported
+from tokpipe_compiler.core.fx import node_shape
+from tokpipe_compiler.core.meta import ATTENTION, TOKEN, TokenInfo
+from tokpipe_compiler.passes.rules import (
+    RuleContext,
+    first_token,
+    register,
+    slice_operand,
+    unsupported,
+)
 
 # -- contractions ------------------------------------------------------------------------------
 

@@ -8,17 +8,16 @@ belong to no stage: they run once per call in a prelude and are replicated where
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 
 import torch.fx
 
-from tokpipe_compiler.errors import TokpipeError
-from tokpipe_compiler.graph_utils import example_value
-from tokpipe_compiler.tokens import META_KEY
-
-from .cost import node_cost
-from .split import is_chunk_source
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.meta import META_KEY
+from tokpipe_compiler.passes.split import is_chunk_source
 
 
 @dataclass(frozen=True)
@@ -35,15 +34,16 @@ def token_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             and not is_chunk_source(n)]
 
 
-def partition(gm: torch.fx.GraphModule, stages: int, tokens: int, chunk_tokens: int,
-              flops_per_byte: float = 0.0) -> Partition:
-    """tokens: attention sequence length; chunk_tokens: tokens of a typical chunk.
-    flops_per_byte: what sending one byte between stages costs, in FLOPs of compute time
-    (device rate / link bandwidth; 0 when the stages share a process)."""
+def partition(gm: torch.fx.GraphModule, stages: int, weight: Callable[[torch.fx.Node], float],
+              chunk_fraction: float, flops_per_byte: float = 0.0) -> Partition:
+    """weight: a node's cost on one chunk (FLOPs, from the cost model); chunk_fraction: a
+    typical chunk's share of the sequence. flops_per_byte: what sending one byte between
+    stages costs, in FLOPs of compute time (device rate / link bandwidth; 0 when the
+    stages share a process)."""
     order = token_nodes(gm)
-    weights = [stage_weight(n, tokens, chunk_tokens) for n in order]
+    weights = [weight(n) for n in order]
     live = live_counts(order)
-    sends = [flops_per_byte * b for b in live_bytes(order, chunk_tokens / max(tokens, 1))]
+    sends = [flops_per_byte * b for b in live_bytes(order, chunk_fraction)]
     cuts = _choose_cuts(weights, live, stages, sends)
     stage_of, stage = {}, 0
     for i, node in enumerate(order):
@@ -82,11 +82,6 @@ def _live_sums(order: list[torch.fx.Node], sizes: list) -> list:
         running += delta
         live.append(running)
     return live
-
-
-def stage_weight(node: torch.fx.Node, tokens: int, chunk_tokens: int) -> float:
-    """FLOPs of a node on one chunk attending over the whole sequence."""
-    return node_cost(node, tokens).at(chunk_tokens, tokens)[0]
 
 
 # A stage this much heavier than an even share is worth sending more values at a cut (the

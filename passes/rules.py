@@ -17,17 +17,21 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tokpipe_compiler.graph_utils import example_value, node_shape, target_name
-from tokpipe_compiler.tokens import INVARIANT_INFO, TOKEN, UNSUPPORTED, TokenInfo
-
-from . import segments
-from .shape_rules import expand_index, getitem_axis, permute_axis, reshape_axis, transpose_axis
+from tokpipe_compiler.core.fx import example_value, node_shape, target_name
+from tokpipe_compiler.core.meta import INVARIANT_INFO, SLICES_KEY, TOKEN, UNSUPPORTED, TokenInfo
+from tokpipe_compiler.passes import segments
+from tokpipe_compiler.passes.shape_rules import (
+    expand_index,
+    getitem_axis,
+    permute_axis,
+    reshape_axis,
+    transpose_axis,
+)
 
 Rule = Callable[[torch.fx.Node, "RuleContext"], TokenInfo]
 RULES: dict[Any, Rule] = {}
 
 # Operands of these arguments are per-token constants to slice to the chunk (see slice_operand).
-SLICES_KEY = "tokpipe_slices"
 
 
 class RuleContext:
@@ -390,4 +394,4 @@ def scaled_per_unit(info: TokenInfo, scale: int) -> TokenInfo:
 
 # Rules for ops that compute (contractions, norms, convolution, attention) live beside this
 # module; importing it registers them.
-from . import compute_rules  # noqa: E402, F401
+from tokpipe_compiler.passes import compute_rules  # noqa: E402, F401

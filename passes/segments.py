@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from tokpipe_compiler.tokens import TOKEN, TokenInfo
+from tokpipe_compiler.core.meta import TOKEN, TokenInfo
 
 
 def cut(info: TokenInfo, full: int, start: int, stop: int) -> TokenInfo | str:

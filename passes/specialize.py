@@ -18,13 +18,12 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tokpipe_compiler.errors import TokpipeError, describe
-from tokpipe_compiler.graph_utils import example_value
-from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY, TokenInfo
-
-from . import segments
-from .rules import op_key, split_pieces
-from .shape_rules import expand_index, getitem_axis
+from tokpipe_compiler.core.errors import TokpipeError, describe
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TokenInfo
+from tokpipe_compiler.passes import segments
+from tokpipe_compiler.passes.rules import op_key, split_pieces
+from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis
 
 _SHAPE_ARG_OPS = {"method:view", "method:reshape", "method:expand", torch.reshape}
 _UNFLATTEN_OPS = {"method:unflatten", torch.unflatten}

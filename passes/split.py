@@ -12,57 +12,23 @@ The prelude computes the invariant values once per call; it never sees a token.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx
+
+from tokpipe_compiler.core.errors import TokpipeError, describe
+from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, STAGE_KEY
+from tokpipe_compiler.core.stage_graph import (
+    BOUNDARY,
+    CALL,
+    SLICED,
+    OutputKind,
+    OutputSpec,
+    SplitGraphs,
+    StageGraph,
+    StageInput,
+)
 from tokpipe_compiler.runtime.chunking import chunk_slice
-
-from tokpipe_compiler.errors import TokpipeError, describe
-from tokpipe_compiler.tokens import INVARIANT_INFO, META_KEY
-
-STAGE_KEY = "tokpipe_stage"
-BOUNDARY, SLICED, CALL = "boundary", "sliced", "call"
-
-
-@dataclass(frozen=True)
-class StageInput:
-    name: str  # placeholder name inside the stage graph
-    kind: str  # BOUNDARY, SLICED or CALL
-    source: str  # the value it is read from (a per-call value for SLICED)
-    axis: int | None = None
-    per_unit: int | None = None
-    producer: int | None = None  # stage that computes a BOUNDARY value
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    """One element of the graph's output tuple."""
-
-    kind: str  # "token", CALL or "const"
-    source: Any  # value name, or the constant itself
-    axis: int | None = None
-    per_unit: int | None = None
-    producer: int | None = None
-
-
-@dataclass
-class StageGraph:
-    index: int
-    gm: torch.fx.GraphModule  # at full sequence length; specialised per chunk length later
-    inputs: list[StageInput]
-    outputs: list[str]
-    output_infos: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> axis, per_unit
-
-
-@dataclass
-class SplitGraphs:
-    prelude: torch.fx.GraphModule
-    prelude_outputs: list[str]
-    input_names: list[str]  # placeholders of the original graph, in call order
-    stages: list[StageGraph]
-    outputs: list[OutputSpec]
 
 
 def is_chunk_source(node: torch.fx.Node) -> bool:
@@ -202,13 +168,13 @@ def _output_specs(gm: torch.fx.GraphModule) -> list[OutputSpec]:
     specs = []
     for value in values:
         if not isinstance(value, torch.fx.Node):
-            specs.append(OutputSpec("const", value))
+            specs.append(OutputSpec(OutputKind.CONST, value))
         elif _info(value).carries_tokens and not is_chunk_source(value):
             info = _info(value)
-            specs.append(OutputSpec("token", value.name, info.axis, info.per_unit,
+            specs.append(OutputSpec(OutputKind.TOKEN, value.name, info.axis, info.per_unit,
                                     value.meta[STAGE_KEY]))
         else:
-            specs.append(OutputSpec(CALL, value.name))
+            specs.append(OutputSpec(OutputKind.CALL, value.name))
     return specs
 
 
@@ -217,7 +183,7 @@ def prelude_for(graphs: SplitGraphs, stages: set[int]) -> tuple[torch.fx.GraphMo
     one rank per stage, a rank computes and holds only its own stages' conditioning."""
     needed = {i.source for g in graphs.stages if g.index in stages for i in g.inputs
               if i.kind != BOUNDARY}
-    needed |= {o.source for o in graphs.outputs if o.kind == CALL}
+    needed |= {o.source for o in graphs.outputs if o.kind == OutputKind.CALL}
     keep = [name for name in graphs.prelude_outputs if name in needed]
     graph = torch.fx.Graph()
     output = graph.graph_copy(graphs.prelude.graph, {})

@@ -8,7 +8,7 @@ from itertools import accumulate
 
 import torch
 
-from tokpipe_compiler.errors import TokpipeError
+from tokpipe_compiler.core.errors import TokpipeError
 
 
 @dataclass(frozen=True)

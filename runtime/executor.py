@@ -12,14 +12,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from tokpipe_compiler.passes.split import BOUNDARY, SLICED, StageGraph
 
-from tokpipe_compiler.graph_utils import example_value
-
-from .chunking import Chunk, slice_to_chunk
-from .kv_attention import CHUNK_INPUT, CHUNK_START, CHUNK_UNITS, CHUNK_VISIBLE
-from .schedule import COMPUTE, RECV, SEND, Action
-from .transport import MessageKey, TensorSpec
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.stage_graph import BOUNDARY, SLICED, StageGraph
+from tokpipe_compiler.runtime.chunking import Chunk, slice_to_chunk
+from tokpipe_compiler.runtime.kv_attention import (
+    CHUNK_INPUT,
+    CHUNK_START,
+    CHUNK_UNITS,
+    CHUNK_VISIBLE,
+)
+from tokpipe_compiler.runtime.schedule import COMPUTE, RECV, SEND, Action
+from tokpipe_compiler.runtime.transport import MessageKey, TensorSpec
 
 KINDS = {COMPUTE: "compute", SEND: "send", RECV: "recv"}
 

@@ -43,7 +43,7 @@ def kv_attention(
     start, _, visible = (int(x) for x in chunk.tolist())
     offset, n, kv_len = start * per_unit, q.shape[-2], visible * per_unit
     if q.is_cuda and mask is None:
-        from .triton_attention import fused_kv_attention
+        from tokpipe_compiler.runtime.triton_attention import fused_kv_attention
 
         return fused_kv_attention(q, k, v, k_cache, v_cache, offset, kv_len, causal, scale)
     k_cache[..., offset : offset + n, :].copy_(k)

@@ -22,9 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokpipe_compiler.errors import TokpipeError
-
-from .transport import init_process_group_from_env
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.runtime.transport import init_process_group_from_env
 
 # After the first failure, how long the other ranks get to report theirs: a rank blocked on
 # a dead peer usually fails within a second, and its message says what it was waiting for.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokpipe_compiler.errors import TokpipeError
+from tokpipe_compiler.core.errors import TokpipeError
 
 COMPUTE, SEND, RECV = "C", "S", "R"
 

@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from tokpipe_compiler.errors import TokpipeError
+from tokpipe_compiler.core.errors import TokpipeError
 
 _MAX_TAG = 2**31 - 1  # torch passes tags to the backend as a C int
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokpipe_compiler.errors import TokpipeError
+from tokpipe_compiler.core.errors import TokpipeError
 
 __all__ = ["fused_kv_attention", "reference_kv_attention"]
 

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from .backend import LazyProgram, TokpipeBackend, session_for_options
-from .config import Config
-from .driver import build_plan
-from .errors import NoTokenInput, TokpipeError
-from .graph_utils import record_sources
-from .plan import Plan
-from .program import PipelinedProgram
+from tokpipe_compiler.backend import LazyProgram, TokpipeBackend, session_for_options
+from tokpipe_compiler.config import Config
+from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
+from tokpipe_compiler.core.fx import record_sources
+from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.programs.pipelined import PipelinedProgram
 
 log = logging.getLogger("tokpipe_compiler")
 

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import torch.fx
 
-from .config import Config
-from .distributed import make_program
-from .driver import build_plan
-from .errors import NoTokenInput, TokpipeError
-from .graph_utils import record_sources
-from .program import Session
-from .static import StaticGraph, has_symbolic_shapes, shape_key
+from tokpipe_compiler.config import Config
+from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
+from tokpipe_compiler.core.fx import record_sources
+from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.static import StaticGraph, has_symbolic_shapes, shape_key
+from tokpipe_compiler.programs.distributed import make_program
+from tokpipe_compiler.programs.pipelined import Session
 
 log = logging.getLogger("tokpipe_compiler")
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .config import COMPILERS, MODES, parse_chunks
-from .errors import TokpipeError
-from .specs import EXAMPLES, SpecError, load_spec
+from tokpipe_compiler.cli_models import EXAMPLES, SpecError, load_spec
+from tokpipe_compiler.config import COMPILERS, MODES, parse_chunks
+from tokpipe_compiler.core.errors import TokpipeError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .api import explain, programs
+    from tokpipe_compiler.api import explain, programs
 
     model, call_args, call_kwargs = load_spec(args.spec, args.config)
     options = {"stages": args.stages, "chunks": args.chunks, "mode": args.mode,
@@ -69,7 +69,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.out is not None:
         files = plan.save(args.out, program)
         if program is not None:
-            from .trace import write_chrome_trace
+            from tokpipe_compiler.inspection.timeline import write_chrome_trace
 
             files.append(write_chrome_trace(program.timeline, args.out / "trace.json"))
         print(f"\nwrote {len(files)} files to {args.out}/: "
@@ -78,8 +78,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _run(model, call_args, call_kwargs, options, calls: int, programs):
-    from .api import backend
-    from .trace import compare, format_comparison
+    from tokpipe_compiler.api import backend
+    from tokpipe_compiler.inspection.timeline import compare, format_comparison
 
     compiled = torch.compile(model, backend=backend(**options), dynamic=False)
     with torch.no_grad():

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .config import parse_chunks
-from .ring import Ring
-from .runtime.launch import launch
-from .schedulers import step_table, update
+from tokpipe_compiler.config import parse_chunks
+from tokpipe_compiler.pipelines.schedulers import step_table, update
+from tokpipe_compiler.ring import Ring
+from tokpipe_compiler.runtime.launch import launch
 
 SIZES = {  # name: (layers, heads, head dim, latent side)
     "default": (12, 4, 64, 32),

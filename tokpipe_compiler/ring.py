@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from .config import Config
-from .distributed import make_program
-from .driver import build_plan
-from .errors import TokpipeError
-from .graph_utils import record_sources
+from tokpipe_compiler.config import Config
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.fx import record_sources
+from tokpipe_compiler.core.stage_graph import OutputKind
+from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.programs.distributed import make_program
 
 
 class Ring:
@@ -94,7 +95,7 @@ class Ring:
         for name, spec in zip(self.carry, outputs, strict=False):
             if spec.source == f"l_{name}_":
                 continue  # returned unchanged: nothing to carry
-            if spec.kind != "token":
+            if spec.kind != OutputKind.TOKEN:
                 raise TokpipeError(f"carried input {name!r} is fed by an output that is not "
                                    "token-wise (ring mode needs a token-wise scheduler update)")
             carried[f"l_{name}_"] = spec.source

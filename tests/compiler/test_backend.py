@@ -1,0 +1,192 @@
+"""The backend as users meet it: torch.compile, options, errors, fallbacks, reset."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import (
+    ConvAcrossRows,
+    MeanOverTokens,
+    SortOverTokens,
+    TinyDiT,
+    dit_inputs,
+)
+from tests.fixtures.tracing import assert_rel_close
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+
+
+def compile_dit(**options):
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    options.setdefault("compiler", "eager")
+    compiled = torch.compile(model, backend="tokpipe", options=options, dynamic=False)
+    return model, compiled
+
+
+def test_entry_point_registers_the_backend():
+    names = [ep.name for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")]
+    assert "tokpipe" in names
+    assert "tokpipe" in torch._dynamo.list_backends()
+
+
+@pytest.mark.parametrize(("options", "name"), [
+    ({"stages": 0}, "stages"), ({"chunks": "many"}, "chunks"), ({"mode": "fast"}, "mode"),
+    ({"warmup_steps": -1}, "warmup_steps"), ({"compiler": "tvm"}, "compiler"),
+    ({"fallback": "yes"}, "fallback"), ({"chunk": 4}, "chunk"), ({"chunks": [8, 0]}, "chunks"),
+    ({"chunks": []}, "chunks"), ({"chunks": [8.0]}, "chunks"),
+])
+def test_bad_options_name_the_option(options, name):
+    with pytest.raises(ValueError, match=re.escape(name)):
+        tp.backend(**options)
+    model, compiled = compile_dit(**options)
+    with pytest.raises(ValueError, match=re.escape(name)):
+        compiled(*dit_inputs(model, 8))
+
+
+def test_string_backend_and_backend_object_agree_with_eager():
+    model, compiled = compile_dit(stages=2, chunks=2, mode="stale", warmup_steps=1)
+    backend = tp.backend(stages=2, chunks=2, mode="stale", warmup_steps=1, compiler="eager")
+    compiled_obj = torch.compile(model, backend=backend, dynamic=False)
+    inputs = dit_inputs(model, 8)
+    with torch.no_grad():
+        expected = model(*inputs)
+        for fn in (compiled, compiled_obj):
+            assert_rel_close(fn(*inputs), expected)
+            assert_rel_close(fn(*inputs), expected)
+
+
+def test_reset_starts_a_new_generation():
+    model, compiled = compile_dit(stages=2, chunks=4, mode="stale", warmup_steps=1)
+    a, b = dit_inputs(model, 8, seed=1), dit_inputs(model, 8, seed=2)
+    with torch.no_grad():
+        compiled(*a)
+        stale = compiled(*b)
+        tp.reset(compiled)
+        fresh = compiled(*b)
+        expected = model(*b)
+    assert (stale - expected).abs().max() > 1e-4  # after warmup: stale K/V of input a
+    assert_rel_close(fresh, expected)  # after reset: warmup again, exact
+
+
+def test_reset_rejects_what_is_not_a_tokpipe_model():
+    with pytest.raises(tp.TokpipeError, match="no tokpipe backend"):
+        tp.reset(torch.nn.Linear(2, 2))
+
+
+def test_new_input_shape_starts_a_new_generation():
+    model, compiled = compile_dit(stages=2, chunks=2, mode="stale", warmup_steps=1)
+    small, large = dit_inputs(model, 8, seed=1), dit_inputs(model, 8, seed=2, batch=2)
+    with torch.no_grad():
+        compiled(*small)
+        compiled(*large)  # another shape: a new generation, warmup, exact
+        again = dit_inputs(model, 8, seed=3)
+        out = compiled(*again)  # back to the first shape: its caches are an old generation
+        assert_rel_close(out, model(*again))
+
+
+def test_unsupported_op_names_op_shape_and_source_line():
+    model = MeanOverTokens().eval()
+    compiled = torch.compile(model, backend="tokpipe", options={"compiler": "eager"},
+                             dynamic=False)
+    with pytest.raises(tp.TokpipeError) as err:
+        compiled(torch.randn(1, 8, 16))
+    text = str(err.value)
+    assert "mean" in text and "(1, 8, 16)" in text
+    assert "models.py" in text and "h.mean(dim=1, keepdim=True)" in text
+    assert "fallback" in text  # says what the user can do
+
+
+@pytest.mark.parametrize(("model", "shape", "words"), [
+    (ConvAcrossRows(), (1, 4, 8, 8), "reaches across chunk rows"),
+    (SortOverTokens(), (1, 8, 16), "sort"),
+])
+def test_other_token_mixers_are_rejected(model, shape, words):
+    compiled = torch.compile(model.eval(), backend="tokpipe", options={"compiler": "eager"},
+                             dynamic=False)
+    with pytest.raises(tp.TokpipeError, match=words):
+        compiled(torch.randn(shape))
+
+
+def test_fallback_runs_unpipelined_and_warns():
+    model = MeanOverTokens().eval()
+    compiled = torch.compile(model, backend="tokpipe",
+                             options={"compiler": "eager", "fallback": True}, dynamic=False)
+    x = torch.randn(1, 8, 16)
+    with pytest.warns(UserWarning, match="unpipelined"), torch.no_grad():
+        out = compiled(x)
+        assert torch.equal(out, model(x))
+
+
+def test_more_chunks_than_rows_is_an_error():
+    model, compiled = compile_dit(stages=1, chunks=5, mode="stale")  # 8x8 latent: 4 rows
+    with pytest.raises(tp.TokpipeError, match="chunks=5 is more than the 4 rows"):
+        compiled(*dit_inputs(model, 8))
+
+
+def test_more_stages_than_cut_points_is_an_error():
+    model, compiled = compile_dit(stages=500, chunks=2)
+    with pytest.raises(tp.TokpipeError, match="use fewer stages"):
+        compiled(*dit_inputs(model, 8))
+
+
+class BrokenDiT(TinyDiT):
+    """A graph break between blocks: Dynamo hands the backend several graphs."""
+
+    def forward(self, latents, timestep, labels):
+        b, c, h, w = latents.shape
+        x = self.embed(latents).flatten(2).transpose(1, 2) + self.pos
+        cond = self.t_mlp(torch.cat([timestep.float()[:, None]] * 16, dim=-1)) + self.label(labels)
+        x = self.blocks[0](x, cond)
+        torch._dynamo.graph_break()
+        x = self.blocks[1](x, cond)
+        p = self.patch
+        x = self.out(x).reshape(b, h // p, w // p, p, p, c)
+        return torch.einsum("nhwpqc->nchpwq", x).reshape(b, c, h, w)
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_graph_breaks_each_pipelined(mode):
+    torch.manual_seed(0)
+    model = BrokenDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options={
+        "compiler": "eager", "stages": 2, "chunks": 2, "mode": mode, "warmup_steps": 1})
+    inputs = dit_inputs(model, 8)
+    with torch.no_grad():
+        expected = model(*inputs)
+        for _ in range(2):
+            assert_rel_close(compiled(*inputs), expected)
+
+
+class NoTokens(torch.nn.Module):
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.sin(t) * 2
+
+
+def test_graph_without_token_input_runs_unpipelined_with_warning():
+    compiled = torch.compile(NoTokens(), backend="tokpipe", options={"compiler": "eager"},
+                             dynamic=False)
+    t = torch.randn(3)
+    with pytest.warns(UserWarning, match="unpipelined"):
+        assert torch.equal(compiled(t), torch.sin(t) * 2)
+
+
+def test_dynamic_shapes_are_made_static_per_shape():
+    """Without dynamic=False Dynamo retraces a new batch size symbolically; each concrete
+    shape still gets a pipelined, exact program."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", options={
+        "compiler": "eager", "stages": 2, "chunks": 2, "mode": "sync"})
+    with torch.no_grad():
+        for batch in (1, 2, 3):
+            inputs = dit_inputs(model, 8, seed=batch, batch=batch)
+            assert_rel_close(compiled(*inputs), model(*inputs))

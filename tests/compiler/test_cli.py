@@ -1,0 +1,91 @@
+"""The tokpipe command on a diffusers class, on a module:function spec, and on bad specs."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from tokpipe_compiler.cli import main
+
+DIT_CONFIG = {"num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4,
+              "out_channels": 8, "num_layers": 2, "sample_size": 8, "patch_size": 2,
+              "num_embeds_ada_norm": 10}
+
+MODULE = textwrap.dedent("""
+    from tests.fixtures.models import TinyDiT, dit_inputs
+
+    def tiny_dit():
+        model = TinyDiT(depth=2, width=16, heads=2, grid=8)
+        return model, dit_inputs(model, 8), {}
+
+    def not_a_triple():
+        return 3
+""")
+
+
+def test_inspect_a_diffusers_class(tmp_path, capsys):
+    pytest.importorskip("diffusers")
+    config = tmp_path / "dit.json"
+    config.write_text(json.dumps(DIT_CONFIG))
+    out = tmp_path / "dump"
+    argv = ["inspect", "diffusers:DiTTransformer2DModel", "--config", str(config),
+            "--stages", "2", "--chunks", "2", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "2 stage(s) x 2 chunk(s)" in printed and "transformer_blocks.0" in printed
+    assert json.loads((out / "plan.json").read_text())["config"]["stages"] == 2
+    assert (out / "stage_1.py").exists() and (out / "schedule.png").exists()
+
+
+def test_inspect_a_function_and_run_it(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_models.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "dump"
+    argv = ["inspect", "my_models:tiny_dit", "--stages", "2", "--chunks", "4", "--mode", "stale",
+            "--out", str(out), "--run", "2"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "measured/predicted" in printed
+    assert json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert main(["inspect", f"{tmp_path / 'my_models.py'}:tiny_dit", "--stages", "1"]) == 0
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("nocolon", "is not 'diffusers:ClassName' or 'module:function'"),
+    ("diffusers:NoSuchModel", "diffusers has no model class 'NoSuchModel'"),
+    ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+    ("my_models:missing", "has no function 'missing'"),
+    ("my_models:not_a_triple", "must return (model, args, kwargs)"),
+    ("missing_file.py:f", "no file 'missing_file.py'"),
+])
+def test_bad_specs_fail_clearly(spec, message, tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_models.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["inspect", spec]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "examples:" in err and "tokpipe inspect diffusers:" in err
+
+
+def test_too_many_stages_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_models.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["inspect", "my_models:tiny_dit", "--chunks", "9"]) == 2
+    assert "chunks=9 is more than the 4 rows" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("chunks", "shown"), [("auto", "chunk(s)"), ("8,4,4", "x 3 chunk(s)")])
+def test_chunks_as_auto_or_token_lengths(chunks, shown, tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_models.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["inspect", "my_models:tiny_dit", "--chunks", chunks]) == 0
+    assert shown in capsys.readouterr().out
+
+
+def test_unreadable_chunks_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", "my_models:tiny_dit", "--chunks", "many"])
+    assert exit_info.value.code == 2
+    assert "--chunks must be auto, a count or comma-separated token lengths" in \
+        capsys.readouterr().err

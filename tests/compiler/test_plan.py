@@ -1,0 +1,154 @@
+"""explain() and the Plan: its numbers agree with each other and with the model; the dump
+opens in ordinary tools; per-pass logging."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+
+import pytest
+from PIL import Image
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import TinyCausalLM, TinyDiT, dit_inputs
+from tokpipe_compiler.core import logs
+from tokpipe_compiler.planning.layers import compress_layers, layer_of
+from tokpipe_compiler.runtime.schedule import COMPUTE
+
+
+@functools.cache
+def dit_plan(stages: int = 3, chunks: int = 5, mode: str = "stale") -> tuple:
+    model = TinyDiT(depth=4, width=32, heads=2, grid=16).eval()
+    args = dit_inputs(model, 16)
+    return model, tp.explain(model, args, stages=stages, chunks=chunks, mode=mode,
+                             compiler="eager")
+
+
+def model_bytes(model) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_stage_parameter_bytes_sum_to_the_model():
+    model, plan = dit_plan()
+    held = sum(s.param_bytes for s in plan.stages) + plan.prelude_param_bytes
+    assert held == plan.model_param_bytes == model_bytes(model)
+    assert all(s.param_bytes > 0 for s in plan.stages)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_every_chunk_once_per_stage_per_step(steps):
+    _, plan = dit_plan()
+    schedule = plan.distributed_schedule(steps)
+    seen = [(a.step, a.stage, a.chunk) for rank in schedule.ranks for a in rank
+            if a.kind == COMPUTE]
+    expected = [(t, s, c) for t in range(steps) for s in range(len(plan.stages))
+                for c in range(len(plan.chunks))]
+    assert sorted(seen) == expected
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 5, 8])
+def test_chunks_tile_the_token_range(chunks):
+    _, plan = dit_plan(chunks=chunks)
+    summary = plan.summary()
+    assert [c.index for c in plan.chunks] == list(range(chunks))
+    tokens = [t for c in summary["chunks"] for t in range(*c["tokens"])]
+    assert tokens == list(range(plan.tokens))
+    units = [u for c in plan.chunks for u in range(c.start, c.stop)]
+    assert units == list(range(plan.units))
+
+
+def test_summary_numbers():
+    _, plan = dit_plan()
+    text = str(plan)
+    for s in plan.stages:
+        assert f"\n{s.index:>5}  " in text
+        assert s.code.lstrip().startswith("def forward")
+    summary = plan.summary()
+    stage0 = summary["stages"][0]
+    chunk0 = plan.chunks[0]
+    assert stage0["send_bytes_per_chunk"][0] == plan.stages[0].send_bytes_per_unit * chunk0.units
+    # Two token rows of 8 tokens each, 32 floats wide: the residual stream.
+    assert stage0["send_bytes_per_chunk"][0] == chunk0.units * 8 * 32 * 4
+    assert summary["stages"][-1]["send_bytes_per_chunk"] == [0] * len(plan.chunks)
+    # A chunk of twice the rows costs about twice the FLOPs (attention over the same context).
+    flops = stage0["flops_per_chunk"]
+    assert 1.9 < flops[0] / flops[-1] < 2.1
+    assert sum(s["kv_cache_bytes"] for s in summary["stages"]) == 4 * 2 * 64 * 32 * 4
+
+
+def test_causal_chunks_cost_more_later():
+    model = TinyCausalLM(depth=2, width=32, heads=2).eval()
+    import torch
+
+    plan = tp.explain(model, (torch.randn(1, 16, 32),), stages=2, chunks=4, mode="causal",
+                      compiler="eager")
+    flops = [plan.stage_flops(0, c) for c in plan.chunks]
+    assert flops == sorted(flops) and flops[0] < flops[-1]
+    assert [plan.context_tokens(c) for c in plan.chunks] == [4, 8, 12, 16]
+
+
+def test_bubble_of_balanced_stages_is_the_fill(monkeypatch):
+    _, plan = dit_plan()
+    monkeypatch.setattr(type(plan), "stage_flops", lambda self, stage, chunk: 1.0)
+    s, m = len(plan.stages), len(plan.chunks)
+    assert plan.bubble_fraction(1) == pytest.approx((s - 1) / (m + s - 1))
+    # A ring fills once: over many steps the bubble shrinks towards zero.
+    assert plan.bubble_fraction(20) == pytest.approx((s - 1) / (20 * m + s - 1))
+
+
+def test_save_writes_files_that_open(tmp_path):
+    _, plan = dit_plan()
+    files = plan.save(tmp_path)
+    names = {f.name for f in files}
+    assert {"plan.json", "plan.txt", "prelude.py", "schedule.png", "partition.png"} <= names
+    assert {f"stage_{s.index}.py" for s in plan.stages} <= names
+    summary = json.loads((tmp_path / "plan.json").read_text())
+    assert summary == json.loads(json.dumps(plan.summary()))
+    assert len(summary["stages"]) == len(plan.stages)
+    for path in tmp_path.glob("*.py"):
+        compile(path.read_text(), str(path), "exec")
+    for path in tmp_path.glob("*.png"):
+        with Image.open(path) as image:
+            image.verify()
+            assert image.size[0] > 100 and image.size[1] > 50
+
+
+def test_layers_compress():
+    assert layer_of("transformer_blocks.3.attn1.to_q") == "transformer_blocks.3"
+    assert layer_of("pos_embed.proj") == "pos_embed"
+    paths = ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.4", "norm", "out"]
+    assert compress_layers(paths) == ["embed", "blocks.0-2", "blocks.4", "norm", "out"]
+
+
+def test_pass_dumps_are_stamped_with_their_pass(caplog, tmp_path):
+    model = TinyDiT(depth=1, width=16, heads=2, grid=8).eval()
+    logs.set_logs("passes,plan", dump_dir=tmp_path)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="tokpipe_compiler"):
+            tp.explain(model, dit_inputs(model, 8), stages=2, chunks=2, compiler="eager")
+    finally:
+        logs.set_logs("")
+    dumps = [r.getMessage() for r in caplog.records if r.name == "tokpipe_compiler.passes"]
+    passes = [m.split("after pass ")[1].split("]")[0] for m in dumps]
+    assert passes == ["annotate", "partition", "chunk_attention", "split/stage_0",
+                      "split/stage_1"]
+    assert any(r.name == "tokpipe_compiler.plan" and "tokpipe plan" in r.getMessage()
+               for r in caplog.records)
+    files = sorted(tmp_path.glob("*.py"))
+    assert [f.name.split("_", 1)[1] for f in files] == [
+        "annotate.py", "partition.py", "chunk_attention.py", "split_stage_0.py",
+        "split_stage_1.py"]
+    assert files[2].read_text().startswith("# tokpipe dump")
+
+
+def test_logs_from_environment_and_bad_names():
+    logs.configure_from_env({"TOKPIPE_LOGS": "passes"})
+    try:
+        assert logs.PASSES.isEnabledFor(logging.DEBUG)
+    finally:
+        logs.set_logs("")
+    assert not logs.PASSES.isEnabledFor(logging.DEBUG)
+    with pytest.raises(ValueError, match="allowed"):
+        logs.set_logs("pases")

@@ -1,0 +1,109 @@
+"""The equivalence toolkit: passes on correct pipelines, names the stage and chunk of a
+broken one. The hypothesis test is the pattern the README shows for users' own models."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.fixtures.models import TinyCausalLM, TinyDiT, dit_inputs
+from tokpipe_compiler.runtime import executor
+from tokpipe_compiler.runtime.chunking import Chunk
+from tokpipe_compiler.testing import (
+    NotEquivalent,
+    assert_equivalent,
+    latents_like,
+    options,
+)
+
+
+@functools.cache
+def dit(depth: int = 2):
+    torch.manual_seed(depth)
+    model = TinyDiT(depth=depth, width=32, heads=2, grid=8).eval()
+    return model, dit_inputs(model, 8)
+
+
+@pytest.mark.parametrize("opts", [
+    {"stages": 2, "chunks": 4, "mode": "stale"},
+    {"stages": 2, "chunks": 3, "mode": "stale", "warmup_steps": 0},
+    {"stages": 3, "chunks": 4, "mode": "sync"},
+])
+def test_passes_on_correct_pipelines(opts):
+    model, args = dit()
+    report = assert_equivalent(model, args, **opts)
+    assert report.checks and report.max_relative_error <= 1e-5
+    assert report.checks[-1].name == ("exact mode, caches reused" if opts["mode"] == "sync"
+                                      else "stale mode, repeated input")
+
+
+def test_passes_on_causal():
+    torch.manual_seed(0)
+    model = TinyCausalLM(depth=2, width=32, heads=2).eval()
+    report = assert_equivalent(model, (torch.randn(1, 12, 32),), stages=2, chunks=5,
+                               mode="causal")
+    assert [c.call for c in report.checks] == [1, 2]
+
+
+def test_names_the_stage_and_chunk_of_an_offset_bug(monkeypatch):
+    """The chunk descriptor of chunk 1 starts one row late (every stage)."""
+    original = executor.chunk_descriptor
+
+    def off_by_one(chunk: Chunk, visible: int) -> torch.Tensor:
+        return original(Chunk(chunk.index, chunk.start + 1, chunk.stop + 1)
+                        if chunk.index == 1 else chunk, visible)
+
+    monkeypatch.setattr(executor, "chunk_descriptor", off_by_one)
+    model, args = dit()
+    with pytest.raises(NotEquivalent) as info:
+        assert_equivalent(model, args, stages=2, chunks=4, mode="stale")
+    where = info.value.where
+    assert (where.stage, where.chunk, where.start, where.stop) == (0, 1, 1, 2)
+    assert "stage 0, chunk 1" in str(info.value)
+    assert info.value.check.name == "stale mode, repeated input"
+
+
+def test_names_a_later_stage(monkeypatch):
+    """Only stage 1 runs chunk 2 one row late: stage 0 is right, stage 1 is not."""
+    original = executor.Executor._compute
+
+    def compute(self, action, chunk, *rest):
+        if action.stage == 1 and chunk.index == 2:
+            chunk = Chunk(chunk.index, chunk.start + 1, chunk.stop + 1)
+        return original(self, action, chunk, *rest)
+
+    monkeypatch.setattr(executor.Executor, "_compute", compute)
+    model, args = dit()
+    with pytest.raises(NotEquivalent) as info:
+        assert_equivalent(model, args, stages=2, chunks=4, mode="stale")
+    where = info.value.where
+    assert (where.stage, where.chunk, where.start, where.stop) == (1, 2, 2, 3)
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_any_options_any_latents(data):
+    model, (latents, t, labels) = dit()
+    opts = data.draw(options(model, (latents, t, labels), max_stages=3))
+    noise = data.draw(latents_like(latents))
+    assert noise.shape == latents.shape and noise.dtype == latents.dtype
+    assert_equivalent(model, (noise, t, labels), **opts)
+
+
+CAUSAL = TinyCausalLM(depth=1, width=16, heads=1).eval()
+
+
+@settings(max_examples=10, deadline=None)
+@given(opts=options(CAUSAL, (torch.zeros(1, 3, 16),), max_chunks=8))
+def test_options_respect_the_model(opts):
+    assert 1 <= opts["chunks"] <= 3 and opts["mode"] in ("stale", "causal", "sync")
+
+
+def test_options_refuse_modes_the_model_lacks():
+    model, args = dit()
+    with pytest.raises(ValueError, match="none of modes"):
+        options(model, args, modes=["causal"])

@@ -1,0 +1,143 @@
+"""Ring mode equals the per-call loop with the same options, in process and across ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import TinyDiT, dit_inputs
+from tokpipe_compiler.runtime.launch import launch
+
+OPTIONS = {"stages": 2, "chunks": 4, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
+STEPS = 5
+
+
+def make_step(seed: int = 0):
+    torch.manual_seed(seed)
+    model = TinyDiT(depth=3, width=32, heads=2, grid=8).eval()
+
+    def step(latents, timestep, c, labels):
+        eps = model(latents, timestep[None], labels)
+        return (latents - c * eps,)
+
+    latents, _, labels = dit_inputs(model, 8)
+    per_step = {"timestep": torch.linspace(900, 100, STEPS).long(),
+                "c": torch.linspace(0.3, 0.1, STEPS)}
+    return step, latents, labels, per_step
+
+
+def loop(fn, latents, labels, per_step):
+    x = latents
+    with torch.no_grad():
+        for k in range(STEPS):
+            (x,) = fn(x, per_step["timestep"][k], per_step["c"][k], labels)
+    return x
+
+
+def ring_run(options: dict) -> torch.Tensor:
+    step, latents, labels, per_step = make_step()
+    ring = tp.Ring(step, carry=["latents"], **options)
+    (out,) = ring.run({"latents": latents, "labels": labels}, per_step=per_step)
+    return out
+
+
+def test_ring_equals_per_call_loop_bit_for_bit():
+    torch._dynamo.reset()
+    step, latents, labels, per_step = make_step()
+    compiled = torch.compile(step, backend=tp.backend(**OPTIONS), dynamic=False)
+    assert torch.equal(ring_run(OPTIONS), loop(compiled, latents, labels, per_step))
+
+
+def test_ring_with_warmup_covering_every_step_equals_eager():
+    step, latents, labels, per_step = make_step()
+    out = ring_run({**OPTIONS, "warmup_steps": STEPS})
+    expected = loop(step, latents, labels, per_step)
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_ring_progress_reports_every_step():
+    step, latents, labels, per_step = make_step()
+    seen: list[int] = []
+    tp.Ring(step, carry=["latents"], **OPTIONS).run(
+        {"latents": latents, "labels": labels}, per_step=per_step, progress=seen.append)
+    assert seen == list(range(STEPS))
+
+
+def test_ring_rejects_stale_without_warmup_and_missing_carry():
+    step, _, labels, per_step = make_step()
+    with pytest.raises(ValueError, match="warmup_steps"):
+        tp.Ring(step, carry=["latents"], **{**OPTIONS, "warmup_steps": 0})
+    with pytest.raises(tp.TokpipeError, match="latents"):
+        tp.Ring(step, carry=["latents"], **OPTIONS).run({"labels": labels}, per_step=per_step)
+
+
+def _ring_on_rank(rank: int, world: int, options: dict) -> torch.Tensor:
+    return ring_run(options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_across_ranks_equals_in_process_bit_for_bit(world):
+    options = {**OPTIONS, "stages": world, "timeout": 60.0}
+    torch.set_num_threads(1)  # the ranks run one thread each: same kernels, same bits
+    expected = ring_run(options)
+    for got in launch(_ring_on_rank, world, args=(options,), timeout=240):
+        assert torch.equal(got, expected)
+
+
+def scheduler_step(name: str):
+    """A DiT step with a diffusers scheduler's token-wise update; DPM carries its history."""
+    from diffusers import (
+        DDIMScheduler,
+        DPMSolverMultistepScheduler,
+        EulerDiscreteScheduler,
+        FlowMatchEulerDiscreteScheduler,
+    )
+
+    from tokpipe_compiler.pipelines.schedulers import step_table, update
+
+    scheduler = {"ddim": DDIMScheduler(clip_sample=False), "euler": EulerDiscreteScheduler(),
+                 "flow": FlowMatchEulerDiscreteScheduler(),
+                 "dpm": DPMSolverMultistepScheduler()}[name]
+    table = step_table(scheduler, STEPS)
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+
+    def step(latents, history, timestep, input_scale, coeffs, labels):
+        eps = model(latents * input_scale, timestep[None], labels)
+        x, h = update(latents, eps, history if table.history else None, coeffs)
+        return (x, h) if table.history else (x,)
+
+    latents, _, labels = dit_inputs(model, 8)
+    per_step = {"timestep": table.timesteps.round().long(), "input_scale": table.input_scale,
+                "coeffs": table.coeffs}
+    carry = ["latents", "history"] if table.history else ["latents"]
+    return step, latents, labels, per_step, carry
+
+
+@pytest.mark.parametrize("name", ["ddim", "euler", "flow", "dpm"])
+def test_ring_equals_per_call_loop_for_each_scheduler(name):
+    torch._dynamo.reset()
+    step, latents, labels, per_step, carry = scheduler_step(name)
+    history = torch.zeros_like(latents)
+    ring = tp.Ring(step, carry=carry, **OPTIONS)
+    got = ring.run({"latents": latents, "history": history, "labels": labels},
+                   per_step=per_step)[0]
+    compiled = torch.compile(step, backend=tp.backend(**OPTIONS), dynamic=False)
+    state = [latents, history]
+    with torch.no_grad():
+        for k in range(STEPS):
+            out = compiled(*state, *(per_step[n][k] for n in ("timestep", "input_scale",
+                                                              "coeffs")), labels)
+            state[: len(out)] = out
+    assert torch.equal(got, state[0])
+
+
+@pytest.mark.slow
+def test_ring_with_inductor_stages_equals_eager_stages():
+    """Chunks cut from the input and chunks carried from the last stage differ in strides;
+    compiled stages must take both."""
+    inductor = ring_run({**OPTIONS, "compiler": "inductor"})
+    eager = ring_run(OPTIONS)
+    assert (inductor - eager).abs().max() <= 1e-5 * eager.abs().max()

@@ -1,0 +1,177 @@
+"""Cost rules on small graphs with known shapes, and calibration to seconds."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+
+import pytest
+import sympy
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from tokpipe_compiler.core.meta import ATTENTION, INVARIANT_INFO, META_KEY, TokenInfo, token
+from tokpipe_compiler.costmodel import calibrate
+from tokpipe_compiler.costmodel.cost import C, N, graph_cost, node_cost
+
+
+def traced(fn, inputs: dict[str, torch.Tensor], infos: dict[str, TokenInfo]) -> torch.fx.Graph:
+    """Trace `fn`, record real outputs as example values, annotate nodes by name."""
+    gm = torch.fx.symbolic_trace(fn)
+    values = iter(inputs.values())
+    env: dict[torch.fx.Node, object] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(values)
+        elif node.op != "output":
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            if node.op == "call_method":
+                env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                env[node] = node.target(*args, **kwargs)
+        node.meta["example_value"] = env.get(node)
+        node.meta[META_KEY] = infos.get(node.name, INVARIANT_INFO)
+    return gm.graph
+
+
+def only(graph: torch.fx.Graph, name: str) -> torch.fx.Node:
+    return next(n for n in graph.nodes if n.name == name)
+
+
+def at(expr: sympy.Expr, n: int, c: int = 0) -> float:
+    return float(sympy.sympify(expr).subs({N: n, C: c}))
+
+
+def test_linear_flops_scale_with_chunk():
+    g = traced(
+        lambda x, w, b: F.linear(x, w, b),
+        {"x": torch.randn(2, 12, 20), "w": torch.randn(30, 20), "b": torch.randn(30)},
+        {"x": token(1, 1), "linear": token(1, 1)},
+    )
+    cost = node_cost(only(g, "linear"), tokens=12)
+    assert at(cost.flops, 5) == 2 * 2 * 5 * 30 * 20 + 2 * 5 * 30
+    assert at(cost.matmul_flops, 5) == 2 * 2 * 5 * 30 * 20
+    assert at(cost.bytes, 5) == 4 * (2 * 5 * 20 + 30 * 20 + 30 + 2 * 5 * 30)
+
+
+def test_matmul_flops():
+    g = traced(
+        lambda a, b: torch.matmul(a, b),
+        {"a": torch.randn(3, 12, 7), "b": torch.randn(3, 7, 5)},
+        {"a": token(1, 1), "matmul": token(1, 1)},
+    )
+    assert at(node_cost(only(g, "matmul"), 12).flops, 4) == 2 * 3 * 4 * 5 * 7
+
+
+def _sdpa_graph(kv_len: int, kv_tokens: bool, causal: bool = False) -> torch.fx.Graph:
+    kv_info = token(2, 1) if kv_tokens else INVARIANT_INFO
+    return traced(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        {
+            "q": torch.randn(1, 2, 12, 8),
+            "k": torch.randn(1, 2, kv_len, 8),
+            "v": torch.randn(1, 2, kv_len, 8),
+        },
+        {
+            "q": token(2, 1),
+            "k": kv_info,
+            "v": kv_info,
+            "scaled_dot_product_attention": TokenInfo(ATTENTION, 2, 1),
+        },
+    )
+
+
+def test_self_attention_flops_in_chunk_and_context():
+    cost = node_cost(only(_sdpa_graph(12, True), "scaled_dot_product_attention"), 12)
+    # q.k and p.v: 2 * 2 * D flops per (query, key) pair and head, plus softmax.
+    assert sympy.expand(cost.flops - 2 * N * C * (4 * 8 + 5)) == 0
+    assert cost.attention_flops == cost.flops
+    assert at(cost.bytes, 3, 12) == 4 * (2 * 3 * 8 * 2 + 2 * 12 * 8 * 2)
+
+
+def test_causal_attention_counts_half_its_own_block_plus_the_kernel_tile():
+    cost = node_cost(only(_sdpa_graph(12, True, causal=True), "scaled_dot_product_attention"), 12)
+    per_key = 2 * (4 * 8 + 5)  # heads * (q.k and p.v: 4 * D, softmax: 5) per query row
+    flops, *_ = cost.at(4, 12)
+    assert flops == per_key * 4 * (12 - 4 / 2)  # useful work: the context and half the block
+    assert cost.at(4, 12, tile=2)[0] == per_key * 4 * (12 - 4 / 2 + 2 / 2)
+    assert cost.at(4, 12, tile=64)[0] == per_key * 4 * 12  # a tile wider than the chunk
+    tiled = replace(RATES, causal_tile=64.0)
+    assert calibrate.seconds(cost, tiled, 4, 12) > calibrate.seconds(cost, RATES, 4, 12)
+    assert calibrate.time_fn(cost, tiled)(4, 12) == pytest.approx(
+        calibrate.seconds(cost, tiled, 4, 12))
+
+
+def test_cross_attention_keys_do_not_scale():
+    cost = node_cost(only(_sdpa_graph(6, False), "scaled_dot_product_attention"), 12)
+    assert C not in cost.flops.free_symbols
+    assert at(cost.flops, 3) == 2 * 3 * 6 * (4 * 8 + 5)
+
+
+def test_invariant_nodes_are_constant_and_views_free():
+    g = traced(
+        lambda t, w: F.silu(F.linear(t, w)).view(-1),
+        {"t": torch.randn(1, 16), "w": torch.randn(32, 16)},
+        {},
+    )
+    total = graph_cost(g.nodes, tokens=12)
+    assert not total.flops.free_symbols and not total.bytes.free_symbols
+    assert at(total.matmul_flops, 1) == 2 * 32 * 16
+    assert node_cost(only(g, "view"), 12).bytes == 0
+    assert total.launches == 2
+
+
+def test_conv_patchify_scales_rows():
+    g = traced(
+        lambda x, w, b: torch.conv2d(x, w, b, stride=2),
+        {"x": torch.randn(1, 3, 8, 8), "w": torch.randn(4, 3, 2, 2), "b": torch.randn(4)},
+        {"x": token(2, 2), "conv2d": token(2, 1)},
+    )
+    # 16 tokens: a chunk of n tokens is n/4 output rows of 4 patches, 4 channels each.
+    out = 4 * 4 * N / 4
+    assert sympy.expand(node_cost(only(g, "conv2d"), 16).flops - (2 * out * 12 + out)) == 0
+
+
+def test_einsum_and_unknown_ops_do_not_crash():
+    g = traced(
+        lambda a, b: torch.cumsum(torch.einsum("btd,de->bte", a, b), dim=1),
+        {"a": torch.randn(2, 12, 5), "b": torch.randn(5, 3)},
+        {"a": token(1, 1), "einsum": token(1, 1), "cumsum": token(1, 1)},
+    )
+    assert at(node_cost(only(g, "einsum"), 12).flops, 6) == 2 * 2 * 6 * 5 * 3
+    assert at(node_cost(only(g, "cumsum"), 12).flops, 6) == 2 * 6 * 3
+
+
+RATES = calibrate.DeviceRates(
+    matmul_flops=1e11, mem_bandwidth=1e10, attention_flops=5e10, per_op_overhead=1e-6,
+    matmul_half=8.0,
+)  # fmt: skip
+
+
+def test_seconds_grows_with_chunk_and_matches_time_fn():
+    cost = node_cost(only(_sdpa_graph(12, True), "scaled_dot_product_attention"), 12)
+    times = [calibrate.seconds(cost, RATES, n, 12) for n in (1, 4, 12)]
+    assert times == sorted(times) and times[0] > RATES.per_op_overhead
+    assert calibrate.time_fn(cost, RATES)(4, 12) == pytest.approx(times[1])
+
+
+def test_matmul_rate_saturates():
+    assert RATES.matmul_rate(8) == pytest.approx(RATES.matmul_flops / 2)
+    assert RATES.matmul_rate(10_000) > 0.99 * RATES.matmul_flops
+
+
+def test_rates_cache_roundtrip(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    calls = []
+    monkeypatch.setattr(calibrate, "measure_rates", lambda d, t: calls.append(d) or RATES)
+    assert calibrate.load_or_measure("cpu", 3) == RATES
+    path = tmp_path / "rates-cpu-3.json"
+    assert json.loads(path.read_text())["matmul_half"] == 8.0
+    assert calibrate.load_or_measure("cpu", 3) == RATES
+    assert calls == ["cpu"]
+    path.write_text("{not json")
+    assert calibrate.load_or_measure("cpu", 3) == RATES and len(calls) == 2
+    older = {k: v for k, v in asdict(RATES).items() if k != "causal_tile"}
+    path.write_text(json.dumps(older))  # written by a version that measured less
+    assert calibrate.load_or_measure("cpu", 3) == RATES and len(calls) == 3

@@ -1,0 +1,90 @@
+"""Small helpers over torch.fx nodes shared by the passes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from tokpipe_compiler.core.meta import SOURCE_KEY
+
+
+def example_value(node: Any) -> Any:
+    """The fake (or real) value Dynamo recorded for a node, if any."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def node_shape(node: Any) -> torch.Size | None:
+    value = example_value(node)
+    return value.shape if isinstance(value, torch.Tensor) else None
+
+
+def is_tensor_node(node: Any) -> bool:
+    return isinstance(example_value(node), torch.Tensor)
+
+
+def record_sources(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Keep where each placeholder came from. Dynamo drops its `grapharg` metadata once the
+    backend returns, and the plan is made later, on the first call."""
+    for node in gm.graph.nodes:
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if node.op == "placeholder" and source is not None:
+            node.meta[SOURCE_KEY] = source.name
+    return gm
+
+
+def source_name(node: torch.fx.Node) -> str:
+    """Where Dynamo got a placeholder from: "L['latents']", "L['self']._modules[...]..."."""
+    return node.meta.get(SOURCE_KEY, "")
+
+
+def is_user_input(node: torch.fx.Node) -> bool:
+    """A placeholder that is an argument of the call, not a module's parameter or buffer."""
+    name = source_name(node)
+    if name:  # L['latents'], L['kwargs']['hidden_states']; not L['self']... or a closure's
+        owned = any(part in name for part in ("_parameters", "_buffers", "._modules"))
+        return name.startswith("L[") and not name.startswith("L['self']") and not owned
+    return not node.name.startswith(("l_self_", "l__self___", "g_"))
+
+
+def is_parameter(node: torch.fx.Node) -> bool:
+    """A placeholder holding a module's parameter or buffer (the weights a stage holds)."""
+    name = source_name(node) or node.name
+    return node.op == "placeholder" and ("_parameters" in name or "_buffers" in name)
+
+
+def target_name(node: torch.fx.Node) -> str:
+    """A readable name for what a node calls: 'linear', 'view', 'getitem' ..."""
+    if node.op in ("call_method", "get_attr", "placeholder", "output"):
+        return str(node.target)
+    if node.op == "call_module":
+        return f"module {node.target}"
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.rsplit(".", 1)[-1]
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost module path of a node ('transformer_blocks.3.attn1'), or ''."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_module_path(path)
+
+
+def _clean_module_path(path: str) -> str:
+    # Dynamo writes L['self'].transformer_blocks[3].attn1; keep the dotted module path.
+    for prefix in ("L['self'].", "L['self']"):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    path = path.replace("[", ".").replace("]", "").replace("'", "")
+    parts = [p for p in path.split(".") if p and p not in ("__dict__", "_modules")]
+    return ".".join(parts)
+
+
+def node_count(gm: torch.fx.GraphModule) -> int:
+    """Nodes that compute something (not inputs or the output)."""
+    return sum(n.op not in ("placeholder", "output") for n in gm.graph.nodes)

@@ -1,0 +1,81 @@
+"""The contract between passes: the `node.meta` keys they write and read, and the kinds
+they record.
+
+| key                   | written by                         | read by                          |
+|-----------------------|------------------------------------|----------------------------------|
+| SOURCE_KEY            | backend (`core.fx.record_sources`) | annotate (token input), fx       |
+| META_KEY (TokenInfo)  | annotate (chunk_attention: its op) | every later pass, cost model     |
+| SLICES_KEY            | annotate's rules (transient)       | annotate; popped before it ends  |
+| STAGE_KEY             | partition (via the driver)         | split                            |
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+SOURCE_KEY = "tokpipe_source"  # where Dynamo got a placeholder: "L['latents']"
+META_KEY = "tokpipe"  # TokenInfo of the node's value
+SLICES_KEY = "tokpipe_slices"  # operands to cut to the chunk, recorded by a rule
+STAGE_KEY = "tokpipe_stage"  # pipeline stage of a token-carrying node
+
+
+class Kind(str, enum.Enum):
+    """How a value depends on the token sequence (see TokenInfo)."""
+
+    TOKEN = "token"
+    INVARIANT = "invariant"
+    ATTENTION = "attention"
+    UNSUPPORTED = "unsupported"
+
+
+TOKEN, INVARIANT, ATTENTION, UNSUPPORTED = Kind
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """How one FX value depends on the token sequence.
+
+    kind: TOKEN (rows of `axis` follow the token grid), INVARIANT (no token dependence:
+    timestep and text conditioning, parameters), ATTENTION (an attention node that mixes
+    tokens only through K/V; its output is token-carrying along `axis`) or UNSUPPORTED.
+    axis: the token axis of the value (TOKEN and ATTENTION).
+    per_unit: elements along `axis` per grid unit. A unit is one row of the token grid
+    (one patch row of an image latent), so a chunk of units [u0, u1) is the slice
+    [u0 * per_unit, u1 * per_unit) of `axis`.
+    reason: for UNSUPPORTED, why.
+    lead, trail: elements along `axis` before and after the chunked range that every chunk
+    carries whole: the text tokens of joint text+image attention. A value that is only such
+    a segment (the text stream after joint attention) has per_unit 0: it changes with the
+    chunk but its size does not.
+    """
+
+    kind: Kind
+    axis: int | None = None
+    per_unit: int | None = None
+    reason: str | None = None
+    lead: int = 0
+    trail: int = 0
+
+    @property
+    def carries_tokens(self) -> bool:
+        return self.kind in (TOKEN, ATTENTION)
+
+    @property
+    def segmented(self) -> bool:
+        return bool(self.lead or self.trail)
+
+    def extent(self, units: int) -> int:
+        """Size of the token axis on a chunk of `units` grid units."""
+        return self.lead + units * self.per_unit + self.trail
+
+    def moved(self, axis: int, kind: Kind = TOKEN) -> TokenInfo:
+        """The same token layout on another axis."""
+        return replace(self, kind=kind, axis=axis)
+
+
+INVARIANT_INFO = TokenInfo(INVARIANT)
+
+
+def token(axis: int, per_unit: int) -> TokenInfo:
+    return TokenInfo(TOKEN, axis, per_unit)

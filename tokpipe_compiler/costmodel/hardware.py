@@ -1,0 +1,66 @@
+"""Spec-sheet presets of accelerators and links, for planning and simulation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokpipe_compiler.costmodel.calibrate import DeviceRates
+
+# Presets run dense bf16/fp16 matmuls at ACHIEVABLE of the spec-sheet peak: large DiT
+# matmuls and FlashAttention-2 reach 50-70% of peak on these parts; chunked layers less.
+ACHIEVABLE = 0.5
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """One accelerator: sustained matmul FLOP/s, memory B/s, and the matmul size (rows)
+    at which a skinny matmul reaches half its rate."""
+
+    name: str
+    matmul_flops: float
+    mem_bandwidth: float
+    matmul_half: float = 64.0
+
+    def rates(self) -> DeviceRates:
+        # Launch cost is left out: GPU launches are asynchronous and hide behind
+        # kernels of a few hundred tokens or more.
+        return DeviceRates(
+            matmul_flops=self.matmul_flops,
+            mem_bandwidth=self.mem_bandwidth,
+            attention_flops=self.matmul_flops,
+            per_op_overhead=0.0,
+            matmul_half=self.matmul_half,
+        )
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """A point-to-point link between neighbouring stages (one direction)."""
+
+    name: str
+    bandwidth: float
+    latency: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+TERA, GIGA = 1e12, 1e9
+DEVICES: dict[str, DeviceModel | None] = {
+    # H200 SXM: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e (NVIDIA H200 product brief).
+    "h200": DeviceModel("h200", ACHIEVABLE * 989 * TERA, 0.8 * 4800 * GIGA),
+    # A100 PCIe 80GB: 312 TFLOP/s dense BF16, 1935 GB/s HBM2e (NVIDIA A100 datasheet).
+    "a100-pcie": DeviceModel("a100-pcie", ACHIEVABLE * 312 * TERA, 0.8 * 1935 * GIGA),
+    # L20: 119.5 TFLOP/s dense FP16/BF16 tensor, 864 GB/s GDDR6 (NVIDIA L20 datasheet).
+    "l20": DeviceModel("l20", ACHIEVABLE * 119.5 * TERA, 0.8 * 864 * GIGA),
+    # The local CPU has no spec sheet: see cpu_device(), which measures it.
+    "cpu": None,
+}
+LINKS: dict[str, LinkModel] = {
+    # NVLink 4 (H100/H200 SXM): 900 GB/s total, 450 GB/s each way; ~80% reached by NCCL.
+    "nvlink4": LinkModel("nvlink4", 0.8 * 450 * GIGA, 5e-6),
+    # PCIe 4.0 x16: 31.5 GB/s each way; ~25 GB/s reached with peer-to-peer copies.
+    "pcie4": LinkModel("pcie4", 25 * GIGA, 10e-6),
+    # PCIe 4.0 without peer-to-peer (staged through host memory): about half the rate.
+    "pcie4-no-p2p": LinkModel("pcie4-no-p2p", 12 * GIGA, 25e-6),
+}

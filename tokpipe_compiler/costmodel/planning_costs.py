@@ -1,0 +1,56 @@
+"""What the driver asks the cost model while it plans: node weights for partition, each
+stage's Cost, predicted stage times for chunks="auto", and what a sent byte is worth."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.costmodel import calibrate
+from tokpipe_compiler.costmodel.chunk_choice import StageTime
+from tokpipe_compiler.costmodel.cost import Cost, graph_cost, node_cost
+from tokpipe_compiler.costmodel.hardware import LINKS
+from tokpipe_compiler.passes.partition import Partition
+
+
+def flops_weight(tokens: int, chunk_tokens: int) -> Callable[[torch.fx.Node], float]:
+    """A node's FLOPs on one chunk of `chunk_tokens` attending over all `tokens`."""
+    return lambda node: node_cost(node, tokens).at(chunk_tokens, tokens)[0]
+
+
+def stage_costs(cut: Partition, stages: int, tokens: int) -> list[Cost]:
+    """Each stage's Cost. Call before chunk_attention: it replaces the attention nodes."""
+    members: list[list[torch.fx.Node]] = [[] for _ in range(stages)]
+    for node in cut.order:
+        members[cut.stage_of[node]].append(node)
+    return [graph_cost(nodes, tokens) for nodes in members]
+
+
+def device_rates(token_input: torch.fx.Node) -> tuple[str, calibrate.DeviceRates]:
+    """The device the token input lives on and its calibrated rates."""
+    value = example_value(token_input)
+    device = str(value.device) if isinstance(value, torch.Tensor) else "cpu"
+    return device, calibrate.load_or_measure(device)
+
+
+def stage_times(cut: Partition, stages: int, tokens: int,
+                token_input: torch.fx.Node) -> list[StageTime]:
+    """Seconds per chunk of each stage of `cut`, at the rates of the token input's device."""
+    _, rates = device_rates(token_input)
+    return [calibrate.time_fn(cost, rates) for cost in stage_costs(cut, stages, tokens)]
+
+
+def send_cost(token_input: torch.fx.Node) -> float:
+    """FLOPs one byte sent between ranks is worth: the device's matrix rate over the link's
+    bandwidth (gloo on a CPU copies through memory; GPUs are assumed on PCIe, the slower
+    case). Zero when every stage runs in this process."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return 0.0
+    device, rates = device_rates(token_input)
+    if device.startswith("cuda"):
+        return rates.matmul_flops / LINKS["pcie4"].bandwidth
+    return rates.matmul_flops / rates.mem_bandwidth

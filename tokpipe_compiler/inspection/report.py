@@ -1,0 +1,95 @@
+"""The printed form of a Plan: stage table, chunk table, schedule, predicted bubble."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tokpipe_compiler.core.fx import node_count
+
+if TYPE_CHECKING:
+    from tokpipe_compiler.planning.plan import Plan
+
+SCHEDULE_WIDTH = 16  # actions per rank shown; plan.json holds them all
+
+
+def format_plan(plan: Plan) -> str:
+    """The summary `print(plan)` shows."""
+    return "\n".join([*_header(plan), "", *_stage_table(plan), "", *_chunk_table(plan), "",
+                      *_schedule(plan), "", *_bubble(plan)])
+
+
+def _header(plan: Plan) -> list[str]:
+    c = plan.config
+    warmup = f", {c.warmup_steps} warmup step(s)" if c.mode == "stale" else ""
+    return [f"tokpipe plan: {len(plan.stages)} stage(s) x {len(plan.chunks)} chunk(s), "
+            f"mode={c.mode}{warmup}, compiler={c.compiler}",
+            f"token input '{plan.token_input}': {plan.units} grid rows, {plan.tokens} tokens; "
+            f"parameters {human_bytes(plan.model_param_bytes)}"]
+
+
+def _stage_table(plan: Plan) -> list[str]:
+    rows = [("stage", "layers", "nodes", "params", "FLOP/chunk", "send/chunk", "K/V cache")]
+    largest = max(plan.chunks, key=lambda c: c.units)
+    for s in plan.stages:
+        rows.append((str(s.index), ", ".join(s.layers) or "-", str(s.node_count),
+                     human_bytes(s.param_bytes),
+                     human_count(max(plan.stage_flops(s.index, c) for c in plan.chunks)),
+                     human_bytes(plan.send_bytes(s.index, largest)),
+                     human_bytes(s.kv_cache_bytes)))
+    rows.append(("all", "prelude (runs on every rank)", str(node_count(plan.graphs.prelude)),
+                 human_bytes(plan.prelude_param_bytes),
+                 human_count(plan.prelude_flops()) + "/call", "-", "-"))
+    notes = ["FLOP/chunk and send/chunk: the largest chunk; params: what the stage's rank "
+             "holds"]
+    return _table(rows, left=frozenset({1})) + notes
+
+
+def _chunk_table(plan: Plan) -> list[str]:
+    rows = [("chunk", "grid rows", "tokens", "context", "FLOP (all stages)")]
+    per_unit = plan.tokens // plan.units
+    for c in plan.chunks:
+        flops = sum(plan.stage_flops(s.index, c) for s in plan.stages)
+        rows.append((str(c.index), f"[{c.start}, {c.stop})",
+                     f"[{c.start * per_unit}, {c.stop * per_unit})",
+                     str(plan.context_tokens(c)), human_count(flops)))
+    return _table(rows)
+
+
+def _schedule(plan: Plan) -> list[str]:
+    lines = ["schedule (rank r runs stage r; C compute, S send, R receive; stage.chunk):"]
+    for rank, actions in enumerate(plan.distributed_schedule().ranks):
+        shown = " ".join(map(str, actions[:SCHEDULE_WIDTH]))
+        more = f" ... (+{len(actions) - SCHEDULE_WIDTH})" if len(actions) > SCHEDULE_WIDTH else ""
+        lines.append(f"  rank {rank}: {shown}{more}")
+    return lines
+
+
+def _bubble(plan: Plan) -> list[str]:
+    from tokpipe_compiler.planning.plan import RING_STEPS
+
+    s, m = len(plan.stages), len(plan.chunks)
+    return [f"predicted bubble (from stage FLOPs per chunk): {plan.bubble_fraction(1):.1%} "
+            f"per call that fills and drains the pipeline ((S-1)/(M+S-1) = "
+            f"{(s - 1) / (m + s - 1):.1%} if stages were balanced); "
+            f"{plan.bubble_fraction(RING_STEPS):.1%} over a {RING_STEPS}-step PipeFusion ring"]
+
+
+def _table(rows: list[tuple[str, ...]], left: frozenset[int] = frozenset()) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i in left else cell.rjust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+            for row in rows]
+
+
+def human_bytes(n: float) -> str:
+    units, i = ("B", "KiB", "MiB", "GiB", "TiB"), 0
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def human_count(n: float, unit: str = "FLOP") -> str:
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {prefix}{unit}"
+    return f"{n:.0f} {unit}"

@@ -1,0 +1,138 @@
+"""The compiler driver: every pass, in order, in one place.
+
+    annotate -> partition -> chunk_attention -> split        (here, once per graph)
+    specialize -> compile                                     (later, per stage and chunk
+                                                               length, on the rank that runs it)
+
+Each pass runs through `run_pass`, which names it, dumps its graph when logging asks
+(TOKPIPE_LOGS=passes) and checks what it promises. Between them, the driver asks the cost
+model for the chunk table and the stage weights. The meta keys each pass reads and writes
+(their meaning: `core/meta.py`):
+
+| pass            | reads                  | writes                                  |
+|-----------------|------------------------|-----------------------------------------|
+| annotate        | SOURCE_KEY             | META_KEY on every node                  |
+| partition       | META_KEY               | STAGE_KEY on every node a stage computes|
+| chunk_attention | META_KEY               | kv_attention nodes (META_KEY copied)    |
+| split           | META_KEY, STAGE_KEY    | the stage graphs and the prelude        |
+| specialize      | META_KEY               | a stage graph at one chunk length       |
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx
+
+from tokpipe_compiler.config import Config
+from tokpipe_compiler.core.logs import LOG, PLAN
+from tokpipe_compiler.core.meta import ATTENTION, META_KEY, SOURCE_KEY, STAGE_KEY
+from tokpipe_compiler.costmodel import planning_costs
+from tokpipe_compiler.costmodel.chunk_choice import choose_causal, choose_stale
+from tokpipe_compiler.passes.annotate import Annotation, annotate, raise_unsupported
+from tokpipe_compiler.passes.chunk_attention import chunk_attention
+from tokpipe_compiler.passes.partition import Partition, partition
+from tokpipe_compiler.passes.split import check_chunked_outputs, split
+from tokpipe_compiler.planning.pass_runner import (
+    PassSpec,
+    annotated,
+    attention_chunked,
+    nothing,
+    run_pass,
+    staged,
+)
+from tokpipe_compiler.planning.plan import Plan, describe_stages
+from tokpipe_compiler.runtime.chunking import Chunk, chunk_table, table_from_tokens
+from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
+from tokpipe_compiler.runtime.schedule import build_schedule
+
+ANNOTATE = PassSpec("annotate", (SOURCE_KEY,), (META_KEY,), annotated)
+PARTITION = PassSpec("partition", (META_KEY,), (STAGE_KEY,), staged)
+CHUNK_ATTENTION = PassSpec("chunk_attention", (META_KEY,), (META_KEY,), attention_chunked)
+SPLIT = PassSpec("split", (META_KEY, STAGE_KEY), (), nothing,
+                 made=lambda graphs, gm: [(f"stage_{s.index}", s.gm) for s in graphs.stages])
+
+
+def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None = None) -> Plan:
+    """Dynamo's graph -> a Plan (stages, chunk table, schedule). `gm` is left untouched.
+    `ring_steps`: the plan runs as a ring of that many steps (chunks="auto" chooses for it)."""
+    gm = copy_graph_module(gm)
+    annotation = run_pass(ANNOTATE, annotate_or_raise, gm, config.token_input)
+    tokens = sequence_tokens(gm, annotation.units)
+    chunks = plan_chunks(gm, annotation, tokens, config, ring_steps)
+    chunk_tokens = tokens * chunks[0].units // annotation.units
+    cut = run_pass(PARTITION, assign_stages, gm, config.stages, tokens, chunk_tokens,
+                   planning_costs.send_cost(annotation.token_input))
+    costs = planning_costs.stage_costs(cut, config.stages, tokens)  # before sdpa is rewritten
+    caches = run_pass(CHUNK_ATTENTION, chunk_attention, gm, config.mode)
+    runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in (c.k_name, c.v_name)}
+    if config.mode != "sync":
+        check_chunked_outputs(gm)
+    graphs = run_pass(SPLIT, split, gm, config.stages, runtime_inputs)
+    consumers = {s: {i_stage.index for i_stage in graphs.stages for i in i_stage.inputs
+                     if i.producer == s} for s in range(config.stages)}
+    schedule = build_schedule(config.stages, len(chunks), consumers=consumers)
+    stages = describe_stages(graphs, caches, cut, costs)
+    plan = Plan(config, graphs, stages, chunks, annotation.units, annotation.token_input.name,
+                caches, schedule, consumers, tokens)
+    if PLAN.isEnabledFor(logging.INFO):
+        PLAN.info("%s", plan)
+    return plan
+
+
+def annotate_or_raise(gm: torch.fx.GraphModule, token_input: str | int | None) -> Annotation:
+    """annotate, with a graph that mixes tokens unchunkably reported as the user's error."""
+    annotation = annotate(gm, token_input)
+    if annotation.unsupported:
+        raise_unsupported(annotation)
+    return annotation
+
+
+def assign_stages(gm: torch.fx.GraphModule, stages: int, tokens: int, chunk_tokens: int,
+                  flops_per_byte: float) -> Partition:
+    """partition, its stages written on the nodes for split."""
+    cut = partition(gm, stages, planning_costs.flops_weight(tokens, chunk_tokens),
+                    chunk_tokens / max(tokens, 1), flops_per_byte)
+    for node, stage in cut.stage_of.items():
+        node.meta[STAGE_KEY] = stage
+    return cut
+
+
+def plan_chunks(
+    gm: torch.fx.GraphModule, annotation: Annotation, tokens: int, config: Config,
+    ring_steps: int | None = None,
+) -> list[Chunk]:
+    units = annotation.units
+    if config.mode == "sync":
+        return chunk_table(units, 1)
+    if isinstance(config.chunks, tuple):
+        return table_from_tokens(units, tokens, config.chunks)
+    if config.chunks != "auto":
+        return chunk_table(units, config.chunks)
+    first = chunk_table(units, min(config.stages, units))[0]
+    chunk_tokens = tokens * first.units // units
+    provisional = partition(gm, config.stages, planning_costs.flops_weight(tokens, chunk_tokens),
+                            chunk_tokens / max(tokens, 1))
+    stage_times = planning_costs.stage_times(provisional, config.stages, tokens,
+                                             annotation.token_input)
+    if config.mode == "causal":
+        chunks = choose_causal(units, tokens, stage_times)
+    else:
+        chunks = choose_stale(units, tokens, stage_times, ring_steps)
+    LOG.info("chunks='auto' (%s): %d chunks of %s grid units", config.mode, len(chunks),
+             [c.units for c in chunks])
+    return chunks
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
+def sequence_tokens(gm: torch.fx.GraphModule, units: int) -> int:
+    """Tokens of the attention sequence (the longest token axis when there is none)."""
+    infos = [n.meta[META_KEY] for n in gm.graph.nodes if n.op != "output"]
+    attention = [i.per_unit for i in infos if i.kind == ATTENTION]
+    return units * max(attention or [i.per_unit for i in infos if i.carries_tokens])

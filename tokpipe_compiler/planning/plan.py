@@ -1,0 +1,251 @@
+"""The Plan: what the compiler made (stages, their graphs and costs, chunks, schedule).
+
+`print(plan)` is a readable summary, `plan.summary()` the same numbers as a dict (what
+`plan.save(folder)` writes to plan.json, with the stage graphs and charts beside it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokpipe_compiler.config import Config
+from tokpipe_compiler.core.fx import example_value, is_parameter, module_path, node_count
+from tokpipe_compiler.core.stage_graph import BOUNDARY, CALL, SLICED, SplitGraphs, StageGraph
+from tokpipe_compiler.costmodel.cost import Cost, graph_cost
+from tokpipe_compiler.costmodel.slicing import pipeline_time
+from tokpipe_compiler.passes.partition import Partition
+from tokpipe_compiler.planning.layers import compress_layers, layer_of
+from tokpipe_compiler.runtime.caches import CacheSpec
+from tokpipe_compiler.runtime.chunking import Chunk
+from tokpipe_compiler.runtime.schedule import Schedule, build_schedule
+
+RING_STEPS = 20  # steps of the PipeFusion ring whose bubble the summary predicts
+
+
+@dataclass
+class StagePlan:
+    index: int
+    graph: StageGraph
+    modules: list[str]  # module paths whose nodes run in this stage, in order
+    node_count: int
+    param_bytes: int  # parameters and buffers the stage reads: what its rank holds
+    cost: Cost  # one chunk of N tokens over C tokens of context (passes/cost.py)
+    send_bytes_per_unit: int  # bytes to later stages per token-grid unit
+    caches: list[CacheSpec] = field(default_factory=list)
+    layer_flops: list[tuple[str, float]] = field(default_factory=list)  # partition's weights
+
+    @property
+    def code(self) -> str:
+        """The stage graph as Python source (at full sequence length)."""
+        return self.graph.gm.code
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.bytes for c in self.caches)
+
+    @property
+    def layers(self) -> list[str]:
+        """Layers ('blocks.0-3', 'embed') this stage runs, compressed."""
+        return compress_layers([layer_of(m) for m in self.modules])
+
+
+@dataclass
+class Plan:
+    config: Config
+    graphs: SplitGraphs
+    stages: list[StagePlan]
+    chunks: list[Chunk]
+    units: int  # rows of the token grid
+    token_input: str
+    caches: list[CacheSpec]
+    schedule: Schedule  # in-process order (world 1)
+    consumers: dict[int, set[int]]
+    tokens: int = 0  # tokens of the attention sequence
+
+    # ---- numbers ---------------------------------------------------------------------
+
+    def chunk_tokens(self, chunk: Chunk) -> int:
+        return chunk.units * self.tokens // self.units
+
+    def context_tokens(self, chunk: Chunk) -> int:
+        """Tokens a chunk attends over: earlier ones (causal) or the whole sequence."""
+        if self.config.mode == "causal":
+            return chunk.stop * self.tokens // self.units
+        return self.tokens
+
+    def stage_flops(self, stage: int, chunk: Chunk) -> float:
+        cost = self.stages[stage].cost
+        return cost.at(self.chunk_tokens(chunk), self.context_tokens(chunk))[0]
+
+    def send_bytes(self, stage: int, chunk: Chunk) -> int:
+        return self.stages[stage].send_bytes_per_unit * chunk.units
+
+    @property
+    def model_param_bytes(self) -> int:
+        """Parameters and buffers the traced graph reads (each counted once)."""
+        return sum(_param_bytes_by_name(self.graphs).values())
+
+    @property
+    def prelude_param_bytes(self) -> int:
+        """Parameters only the prelude reads (timestep, text conditioning): every rank
+        runs the prelude, so every rank holds them."""
+        by_name = _param_bytes_by_name(self.graphs)
+        staged = {n for s in self.stages for n in _stage_param_names(s.graph, set(by_name))}
+        used = {n.name for n in self.graphs.prelude.graph.nodes
+                if n.op == "placeholder" and any(u.op != "output" for u in n.users)}
+        return sum(b for name, b in by_name.items() if name in used - staged)
+
+    def prelude_flops(self) -> float:
+        nodes = [n for n in self.graphs.prelude.graph.nodes
+                 if n.op not in ("placeholder", "output")]
+        return graph_cost(nodes, max(self.tokens, 1)).at(0, 0)[0]
+
+    def distributed_schedule(self, steps: int = 1) -> Schedule:
+        """What the ranks run when rank r holds stage r."""
+        return build_schedule(len(self.stages), len(self.chunks), world=len(self.stages),
+                              steps=steps, consumers=self.consumers)
+
+    def bubble_fraction(self, steps: int = 1) -> float:
+        """Predicted idle share of the devices from stage FLOPs per chunk, by
+        `pipeline_time`: steps=1 is one call that fills and drains the pipeline
+        ((S-1)/(M+S-1) for balanced stages); more steps run as a PipeFusion ring, whose
+        only bubble is the first fill and stage imbalance."""
+        times = [sum(self.stage_flops(s.index, c) for c in self.chunks) / len(self.chunks)
+                 for s in self.stages]
+        total = pipeline_time(times, len(self.chunks), steps, 0, 0.0)
+        busy = steps * len(self.chunks) * sum(times)
+        return 1 - busy / (len(self.stages) * total) if total > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Every number of the printed summary, as plain JSON-ready data."""
+        return summary(self)
+
+    def save(self, folder: str | Path, program: Any = None) -> list[Path]:
+        """Write the dump (stage graphs, Inductor code of `program`'s compiled stages,
+        schedule and partition charts, plan.json) to `folder`; returns the files."""
+        from tokpipe_compiler.inspection.dump import save_plan
+
+        return save_plan(self, Path(folder), program)
+
+    def __str__(self) -> str:
+        from tokpipe_compiler.inspection.report import format_plan
+
+        return format_plan(self)
+
+
+def summary(plan: Plan) -> dict[str, Any]:
+    chunks = plan.chunks
+    return {
+        "config": plan.config.as_dict(),
+        "token_input": plan.token_input,
+        "units": plan.units,
+        "tokens": plan.tokens,
+        "model_param_bytes": plan.model_param_bytes,
+        "prelude": {"nodes": node_count(plan.graphs.prelude),
+                    "param_bytes": plan.prelude_param_bytes,
+                    "flops_per_call": plan.prelude_flops()},
+        "stages": [{
+            "index": s.index,
+            "layers": s.layers,
+            "modules": s.modules,
+            "nodes": s.node_count,
+            "param_bytes": s.param_bytes,
+            "flops_per_chunk": [plan.stage_flops(s.index, c) for c in chunks],
+            "send_bytes_per_chunk": [plan.send_bytes(s.index, c) for c in chunks],
+            "kv_cache_bytes": s.kv_cache_bytes,
+        } for s in plan.stages],
+        "chunks": [{
+            "index": c.index,
+            "units": [c.start, c.stop],
+            "tokens": [c.start * plan.tokens // plan.units, c.stop * plan.tokens // plan.units],
+            "context_tokens": plan.context_tokens(c),
+            "flops": sum(plan.stage_flops(s.index, c) for s in plan.stages),
+        } for c in chunks],
+        "schedule": {"world": len(plan.stages),
+                     "ranks": [list(map(str, r)) for r in plan.distributed_schedule().ranks]},
+        "bubble": {"basis": "stage FLOPs per chunk (passes/cost.py), pipeline_time",
+                   "per_call": plan.bubble_fraction(1),
+                   "ring": plan.bubble_fraction(RING_STEPS), "ring_steps": RING_STEPS},
+    }
+
+
+# ---- building the stage descriptions (called by the driver) ----------------------------
+
+
+def describe_stages(
+    graphs: SplitGraphs, caches: list[CacheSpec], cut: Partition, costs: list[Cost]
+) -> list[StagePlan]:
+    by_cache = {name: c for c in caches for name in (c.k_name, c.v_name)}
+    params = _param_bytes_by_name(graphs)
+    plans = []
+    for stage in graphs.stages:
+        nodes = [n for n in stage.gm.graph.nodes if n.op not in ("placeholder", "output")]
+        plans.append(StagePlan(
+            index=stage.index,
+            graph=stage,
+            modules=_modules(nodes),
+            node_count=node_count(stage.gm),
+            param_bytes=sum(params[n] for n in _stage_param_names(stage, set(params))),
+            cost=costs[stage.index],
+            send_bytes_per_unit=_send_bytes(stage, graphs),
+            caches=sorted({by_cache[i.name] for i in stage.inputs if i.name in by_cache},
+                          key=lambda c: c.layer),
+            layer_flops=_layer_flops(cut, stage.index),
+        ))
+    return plans
+
+
+def _modules(nodes: list[torch.fx.Node]) -> list[str]:
+    paths: list[str] = []
+    for node in nodes:
+        path = module_path(node)
+        if path and (not paths or paths[-1] != path):
+            paths.append(path)
+    return paths
+
+
+def _layer_flops(cut: Partition, stage: int) -> list[tuple[str, float]]:
+    out: list[tuple[str, float]] = []
+    for node, weight in zip(cut.order, cut.weights, strict=True):
+        if cut.stage_of[node] != stage:
+            continue
+        layer = layer_of(module_path(node)) or "(top level)"
+        if out and out[-1][0] == layer:
+            out[-1] = (layer, out[-1][1] + weight)
+        else:
+            out.append((layer, weight))
+    return out
+
+
+def _param_bytes_by_name(graphs: SplitGraphs) -> dict[str, int]:
+    """Bytes of every parameter or buffer input of the traced graph, by input name."""
+    out = {}
+    for node in graphs.prelude.graph.nodes:
+        value = example_value(node)
+        if node.op == "placeholder" and is_parameter(node) and value is not None:
+            out[node.name] = value.numel() * value.element_size()
+    return out
+
+
+def _stage_param_names(stage: StageGraph, params: set[str]) -> set[str]:
+    """Parameters (of `params`) a stage reads whole (CALL) or cut to the chunk from a table
+    (SLICED); its rank holds either whole."""
+    names = {i.name for i in stage.inputs if i.kind == CALL}
+    names |= {i.source for i in stage.inputs if i.kind == SLICED}
+    return names & params
+
+
+def _send_bytes(stage: StageGraph, graphs: SplitGraphs) -> int:
+    sent = {i.name for g in graphs.stages for i in g.inputs
+            if i.kind == BOUNDARY and i.producer == stage.index}
+    total = 0
+    for node in stage.gm.graph.nodes:
+        if node.name in sent and node.op != "placeholder":
+            value = example_value(node)
+            axis, per_unit = stage.output_infos[node.name]
+            total += value.numel() // value.shape[axis] * per_unit * value.element_size()
+    return total

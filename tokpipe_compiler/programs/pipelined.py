@@ -1,0 +1,194 @@
+"""The callable a Dynamo graph becomes: one call = one denoising step through the pipeline.
+
+Generations: the first `warmup_steps` calls after a reset run the whole sequence stage after
+stage (exact) and fill the K/V caches; later calls run chunk by chunk with the mode's
+semantics. A program whose role (its token input) was last served by another program with
+other shapes starts a new generation by itself.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tokpipe_compiler.core.stage_graph import OutputKind
+from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.programs.stage import StageProgram
+from tokpipe_compiler.runtime.caches import KVCaches
+from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
+from tokpipe_compiler.runtime.executor import Executor, Timeline
+from tokpipe_compiler.runtime.schedule import build_schedule
+
+
+class Session:
+    """The programs of one compiled model (one torch.compile call), for reset()."""
+
+    def __init__(self) -> None:
+        self.programs: weakref.WeakSet[PipelinedProgram] = weakref.WeakSet()
+        self.last_by_role: dict[str, PipelinedProgram] = {}
+
+    def reset(self) -> None:
+        for program in list(self.programs):
+            program.reset()
+        self.last_by_role.clear()
+
+    def claim(self, program: PipelinedProgram) -> None:
+        """Called per call: a program taking over its role from another starts afresh."""
+        role = program.plan.token_input
+        if self.last_by_role.get(role) is not program:
+            program.reset()
+            self.last_by_role[role] = program
+
+
+class PipelinedProgram:
+    """Runs a Plan in one process: every stage, on the same chunk schedule as the ranks.
+
+    Subclasses run one stage per rank (`rank`, `world`, `transport`); the step logic here is
+    shared, so both give the same numbers.
+    """
+
+    rank, world, transport = 0, 1, None
+
+    def __init__(self, plan: Plan, session: Session | None = None):
+        self.plan = plan
+        self.session = session
+        self.stage_programs = [StageProgram(g, plan.config.compiler) for g in plan.graphs.stages]
+        self.caches = KVCaches(plan.caches)
+        self.calls = 0
+        self.timeline = Timeline()
+        self.whole = chunk_table(plan.units, 1)
+        self.schedules: dict[tuple, tuple] = {}  # (chunks, steps, carries) -> my actions
+        self.prelude = (plan.graphs.prelude, plan.graphs.prelude_outputs)
+        if session is not None:
+            session.programs.add(self)
+
+    def reset(self) -> None:
+        self.caches.reset()
+        self.calls = 0
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        """One step: warmup (whole sequence) or chunked, by the mode and the call count."""
+        if self.session is not None:
+            self.session.claim(self)
+        with torch.no_grad():
+            call_env = self._call_env(args)
+            chunks = self._step_chunks()
+            values = self._run(lambda _: call_env, chunks)
+            outputs = self._assemble(values, chunks, call_env, step=0)
+        self._advance(1)
+        return outputs
+
+    def run_ring(self, step_args: list[tuple], carried: dict[str, str],
+                 progress: Callable[[int], None] | None = None, first: int = 0) -> tuple:
+        """Steps after warmup as one ring: each chunk's carried outputs (input name ->
+        output name) feed the same chunk of the next step as soon as they are computed.
+        `progress(k)` is called as this rank finishes step `first + k`."""
+        envs: dict[int, dict] = {}
+
+        def env_for(step: int) -> dict:
+            if step not in envs:
+                envs.clear()  # one step's values at a time: steps run in order per rank
+                envs[step] = self._call_env(step_args[step])
+            return envs[step]
+
+        steps = len(step_args)
+        with torch.no_grad():
+            report = None if progress is None else (lambda k: progress(first + k))
+            values = self._run(env_for, self.plan.chunks, steps, carried, report)
+            outputs = self._assemble(values, self.plan.chunks, env_for(steps - 1), steps - 1)
+        self._advance(steps)
+        return outputs
+
+    def _advance(self, steps: int) -> None:
+        self.calls += steps
+        self.caches.filled = True  # every chunk has written its K/V once
+
+    def _step_chunks(self) -> list[Chunk]:
+        """The whole sequence as one chunk (sync mode, warmup calls), or the chunk table."""
+        mode = self.plan.config.mode
+        warm = mode == "stale" and self.calls < self.plan.config.warmup_steps
+        return self.whole if mode == "sync" or warm else self.plan.chunks
+
+    def _run(self, env_for, chunks: list[Chunk], steps: int = 1,
+             carried: dict[str, str] | None = None, progress=None) -> dict:
+        actions = self._actions(len(chunks), steps, carried or {})
+        executor = Executor(self.plan.graphs.stages, self._run_stage, rank=self.rank,
+                            transport=self.transport, timeline=self.timeline, carried=carried,
+                            progress=progress)
+        values = executor.run(actions, chunks, env_for,
+                              self._visible(chunks), step_base=self.calls)
+        if self.transport is not None:
+            self.transport.flush()
+        return values
+
+    def _actions(self, chunks: int, steps: int, carried: dict[str, str]) -> tuple:
+        """This rank's actions, built and checked once per layout (not on every call)."""
+        key = (chunks, steps, tuple(sorted(carried.items())))
+        if key not in self.schedules:
+            schedule = build_schedule(len(self.plan.stages), chunks, world=self.world,
+                                      steps=steps, consumers=self.plan.consumers,
+                                      carries=carry_edges(self.plan, carried))
+            self.schedules[key] = schedule.ranks[self.rank]
+        return self.schedules[key]
+
+    def _visible(self, chunks: list[Chunk]):
+        """Cache units a chunk may attend to: the whole cache once it holds a full step
+        (stale), else what this call has written so far (causal, or a first call)."""
+        units = self.plan.units
+        full = self.plan.config.mode == "stale" and self.caches.filled
+
+        def visible(chunk: Chunk) -> int:
+            return units if full or len(chunks) == 1 else chunk.stop
+
+        return visible
+
+    def _call_env(self, args: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        graphs = self.plan.graphs
+        env = dict(zip(graphs.input_names, args, strict=True))
+        prelude, outputs = self.prelude
+        env.update(zip(outputs, prelude(*args), strict=True))
+        env.update(self.caches.tensors(self._device(args)))
+        return env
+
+    def _device(self, args: tuple) -> torch.device:
+        """Where the K/V caches live: with the inputs."""
+        return _device_of(args)
+
+    def _run_stage(self, stage: int, units: int, inputs: list[torch.Tensor]):
+        return self.stage_programs[stage](units, inputs)
+
+    def _assemble(self, values: dict, chunks: list[Chunk], call_env: dict, step: int) -> tuple:
+        out = []
+        for spec in self.plan.graphs.outputs:
+            if spec.kind == OutputKind.CONST:
+                out.append(spec.source)
+            elif spec.kind == OutputKind.TOKEN:
+                out.append(self._gather(spec, [values[(step, c.index)].get(spec.source)
+                                               for c in chunks]))
+            else:
+                out.append(call_env[spec.source])
+        return tuple(out)
+
+    def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, spec.axis)
+
+
+def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
+    """Ring edges: the stage computing a carried output -> the stages reading its input."""
+    producer = {spec.source: spec.producer for spec in plan.graphs.outputs
+                if spec.kind == OutputKind.TOKEN}
+    edges: dict[int, set[int]] = {}
+    for name, output in carried.items():
+        readers = {g.index for g in plan.graphs.stages for i in g.inputs if i.source == name}
+        edges.setdefault(producer[output], set()).update(readers)
+    return edges
+
+
+def _device_of(args: tuple) -> torch.device:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+    return torch.device("cpu")

@@ -1,0 +1,196 @@
+"""Check a model's pipelined run against eager PyTorch, in your own test suite.
+
+    from tokpipe_compiler.testing import assert_equivalent
+    assert_equivalent(model.eval(), (latents, t, labels), stages=2, chunks=4, mode="stale")
+
+Exact modes (sync, causal) must equal eager on every call. Stale mode must equal eager on
+its warmup calls, and once the same input is repeated (its stale K/V are then the fresh
+ones). On a difference, NotEquivalent names the largest one and where it arose: the first
+stage and chunk whose outputs differ from the same values of an unchunked run.
+
+Hypothesis strategies (`options`, `latents_like`) live in tokpipe_compiler.testing.strategies
+and are importable from tokpipe_compiler.testing too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from tokpipe_compiler.backend import LazyProgram, TokpipeBackend
+from tokpipe_compiler.config import Config
+from tokpipe_compiler.programs.pipelined import PipelinedProgram
+from tokpipe_compiler.testing.locate import Where, locate
+
+# Also `options` and `latents_like` (see __getattr__ below).
+__all__ = ["Check", "NotEquivalent", "Report", "Where", "assert_equivalent"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One compared call: its largest difference from eager."""
+
+    name: str
+    call: int  # 1-based
+    error: float  # max |pipelined - eager| over the output
+    scale: float  # max |eager|
+    output: int  # which tensor of the flattened output holds the largest difference
+    index: tuple[int, ...]  # where in it
+    expected: float
+    actual: float
+
+    def passes(self, rtol: float) -> bool:
+        return self.error <= rtol * self.scale
+
+    def __str__(self) -> str:
+        return (f"{self.name} (call {self.call}): max |pipelined - eager| = {self.error:.3e} "
+                f"at output[{self.output}][{', '.join(map(str, self.index))}] (eager "
+                f"{self.expected:.6g}, pipelined {self.actual:.6g}); max |eager| "
+                f"{self.scale:.3e}")
+
+
+@dataclass
+class Report:
+    """What assert_equivalent compared; `str(report)` lists every check."""
+
+    options: dict[str, Any]
+    rtol: float
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def max_relative_error(self) -> float:
+        return max((c.error / c.scale if c.scale else c.error for c in self.checks), default=0.0)
+
+    def __str__(self) -> str:
+        head = f"tokpipe equivalence {self.options}, rtol {self.rtol:g}:"
+        return "\n".join([head, *(f"  {c}" for c in self.checks)])
+
+
+class NotEquivalent(AssertionError):
+    """The pipelined output differs from eager beyond the tolerance."""
+
+    def __init__(self, message: str, check: Check, where: Where | None):
+        super().__init__(message)
+        self.check = check
+        self.where = where
+
+
+def assert_equivalent(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
+                      *, rtol: float = 1e-5, **options: Any) -> Report:
+    """Run `model` eagerly and pipelined (tokpipe backend `options`) and compare.
+
+    rtol: allowed max |pipelined - eager| as a fraction of max |eager| (1e-5 suits float32;
+    use ~1e-2 for bfloat16). `compiler` defaults to "eager" here: chunking, not Inductor,
+    is under test; pass compiler="inductor" to test the compiled stages too.
+    Resets Dynamo's caches first (torch.compiler.reset()), so every call traces afresh.
+    """
+    options = {"compiler": "eager", **options}
+    config = Config.from_options(options)
+    kwargs = kwargs or {}
+    with torch.no_grad():
+        expected = model(*args, **kwargs)
+    torch.compiler.reset()
+    recorder = _Recorder(config)
+    compiled = torch.compile(model, backend=recorder, dynamic=False)
+    report = Report(options, rtol)
+    call, last = 0, False
+    while not last:
+        call += 1
+        with torch.no_grad():
+            actual = compiled(*args, **kwargs)
+        name, last = _role(config, call, recorder)
+        if name is None:
+            continue
+        check = _compare(name, call, expected, actual)
+        report.checks.append(check)
+        if not check.passes(rtol):
+            where = _locate(recorder, call, rtol)
+            raise NotEquivalent(_message(report, check, where), check, where)
+    return report
+
+
+def _role(config: Config, call: int, recorder: _Recorder) -> tuple[str | None, bool]:
+    """(what call `call` must satisfy, or None; whether it is the last call to make)."""
+    if config.mode != "stale":
+        return "exact mode" if call == 1 else "exact mode, caches reused", call == 2
+    if call <= config.warmup_steps:
+        return "stale mode, warmup call", False
+    # After a warmup call every stale K/V is exact. Without one, layer l's K/V become exact
+    # one call after layer l-1's: the repeated input is exact after L+1 calls.
+    layers = max((len(p.plan.caches) for p in recorder.pipelined()), default=0)
+    target = config.warmup_steps + 1 if config.warmup_steps else layers + 1
+    if call >= target:
+        return "stale mode, repeated input", True
+    return None, False
+
+
+class _Recorder:
+    """A tokpipe backend that keeps each graph's program and the arguments of every call."""
+
+    def __init__(self, config: Config):
+        self.backend = TokpipeBackend(**config.as_dict())
+        self.graphs: list[tuple[LazyProgram, list[tuple]]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
+        lazy = self.backend(gm, example_inputs)
+        calls: list[tuple] = []
+        self.graphs.append((lazy, calls))
+
+        def run(*args: Any) -> Any:
+            calls.append(args)
+            return lazy(*args)
+
+        return run
+
+    def pipelined(self) -> list[PipelinedProgram]:
+        return [p for lazy, _ in self.graphs for p in _programs(lazy)]
+
+
+def _programs(lazy: LazyProgram) -> list[PipelinedProgram]:
+    return list(lazy.pipelined)
+
+
+def _compare(name: str, call: int, expected: Any, actual: Any) -> Check:
+    pairs = [(e, a) for e, a in zip(tree_leaves(expected), tree_leaves(actual), strict=True)
+             if isinstance(e, torch.Tensor)]
+    worst: Check | None = None
+    for i, (e, a) in enumerate(pairs):
+        diff = (a.float() - e.float()).abs()
+        flat = int(diff.argmax()) if diff.numel() else 0
+        index = tuple(int(k) for k in torch.unravel_index(torch.tensor(flat), diff.shape))
+        scale = e.float().abs().max().item() if e.numel() else 0.0
+        check = Check(name, call, diff.max().item() if diff.numel() else 0.0, scale, i, index,
+                      e.flatten()[flat].item() if e.numel() else 0.0,
+                      a.flatten()[flat].item() if a.numel() else 0.0)
+        if worst is None or _relative(check) > _relative(worst):
+            worst = check
+    if worst is None:
+        raise ValueError("the model's output holds no tensor to compare")
+    return worst
+
+
+def _relative(check: Check) -> float:
+    return check.error / check.scale if check.scale else check.error
+
+
+def _locate(recorder: _Recorder, call: int, rtol: float) -> Where | None:
+    for lazy, calls in recorder.graphs:
+        for program in _programs(lazy):
+            where = locate(program.plan, calls[:call], rtol)
+            if where is not None:
+                return where
+    return None
+
+
+def _message(report: Report, check: Check, where: Where | None) -> str:
+    lines = [f"pipelined output differs from eager; options {report.options}",
+             f"  {check}", f"  tolerance: {report.rtol:g} * max |eager| = "
+             f"{report.rtol * check.scale:.3e}"]
+    lines.append(f"  arose at {where}" if where is not None else
+                 "  every stage's output matches the unchunked run chunk by chunk: the "
+                 "difference comes from outside the stages (assembling outputs, or the "
+                 "unpipelined parts of the model)")
+    return "\n".join(lines)

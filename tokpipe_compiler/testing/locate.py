@@ -1,0 +1,96 @@
+"""Where a pipelined run first goes wrong: the first (chunk, stage) whose outputs differ
+from the same values of an unchunked run of the same stages on the same input.
+
+    chunked:    stage 0 on rows [0,2) -> x_2[0:2]   stage 1 on rows [0,2) -> out[0:2]  ...
+    unchunked:  stage 0 on rows [0,8) -> x_2        stage 1 on rows [0,8) -> out
+    compare x_2[0:2] with the unchunked x_2 cut to rows [0,2), and so on, chunk by chunk.
+
+Chunk by chunk, stage by stage is the order data flows in (a chunk reads earlier stages
+of itself and, through the K/V caches, earlier chunks), so the first difference met is
+where it arose, not where it spread to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.programs.pipelined import PipelinedProgram
+from tokpipe_compiler.runtime.chunking import Chunk, slice_to_chunk
+
+Record = dict[int, list[tuple[int, dict[str, torch.Tensor]]]]  # stage -> [(units, outputs)]
+
+
+@dataclass(frozen=True)
+class Where:
+    """The first stage output found to differ: stage, chunk, rows, value, size of error."""
+
+    stage: int
+    chunk: int
+    start: int  # grid rows [start, stop) of the chunk
+    stop: int
+    value: str  # the stage output's name in the stage graph
+    error: float  # max |chunked - unchunked| on the chunk
+    scale: float  # max |unchunked| over the whole value
+
+    def __str__(self) -> str:
+        return (f"stage {self.stage}, chunk {self.chunk} (grid rows [{self.start}, "
+                f"{self.stop})): its output '{self.value}' differs from the unchunked run by "
+                f"{self.error:.3e} (max |value| {self.scale:.3e})")
+
+
+def locate(plan: Plan, calls: list[tuple], rtol: float) -> Where | None:
+    """Replay `calls` (graph inputs, in order) on a fresh program of `plan`, and compare the
+    last one stage by stage with an unchunked run of that input. None: no stage differs."""
+    program = PipelinedProgram(plan)
+    for args in calls[:-1]:
+        program(*args)
+    chunked = record_stage_outputs(program, calls[-1])
+    sync = replace(plan, config=replace(plan.config, mode="sync"))
+    whole = record_stage_outputs(PipelinedProgram(sync), calls[-1])
+    for chunk, stage, outputs in _chunk_major(chunked):
+        for name, value in outputs.items():
+            axis, per_unit = plan.graphs.stages[stage].output_infos[name]
+            reference = whole[stage][0][1][name]
+            expected = slice_to_chunk(reference, axis, per_unit, chunk)
+            error = (value.float() - expected.float()).abs().max().item()
+            scale = reference.float().abs().max().item()
+            if not error <= rtol * scale:  # also catches NaN
+                return Where(stage, chunk.index, chunk.start, chunk.stop, name, error, scale)
+    return None
+
+
+def record_stage_outputs(program: PipelinedProgram, args: tuple) -> Record:
+    """Run one call of `program`, keeping every stage's outputs per chunk, in order."""
+    record: Record = {}
+    originals = list(program.stage_programs)
+
+    def recording(index: int, stage):
+        def run(units: int, inputs: list[torch.Tensor]):
+            outputs = stage(units, inputs)
+            names = program.plan.graphs.stages[index].outputs
+            record.setdefault(index, []).append((units, dict(zip(names, outputs, strict=True))))
+            return outputs
+
+        return run
+
+    program.stage_programs = [recording(i, s) for i, s in enumerate(originals)]
+    try:
+        program(*args)
+    finally:
+        program.stage_programs = originals
+    return record
+
+
+def _chunk_major(record: Record) -> list[tuple[Chunk, int, dict[str, torch.Tensor]]]:
+    """(chunk, stage, outputs) sorted chunk by chunk, then stage by stage. A stage runs its
+    chunks in order, so a run's rows follow from the units of the runs before it."""
+    out = []
+    for stage, runs in record.items():
+        start = 0
+        for index, (units, outputs) in enumerate(runs):
+            out.append((Chunk(index, start, start + units), stage, outputs))
+            start += units
+    return sorted(out, key=lambda item: (item[0].index, item[1]))

@@ -1,0 +1,125 @@
+"""Hypothesis strategies for pipelining tests: options valid for a model, and inputs.
+
+    @given(data=st.data())
+    def test_any_pipeline(data):
+        opts = data.draw(options(model, args))              # stages, chunks, mode, warmup
+        latents = data.draw(latents_like(args[0]))
+        assert_equivalent(model, (latents, *args[1:]), **opts)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from hypothesis import strategies as st
+
+from tokpipe_compiler.api import capture_graphs
+from tokpipe_compiler.config import MODES, Config
+from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
+from tokpipe_compiler.passes.annotate import annotate
+from tokpipe_compiler.passes.partition import live_counts, token_nodes
+from tokpipe_compiler.planning.driver import build_plan, copy_graph_module
+
+# partition() may cut where up to this many more token values are live than the fewest.
+_CUT_SLACK = 3
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What bounds the options of one model at one input shape."""
+
+    units: int  # rows of the token grid: at most this many chunks
+    max_stages: int  # places the token stream can be cut, plus one
+    modes: tuple[str, ...]
+
+
+def model_facts(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> ModelFacts:
+    """Traced once per model and input shapes (cached while the model lives)."""
+    key = tuple(_shape(a) for a in args) + tuple(
+        (k, _shape(v)) for k, v in sorted((kwargs or {}).items()))
+    per_model = _FACTS.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = _measure(model, args, kwargs)
+    return per_model[key]
+
+
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shape(value: object) -> object:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _measure(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> ModelFacts:
+    torch.compiler.reset()
+    for gm in capture_graphs(model, args, kwargs):
+        annotated = copy_graph_module(gm)
+        try:
+            annotation = annotate(annotated, None)
+        except NoTokenInput:
+            continue
+        return ModelFacts(annotation.units, _max_stages(annotated), _modes(gm))
+    raise TokpipeError("no traced graph of this model has a token input to pipeline")
+
+
+def _max_stages(annotated: torch.fx.GraphModule) -> int:
+    inner = live_counts(token_nodes(annotated))[1:]
+    return 1 + sum(n <= min(inner) + _CUT_SLACK for n in inner) if inner else 1
+
+
+def _modes(gm) -> tuple[str, ...]:
+    def plans(mode: str) -> bool:
+        try:
+            build_plan(gm, Config(stages=1, chunks=1, mode=mode, compiler="eager"))
+        except TokpipeError:
+            return False
+        return True
+
+    return tuple(mode for mode in MODES if mode != "causal" or plans("causal"))
+
+
+def options(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+            max_stages: int = 4, max_chunks: int = 8,
+            modes: Sequence[str] | None = None) -> st.SearchStrategy[dict]:
+    """Backend options valid for `model(*args, **kwargs)`: stages the graph can be cut
+    into, chunks no more than its token rows, modes it supports (causal only for causal
+    attention), warmup_steps 0 or 1."""
+    facts = model_facts(model, args, kwargs)
+    allowed = [m for m in (modes or MODES) if m in facts.modes]
+    if not allowed:
+        raise ValueError(f"none of modes {list(modes or MODES)} suits this model "
+                         f"(it supports {list(facts.modes)})")
+    return st.fixed_dictionaries({
+        "stages": st.integers(1, max(1, min(max_stages, facts.max_stages))),
+        "chunks": st.integers(1, max(1, min(max_chunks, facts.units))),
+        "mode": st.sampled_from(allowed),
+        "warmup_steps": st.integers(0, 1),
+    })
+
+
+def latents_like(like: torch.Tensor, *,
+                 sizes: Mapping[int, Sequence[int]] | None = None) -> st.SearchStrategy:
+    """Tensors of `like`'s dtype and device, normal noise at a drawn seed and scale.
+
+    sizes: axis -> allowed sizes, for models that take several shapes (say, latent sides
+    that are multiples of the patch); by default the shape of `like`.
+    """
+    if not like.is_floating_point():
+        raise ValueError(f"latents_like needs a floating tensor, got {like.dtype}; draw "
+                         "labels or timesteps with hypothesis.strategies.integers")
+    axes = {axis % like.dim(): list(choices) for axis, choices in (sizes or {}).items()}
+
+    @st.composite
+    def draw_latents(draw) -> torch.Tensor:
+        shape = [draw(st.sampled_from(axes[a])) if a in axes else n
+                 for a, n in enumerate(like.shape)]
+        seed = draw(st.integers(0, 2**31 - 1))
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        scale = draw(st.sampled_from([1.0, 0.1, 10.0]))
+        return (noise * scale).to(dtype=like.dtype, device=like.device)
+
+    return draw_latents()
