@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "coverage.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "coverage.py"
 
 
 def _load():
