@@ -87,7 +87,7 @@ def _stage_graph(gm: torch.fx.GraphModule, stage: int, graph_outputs: list) -> S
                                              for u in n.users)]
     graph.output(tuple(env[n] for n in exported))
     module = torch.fx.GraphModule(gm, graph, class_name=f"stage_{stage}")
-    infos = {n.name: (_info(n).axis, _info(n).per_unit) for n in exported}
+    infos = {n.name: _info(n) for n in exported}
     return StageGraph(stage, module, inputs, [n.name for n in exported], infos)
 
 

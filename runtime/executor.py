@@ -156,9 +156,9 @@ def value_spec(stage: StageGraph, name: str, chunk: Chunk) -> TensorSpec:
     """Shape and dtype of a boundary value for one chunk, as both ends know it."""
     node = next(n for n in stage.gm.graph.nodes if n.name == name)
     value = example_value(node)
-    axis, per_unit = stage.output_infos[name]
+    info = stage.output_infos[name]
     shape = list(value.shape)
-    shape[axis] = chunk.units * per_unit
+    shape[info.axis] = info.extent(chunk.units)  # text segments travel whole with every chunk
     return TensorSpec(tuple(shape), value.dtype)
 
 

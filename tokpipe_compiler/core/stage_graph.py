@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from tokpipe_compiler.core.meta import TokenInfo
+
 
 class InputKind(str, enum.Enum):
     """Where a stage input comes from (see the module docstring)."""
@@ -65,7 +67,8 @@ class StageGraph:
     gm: torch.fx.GraphModule  # at full sequence length; specialised per chunk length later
     inputs: list[StageInput]
     outputs: list[str]
-    output_infos: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> axis, per_unit
+    # How each output depends on the tokens: its axis, per_unit and whole text segments.
+    output_infos: dict[str, TokenInfo] = field(default_factory=dict)
 
 
 @dataclass

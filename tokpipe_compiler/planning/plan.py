@@ -246,6 +246,7 @@ def _send_bytes(stage: StageGraph, graphs: SplitGraphs) -> int:
     for node in stage.gm.graph.nodes:
         if node.name in sent and node.op != "placeholder":
             value = example_value(node)
-            axis, per_unit = stage.output_infos[node.name]
+            info = stage.output_infos[node.name]
+            axis, per_unit = info.axis, info.per_unit
             total += value.numel() // value.shape[axis] * per_unit * value.element_size()
     return total

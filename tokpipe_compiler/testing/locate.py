@@ -52,7 +52,8 @@ def locate(plan: Plan, calls: list[tuple], rtol: float) -> Where | None:
     whole = record_stage_outputs(PipelinedProgram(sync), calls[-1])
     for chunk, stage, outputs in _chunk_major(chunked):
         for name, value in outputs.items():
-            axis, per_unit = plan.graphs.stages[stage].output_infos[name]
+            info = plan.graphs.stages[stage].output_infos[name]
+            axis, per_unit = info.axis, info.per_unit
             reference = whole[stage][0][1][name]
             expected = slice_to_chunk(reference, axis, per_unit, chunk)
             error = (value.float() - expected.float()).abs().max().item()
