@@ -1,0 +1,63 @@
+"""Steps, guidance branches and generations, told from the timestep argument."""
+
+from __future__ import annotations
+
+import torch
+
+from tokpipe_compiler.programs.generations import StepClock, timestep_index
+
+
+def ticks(clock: StepClock, calls: list[tuple]) -> list[tuple[bool, int, int]]:
+    return [(t.new_generation, t.step, t.branch) for t in map(clock.tick, calls)]
+
+
+def test_falling_timesteps_are_steps_and_a_rise_starts_a_generation():
+    x = torch.zeros(2)
+    calls = [(x, torch.tensor([999.0, 999.0])), (x, torch.tensor([500.0, 500.0])),
+             (x, torch.tensor([1.0, 1.0])), (x, torch.tensor([999.0, 999.0]))]
+    assert ticks(StepClock(1), calls) == [(True, 0, 0), (False, 1, 0), (False, 2, 0),
+                                          (True, 0, 0)]
+
+
+def test_two_calls_per_step_are_two_branches():
+    latents, cond, uncond = torch.zeros(1), torch.ones(1), -torch.ones(1)
+    calls = []
+    for t in (900.0, 600.0):
+        calls += [(latents, torch.tensor(t), cond), (latents, torch.tensor(t), uncond)]
+    assert ticks(StepClock(1), calls) == [(True, 0, 0), (False, 0, 1), (False, 1, 0),
+                                          (False, 1, 1)]
+
+
+def test_a_call_repeated_with_the_same_objects_is_the_next_step():
+    call = (torch.zeros(1), torch.tensor(10.0))
+    assert ticks(StepClock(1), [call, call, call]) == [(True, 0, 0), (False, 1, 0),
+                                                       (False, 2, 0)]
+
+
+def test_without_a_timestep_every_call_is_a_step():
+    x = torch.zeros(1)
+    assert ticks(StepClock(None), [(x,), (x,)]) == [(True, 0, 0), (False, 1, 0)]
+
+
+def test_python_number_timesteps_and_a_ring_in_between():
+    clock = StepClock(0)
+    assert ticks(clock, [(0.9,), (0.8,)]) == [(True, 0, 0), (False, 1, 0)]
+    clock.advance(5)
+    assert ticks(clock, [(0.1,)]) == [(False, 7, 0)]
+
+
+def test_the_clock_holds_no_tensor_alive():
+    import weakref
+
+    x = torch.zeros(1000)
+    ref = weakref.ref(x)
+    clock = StepClock(None)
+    clock.tick((x,))
+    del x
+    assert ref() is None
+
+
+def test_timestep_found_by_parameter_name():
+    assert timestep_index(["hidden_states", "timestep", "class_labels"]) == 1
+    assert timestep_index(["latents", "t"]) == 1
+    assert timestep_index(["hidden_states", 0, None]) is None

@@ -1,0 +1,92 @@
+"""Which generation, denoising step and guidance branch a call belongs to.
+
+A diffusion pipeline calls the transformer once or twice per step (twice when it runs the
+conditional and unconditional branches of guidance as two calls), with a timestep that
+falls from step to step. Stale K/V must come from the same branch of the previous step, and
+never from another image. From the timestep input alone:
+
+    timestep lower than the last call's   -> the next step, branch 0
+    timestep equal, other inputs          -> the same step, the next branch
+    timestep equal, the very same inputs  -> the next step (a call repeated as it was)
+    timestep higher than the last call's  -> a new generation (the next image), step 0
+
+Without a timestep input every call is its own step of one branch, and only `tp.reset`,
+new input shapes or a pipeline call's end start a new generation.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TIMESTEP_NAMES = ("timestep", "timesteps", "t")
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Where a call falls: `new_generation` when it starts one."""
+
+    new_generation: bool
+    step: int
+    branch: int
+
+
+class StepClock:
+    """Counts steps and branches of one generation from the timestep argument at position
+    `timestep_index` of the call (None: every call is a step)."""
+
+    def __init__(self, timestep_index: int | None):
+        self.timestep_index = timestep_index
+        self.reset()
+
+    def reset(self) -> None:
+        self.last: float | None = None
+        self.last_args: list[Any] = []
+        self.step, self.branch = -1, 0
+
+    def tick(self, args: tuple[Any, ...]) -> Tick:
+        timestep = self._timestep(args)
+        fresh = self.step < 0
+        if timestep is None or self.last is None or timestep < self.last or \
+                self._repeated(args):
+            self.step, self.branch = self.step + 1, 0
+        elif timestep == self.last:
+            self.branch += 1
+        else:
+            self.step, self.branch, fresh = 0, 0, True
+        self.last = timestep
+        # Weak references: the clock must not keep a step's tensors alive.
+        self.last_args = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args]
+        return Tick(fresh, self.step, self.branch)
+
+    def _repeated(self, args: tuple[Any, ...]) -> bool:
+        """The same objects as the last call: a call repeated, not another branch."""
+        if len(args) != len(self.last_args):
+            return False
+        return all((old() if isinstance(old, weakref.ref) else old) is new
+                   for old, new in zip(self.last_args, args, strict=True))
+
+    def advance(self, steps: int) -> None:
+        """`steps` steps ran outside `tick` (a ring), the last at timestep unknown here."""
+        self.step += steps
+        self.last, self.last_args = None, []
+
+    def _timestep(self, args: tuple[Any, ...]) -> float | None:
+        if self.timestep_index is None:
+            return None
+        value = args[self.timestep_index]
+        if isinstance(value, torch.Tensor):
+            # Guidance batches repeat one timestep; the largest stands for the call.
+            return float(value.max()) if value.numel() else None
+        return float(value) if isinstance(value, (int, float)) else None
+
+
+def timestep_index(argument_names: list[str | int | None]) -> int | None:
+    """Position of the timestep among a graph's inputs, by the forward's parameter name."""
+    for name in TIMESTEP_NAMES:
+        if name in argument_names:
+            return argument_names.index(name)
+    return None
