@@ -26,7 +26,24 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (SpecError, TokpipeError, ValueError) as err:
         print(f"tokpipe: error: {err}", file=sys.stderr)
-        return 2
+    except SyntaxError as err:
+        print(f"tokpipe: error: {err.filename}, line {err.lineno}: {err.msg}", file=sys.stderr)
+    except OSError as err:  # a missing --config, an unwritable --out
+        print(f"tokpipe: error: {err.strerror or err}: {err.filename or ''}", file=sys.stderr)
+    return 2
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,15 +57,15 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("spec", metavar="SPEC",
                          help="diffusers:ClassName, module:function or file.py:function")
     inspect.add_argument("--config", help="JSON config of a diffusers:ClassName model")
-    inspect.add_argument("--stages", type=int, default=2)
+    inspect.add_argument("--stages", type=_count(1), default=2)
     inspect.add_argument("--chunks", type=parse_chunks, default=4,
                         help="a count, auto, or token lengths like 1728,960,768,640")
     inspect.add_argument("--mode", choices=MODES, default="stale")
-    inspect.add_argument("--warmup-steps", type=int, default=1)
+    inspect.add_argument("--warmup-steps", type=_count(0), default=1)
     inspect.add_argument("--compiler", choices=COMPILERS, default="eager",
                          help="for --run (default eager)")
     inspect.add_argument("--out", type=Path, help="folder for the dump (default: none)")
-    inspect.add_argument("--run", type=int, default=0, metavar="K",
+    inspect.add_argument("--run", type=_count(0), default=0, metavar="K",
                          help="run K calls in-process; write trace.json to --out")
     inspect.set_defaults(func=_inspect)
     return parser

@@ -49,11 +49,7 @@ class Config:
                 f"option 'token_input' must be an input name, a position or None, "
                 f"got {self.token_input!r}"
             )
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
-                or self.timeout <= 0:
-            raise ValueError(
-                f"option 'timeout' must be a number of seconds > 0, got {self.timeout!r}"
-            )
+        _check_timeout(self.timeout)
         if not isinstance(self.fallback, bool):
             raise ValueError(f"option 'fallback' must be True or False, got {self.fallback!r}")
 
@@ -71,6 +67,18 @@ class Config:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# torch.distributed keeps timeouts as a timedelta in milliseconds; a week is far past any
+# real wait and well inside what every backend converts without overflow.
+MAX_TIMEOUT = 7 * 24 * 3600.0
+
+
+def _check_timeout(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not 0 < value <= MAX_TIMEOUT:  # also rejects nan
+        raise ValueError(f"option 'timeout' must be a finite number of seconds, > 0 and "
+                         f"<= {MAX_TIMEOUT:.0f} (a week), got {value!r}")
 
 
 def _check_int(name: str, value: Any, minimum: int, extra: str = "") -> None:

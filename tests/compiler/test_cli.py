@@ -89,3 +89,34 @@ def test_unreadable_chunks_are_a_usage_error(capsys):
     assert exit_info.value.code == 2
     assert "--chunks must be auto, a count or comma-separated token lengths" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--run", "-1"], ["--stages", "0"], ["--warmup-steps", "x"]])
+def test_bad_counts_are_usage_errors(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", "my_models:tiny_dit", *flag])
+    assert exit_info.value.code == 2
+    assert f"argument {flag[0]}: must be an integer >=" in capsys.readouterr().err
+
+
+def test_a_missing_config_file_is_named(capsys):
+    assert main(["inspect", "diffusers:DiTTransformer2DModel", "--config", "nope.json"]) == 2
+    err = capsys.readouterr().err
+    assert "tokpipe: error:" in err and "nope.json" in err and "Traceback" not in err
+
+
+def test_a_syntax_error_in_the_model_file_is_named(tmp_path, capsys):
+    (tmp_path / "broken.py").write_text("def tiny_dit(:\n    pass\n")
+    assert main(["inspect", f"{tmp_path / 'broken.py'}:tiny_dit"]) == 2
+    err = capsys.readouterr().err
+    assert "broken.py, line 1" in err and "Traceback" not in err
+
+
+def test_an_unwritable_out_folder_is_named(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_models.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["inspect", "my_models:tiny_dit", "--out", str(blocker / "dump")]) == 2
+    err = capsys.readouterr().err
+    assert "tokpipe: error:" in err and "dump" in err and "Traceback" not in err
