@@ -48,6 +48,16 @@ def test_every_chunk_once_per_stage_per_step(steps):
     assert sorted(seen) == expected
 
 
+def test_schedules_are_built_once_per_layout():
+    _, plan = dit_plan()
+    world = len(plan.stages)
+    assert plan.distributed_schedule(2) is plan.schedule(steps=2, world=world)
+    ring = plan.schedule(steps=2, world=world, carries={world - 1: {0}})
+    assert ring is plan.schedule(steps=2, world=world, carries={world - 1: {0}})
+    assert ring is not plan.distributed_schedule(2)
+    assert plan.schedule().ranks != plan.distributed_schedule().ranks  # world 1: one rank
+
+
 @pytest.mark.parametrize("chunks", [1, 3, 5, 8])
 def test_chunks_tile_the_token_range(chunks):
     _, plan = dit_plan(chunks=chunks)

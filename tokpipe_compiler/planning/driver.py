@@ -45,7 +45,6 @@ from tokpipe_compiler.planning.pass_runner import (
 from tokpipe_compiler.planning.plan import Plan, describe_stages
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table, table_from_tokens
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
-from tokpipe_compiler.runtime.schedule import build_schedule
 
 ANNOTATE = PassSpec("annotate", (SOURCE_KEY,), (META_KEY,), annotated)
 PARTITION = PassSpec("partition", (META_KEY,), (STAGE_KEY,), staged)
@@ -72,10 +71,9 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     graphs = run_pass(SPLIT, split, gm, config.stages, runtime_inputs)
     consumers = {s: {i_stage.index for i_stage in graphs.stages for i in i_stage.inputs
                      if i.producer == s} for s in range(config.stages)}
-    schedule = build_schedule(config.stages, len(chunks), consumers=consumers)
     stages = describe_stages(graphs, caches, cut, costs)
     plan = Plan(config, graphs, stages, chunks, annotation.units, annotation.token_input.name,
-                caches, schedule, consumers, tokens)
+                caches, consumers, tokens)
     if PLAN.isEnabledFor(logging.INFO):
         PLAN.info("%s", plan)
     return plan

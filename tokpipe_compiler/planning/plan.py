@@ -62,9 +62,10 @@ class Plan:
     units: int  # rows of the token grid
     token_input: str
     caches: list[CacheSpec]
-    schedule: Schedule  # in-process order (world 1)
     consumers: dict[int, set[int]]
     tokens: int = 0  # tokens of the attention sequence
+    _schedules: dict[tuple, Schedule] = field(default_factory=dict, init=False, repr=False,
+                                              compare=False)
 
     # ---- numbers ---------------------------------------------------------------------
 
@@ -104,10 +105,23 @@ class Plan:
                  if n.op not in ("placeholder", "output")]
         return graph_cost(nodes, max(self.tokens, 1)).at(0, 0)[0]
 
+    def schedule(self, chunks: int | None = None, steps: int = 1, world: int = 1,
+                 carries: dict[int, set[int]] | None = None) -> Schedule:
+        """The checked schedule of `steps` steps of `chunks` chunks (default: the plan's) on
+        `world` ranks (1, or one per stage); `carries`: ring edges. Built once per layout:
+        programs, the printed plan and the charts all read this one."""
+        chunks = len(self.chunks) if chunks is None else chunks
+        edges = tuple(sorted((s, tuple(sorted(d))) for s, d in (carries or {}).items()))
+        key = (chunks, steps, world, edges)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(
+                len(self.stages), chunks, world=world, steps=steps, consumers=self.consumers,
+                carries={s: set(d) for s, d in edges})
+        return self._schedules[key]
+
     def distributed_schedule(self, steps: int = 1) -> Schedule:
         """What the ranks run when rank r holds stage r."""
-        return build_schedule(len(self.stages), len(self.chunks), world=len(self.stages),
-                              steps=steps, consumers=self.consumers)
+        return self.schedule(steps=steps, world=len(self.stages))
 
     def bubble_fraction(self, steps: int = 1) -> float:
         """Predicted idle share of the devices from stage FLOPs per chunk, by

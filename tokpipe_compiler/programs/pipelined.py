@@ -20,7 +20,6 @@ from tokpipe_compiler.programs.stage import StageProgram
 from tokpipe_compiler.runtime.caches import KVCaches
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
 from tokpipe_compiler.runtime.executor import Executor, Timeline
-from tokpipe_compiler.runtime.schedule import build_schedule
 
 
 class Session:
@@ -60,7 +59,6 @@ class PipelinedProgram:
         self.calls = 0
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
-        self.schedules: dict[tuple, tuple] = {}  # (chunks, steps, carries) -> my actions
         self.prelude = (plan.graphs.prelude, plan.graphs.prelude_outputs)
         if session is not None:
             session.programs.add(self)
@@ -125,14 +123,9 @@ class PipelinedProgram:
         return values
 
     def _actions(self, chunks: int, steps: int, carried: dict[str, str]) -> tuple:
-        """This rank's actions, built and checked once per layout (not on every call)."""
-        key = (chunks, steps, tuple(sorted(carried.items())))
-        if key not in self.schedules:
-            schedule = build_schedule(len(self.plan.stages), chunks, world=self.world,
-                                      steps=steps, consumers=self.plan.consumers,
-                                      carries=carry_edges(self.plan, carried))
-            self.schedules[key] = schedule.ranks[self.rank]
-        return self.schedules[key]
+        """This rank's actions, from the plan's schedule (built and checked once per layout)."""
+        schedule = self.plan.schedule(chunks, steps, self.world, carry_edges(self.plan, carried))
+        return schedule.ranks[self.rank]
 
     def _visible(self, chunks: list[Chunk]):
         """Cache units a chunk may attend to: the whole cache once it holds a full step
