@@ -56,3 +56,12 @@ def test_simulate_a_plan_from_explain():
     assert fast.serial_s < slow.serial_s
     with pytest.raises(ValueError, match="world=3"):
         tp.simulate(plan, world=3)
+
+
+def test_a_ring_with_fewer_chunks_than_ranks_keeps_ranks_idle():
+    """At most `chunks` ranks compute at once: 4 chunks on 8 ranks give at most 4x, and at
+    least half the devices idle."""
+    stages, boundary = pixart_stage_costs(8)
+    result = simulate_model(stages, boundary, 4096, 4, 20, 1, DEVICES["l20"], LINKS["pcie4"], 8)
+    assert result.speedup <= 4
+    assert result.bubble_fraction >= 0.5

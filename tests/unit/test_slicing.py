@@ -1,4 +1,4 @@
-"""Slicing: TeraPipe DP against brute force, uniform tiling, chunk choice, ring time."""
+"""Slicing: TeraPipe DP against brute force, uniform tiling, chunk choice."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from tokpipe_compiler.costmodel.slicing import (
     choose_chunks,
-    pipeline_time,
     terapipe_slices,
     uniform_slices,
 )
@@ -116,15 +115,3 @@ def test_choose_chunks_picks_the_minimiser():
     assert choose_chunks(32, 4, lambda m: -m, candidates=[3, 5, 99]) == 5
     with pytest.raises(ValueError):
         choose_chunks(4, 2, lambda m: m, candidates=[9])
-
-
-def test_pipeline_time():
-    stages = [1.0, 1.0, 1.0, 1.0]
-    # 1 warmup step of 4 s, then fill (3 chunk times) + 2 steps * 4 chunks * 1 s.
-    assert pipeline_time(stages, 4, 3, 1, sync_time=4.0) == pytest.approx(4 + 3 + 8)
-    assert pipeline_time(stages, 4, 1, 1, sync_time=4.0) == 4.0
-    base = pipeline_time(stages, 4, 20, 1, 4.0)
-    assert pipeline_time([1.0, 2.0, 1.0, 1.0], 4, 20, 1, 4.0) > base
-    assert pipeline_time(stages, 4, 20, 1, 4.0, link_time=0.1) > base
-    assert pipeline_time(stages, 4, 21, 1, 4.0) > base
-    assert pipeline_time([2.0], 4, 20, 0, 8.0) == pytest.approx(160.0)

@@ -1,9 +1,9 @@
 """chunks="auto": a chunk table chosen from predicted stage times.
 
 A stage time is seconds of one chunk on one stage as a function of (chunk tokens, context
-tokens), e.g. `calibrate.time_fn` of the stage's Cost. A pipelined call over chunks with
-slowest-stage times t_i takes sum(t_i) + (S - 1) * max(t_i): TeraPipe's objective, and
-`pipeline_time` of one call when the stages are balanced.
+tokens), e.g. `calibrate.time_fn` of the stage's Cost. Every stage is taken to run a chunk
+at the pace of the chunk's slowest stage (t_i); `pipeline_time` then gives one call
+sum(t_i) + (S - 1) * max(t_i), TeraPipe's objective, and a ring the time of all its steps.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from tokpipe_compiler.costmodel import pipeline_time
 from tokpipe_compiler.costmodel.slicing import choose_chunks, terapipe_slices
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table, table_from_sizes
 
@@ -23,9 +24,13 @@ MAX_CUT_POINTS = 64  # the slicing DP is quadratic in cut points (cubic with a c
 MAX_AUTO_CAUSAL_CHUNKS = 16
 
 
-def step_time(slowest: Sequence[float], stages: int) -> float:
-    """Predicted seconds of one pipelined call whose chunks' slowest stages take `slowest`."""
-    return sum(slowest) + (stages - 1) * max(slowest)
+def step_time(slowest: Sequence[float], stages: int, ring_steps: int | None = None) -> float:
+    """Predicted seconds of one pipelined call (or of a ring of `ring_steps` steps) whose
+    chunks' slowest stages take `slowest`."""
+    compute = [list(slowest)] * stages
+    if ring_steps is None:
+        return pipeline_time.seconds(compute)
+    return pipeline_time.seconds(compute, ring_steps, ring=True)
 
 
 def slowest_times(
@@ -51,16 +56,13 @@ def table_step_time(
 def choose_stale(units: int, tokens: int, stage_times: Sequence[StageTime],
                  ring_steps: int | None = None) -> list[Chunk]:
     """The uniform table whose chunk count has the least predicted time: of one call, or,
-    for a ring of `ring_steps` steps, of the whole ring (the pipeline fills once, then each
-    step takes max(chunks, stages) slowest-chunk times)."""
+    for a ring of `ring_steps` steps, of the whole ring (it fills once; with fewer chunks
+    than stages each step waits for its chunks to come round)."""
     stages = len(stage_times)
 
     def predict(m: int) -> float:
-        table = chunk_table(units, m)
-        if ring_steps is None:
-            return table_step_time(table, stage_times, units, tokens, False)
-        slowest = max(slowest_times(table, stage_times, units, tokens, False))
-        return slowest * ((stages - 1) + ring_steps * max(m, stages))
+        slowest = slowest_times(chunk_table(units, m), stage_times, units, tokens, False)
+        return step_time(slowest, stages, ring_steps)
 
     return chunk_table(units, choose_chunks(units, len(stage_times), predict))
 

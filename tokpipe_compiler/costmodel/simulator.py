@@ -11,10 +11,10 @@ from typing import Any
 
 import sympy
 
+from tokpipe_compiler.costmodel import pipeline_time
 from tokpipe_compiler.costmodel.calibrate import load_or_measure, seconds
 from tokpipe_compiler.costmodel.cost import C, Cost, N
 from tokpipe_compiler.costmodel.hardware import DEVICES, LINKS, DeviceModel, LinkModel
-from tokpipe_compiler.costmodel.slicing import pipeline_time
 
 
 def cpu_device(threads: int | None = None) -> DeviceModel:
@@ -50,20 +50,22 @@ def simulate_model(
     """Predict a PipeFusion (stale) run: stage s holds stage_costs[s] on its own device and
     sends boundary_bytes_per_token[s] per token to the next stage (the last stage's entry
     is what goes back to stage 0 around the ring). Chunks of tokens/chunks tokens attend
-    over all `tokens` (fresh and stale K/V)."""
+    over all `tokens` (fresh and stale K/V). Warmup steps run stage after stage; the rest
+    run as one ring (`pipeline_time`)."""
     if len(stage_costs) != world or len(boundary_bytes_per_token) != world:
         raise ValueError(f"need one stage cost and one boundary size per rank ({world})")
     rates = device.rates()
     serial = steps * seconds(sum(stage_costs, Cost(0, 0)), rates, tokens, tokens)
     n = max(tokens // chunks, 1)
     per_stage = [seconds(cost, rates, n, tokens) for cost in stage_costs]
-    chunk_link = max(link.seconds(b * n) for b in boundary_bytes_per_token) if world > 1 else 0
+    links = [link.seconds(b * n) if world > 1 else 0.0 for b in boundary_bytes_per_token]
     sync = sum(seconds(cost, rates, tokens, tokens) for cost in stage_costs) + sum(
         link.seconds(b * tokens) for b in boundary_bytes_per_token[:-1]
     )
-    total = pipeline_time(per_stage, chunks, steps, warmup_steps, sync, chunk_link)
     pipelined_steps = max(steps - warmup_steps, 0)
-    span = total - min(steps, warmup_steps) * sync
+    span = pipeline_time.seconds([[t] * chunks for t in per_stage], pipelined_steps, ring=True,
+                                 send=[[t] * chunks for t in links])
+    total = min(steps, warmup_steps) * sync + span
     busy = pipelined_steps * chunks * sum(per_stage)
     bubble = 1 - busy / (world * span) if span > 0 else 0.0
     return SimResult(serial, total, serial / total, per_stage, bubble)

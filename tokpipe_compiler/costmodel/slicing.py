@@ -1,6 +1,7 @@
-"""How to cut a token sequence into pipeline chunks, and what a pipelined step costs.
+"""How to cut a token sequence into pipeline chunks.
 
-Pure functions over a time model; the cost pass and calibration supply the times.
+Pure functions over a time model; the cost pass and calibration supply the times, and
+`pipeline_time` says what a pipelined step of the chunks takes.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def terapipe_slices(
     max_slices: int | None = None,
     tolerance: float = 0.01,
 ) -> list[int]:
-    """TeraPipe's slicing: minimise sum(t_i) + (stages - 1) * max(t_i).
+    """TeraPipe's slicing: minimise sum(t_i) + (stages - 1) * max(t_i), the time
+    `pipeline_time.seconds` gives a call whose stages all take t_i on slice i.
 
     t_i = time_fn(l_i, end_i) for a slice of l_i tokens ending at token end_i (a causal
     slice attends to every token before end_i). Lengths are multiples of `granularity`
@@ -164,30 +166,3 @@ def choose_chunks(
     if not valid:
         raise ValueError(f"no candidate chunk count in 1..{total_units}: {list(candidates)}")
     return min(valid, key=step_time_fn)
-
-
-def pipeline_time(
-    stage_times: list[float],
-    chunks: int,
-    steps: int,
-    warmup_steps: int,
-    sync_time: float,
-    link_time: float = 0.0,
-) -> float:
-    """Seconds of a PipeFusion ring over `steps` calls.
-
-    stage_times: seconds of one chunk on each stage; link_time: seconds to send one chunk's
-    boundary activations. Warmup steps run synchronously (sync_time each). Afterwards the
-    ring fills once (every stage but the last waits for its first chunk) and then runs
-    steps * chunks chunk slots at the pace of the slowest stage including its send; the
-    ring has no bubble between steps.
-    """
-    if not stage_times:
-        raise ValueError("need at least one stage")
-    pipelined = max(steps - warmup_steps, 0)
-    sync = min(steps, warmup_steps) * sync_time
-    if pipelined == 0:
-        return sync
-    slot = max(stage_times) + (link_time if len(stage_times) > 1 else 0.0)
-    fill = sum(t + link_time for t in stage_times[:-1])
-    return sync + fill + pipelined * chunks * slot

@@ -5,60 +5,22 @@ Both use matplotlib's object API (no pyplot), so they never touch the user's bac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokpipe_compiler.runtime.schedule import COMPUTE
+from tokpipe_compiler.costmodel.pipeline_time import Box
 
 if TYPE_CHECKING:
     from tokpipe_compiler.planning.plan import Plan
-
-
-@dataclass(frozen=True)
-class Box:
-    """One compute of the predicted schedule: stage `stage` runs `chunk` of `step`."""
-
-    rank: int
-    stage: int
-    chunk: int
-    step: int
-    start: float
-    end: float
 
 
 def predicted_boxes(plan: Plan, steps: int = 2) -> list[Box]:
     """When each rank computes what, with stage times from FLOPs per chunk (the largest
     scaled to 1) and free links. Each step is one call: it starts when the last one ends,
     as in a denoising loop that runs the scheduler between calls."""
-    flops = {(s.index, c.index): plan.stage_flops(s.index, c) for s in plan.stages
-             for c in plan.chunks}
-    scale = max(flops.values()) or 1.0
-    producers = {s: [p for p, users in plan.consumers.items() if s in users]
-                 for s in range(len(plan.stages))}
-    done: dict[tuple[int, int, int], float] = {}  # (step, stage, chunk) -> end
-    boxes: list[Box] = []
-    step_start = 0.0
-    for step in range(steps):
-        # Each rank takes its computes in schedule order, as soon as their inputs exist.
-        free = [step_start] * len(plan.stages)
-        pending = [[a for a in rank if a.kind == COMPUTE]
-                   for rank in plan.distributed_schedule().ranks]
-        while any(pending):
-            ready = [(rank, actions[0]) for rank, actions in enumerate(pending) if actions
-                     and all((step, p, actions[0].chunk) in done
-                             for p in producers[actions[0].stage])]
-            if not ready:
-                raise ValueError(f"the schedule deadlocks:\n{plan.distributed_schedule()}")
-            for rank, a in ready:
-                inputs = [done[(step, p, a.chunk)] for p in producers[a.stage]]
-                start = max([free[rank], *inputs])
-                end = start + flops[(a.stage, a.chunk)] / scale
-                done[(step, a.stage, a.chunk)] = free[rank] = end
-                boxes.append(Box(rank, a.stage, a.chunk, step, start, end))
-                pending[rank].pop(0)
-        step_start = max(free)
-    return boxes
+    flops = plan.chunk_flops()
+    scale = max(max(row) for row in flops) or 1.0
+    return plan.predicted_boxes(steps, times=[[f / scale for f in row] for row in flops])
 
 
 def schedule_chart(plan: Plan, path: Path, steps: int = 2) -> None:

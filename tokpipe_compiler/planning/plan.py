@@ -15,8 +15,8 @@ import torch
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.fx import example_value, is_parameter, module_path, node_count
 from tokpipe_compiler.core.stage_graph import BOUNDARY, CALL, SLICED, SplitGraphs, StageGraph
+from tokpipe_compiler.costmodel import pipeline_time
 from tokpipe_compiler.costmodel.cost import Cost, graph_cost
-from tokpipe_compiler.costmodel.slicing import pipeline_time
 from tokpipe_compiler.passes.partition import Partition
 from tokpipe_compiler.planning.layers import compress_layers, layer_of
 from tokpipe_compiler.runtime.caches import CacheSpec
@@ -123,15 +123,28 @@ class Plan:
         """What the ranks run when rank r holds stage r."""
         return self.schedule(steps=steps, world=len(self.stages))
 
+    def chunk_flops(self) -> list[list[float]]:
+        """FLOPs of each chunk on each stage: [stage][chunk]."""
+        return [[self.stage_flops(s.index, c) for c in self.chunks] for s in self.stages]
+
+    def predicted_boxes(self, steps: int = 1, ring: bool = False,
+                        times: list[list[float]] | None = None) -> list[pipeline_time.Box]:
+        """When each rank computes what (`pipeline_time` over this plan's one-rank-per-stage
+        schedule), with `times[stage][chunk]` (default: FLOPs) and free links."""
+        world = len(self.stages)
+        return pipeline_time.boxes(
+            self.chunk_flops() if times is None else times, steps, ring,
+            schedule_for=lambda k, carries: self.schedule(steps=k, world=world, carries=carries))
+
     def bubble_fraction(self, steps: int = 1) -> float:
-        """Predicted idle share of the devices from stage FLOPs per chunk, by
-        `pipeline_time`: steps=1 is one call that fills and drains the pipeline
-        ((S-1)/(M+S-1) for balanced stages); more steps run as a PipeFusion ring, whose
-        only bubble is the first fill and stage imbalance."""
-        times = [sum(self.stage_flops(s.index, c) for c in self.chunks) / len(self.chunks)
-                 for s in self.stages]
-        total = pipeline_time(times, len(self.chunks), steps, 0, 0.0)
-        busy = steps * len(self.chunks) * sum(times)
+        """Predicted idle share of the devices from stage FLOPs per chunk: steps=1 is one
+        call that fills and drains the pipeline ((S-1)/(M+S-1) for balanced stages); more
+        steps run as a PipeFusion ring, whose only bubble is the first fill and stage
+        imbalance (and, with fewer chunks than stages, waiting for chunks to come round)."""
+        flops = self.chunk_flops()
+        boxes = self.predicted_boxes(steps, ring=steps > 1, times=flops)
+        total = max((b.end for b in boxes), default=0.0)
+        busy = steps * sum(map(sum, flops))
         return 1 - busy / (len(self.stages) * total) if total > 0 else 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -181,7 +194,7 @@ def summary(plan: Plan) -> dict[str, Any]:
         } for c in chunks],
         "schedule": {"world": len(plan.stages),
                      "ranks": [list(map(str, r)) for r in plan.distributed_schedule().ranks]},
-        "bubble": {"basis": "stage FLOPs per chunk (passes/cost.py), pipeline_time",
+        "bubble": {"basis": "stage FLOPs per chunk (costmodel/cost.py), costmodel/pipeline_time",
                    "per_call": plan.bubble_fraction(1),
                    "ring": plan.bubble_fraction(RING_STEPS), "ring_steps": RING_STEPS},
     }
