@@ -30,11 +30,31 @@ def model_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def named_bytes(model) -> dict[str, int]:
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return {name: t.numel() * t.element_size() for name, t in tensors}
+
+
 def test_stage_parameter_bytes_sum_to_the_model():
+    """Each weight once: the stages' own, plus the prelude's (which ranks share)."""
     model, plan = dit_plan()
-    held = sum(s.param_bytes for s in plan.stages) + plan.prelude_param_bytes
-    assert held == plan.model_param_bytes == model_bytes(model)
-    assert all(s.param_bytes > 0 for s in plan.stages)
+    own = sum(s.param_bytes - s.prelude_param_bytes for s in plan.stages)
+    assert own + plan.prelude_param_bytes == plan.model_param_bytes == model_bytes(model)
+    assert all(s.param_bytes > s.prelude_param_bytes > 0 for s in plan.stages)
+
+
+def test_a_rank_holds_its_stage_and_its_share_of_the_prelude():
+    """A block's modulation (`ada`) runs in the prelude on every rank whose stage runs part
+    of the block; the timestep and label embeddings feed every block, so every rank."""
+    model, plan = dit_plan()
+    sizes = named_bytes(model)
+    shared = sum(b for n, b in sizes.items() if n.startswith(("t_mlp.", "label.")))
+    for s in plan.stages:
+        blocks = {layer_of(m) for m in s.modules if m.startswith("blocks.")}
+        prelude = shared + sum(sizes[f"{b}.ada.{p}"] for b in blocks for p in ("weight", "bias"))
+        runs = set(s.modules) | ({""} if "embed" in s.modules else set())  # "": pos table
+        own = sum(b for n, b in sizes.items() if n.rpartition(".")[0] in runs)
+        assert (s.param_bytes, s.prelude_param_bytes) == (own + prelude, prelude), s.index
 
 
 @pytest.mark.parametrize("steps", [1, 3])

@@ -24,11 +24,12 @@ def _header(plan: Plan) -> list[str]:
     return [f"tokpipe plan: {len(plan.stages)} stage(s) x {len(plan.chunks)} chunk(s), "
             f"mode={c.mode}{warmup}, compiler={c.compiler}",
             f"token input '{plan.token_input}': {plan.units} grid rows, {plan.tokens} tokens; "
-            f"parameters {human_bytes(plan.model_param_bytes)}"]
+            f"parameters {human_bytes(plan.model_param_bytes)} (each counted once)"]
 
 
 def _stage_table(plan: Plan) -> list[str]:
-    rows = [("stage", "layers", "nodes", "params", "FLOP/chunk", "send/chunk", "K/V cache")]
+    rows = [("stage", "layers", "nodes", "params held", "FLOP/chunk", "send/chunk",
+             "K/V cache")]
     largest = max(plan.chunks, key=lambda c: c.units)
     for s in plan.stages:
         rows.append((str(s.index), ", ".join(s.layers) or "-", str(s.node_count),
@@ -36,11 +37,12 @@ def _stage_table(plan: Plan) -> list[str]:
                      human_count(max(plan.stage_flops(s.index, c) for c in plan.chunks)),
                      human_bytes(plan.send_bytes(s.index, largest)),
                      human_bytes(s.kv_cache_bytes)))
-    rows.append(("all", "prelude (runs on every rank)", str(node_count(plan.graphs.prelude)),
-                 human_bytes(plan.prelude_param_bytes),
+    rows.append(("all", "prelude (each rank runs what its stage reads)",
+                 str(node_count(plan.graphs.prelude)), human_bytes(plan.prelude_param_bytes),
                  human_count(plan.prelude_flops()) + "/call", "-", "-"))
-    notes = ["FLOP/chunk and send/chunk: the largest chunk; params: what the stage's rank "
-             "holds"]
+    notes = ["FLOP/chunk and send/chunk: the largest chunk",
+             "params held: the stage's weights and those of the prelude part its rank runs "
+             "(shared conditioning on every rank); prelude: its weights, each once"]
     return _table(rows, left=frozenset({1})) + notes
 
 

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.core.fx import example_value, is_parameter, module_path, node_count
-from tokpipe_compiler.core.stage_graph import BOUNDARY, CALL, SLICED, SplitGraphs, StageGraph
+from tokpipe_compiler.core.fx import example_value, module_path, node_count
+from tokpipe_compiler.core.stage_graph import BOUNDARY, SplitGraphs, StageGraph
 from tokpipe_compiler.costmodel import pipeline_time
 from tokpipe_compiler.costmodel.cost import Cost, graph_cost
 from tokpipe_compiler.passes.partition import Partition
+from tokpipe_compiler.planning import params
 from tokpipe_compiler.planning.layers import compress_layers, layer_of
 from tokpipe_compiler.runtime.caches import CacheSpec
 from tokpipe_compiler.runtime.chunking import Chunk
@@ -32,7 +33,10 @@ class StagePlan:
     graph: StageGraph
     modules: list[str]  # module paths whose nodes run in this stage, in order
     node_count: int
-    param_bytes: int  # parameters and buffers the stage reads: what its rank holds
+    # Weights (parameters and buffers) its rank holds: the stage's own and those of the
+    # prelude part the rank runs, shared conditioning weights counted on every rank.
+    param_bytes: int
+    prelude_param_bytes: int  # of param_bytes: the prelude's (modulation, conditioning)
     cost: Cost  # one chunk of N tokens over C tokens of context (passes/cost.py)
     send_bytes_per_unit: int  # bytes to later stages per token-grid unit
     caches: list[CacheSpec] = field(default_factory=list)
@@ -88,17 +92,13 @@ class Plan:
     @property
     def model_param_bytes(self) -> int:
         """Parameters and buffers the traced graph reads (each counted once)."""
-        return sum(_param_bytes_by_name(self.graphs).values())
+        return sum(params.bytes_by_name(self.graphs).values())
 
     @property
     def prelude_param_bytes(self) -> int:
-        """Parameters only the prelude reads (timestep, text conditioning): every rank
-        runs the prelude, so every rank holds them."""
-        by_name = _param_bytes_by_name(self.graphs)
-        staged = {n for s in self.stages for n in _stage_param_names(s.graph, set(by_name))}
-        used = {n.name for n in self.graphs.prelude.graph.nodes
-                if n.op == "placeholder" and any(u.op != "output" for u in n.users)}
-        return sum(b for name, b in by_name.items() if name in used - staged)
+        """Weights only the prelude reads (timestep, per-block modulation, text
+        conditioning), each counted once; every rank holds those its prelude part reads."""
+        return params.prelude_only_bytes(self.graphs)
 
     def prelude_flops(self) -> float:
         nodes = [n for n in self.graphs.prelude.graph.nodes
@@ -181,6 +181,7 @@ def summary(plan: Plan) -> dict[str, Any]:
             "modules": s.modules,
             "nodes": s.node_count,
             "param_bytes": s.param_bytes,
+            "prelude_param_bytes": s.prelude_param_bytes,
             "flops_per_chunk": [plan.stage_flops(s.index, c) for c in chunks],
             "send_bytes_per_chunk": [plan.send_bytes(s.index, c) for c in chunks],
             "kv_cache_bytes": s.kv_cache_bytes,
@@ -207,16 +208,16 @@ def describe_stages(
     graphs: SplitGraphs, caches: list[CacheSpec], cut: Partition, costs: list[Cost]
 ) -> list[StagePlan]:
     by_cache = {name: c for c in caches for name in (c.k_name, c.v_name)}
-    params = _param_bytes_by_name(graphs)
     plans = []
-    for stage in graphs.stages:
+    for stage, held in zip(graphs.stages, params.held_by_stage(graphs), strict=True):
         nodes = [n for n in stage.gm.graph.nodes if n.op not in ("placeholder", "output")]
         plans.append(StagePlan(
             index=stage.index,
             graph=stage,
             modules=_modules(nodes),
             node_count=node_count(stage.gm),
-            param_bytes=sum(params[n] for n in _stage_param_names(stage, set(params))),
+            param_bytes=held.total,
+            prelude_param_bytes=held.prelude,
             cost=costs[stage.index],
             send_bytes_per_unit=_send_bytes(stage, graphs),
             caches=sorted({by_cache[i.name] for i in stage.inputs if i.name in by_cache},
@@ -246,24 +247,6 @@ def _layer_flops(cut: Partition, stage: int) -> list[tuple[str, float]]:
         else:
             out.append((layer, weight))
     return out
-
-
-def _param_bytes_by_name(graphs: SplitGraphs) -> dict[str, int]:
-    """Bytes of every parameter or buffer input of the traced graph, by input name."""
-    out = {}
-    for node in graphs.prelude.graph.nodes:
-        value = example_value(node)
-        if node.op == "placeholder" and is_parameter(node) and value is not None:
-            out[node.name] = value.numel() * value.element_size()
-    return out
-
-
-def _stage_param_names(stage: StageGraph, params: set[str]) -> set[str]:
-    """Parameters (of `params`) a stage reads whole (CALL) or cut to the chunk from a table
-    (SLICED); its rank holds either whole."""
-    names = {i.name for i in stage.inputs if i.kind == CALL}
-    names |= {i.source for i in stage.inputs if i.kind == SLICED}
-    return names & params
 
 
 def _send_bytes(stage: StageGraph, graphs: SplitGraphs) -> int:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.core.fx import example_value, is_parameter
+from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session
@@ -76,16 +76,9 @@ class DistributedProgram(PipelinedProgram):
 
     @property
     def param_bytes(self) -> int:
-        """Bytes of the parameters this rank's prelude and stage read: what it holds on its
-        device (the rest of the model stays wherever the caller keeps it)."""
-        used = {n.name for n in self.prelude[0].graph.nodes if n.op == "placeholder" and n.users}
-        used |= self.reads
-        total = 0
-        for node in self.plan.graphs.prelude.graph.nodes:
-            value = example_value(node)
-            if node.name in used and is_parameter(node) and value is not None:
-                total += value.numel() * value.element_size()
-        return total
+        """Bytes of the weights this rank holds on its device (its stage's and its prelude
+        part's; the rest of the model stays wherever the caller keeps it): the plan's count."""
+        return self.plan.stages[self.rank].param_bytes
 
     def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The producer concatenates its chunks; every rank receives the whole output."""
