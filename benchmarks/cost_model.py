@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 import tokpipe_compiler as tp
 from tokpipe_compiler import Config
-from tokpipe_compiler.core.fx import record_sources
 from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.costmodel.chunk_choice import (
     choose_causal,
@@ -35,6 +34,7 @@ from tokpipe_compiler.costmodel.chunk_choice import (
     step_time,
     table_step_time,
 )
+from tokpipe_compiler.planning.capture import capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.pipelined import PipelinedProgram
@@ -53,18 +53,10 @@ LM_QUICK = {"tokens": 512, "width": 64, "layers": 2}
 STAGES = 2
 
 
-def capture(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, list]:
+def capture_one(fn, *args: torch.Tensor) -> tuple[torch.fx.GraphModule, list]:
     """Dynamo's one graph of fn(*args), and its example inputs."""
-    graphs = []
-
-    def record(gm, example_inputs, **_):
-        graphs.append((record_sources(gm), list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(fn, backend=record, dynamic=False)(*args)
-    return graphs[0]
+    captured = capture(fn, args, fresh=True)[0]
+    return captured.gm, captured.inputs
 
 
 def measure(plan: Plan, inputs: list, runs: int) -> dict[tuple[int, int], float]:
@@ -100,7 +92,7 @@ def dit(shape: dict):
     def forward(latents):
         return model(latents, timestep=t, class_labels=labels).sample
 
-    return capture(forward, torch.randn(1, 4, shape["side"], shape["side"]))
+    return capture_one(forward, torch.randn(1, 4, shape["side"], shape["side"]))
 
 
 def stage_accuracy(gm, inputs, rates, runs: int) -> None:
@@ -164,7 +156,7 @@ def causal_rank(
 
 def causal_slicing(shape: dict, rates, runs: int, chunks: int) -> None:
     model, x = causal_model(shape)
-    gm, inputs = capture(model, x)
+    gm, inputs = capture_one(model, x)
     config = Config(stages=STAGES, chunks=chunks, mode="causal", compiler="eager")
     uniform = build_plan(gm, config)
     table = choose_causal(uniform.units, uniform.tokens, stage_times(uniform, rates), chunks)

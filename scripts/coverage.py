@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from tests.fixtures.tracing import rel_error  # noqa: E402
 from tests.fixtures.zoo import ZOO, build  # noqa: E402
 from tokpipe_compiler import Config  # noqa: E402
+from tokpipe_compiler.planning.capture import Captured, capture  # noqa: E402
 from tokpipe_compiler.planning.driver import build_plan  # noqa: E402
 from tokpipe_compiler.programs.pipelined import PipelinedProgram  # noqa: E402
 
@@ -103,28 +104,10 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {first}"[:160]
 
 
-def trace_graphs(model: torch.nn.Module, inputs: dict) -> list:
-    graphs = []
-
-    def record(gm, example_inputs, **_):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=record, dynamic=False)(**inputs)
-    return graphs
-
-
-def graph_args(gm: torch.fx.GraphModule, example: list, inputs: dict) -> list:
+def graph_args(captured: Captured, inputs: dict) -> list:
     """The graph's inputs with the user inputs of `inputs` in place of the traced ones."""
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    args = list(example)
-    for key, value in inputs.items():
-        for candidate in (f"l_{key}_", f"l_kwargs_{key}_"):
-            if candidate in names and isinstance(value, torch.Tensor):
-                args[names.index(candidate)] = value
-    return args
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    return captured.with_arguments(tensors, strict=False)
 
 
 def first_tensor(values) -> torch.Tensor:
@@ -132,11 +115,11 @@ def first_tensor(values) -> torch.Tensor:
     return next(v for v in values if isinstance(v, torch.Tensor))
 
 
-def run_mode(gm, example, name: str, mode: str) -> tuple[str, str]:
+def run_mode(captured: Captured, name: str, mode: str) -> tuple[str, str]:
     """(status, stale drift) of one mode."""
-    entry = ZOO[name]
-    a = graph_args(gm, example, entry.inputs(1))
-    b = graph_args(gm, example, next_step(entry.inputs(1)))
+    entry, gm = ZOO[name], captured.gm
+    a = graph_args(captured, entry.inputs(1))
+    b = graph_args(captured, next_step(entry.inputs(1)))
     with torch.no_grad():
         ref_a, ref_b = first_tensor(gm(*a)), first_tensor(gm(*b))
     config = Config(stages=STAGES, chunks=entry.chunks, mode=mode, warmup_steps=1,
@@ -177,15 +160,14 @@ def cover(name: str) -> Row:
     try:
         model = build(name)
         inputs = ZOO[name].inputs(0)
-        graphs = trace_graphs(model, inputs)
+        graphs = capture(model, kwargs=inputs, fresh=True)
     except Exception as err:
         return Row(name, f"untraced: {one_line(err)}", {})
     if len(graphs) != 1:
         return Row(name, f"untraced: {len(graphs)} graphs (graph breaks)", {})
-    gm, example = graphs[0]
     row = Row(name, "yes", {})
     for mode in MODES:
-        row.modes[mode], drift = run_mode(gm, example, name, mode)
+        row.modes[mode], drift = run_mode(graphs[0], name, mode)
         row.drift = row.drift or drift
     return row
 

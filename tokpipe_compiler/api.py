@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from typing import Any
 
@@ -11,12 +10,10 @@ import torch
 from tokpipe_compiler.backend import LazyProgram, TokpipeBackend, session_for_options
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
-from tokpipe_compiler.core.fx import record_sources
+from tokpipe_compiler.planning.capture import capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.pipelined import PipelinedProgram
-
-log = logging.getLogger("tokpipe_compiler")
 
 # Attributes that lead from a torch.compile'd module to the backend Dynamo holds.
 _LINKS = ("dynamo_ctx", "callback", "_torchdynamo_orig_backend", "_torchdynamo_orig_callable",
@@ -99,20 +96,4 @@ def explain(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
 
 def capture_graphs(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> list:
     """The FX graphs Dynamo makes of one call (several when the model has graph breaks)."""
-    graphs: list[torch.fx.GraphModule] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
-        graphs.append(record_sources(gm))
-        return gm.forward
-
-    for _ in range(2):
-        with torch.no_grad():
-            torch.compile(model, backend=record, dynamic=False)(*args, **(kwargs or {}))
-        if graphs:
-            return graphs
-        # Dynamo stops tracing a function after its recompile limit and runs it eagerly;
-        # start its caches afresh once (compiled models recompile on their next call).
-        log.warning("Dynamo traced nothing (recompile limit?); resetting its caches")
-        torch.compiler.reset()
-    raise TokpipeError("Dynamo traced no graph of this model; is it a torch.nn.Module with "
-                       "tensor inputs? (TORCH_LOGS=graph_breaks shows why)")
+    return [captured.gm for captured in capture(model, args, kwargs)]

@@ -21,8 +21,8 @@ import torch
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.core.fx import record_sources
 from tokpipe_compiler.core.stage_graph import OutputKind
+from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.programs.distributed import make_program
 
@@ -42,7 +42,7 @@ class Ring:
             raise ValueError("ring mode in 'stale' needs option 'warmup_steps' >= 1, got 0: "
                              "the first step must fill the K/V caches")
         self.program = None
-        self._traced: tuple[torch.fx.GraphModule, list[Any], list[str]] | None = None
+        self._traced: Captured | None = None
 
     def run(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor] | None = None,
             steps: int | None = None, progress: Callable[[int], None] | None = None) -> tuple:
@@ -75,15 +75,13 @@ class Ring:
     def _program(self, values: dict[str, Any], ring_steps: int):
         if self.program is None:
             self._traced = trace_step(self.step_fn, values)
-            plan = build_plan(self._traced[0], self.config, ring_steps=max(ring_steps, 1))
+            plan = build_plan(self._traced.gm, self.config, ring_steps=max(ring_steps, 1))
             self.program = make_program(plan, None)
         return self.program
 
     def _args(self, values: dict[str, Any], per_step: dict[str, torch.Tensor], k: int) -> tuple:
-        _, example, names = self._traced
         current = {**values, **{name: v[k] for name, v in per_step.items()}}
-        return tuple(current[_user_name(n)] if _user_name(n) in current else example[i]
-                     for i, n in enumerate(names))
+        return tuple(self._traced.with_arguments(current, strict=False))
 
     def _carried_outputs(self, program) -> dict[str, str]:
         """Placeholder name of each carried input -> name of the output value it becomes."""
@@ -93,38 +91,29 @@ class Ring:
                                f"carry names {len(self.carry)}")
         carried = {}
         for name, spec in zip(self.carry, outputs, strict=False):
-            if spec.source == f"l_{name}_":
+            placeholder = self._traced.placeholder(name)
+            if placeholder is None:
+                raise TokpipeError(f"carried input {name!r} is not an input the step "
+                                   f"function reads; it reads {self._traced.arguments}")
+            if spec.source == placeholder:
                 continue  # returned unchanged: nothing to carry
             if spec.kind != OutputKind.TOKEN:
                 raise TokpipeError(f"carried input {name!r} is fed by an output that is not "
                                    "token-wise (ring mode needs a token-wise scheduler update)")
-            carried[f"l_{name}_"] = spec.source
+            carried[placeholder] = spec.source
         return carried
 
     def _carried_values(self, outputs: tuple) -> dict[str, Any]:
         return dict(zip(self.carry, outputs, strict=False))
 
 
-def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]):
-    """(graph, example inputs, placeholder names) of one call of the step function."""
-    graphs: list[tuple] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
-        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        graphs.append((record_sources(gm), list(example_inputs), names))
-        return gm.forward
-
+def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
+    """The graph of one call of the step function, its example inputs and placeholders."""
     try:
-        with torch.no_grad():
-            torch.compile(step_fn, backend=record, fullgraph=True, dynamic=False)(**values)
+        return capture(step_fn, kwargs=values, fullgraph=True)[-1]
     except torch._dynamo.exc.Unsupported as err:
         raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
                            f"it: {str(err).splitlines()[0]}") from err
-    return graphs[-1]
-
-
-def _user_name(placeholder: str) -> str:
-    return placeholder[2:-1] if placeholder.startswith("l_") else placeholder
 
 
 def _steps_of(per_step: dict[str, torch.Tensor]) -> int:

@@ -28,13 +28,8 @@ def traced(name: str) -> tuple[torch.nn.Module, Traced]:
 
 def run(name: str, program, seed: int) -> torch.Tensor:
     _, t = traced(name)
-    return program(*t.args(**_kwargs_names(t, ZOO[name].inputs(seed))))[0]
-
-
-def _kwargs_names(t: Traced, inputs: dict) -> dict:
-    """Dynamo names keyword inputs l_kwargs_<name>_ or l_<name>_; map to what args() wants."""
-    prefix = "kwargs_" if any(n.startswith("l_kwargs_") for n in t.names) else ""
-    return {f"{prefix}{k}": v for k, v in inputs.items() if f"l_{prefix}{k}_" in t.names}
+    # Inputs the graph does not read (sizes, lists Dynamo made constants) are left out.
+    return program(*t.with_arguments(ZOO[name].inputs(seed), strict=False))[0]
 
 
 def eager(name: str, seed: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -39,6 +40,29 @@ def record_sources(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def source_name(node: torch.fx.Node) -> str:
     """Where Dynamo got a placeholder from: "L['latents']", "L['self']._modules[...]..."."""
     return node.meta.get(SOURCE_KEY, "")
+
+
+# L['name'], optionally one subscript: L['kwargs']['hidden_states'], L['args'][0].
+_ARGUMENT = re.compile(r"L\['(?P<name>\w+)'\](?:\['(?P<key>[^']+)'\]|\[(?P<index>\d+)\])?")
+
+
+def argument_of(node: torch.fx.Node) -> str | int | None:
+    """The argument of the call a placeholder holds, as the user passed it, from its Dynamo
+    source: a parameter ("L['latents']" -> "latents"), a keyword gathered by **kwargs
+    ("L['kwargs']['hidden_states']" -> "hidden_states"), a position gathered by *args
+    ("L['args'][0]" -> 0). An entry of a dict or list argument is named the same way, by
+    its key or index. None for module parameters and buffers, closures, globals, and
+    anything nested deeper."""
+    if node.op != "placeholder":
+        return None
+    match = _ARGUMENT.fullmatch(source_name(node))
+    if match is None or match["name"] == "self":
+        return None
+    if match["key"] is not None:
+        return match["key"]
+    if match["index"] is not None:
+        return int(match["index"])
+    return match["name"]
 
 
 def is_user_input(node: torch.fx.Node) -> bool:

@@ -7,13 +7,12 @@ such a graph is traced again, statically, for each concrete shape it is called w
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx
 
-from tokpipe_compiler.core.fx import example_value, record_sources
+from tokpipe_compiler.core.fx import argument_of, example_value
 from tokpipe_compiler.core.meta import SOURCE_KEY
+from tokpipe_compiler.planning.capture import capture
 
 
 def has_symbolic_shapes(gm: torch.fx.GraphModule) -> bool:
@@ -36,27 +35,20 @@ class StaticGraph:
     (size arguments become constants and drop out)."""
 
     def __init__(self, gm: torch.fx.GraphModule, args: tuple):
-        graphs: list[torch.fx.GraphModule] = []
-
-        def record(graph: torch.fx.GraphModule, example_inputs: list, **_: Any):
-            graphs.append(record_sources(graph))
-            return graph.forward
-
         plain = torch.fx.GraphModule(gm, gm.graph)  # Dynamo will not trace a lazy module
         plain.recompile()
-        with torch.no_grad():
-            torch.compile(plain, backend=record, dynamic=False, fullgraph=True)(*args)
-        self.gm = graphs[-1]
+        self.gm = capture(plain, args, fullgraph=True)[-1].gm
         old = [n for n in gm.graph.nodes if n.op == "placeholder"]
         position = {n.target: i for i, n in enumerate(old)}
         self.order = []
         for node in self.gm.graph.nodes:
             if node.op != "placeholder":
                 continue
-            target = node.meta[SOURCE_KEY][3:-2]  # L['name'] -> name
-            self.order.append(position[target])
-            if SOURCE_KEY in old[position[target]].meta:
-                node.meta[SOURCE_KEY] = old[position[target]].meta[SOURCE_KEY]
+            # The new graph's inputs are the old graph's placeholders, by name.
+            target = position[argument_of(node)]
+            self.order.append(target)
+            if SOURCE_KEY in old[target].meta:
+                node.meta[SOURCE_KEY] = old[target].meta[SOURCE_KEY]
 
     def select(self, args: tuple) -> tuple:
         return tuple(args[i] for i in self.order)

@@ -1,0 +1,93 @@
+"""The one graph recorder (planning/capture.py) and argument_of on real Dynamo graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokpipe_compiler.core.fx import argument_of, is_user_input
+from tokpipe_compiler.planning.capture import capture
+
+
+class Named(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, latents, timestep, extra=None):
+        return self.proj(latents) * timestep + extra["scale"]
+
+
+class Gathering(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, *args, **kwargs):
+        return self.proj(args[0]) + args[1] * kwargs["hidden_states"]
+
+
+def user_arguments(model, args=(), kwargs=None) -> dict:
+    """argument_of -> placeholder name, for the call's user inputs."""
+    (captured,) = capture(model, args, kwargs, fresh=True)
+    placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    assert [argument_of(n) for n in placeholders] == captured.arguments
+    return {argument_of(n): n.name for n in placeholders if is_user_input(n)}
+
+
+def x(*shape):
+    return torch.randn(*shape)
+
+
+def test_arguments_passed_by_name_or_position_are_named_by_the_parameter():
+    extra = {"scale": x(4)}
+    by_name = user_arguments(Named(), kwargs={"latents": x(2, 4), "timestep": x(1),
+                                              "extra": extra})
+    by_position = user_arguments(Named(), (x(2, 4), x(1), extra))
+    assert set(by_name) == set(by_position) == {"latents", "timestep", "scale"}
+
+
+def test_star_args_are_positions_and_star_kwargs_are_keywords():
+    found = user_arguments(Gathering(), (x(2, 4), x(4)), {"hidden_states": x(4)})
+    assert found == {0: "l_args_0_", 1: "l_args_1_", "hidden_states": "l_kwargs_hidden_states_"}
+
+
+def test_module_parameters_have_no_argument():
+    (captured,) = capture(Named(), (x(2, 4), x(1), {"scale": x(4)}), fresh=True)
+    params = [n for n in captured.gm.graph.nodes if n.op == "placeholder" and "proj" in n.name]
+    assert len(params) == 2 and all(argument_of(n) is None for n in params)
+    assert captured.arguments.count(None) == 2
+
+
+def test_with_arguments_replaces_by_argument_name():
+    (captured,) = capture(Gathering(), (x(2, 4), x(4)), {"hidden_states": x(4)}, fresh=True)
+    new = x(4)
+    args = captured.with_arguments({"hidden_states": new, 1: new})
+    assert args[captured.names.index("l_kwargs_hidden_states_")] is new
+    assert args[captured.names.index("l_args_1_")] is new
+    assert captured.placeholder(0) == "l_args_0_" and captured.placeholder("nope") is None
+    with pytest.raises(KeyError, match="nope"):
+        captured.with_arguments({"nope": new})
+    assert len(captured.with_arguments({"nope": new}, strict=False)) == len(captured.inputs)
+
+
+def test_capture_past_dynamos_recompile_limit():
+    """Dynamo stops tracing a function after its recompile limit; capture starts afresh."""
+    def f(a):
+        return a.sin() + 1
+
+    limit = torch._dynamo.config.recompile_limit
+    for _ in range(limit + 2):
+        (captured,) = capture(f, (x(3),))
+        assert captured.arguments == ["a"]
+
+
+def test_capture_runs_without_grad():
+    seen = []
+
+    def f(a):
+        seen.append(torch.is_grad_enabled())
+        return a * 2
+
+    capture(f, (x(3),), fresh=True)
+    assert seen == [False]
