@@ -1,8 +1,8 @@
 """The schedule: data, not control flow. A list of actions per rank, a compact string form,
-and a checker of the rules every schedule obeys.
+its parser, and a checker of the rules every schedule obeys.
 
     rank 0: C0.0 S0.0>1 C0.1 S0.1>1 ...      compute stage 0 chunk 0, send it to rank 1, ...
-    rank 1: R1.0<0 C1.0 R1.1<0 C1.1 ...
+    rank 1: R0.0<0 C1.0 R0.1<0 C1.1 ...      receive stage 0's chunk 0 from rank 0, ...
 
 Steps are prefixed when there are several: `2:C1.3` is step 2, stage 1, chunk 3. In ring
 mode the last stage's output of a chunk goes straight back to the first stage as the next
@@ -11,6 +11,8 @@ step's input: `S1.3>>0` sends it, `1:R1.3<<1` receives it.
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass
 
 from tokpipe_compiler.core.errors import TokpipeError
@@ -93,7 +95,35 @@ def build_schedule(
 
 def check_schedule(schedule: Schedule) -> None:
     """Every chunk passes every stage once per step, in chunk order, and every send has its
-    receive. Raises with the schedule printed and the failing action marked."""
+    receive. Raises naming the step, with the failing rank's actions and the culprit marked."""
+    _check_computes(schedule)
+    _check_messages(schedule)
+
+
+def parse_schedule(text: str, stages: int, chunks: int, steps: int = 1) -> Schedule:
+    """The schedule `str(schedule)` printed, one 'rank r: ...' line per rank; unchecked (a
+    hand-written one goes through `check_schedule`). A stage runs on the rank that computes
+    it."""
+    ranks = tuple(tuple(_parse_action(word) for word in line.partition(":")[2].split())
+                  for line in text.strip().splitlines())
+    stage_rank = tuple(next((r for r, acts in enumerate(ranks) for a in acts
+                             if a.kind == COMPUTE and a.stage == s), 0) for s in range(stages))
+    return Schedule(stages, chunks, steps, ranks, stage_rank)
+
+
+_ACTION = re.compile(r"(?:(\d+):)?([CSR])(\d+)\.(\d+)(?:(>>|<<|>|<)(\d+))?")
+
+
+def _parse_action(word: str) -> Action:
+    match = _ACTION.fullmatch(word)
+    if match is None:
+        raise TokpipeError(f"{word!r} is not a schedule action (like C0.1, S0.1>1, 2:R1.3<<1)")
+    step, kind, stage, chunk, arrow, peer = match.groups()
+    return Action(kind, int(stage), int(chunk), int(step or 0),
+                  None if peer is None else int(peer), carry=arrow in (">>", "<<"))
+
+
+def _check_computes(schedule: Schedule) -> None:
     seen: dict[tuple[int, int], int] = {}
     for rank, actions in enumerate(schedule.ranks):
         for i, action in enumerate(actions):
@@ -102,19 +132,40 @@ def check_schedule(schedule: Schedule) -> None:
             key = (action.step, action.stage)
             expected = seen.get(key, -1) + 1
             if action.chunk != expected or schedule.stage_rank[action.stage] != rank:
-                _fail(schedule, rank, i, f"expected chunk {expected} of stage {action.stage}")
+                _fail(schedule, rank, i, f"step {action.step}: expected chunk {expected} of "
+                      f"stage {action.stage} on rank {schedule.stage_rank[action.stage]}")
             seen[key] = action.chunk
-    for (step, stage), last in seen.items():
-        if last != schedule.chunks - 1:
-            raise TokpipeError(f"stage {stage} runs chunks 0..{last} of step {step} only")
-    if len(seen) != schedule.stages * schedule.steps:
-        raise TokpipeError("some stage never runs in some step")
-    sends = sorted((a.step + a.carry, a.stage, a.chunk, r, a.peer, a.carry)
-                   for r, acts in enumerate(schedule.ranks) for a in acts if a.kind == SEND)
-    recvs = sorted((a.step, a.stage, a.chunk, a.peer, r, a.carry)
-                   for r, acts in enumerate(schedule.ranks) for a in acts if a.kind == RECV)
-    if sends != recvs:
-        raise TokpipeError(f"sends and receives do not match:\n{schedule}")
+    for step in range(schedule.steps):
+        for stage in range(schedule.stages):
+            last = seen.get((step, stage), -1)
+            if last != schedule.chunks - 1:
+                raise TokpipeError(f"bad schedule: step {step}: stage {stage} runs chunks "
+                                   f"0..{last} of 0..{schedule.chunks - 1}\n{schedule}")
+
+
+def _check_messages(schedule: Schedule) -> None:
+    """Each send is received (a carried one at the next step), and nothing else is."""
+    sends = Counter(_message(a, r) for r, acts in enumerate(schedule.ranks) for a in acts
+                    if a.kind == SEND)
+    recvs = Counter(_message(a, r) for r, acts in enumerate(schedule.ranks) for a in acts
+                    if a.kind == RECV)
+    if sends == recvs:
+        return
+    for rank, actions in enumerate(schedule.ranks):
+        for i, a in enumerate(actions):
+            key = _message(a, rank)
+            if a.kind == SEND and sends[key] > recvs[key]:
+                _fail(schedule, rank, i, f"step {a.step}: no rank receives this send")
+            if a.kind == RECV and recvs[key] > sends[key]:
+                _fail(schedule, rank, i, f"step {a.step}: no rank sends what this receives")
+
+
+def _message(action: Action, rank: int) -> tuple:
+    """(step received, stage, chunk, from rank, to rank, carried) of a send or receive."""
+    if action.kind == SEND:
+        return (action.step + action.carry, action.stage, action.chunk, rank, action.peer,
+                action.carry)
+    return action.step, action.stage, action.chunk, action.peer, rank, action.carry
 
 
 def _inverse(edges: dict[int, set[int]], stages: int) -> dict[int, list[int]]:
