@@ -10,9 +10,11 @@ import torch
 from tokpipe_compiler.backend import LazyProgram, TokpipeBackend, session_for_options
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
+from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.capture import capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.programs.owners import programs_of as owned_programs
 from tokpipe_compiler.programs.pipelined import PipelinedProgram
 
 # Attributes that lead from a torch.compile'd module to the backend Dynamo holds.
@@ -29,21 +31,12 @@ def backend(**options: Any) -> TokpipeBackend:
 def reset(compiled: Any) -> None:
     """Start a new generation: every K/V cache of `compiled` is dropped and warmup reruns.
 
-    `compiled`: what torch.compile returned, or a backend made by `backend(...)`.
+    `compiled`: what torch.compile returned, a module compiled in place (`model.compile()`),
+    or a backend made by `backend(...)`. A generation also starts by itself when the
+    timestep goes back up (see README, "Generations").
     """
-    if isinstance(compiled, TokpipeBackend):
-        compiled.reset()
-        return
-    if isinstance(compiled, LazyProgram):
-        compiled.session.reset()
-        return
-    session = _find_session(compiled)
-    if session is None:
-        raise TokpipeError(
-            f"reset() found no tokpipe backend behind {type(compiled).__name__}; pass what "
-            "torch.compile(..., backend='tokpipe') returned, or the backend object"
-        )
-    session.reset()
+    for program in programs(compiled):
+        program.reset()
 
 
 def programs(compiled: Any) -> list[PipelinedProgram]:
@@ -51,10 +44,17 @@ def programs(compiled: Any) -> list[PipelinedProgram]:
     each with its `plan` and the `timeline` of its calls."""
     if isinstance(compiled, PipelinedProgram):
         return [compiled]
-    session = compiled.session if isinstance(compiled, (TokpipeBackend, LazyProgram)) else (
-        _find_session(compiled))
+    if isinstance(compiled, (TokpipeBackend, LazyProgram)):
+        return list(compiled.session.programs)
+    module = getattr(compiled, "_orig_mod", compiled)
+    if isinstance(module, torch.nn.Module) and owned_programs(module):
+        return owned_programs(module)  # this model's, not another's of the same class
+    session = _find_session(compiled)
     if session is None:
-        raise TokpipeError(f"found no tokpipe backend behind {type(compiled).__name__}")
+        raise TokpipeError(
+            f"found no tokpipe program behind {type(compiled).__name__}; pass what "
+            "torch.compile(..., backend='tokpipe') returned (after its first call), a "
+            "module compiled in place, or the backend object")
     return list(session.programs)
 
 
@@ -83,14 +83,20 @@ def _find_session(obj: Any):
 def explain(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None,
             **options: Any) -> Plan:
     """The Plan the backend would run for `model(*args, **kwargs)`, without running the
-    pipeline (the model runs once, unpipelined, while Dynamo traces it)."""
+    pipeline (the model runs once, unpipelined, while Dynamo traces it): the plan of its
+    first graph with the token input."""
     config = Config.from_options(options)
-    graphs = capture_graphs(model, args, kwargs)
-    for gm in graphs:
+    inputs: list[str | int] = []  # of the graphs without the named token input
+    for gm in capture_graphs(model, args, kwargs):
         try:
             return build_plan(gm, config)
+        except UnknownTokenInput as err:  # an error only when no graph reads it
+            inputs += [name for name in err.inputs if name not in inputs]
         except NoTokenInput:
             continue
+    if inputs:
+        raise TokpipeError(f"token_input={config.token_input!r} names no input of this "
+                           f"model; its inputs are {inputs}")
     raise TokpipeError("no traced graph of this model has a token input to pipeline")
 
 

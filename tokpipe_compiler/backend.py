@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -17,10 +18,14 @@ import torch.fx
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
-from tokpipe_compiler.core.fx import record_sources
+from tokpipe_compiler.core.fx import is_parameter, record_sources
+from tokpipe_compiler.passes.token_input import UnknownTokenInput
+from tokpipe_compiler.planning.capture import frame_parameters
 from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.static import StaticGraph, has_symbolic_shapes, shape_key
 from tokpipe_compiler.programs.distributed import make_program
+from tokpipe_compiler.programs.owners import PerOwner, owner_of, register
 from tokpipe_compiler.programs.pipelined import Session
 
 log = logging.getLogger("tokpipe_compiler")
@@ -61,40 +66,84 @@ def session_for_options(options: dict | None) -> Session | None:
     return entry[1] if entry is not None else None
 
 
+# Per session: the parameter names of every function Dynamo traced for it (a model's forward
+# is traced first), to tell a misspelt token_input from one a graph break left out.
+_PARAMETERS: weakref.WeakKeyDictionary[Session, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _traced_parameters(session: Session) -> set[str]:
+    """Adds the parameters of the function Dynamo traces now (called while it does);
+    returns the session's set, which grows as Dynamo traces more of the model."""
+    known = _PARAMETERS.setdefault(session, set())
+    found = frame_parameters()
+    known |= {"**"} if found is None else found  # unknown: any name may be a parameter
+    return known
+
+
 class LazyProgram:
     """What Dynamo gets back: plans on the first call, then runs the pipeline. A graph with
-    symbolic shapes gets one plan per concrete input shape."""
+    symbolic shapes gets one plan per concrete input shape; each model whose weights the
+    graph is called with gets its own program (caches, generation) from the shared plan."""
 
     def __init__(self, gm: torch.fx.GraphModule, config_fn, session: Session):
         self.gm = record_sources(gm)
         self.config_fn = config_fn
         self.session = session
+        self.parameters = _traced_parameters(session)  # of this graph's frame and others
         self.dynamic = has_symbolic_shapes(gm)
-        self.programs: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> callable
-        self.pipelined: list[Any] = []  # the pipelined programs among them
+        self.owner_index = next((i for i, n in enumerate(placeholders(gm)) if is_parameter(n)),
+                                None)
+        self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> plan, select
+        self.programs = PerOwner()  # per model: input shapes -> callable
+        self.pipelined: weakref.WeakSet = weakref.WeakSet()  # the pipelined programs made
 
     def __call__(self, *args: Any) -> Any:
         key = shape_key(args) if self.dynamic else None
-        if key not in self.programs:
-            self.programs[key] = self._plan(args)
-        return self.programs[key](*args)
+        owner = owner_of(args, self.owner_index)
+        table = self.programs.table(owner)
+        if key not in table:
+            table[key] = self._program(key, args, owner)
+        return table[key](*args)
 
-    def _plan(self, args: tuple):
+    def _program(self, key: Any, args: tuple, owner: torch.Tensor | None):
+        if key not in self.plans:
+            self.plans[key] = self._plan(args)
+        plan, select = self.plans[key]
+        if plan is None:
+            return self.gm.forward
+        program = make_program(plan, self.session, None if owner is None else id(owner))
+        register(owner, program)
+        self.pipelined.add(program)
+        return program if select is None else lambda *a: program(*select(a))
+
+    def _may_read(self, name: str) -> bool:
+        """Whether a graph of this model may read input `name`."""
+        return name in self.parameters or "**" in self.parameters
+
+    def _plan(self, args: tuple) -> tuple[Plan | None, Any]:
+        """The plan for these input shapes, or None where the graph runs unpipelined."""
         config = self.config_fn()
         gm, select = self.gm, None
         if self.dynamic:
             static = StaticGraph(self.gm, args)
             gm, select = static.gm, static.select
         try:
-            program = make_program(build_plan(gm, config), self.session)
+            return build_plan(gm, config), select
+        except UnknownTokenInput as err:
+            # Misspelt, unless the name is a parameter of a function Dynamo traced for this
+            # model: then this graph is a piece (graph breaks) that does not read it.
+            if not self._may_read(err.choice) and not config.fallback:
+                raise
+            warnings.warn(f"tokpipe: running this graph unpipelined: {err}", stacklevel=4)
         except NoTokenInput as err:
-            warnings.warn(f"tokpipe: running this graph unpipelined: {err}", stacklevel=3)
-            return self.gm.forward
+            warnings.warn(f"tokpipe: running this graph unpipelined: {err}", stacklevel=4)
         except TokpipeError as err:
             if not config.fallback:
                 raise
             warnings.warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}",
-                          stacklevel=3)
-            return self.gm.forward
-        self.pipelined.append(program)
-        return program if select is None else lambda *a: program(*select(a))
+                          stacklevel=4)
+        return None, None
+
+
+def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -91,6 +91,7 @@ def test_stale_on_changing_input_is_stale(config, data):
     program = traced.program(mode="stale", warmup_steps=1, stages=stages, chunks=chunks)
     first = dit_inputs(model, config[3], seed=1)
     second = dit_inputs(model, config[3], seed=2)
+    second = (second[0], first[1] - 1, second[2])  # the next step: a lower timestep
     program(*traced.args(latents=first[0], timestep=first[1], labels=first[2]))
     (out,) = program(*traced.args(latents=second[0], timestep=second[1], labels=second[2]))
     assert rel_error(out, eager(model, *second)) > 1e-4

@@ -15,7 +15,6 @@ from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session
-from tokpipe_compiler.runtime.caches import KVCaches
 from tokpipe_compiler.runtime.transport import DistributedTransport, init_process_group_from_env
 
 
@@ -35,8 +34,8 @@ def distributed_world() -> tuple[int, int] | None:
 class DistributedProgram(PipelinedProgram):
     """The per-call program on one rank of a `stages`-process group."""
 
-    def __init__(self, plan: Plan, session: Session | None = None):
-        super().__init__(plan, session)
+    def __init__(self, plan: Plan, session: Session | None = None, owner: int | None = None):
+        super().__init__(plan, session, owner)
         self.rank, world = distributed_world()
         stages = len(plan.stages)
         if world != stages:
@@ -45,7 +44,7 @@ class DistributedProgram(PipelinedProgram):
                 f"process per stage (torchrun --nproc-per-node {stages}) or set stages={world}"
             )
         self.world = world
-        self.caches = KVCaches(plan.stages[self.rank].caches)
+        self.cache_specs = plan.stages[self.rank].caches  # this rank's layers only
         self.transport = DistributedTransport(timeout=plan.config.timeout)
         graph = plan.graphs.stages[self.rank]
         self.prelude = prelude_for(plan.graphs, {self.rank})
@@ -103,8 +102,9 @@ class DistributedProgram(PipelinedProgram):
         self.transport.close()
 
 
-def make_program(plan: Plan, session: Session | None) -> Any:
-    """The in-process program, or this rank's part when torch.distributed is running."""
+def make_program(plan: Plan, session: Session | None, owner: int | None = None) -> Any:
+    """The in-process program, or this rank's part when torch.distributed is running.
+    `owner`: the id of the weight that tells which model the program runs."""
     if distributed_world() is not None:
-        return DistributedProgram(plan, session)
-    return PipelinedProgram(plan, session)
+        return DistributedProgram(plan, session, owner)
+    return PipelinedProgram(plan, session, owner)

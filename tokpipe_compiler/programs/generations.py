@@ -7,7 +7,8 @@ never from another image. From the timestep input alone:
 
     timestep lower than the last call's   -> the next step, branch 0
     timestep equal, other inputs          -> the same step, the next branch
-    timestep equal, the very same inputs  -> the next step (a call repeated as it was)
+    timestep equal, equal inputs          -> the next step (a call repeated as it was; its
+                                             stale K/V equal the fresh ones either way)
     timestep higher than the last call's  -> a new generation (the next image), step 0
 
 Without a timestep input every call is its own step of one branch, and only `tp.reset`,
@@ -16,7 +17,7 @@ new input shapes or a pipeline call's end start a new generation.
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,15 +37,17 @@ class Tick:
 
 class StepClock:
     """Counts steps and branches of one generation from the timestep argument at position
-    `timestep_index` of the call (None: every call is a step)."""
+    `timestep_index` of the call (None: every call is a step). `inputs`: positions of the
+    user's inputs (not weights), compared to tell a branch from a repeated call."""
 
-    def __init__(self, timestep_index: int | None):
+    def __init__(self, timestep_index: int | None, inputs: Sequence[int] = ()):
         self.timestep_index = timestep_index
+        self.inputs = tuple(inputs)
         self.reset()
 
     def reset(self) -> None:
         self.last: float | None = None
-        self.last_args: list[Any] = []
+        self.last_inputs: tuple[Any, ...] = ()
         self.step, self.branch = -1, 0
 
     def tick(self, args: tuple[Any, ...]) -> Tick:
@@ -58,21 +61,21 @@ class StepClock:
         else:
             self.step, self.branch, fresh = 0, 0, True
         self.last = timestep
-        # Weak references: the clock must not keep a step's tensors alive.
-        self.last_args = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args]
+        # The user's inputs only: holding the weights would keep the model alive.
+        self.last_inputs = tuple(args[i] for i in self.inputs)
         return Tick(fresh, self.step, self.branch)
 
     def _repeated(self, args: tuple[Any, ...]) -> bool:
-        """The same objects as the last call: a call repeated, not another branch."""
-        if len(args) != len(self.last_args):
+        """Inputs equal to the last call's: a call repeated, not another branch."""
+        if not self.last_inputs:
             return False
-        return all((old() if isinstance(old, weakref.ref) else old) is new
-                   for old, new in zip(self.last_args, args, strict=True))
+        return all(_same(old, args[i]) for old, i in zip(self.last_inputs, self.inputs,
+                                                          strict=True))
 
     def advance(self, steps: int) -> None:
         """`steps` steps ran outside `tick` (a ring), the last at timestep unknown here."""
         self.step += steps
-        self.last, self.last_args = None, []
+        self.last, self.last_inputs = None, ()
 
     def _timestep(self, args: tuple[Any, ...]) -> float | None:
         if self.timestep_index is None:
@@ -90,3 +93,12 @@ def timestep_index(argument_names: list[str | int | None]) -> int | None:
         if name in argument_names:
             return argument_names.index(name)
     return None
+
+
+def _same(old: Any, new: Any) -> bool:
+    if old is new:
+        return True
+    if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+        return old.shape == new.shape and old.dtype == new.dtype and \
+            old.device == new.device and bool(torch.equal(old, new))
+    return type(old) is type(new) and old == new

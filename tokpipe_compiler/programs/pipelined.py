@@ -1,9 +1,12 @@
-"""The callable a Dynamo graph becomes: one call = one denoising step through the pipeline.
+"""The callable a Dynamo graph becomes: one call = one denoising step (or one guidance
+branch of a step) through the pipeline.
 
-Generations: the first `warmup_steps` calls after a reset run the whole sequence stage after
-stage (exact) and fill the K/V caches; later calls run chunk by chunk with the mode's
-semantics. A program whose role (its token input) was last served by another program with
-other shapes starts a new generation by itself.
+Generations: the first `warmup_steps` steps of a generation run the whole sequence stage
+after stage (exact) and fill the K/V caches; later steps run chunk by chunk with the mode's
+semantics. Each guidance branch (the calls of one step with one timestep) keeps its own
+caches. A new generation starts by itself when the timestep goes back up
+(`generations.StepClock`), and when a program takes over its role (its token input) from
+another program of the same model with other shapes.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Any
 
 import torch
 
+from tokpipe_compiler.core.fx import argument_of
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.programs.generations import StepClock, timestep_index
 from tokpipe_compiler.programs.stage import StageProgram
 from tokpipe_compiler.runtime.caches import KVCaches
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
@@ -23,23 +28,27 @@ from tokpipe_compiler.runtime.executor import Executor, Timeline
 
 
 class Session:
-    """The programs of one compiled model (one torch.compile call), for reset()."""
+    """The programs of one backend (one torch.compile call, or one `tp.backend` object),
+    for reset()."""
 
     def __init__(self) -> None:
         self.programs: weakref.WeakSet[PipelinedProgram] = weakref.WeakSet()
-        self.last_by_role: dict[str, PipelinedProgram] = {}
+        # (model, role) -> the program that served it last (weakly: models come and go)
+        self.last_by_role: dict[tuple[int | None, str], weakref.ref] = {}
 
     def reset(self) -> None:
         for program in list(self.programs):
             program.reset()
         self.last_by_role.clear()
 
-    def claim(self, program: PipelinedProgram) -> None:
-        """Called per call: a program taking over its role from another starts afresh."""
-        role = program.plan.token_input
-        if self.last_by_role.get(role) is not program:
+    def claim(self, program: PipelinedProgram, owner: int | None) -> None:
+        """Called per call: a program taking over its role (for the same model) from
+        another starts afresh."""
+        role = (owner, program.plan.token_input)
+        last = self.last_by_role.get(role)
+        if last is None or last() is not program:
             program.reset()
-            self.last_by_role[role] = program
+            self.last_by_role[role] = weakref.ref(program)
 
 
 class PipelinedProgram:
@@ -51,29 +60,48 @@ class PipelinedProgram:
 
     rank, world, transport = 0, 1, None
 
-    def __init__(self, plan: Plan, session: Session | None = None):
+    def __init__(self, plan: Plan, session: Session | None = None, owner: int | None = None):
         self.plan = plan
         self.session = session
+        self.owner = owner  # id of the weight that tells the model this program runs
         self.stage_programs = [StageProgram(g, plan.config.compiler) for g in plan.graphs.stages]
-        self.caches = KVCaches(plan.caches)
-        self.calls = 0
+        self.cache_specs = plan.caches
+        self.branches: dict[int, KVCaches] = {}  # guidance branch -> its K/V caches
+        self.branch = 0
+        arguments = input_arguments(plan)
+        self.clock = StepClock(timestep_index(arguments),
+                               [i for i, name in enumerate(arguments) if name is not None])
+        self.calls = 0  # steps run by this program, for the timeline
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
         self.prelude = (plan.graphs.prelude, plan.graphs.prelude_outputs)
         if session is not None:
             session.programs.add(self)
 
+    @property
+    def caches(self) -> KVCaches:
+        """The K/V caches of the guidance branch being run."""
+        if self.branch not in self.branches:
+            self.branches[self.branch] = KVCaches(self.cache_specs)
+        return self.branches[self.branch]
+
     def reset(self) -> None:
-        self.caches.reset()
-        self.calls = 0
+        """A new generation: every branch's K/V dropped, warmup runs again."""
+        self.branches.clear()
+        self.branch = 0
+        self.clock.reset()
 
     def __call__(self, *args: torch.Tensor) -> Any:
-        """One step: warmup (whole sequence) or chunked, by the mode and the call count."""
+        """One step: warmup (whole sequence) or chunked, by the mode and the step."""
         if self.session is not None:
-            self.session.claim(self)
+            self.session.claim(self, self.owner)
+        tick = self.clock.tick(args)
+        if tick.new_generation:
+            self.branches.clear()
+        self.branch = tick.branch
         with torch.no_grad():
             call_env = self._call_env(args)
-            chunks = self._step_chunks()
+            chunks = self._step_chunks(tick.step)
             values = self._run(lambda _: call_env, chunks)
             outputs = self._assemble(values, chunks, call_env, step=0)
         self._advance(1)
@@ -98,16 +126,17 @@ class PipelinedProgram:
             values = self._run(env_for, self.plan.chunks, steps, carried, report)
             outputs = self._assemble(values, self.plan.chunks, env_for(steps - 1), steps - 1)
         self._advance(steps)
+        self.clock.advance(steps)
         return outputs
 
     def _advance(self, steps: int) -> None:
         self.calls += steps
         self.caches.filled = True  # every chunk has written its K/V once
 
-    def _step_chunks(self) -> list[Chunk]:
-        """The whole sequence as one chunk (sync mode, warmup calls), or the chunk table."""
+    def _step_chunks(self, step: int) -> list[Chunk]:
+        """The whole sequence as one chunk (sync mode, warmup steps), or the chunk table."""
         mode = self.plan.config.mode
-        warm = mode == "stale" and self.calls < self.plan.config.warmup_steps
+        warm = mode == "stale" and step < self.plan.config.warmup_steps
         return self.whole if mode == "sync" or warm else self.plan.chunks
 
     def _run(self, env_for, chunks: list[Chunk], steps: int = 1,
@@ -185,3 +214,8 @@ def _device_of(args: tuple) -> torch.device:
         if isinstance(arg, torch.Tensor):
             return arg.device
     return torch.device("cpu")
+
+
+def input_arguments(plan: Plan) -> list[str | int | None]:
+    """The forward's argument each graph input holds, in call order (None for weights)."""
+    return [argument_of(n) for n in plan.graphs.prelude.graph.nodes if n.op == "placeholder"]
