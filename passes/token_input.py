@@ -1,4 +1,21 @@
-"""Which graph input carries the tokens, and its candidate token axes (annotate's seed)."""
+"""Which graph input carries the tokens, and its candidate token axes (annotate's seed).
+
+Named (`token_input`): the placeholder whose user argument (`core.fx.argument_of`) is that
+name, however it was passed (by name, by keyword into **kwargs); a number is a position in
+*args, else a position among the graph's user inputs.
+
+Found: among the user float inputs of rank >= 3, the one the graph's output is made from,
+told by the graph's structure rather than by size (at released sizes the text embedding
+is the largest input: PixArt's T5 120 x 4096 against latents 4 x 128 x 128). A diffusion
+transformer's output is the latent it was given, in its layout (same shape; other channels
+for a learned variance, [B, C', F, H, W] for video) or packed (Flux's [B, tokens, C]); a
+conditioning stream (text, pooled embeddings) reaches the output only through attention
+keys and values or modulation, never in its own shape. So, best first:
+  1. inputs the output depends on at all (FX ancestry);
+  2. by how the input's shape matches an output's: equal shape; equal but for one axis
+     (channels); equal element count (a packed layout); no match;
+  3. the larger input, then the earlier one.
+"""
 
 from __future__ import annotations
 
@@ -6,33 +23,88 @@ import torch
 import torch.fx
 
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
-from tokpipe_compiler.core.fx import example_value, is_user_input, node_shape, source_name
+from tokpipe_compiler.core.fx import argument_of, example_value, is_user_input, node_shape
+
+
+class UnknownTokenInput(TokpipeError):
+    """`token_input` names no input of this graph. The backend tells a misspelt name (an
+    error) from a graph of a model split by graph breaks that does not read it."""
+
+    def __init__(self, choice: str, inputs: list[str | int]):
+        super().__init__(f"token_input={choice!r} names no input of the graph; its inputs "
+                         f"are {inputs}")
+        self.choice = choice
+        self.inputs = inputs
 
 
 def find_token_input(gm: torch.fx.GraphModule, choice: str | int | None) -> torch.fx.Node:
-    """The placeholder carrying the tokens: named, by position among user inputs, or the
-    largest floating user input of rank >= 3."""
+    """The placeholder carrying the tokens: named by `choice` (see the module's docstring),
+    or found by the graph's structure."""
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and is_user_input(n)]
     if isinstance(choice, str):
-        for node in inputs:
-            if choice in (node.name, node.target) or node.name == f"l_{choice}_" \
-                    or source_name(node) == f"L['{choice}']":
-                return node
-        raise NoTokenInput(
-            f"token_input={choice!r} matches no input of the graph; inputs are "
-            f"{[n.name for n in inputs]}"
-        )
+        return _named(inputs, choice)
     if isinstance(choice, int):
-        if not 0 <= choice < len(inputs):
-            raise TokpipeError(f"token_input={choice} is out of range: {len(inputs)} inputs")
-        return inputs[choice]
+        return _positional(inputs, choice)
     candidates = [n for n in inputs if _is_float(n) and len(node_shape(n)) >= 3]
     if not candidates:
         raise NoTokenInput(
             "no input looks like a token sequence (a float tensor of rank >= 3); pass "
             "options={'token_input': NAME} to name it"
         )
-    return max(candidates, key=lambda n: node_shape(n).numel())
+    return max(candidates, key=_ranking(gm, candidates))
+
+
+def _named(inputs: list[torch.fx.Node], choice: str) -> torch.fx.Node:
+    for node in inputs:
+        # The placeholder's own name still works for graphs without Dynamo's sources.
+        if choice in (argument_of(node), node.name, node.target):
+            return node
+    raise UnknownTokenInput(choice, [_shown(n) for n in inputs])
+
+
+def _positional(inputs: list[torch.fx.Node], choice: int) -> torch.fx.Node:
+    for node in inputs:
+        if argument_of(node) == choice:  # a position in *args
+            return node
+    if not 0 <= choice < len(inputs):
+        raise TokpipeError(f"token_input={choice} is out of range: {len(inputs)} inputs "
+                           f"{[_shown(n) for n in inputs]}")
+    return inputs[choice]
+
+
+def _ranking(gm: torch.fx.GraphModule, candidates: list[torch.fx.Node]):
+    """Sort key of a candidate: (reaches the output, shape match, size, earlier)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    reached = _ancestors(output)
+    outputs = [node_shape(n) for n in output.all_input_nodes if node_shape(n) is not None]
+    order = {node: i for i, node in enumerate(candidates)}
+
+    def key(node: torch.fx.Node) -> tuple:
+        shape = node_shape(node)
+        match = max((_shape_match(shape, out) for out in outputs), default=0)
+        return node in reached, match, shape.numel(), -order[node]
+
+    return key
+
+
+def _shape_match(shape: torch.Size, out: torch.Size) -> int:
+    """3: equal; 2: same rank, one axis differs (channels); 1: equal element count; 0."""
+    if shape == out:
+        return 3
+    if len(shape) == len(out) and sum(a != b for a, b in zip(shape, out, strict=True)) == 1:
+        return 2
+    return 1 if shape.numel() == out.numel() else 0
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
 
 
 def seed_axes(node: torch.fx.Node) -> list[int]:
@@ -41,6 +113,11 @@ def seed_axes(node: torch.fx.Node) -> list[int]:
     [B, F, C, H, W])."""
     ndim = len(node_shape(node))
     return {2: [1], 3: [1, 2], 4: [2], 5: [2, 1]}.get(ndim, [1])
+
+
+def _shown(node: torch.fx.Node) -> str | int:
+    argument = argument_of(node)
+    return node.name if argument is None else argument
 
 
 def _is_float(node: torch.fx.Node) -> bool:

@@ -1,0 +1,134 @@
+"""Which input carries the tokens: found by the graph's structure (not by size), or named by
+the forward's parameter however the argument was passed; a misspelt name is an error."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.compiler.test_joint import TinyJoint
+from tests.fixtures.models import TinyDiT, dit_inputs
+from tests.fixtures.released_widths import RELEASED, build_released
+from tests.fixtures.tracing import assert_rel_close, trace
+from tests.fixtures.zoo import ZOO, build
+from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
+from tokpipe_compiler.core.fx import argument_of, is_user_input, node_shape
+from tokpipe_compiler.passes.token_input import find_token_input
+from tokpipe_compiler.planning.capture import capture
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch.compiler.reset()
+
+
+def largest_input(gm: torch.fx.GraphModule) -> str | int | None:
+    """What the old rule picked: the largest float user input of rank >= 3."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and is_user_input(n)
+              and node_shape(n) is not None and len(node_shape(n)) >= 3]
+    return argument_of(max(inputs, key=lambda n: node_shape(n).numel()))
+
+
+@pytest.mark.parametrize("name", list(RELEASED))
+def test_released_widths_pick_the_latent_not_the_larger_text(name):
+    """At released widths the text embedding is the largest input (PixArt 120 x 4096 against
+    a 4 x 16 x 16 latent here); the latent is the input the output is made from."""
+    model, inputs = build_released(name)  # meta device: only the graph is needed
+    (captured,) = capture(model, kwargs=inputs, fresh=True)
+    if name != "dit-xl-2-256":  # class-conditioned: no text
+        assert largest_input(captured.gm) != "hidden_states"
+    assert argument_of(find_token_input(captured.gm, None)) == "hidden_states"
+
+
+def test_joint_model_with_more_text_than_image_tokens_pipelines_the_image():
+    torch.manual_seed(0)
+    model = TinyJoint().eval()
+    x, text = torch.randn(1, 12, 16), torch.randn(1, 40, 16) * 0.5
+    traced = trace(model, x, text)
+    assert largest_input(traced.gm) == "text"
+    program = traced.program(mode="sync", stages=2, chunks=3)
+    assert program.plan.token_input == traced.placeholder("x")
+    with torch.no_grad():
+        assert_rel_close(program(*traced.inputs)[0], model(x, text))
+
+
+def test_keyword_passed_token_input_is_pipelined():
+    """SD3's forward takes **kwargs (diffusers' decorator): Dynamo names the input
+    l_kwargs_hidden_states_; token_input="hidden_states" still names it."""
+    name = "SD3Transformer2DModel"
+    model, inputs = build(name), ZOO[name].inputs(1)
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options={
+        "token_input": "hidden_states", "compiler": "eager", "stages": 2, "chunks": 2,
+        "mode": "sync"})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # running unpipelined warns: it must not
+        out = compiled(**inputs)[0]
+        expected = model(**inputs)[0]
+    (program,) = tp.programs(compiled)
+    assert program.plan.token_input == "l_kwargs_hidden_states_"
+    assert_rel_close(out, expected)
+
+
+class Gathering(torch.nn.Module):
+    """forward(*args): the token input is a position."""
+
+    def __init__(self):
+        super().__init__()
+        self.dit = TinyDiT(depth=2, width=32, heads=2, grid=8)
+
+    def forward(self, *args):
+        return self.dit(*args)
+
+
+def test_token_input_by_position_in_star_args():
+    torch.manual_seed(0)
+    model = Gathering().eval()
+    plan = tp.explain(model, dit_inputs(model.dit, 8), token_input=0, mode="sync")
+    assert plan.token_input == "l_args_0_"
+
+
+def test_misspelt_token_input_raises_with_the_inputs():
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    with pytest.raises(TokpipeError, match=r"latent.*'latents', 'timestep', 'labels'") as err:
+        tp.explain(model, dit_inputs(model, 8), token_input="latent")
+    assert not isinstance(err.value, NoTokenInput)
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={"token_input": "latent", "compiler": "eager"})
+    with pytest.raises(TokpipeError, match=r"latent.*'latents'") as err:
+        compiled(*dit_inputs(model, 8))
+    assert not isinstance(err.value, NoTokenInput)
+
+
+class Broken(torch.nn.Module):
+    """Two graphs: the text projection, then (after a graph break) the DiT."""
+
+    def __init__(self):
+        super().__init__()
+        self.text = torch.nn.Linear(12, 32)
+        self.dit = TinyDiT(depth=2, width=32, heads=2, grid=8)
+
+    def forward(self, latents, timestep, labels, text):
+        t = self.text(text).mean()
+        torch._dynamo.graph_break()
+        return self.dit(latents, timestep, labels) + t
+
+
+def test_graph_without_the_named_input_runs_unpipelined_when_another_reads_it():
+    torch.manual_seed(0)
+    model = Broken().eval()
+    args = (*dit_inputs(model.dit, 8), torch.randn(1, 5, 12))
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options={
+        "token_input": "latents", "compiler": "eager", "mode": "sync", "chunks": 2})
+    with torch.no_grad(), pytest.warns(UserWarning, match="unpipelined.*latents"):
+        out = compiled(*args)
+    (program,) = tp.programs(compiled)
+    assert program.plan.token_input == "l_latents_"
+    with torch.no_grad():
+        assert_rel_close(out, model(*args))
+    assert tp.explain(model, args, token_input="latents").token_input == "l_latents_"
+    with pytest.raises(TokpipeError, match="names no input of this model"):
+        tp.explain(model, args, token_input="latent")
