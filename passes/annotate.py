@@ -37,14 +37,9 @@ from tokpipe_compiler.core.meta import (
     UNSUPPORTED,
     TokenInfo,
 )
-from tokpipe_compiler.passes.rules import (
-    IN_PLACE,
-    RULES,
-    RuleContext,
-    op_key,
-    scaled_per_unit,
-    unsupported,
-)
+from tokpipe_compiler.core.ops import call_rule, op_key
+from tokpipe_compiler.passes.rule_base import RuleContext, scaled_per_unit, unsupported
+from tokpipe_compiler.passes.rules import IN_PLACE, RULES
 from tokpipe_compiler.passes.token_input import find_token_input, seed_axes
 from tokpipe_compiler.runtime.chunking import chunk_slice
 
@@ -123,10 +118,7 @@ def _apply_rule(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     if not (is_tensor_node(node) or isinstance(example_value(node), (tuple, list))
             or node.target in IN_PLACE):
         return unsupported(f"'{target_name(node)}' of a token tensor gives a non-tensor value")
-    try:
-        return rule(node, ctx)
-    except (TypeError, IndexError, KeyError, AttributeError) as err:
-        return unsupported(f"rule for '{target_name(node)}' could not read its arguments: {err}")
+    return call_rule("token", rule, node, ctx)  # a crash is a bug in the rule: it raises
 
 
 def _aligned_with(node: torch.fx.Node, seed: torch.fx.Node) -> bool:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from tokpipe_compiler.core.args import SDPA, bound_args
 from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.meta import ATTENTION, INVARIANT_INFO, META_KEY
-from tokpipe_compiler.passes.compute_rules import sdpa_args
 from tokpipe_compiler.runtime.caches import CacheSpec
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 
@@ -65,7 +65,7 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
 
 
 def _sdpa_args(node: torch.fx.Node) -> dict:
-    bound = sdpa_args(node)
+    bound = bound_args(node, SDPA)
     if bound.get("dropout_p", 0.0):
         raise TokpipeError(f"attention dropout is on in {describe(node)}; call model.eval()")
     return bound

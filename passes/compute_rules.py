@@ -1,5 +1,5 @@
-"""Token-axis rules for ops that compute: contractions, norms, the patchify convolution,
-embeddings and attention. Registered into the table of `rules.py`."""
+"""Token rules for ops that compute: contractions, norms, the patchify convolution,
+embeddings and attention. COMPUTE_RULES, merged with the others in `rules.py`."""
 
 from __future__ import annotations
 
@@ -11,15 +11,21 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from tokpipe_compiler.core.args import SDPA, arg, bound_args, varargs
 from tokpipe_compiler.core.fx import node_shape
 from tokpipe_compiler.core.meta import ATTENTION, TOKEN, TokenInfo
-from tokpipe_compiler.passes.rules import (
+from tokpipe_compiler.passes.rule_base import (
+    Rule,
     RuleContext,
     first_token,
-    register,
+    registrar,
     slice_operand,
+    source,
     unsupported,
 )
+
+COMPUTE_RULES: dict[Any, Rule] = {}
+register = registrar(COMPUTE_RULES)
 
 # -- contractions ------------------------------------------------------------------------------
 
@@ -27,7 +33,7 @@ from tokpipe_compiler.passes.rules import (
 @register(F.linear, torch._C._nn.linear)
 def linear(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
-    if src is not node.args[0]:
+    if src is not source(node):
         return unsupported("a linear layer's weight depends on the tokens")
     if info.axis == len(node_shape(src)) - 1:
         return unsupported("a linear layer contracts over the token axis")
@@ -36,7 +42,7 @@ def linear(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 @register(operator.matmul, torch.matmul, "method:matmul", torch.bmm, "method:bmm")
 def matmul(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
-    a, b = node.args[0], node.args[1]
+    a, b = source(node), arg(node, 1, "other")
     ia, ib = ctx.info(a), ctx.info(b)
     out_ndim = len(node_shape(node))
     hint = ("a sum over tokens such as linear attention is not chunked yet; write attention "
@@ -56,17 +62,15 @@ def matmul(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 @register(torch.einsum, torch.functional.einsum)
 def einsum(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
-    equation = node.args[0].replace(" ", "")
-    operands = node.args[1:]
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = operands[0]
+    equation = arg(node, 0, "equation").replace(" ", "")
+    operands = varargs(node, 1)
     if "..." in equation or "->" not in equation:
         return unsupported("einsum with an implicit output or ellipsis")
     inputs, output = equation.split("->")
     letters = inputs.split(",")
     token_letter = token_info = None
-    for spec, arg in zip(letters, operands, strict=True):
-        info = ctx.info(arg)
+    for spec, operand in zip(letters, operands, strict=True):
+        info = ctx.info(operand)
         if info is not None and info.carries_tokens:
             letter = spec[info.axis]
             if token_letter not in (None, letter):
@@ -83,9 +87,9 @@ def einsum(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 @register(F.layer_norm, torch.layer_norm, F.rms_norm, torch.rms_norm)
 def layer_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
-    if src is not node.args[0]:
+    if src is not source(node):
         return unsupported("a norm's weight depends on the tokens")
-    normalized = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
+    normalized = arg(node, 1, "normalized_shape")
     if info.axis >= len(node_shape(src)) - len(normalized):
         return unsupported("the norm normalises over the token axis")
     return info
@@ -102,14 +106,14 @@ def group_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 @register(torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d)
 def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
-    if src is not node.args[0]:
+    if src is not source(node):
         return unsupported("a convolution's weight depends on the tokens")
     if info.axis == 0:
         return info  # the token axis is the batch (video frames folded into it)
     spatial = info.axis - 2
     if spatial < 0 or info.segmented:
         return unsupported("convolution over the token axis as channels")
-    weight = node_shape(node.args[1])
+    weight = node_shape(arg(node, 1, "weight"))
     kernel = weight[2 + spatial]
     stride, padding, dilation = (_conv_param(node, i, name, len(weight) - 2)[spatial]
                                  for i, name in ((3, "stride"), (4, "padding"), (5, "dilation")))
@@ -124,7 +128,7 @@ def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 def _conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list[int]:
     default = 0 if name == "padding" else 1
-    value = node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+    value = arg(node, position, name, default)
     if isinstance(value, str):
         return [-1] * dims  # 'same'/'valid' padding strings: treat as unsupported padding
     return list(value) if isinstance(value, (tuple, list)) else [value] * dims
@@ -136,14 +140,14 @@ def _conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> lis
 @register(F.embedding, torch.embedding)
 def embedding(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
-    if src is not node.args[0]:
+    if src is not source(node):
         return unsupported("an embedding table depends on the tokens")
     return info
 
 
 @register(F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 def attention(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
-    args = sdpa_args(node)
+    args = bound_args(node, SDPA)
     q, k, v = args["query"], args["key"], args["value"]
     iq, ik, iv = ctx.info(q), ctx.info(k), ctx.info(v)
     nd = len(node_shape(q))
@@ -181,12 +185,3 @@ def _cross_attention(node: torch.fx.Node, iq: TokenInfo, keys: tuple) -> TokenIn
                     return unsupported(why)
     return iq
 
-
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-
-
-def sdpa_args(node: torch.fx.Node) -> dict[str, Any]:
-    """The arguments of a scaled_dot_product_attention call, by name."""
-    bound = dict(zip(_SDPA_ARGS, node.args, strict=False))
-    bound.update(node.kwargs)
-    return bound

@@ -18,11 +18,13 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tokpipe_compiler.core.args import arg
 from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TokenInfo
+from tokpipe_compiler.core.ops import op_key
 from tokpipe_compiler.passes import segments
-from tokpipe_compiler.passes.rules import op_key, split_pieces
+from tokpipe_compiler.passes.axis_rules import split_pieces
 from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis
 
 _SHAPE_ARG_OPS = {"method:view", "method:reshape", "method:expand", torch.reshape}
@@ -53,17 +55,19 @@ def specialize(stage_gm: torch.fx.GraphModule, units: int) -> torch.fx.GraphModu
 def _rewrite_sizes(node: torch.fx.Node, shape: tuple[int, ...]) -> None:
     key = op_key(node)
     if key in _SHAPE_ARG_OPS:
-        node.args = (node.args[0], shape)
+        node.args = (arg(node, 0, "input"), shape)
         node.kwargs = {}
     elif key in _UNFLATTEN_OPS:
-        dim = node.args[1] % (len(shape) - len(node.args[2]) + 1)
-        node.args = (node.args[0], node.args[1], shape[dim : dim + len(node.args[2])])
+        src, dim, sizes = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "sizes")
+        at = dim % (len(shape) - len(sizes) + 1)
+        node.args = (src, dim, shape[at : at + len(sizes)])
+        node.kwargs = {}
 
 
 def _rewrite_token_bounds(node: torch.fx.Node, units: int) -> None:
     """Slices and splits of a segmented token axis (`x[:, 16:]`, `x.split([5, 16], 1)`)
     have literal bounds on the full axis: move them to the chunk's axis."""
-    src = node.args[0] if node.args else None
+    src = arg(node, 0, "input")
     info = src.meta.get(META_KEY, INVARIANT_INFO) if isinstance(src, torch.fx.Node) else None
     if info is None or not info.carries_tokens or not isinstance(example_value(src), torch.Tensor):
         return
@@ -71,7 +75,7 @@ def _rewrite_token_bounds(node: torch.fx.Node, units: int) -> None:
     key = op_key(node)
     if key in (operator.getitem, operator.setitem):
         shape = example_value(src).shape
-        items = expand_index(node.args[1], len(shape))
+        items = expand_index(arg(node, 1, "index"), len(shape))
         moved = getitem_axis(items, info.axis, shape)
         if not isinstance(moved, str) and moved[1] is not None:
             start, stop, _ = items[moved[1]].indices(full)

@@ -12,7 +12,8 @@ import torch.fx
 import torch.nn.functional as F
 
 from tokpipe_compiler.core.meta import ATTENTION, INVARIANT_INFO, META_KEY, TokenInfo, token
-from tokpipe_compiler.costmodel import calibrate
+from tokpipe_compiler.core.ops import RuleCrashed, op_key
+from tokpipe_compiler.costmodel import calibrate, cost
 from tokpipe_compiler.costmodel.cost import C, N, graph_cost, node_cost
 
 
@@ -141,6 +142,35 @@ def test_einsum_and_unknown_ops_do_not_crash():
     )
     assert at(node_cost(only(g, "einsum"), 12).flops, 6) == 2 * 2 * 6 * 5 * 3
     assert at(node_cost(only(g, "cumsum"), 12).flops, 6) == 2 * 6 * 3
+
+
+def test_cost_table_is_keyed_by_op_key_for_methods_and_functions():
+    g = traced(
+        lambda x, w: (x.softmax(-1), F.softmax(x, -1), torch.softmax(x, -1), x.view(-1),
+                      torch.reshape(x, (-1,)), F.linear(x, w)),
+        {"x": torch.randn(2, 12, 8), "w": torch.randn(4, 8)},
+        {"x": token(1, 1)},
+    )
+    nodes = {n.name: n for n in g.nodes}
+    softmaxes = [nodes[name] for name in ("softmax", "softmax_1", "softmax_2")]
+    assert {op_key(n) for n in softmaxes} == {"method:softmax", F.softmax, torch.softmax}
+    assert len({cost.RULES[op_key(n)] for n in softmaxes}) == 1
+    assert len({node_cost(n, 12) for n in softmaxes}) == 1
+    assert cost.RULES["method:view"] is cost.RULES[torch.reshape]
+    assert node_cost(nodes["view"], 12) == node_cost(nodes["reshape"], 12) == cost.ZERO
+    assert "linear" not in cost.RULES and op_key(nodes["linear"]) in cost.RULES
+
+
+def test_a_crashing_cost_rule_raises_naming_the_op():
+    g = traced(
+        lambda x, w: F.linear(x, w),
+        {"x": torch.randn(2, 12, 8), "w": torch.randn(4, 8)},
+        {"x": token(1, 1), "linear": token(1, 1)},
+    )
+    del only(g, "x").meta["example_value"]  # its rule cannot size the contraction
+    with pytest.raises(RuleCrashed, match="cost rule for 'linear'") as caught:
+        node_cost(only(g, "linear"), 12)
+    assert isinstance(caught.value.__cause__, TypeError)
 
 
 RATES = calibrate.DeviceRates(

@@ -2,8 +2,9 @@
 
 A chunk holds `n` tokens (`N`) of a `tokens`-long sequence and attends over `c` tokens of
 context (`C`). A TOKEN value's token axis of full size S becomes S * n / tokens; an
-INVARIANT value keeps its full shape, so its cost is a constant. Rules are keyed by op
-name; an op without a rule is costed as elementwise over its output.
+INVARIANT value keeps its full shape, so its cost is a constant. Rules are keyed by
+`core.ops.op_key`, like the token rules; an op without a rule is costed as elementwise over
+its output (one flop per output element), and a rule that crashes raises `RuleCrashed`.
 
     linear(x[1, 256, 384] token(1), w[1536, 384])
       -> flops 2*384*1536*n + 1536*n,  bytes 4*(384*n + 1536*384 + 1536 + 1536*n)
@@ -11,130 +12,34 @@ name; an op without a rule is costed as elementwise over its output.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from typing import Any
 
 import sympy
 import torch
 import torch.fx
+import torch.nn.functional as F
 
-from tokpipe_compiler.core.fx import example_value, target_name
-from tokpipe_compiler.core.meta import META_KEY, TokenInfo
+from tokpipe_compiler.core.args import arg, varargs
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.ops import call_rule, merge_tables, op_key
+from tokpipe_compiler.costmodel.symbolic import (
+    TILE,
+    ZERO,
+    C,
+    Cost,
+    N,
+    dims,
+    io_bytes,
+    nbytes,
+    numel,
+    out_numel,
+    tensors,
+    token_info,
+)
 
-N, C = sympy.symbols("n c", positive=True, integer=True)
-# Key positions per tile of the device's causal attention kernel: a kernel skips masked
-# tiles, not masked elements, so a chunk's own causal block costs min(n, tile) / 2 more keys
-# per query than its unmasked half. 0 (the default) counts useful work only.
-TILE = sympy.Symbol("tile", nonnegative=True, integer=True)
-
-Dims = list[sympy.Expr]
-
-
-@dataclass(frozen=True)
-class Cost:
-    """Work of one node or a sum of nodes, as expressions of N and C.
-
-    flops counts all arithmetic; matmul_flops and attention_flops are the parts of it done
-    by matrix-multiply and attention kernels (they run at their own rates). launches counts
-    the nodes that run a kernel (views launch nothing).
-    """
-
-    flops: sympy.Expr
-    bytes: sympy.Expr
-    matmul_flops: sympy.Expr = sympy.S.Zero
-    attention_flops: sympy.Expr = sympy.S.Zero
-    launches: int = 0
-
-    def __add__(self, other: Cost) -> Cost:
-        return Cost(
-            self.flops + other.flops,
-            self.bytes + other.bytes,
-            self.matmul_flops + other.matmul_flops,
-            self.attention_flops + other.attention_flops,
-            self.launches + other.launches,
-        )
-
-    def at(self, n: int, c: int, tile: int = 0) -> tuple[float, float, float, float]:
-        """(flops, bytes, matmul_flops, attention_flops) as numbers for n and c."""
-        values = {N: n, C: c, TILE: tile}
-        exprs = (self.flops, self.bytes, self.matmul_flops, self.attention_flops)
-        return tuple(float(sympy.sympify(e).subs(values)) for e in exprs)
-
-
-ZERO = Cost(sympy.Integer(0), sympy.Integer(0))
-
-
-# ---- symbolic shapes -------------------------------------------------------------------
-
-
-def _info(node: torch.fx.Node) -> TokenInfo | None:
-    return node.meta.get(META_KEY)
-
-
-def _tensors(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _int(size: object) -> sympy.Expr:
-    # SymInts (dynamic shapes) become symbols by name; plain ints stay exact.
-    try:
-        return sympy.Integer(int(size))
-    except (TypeError, ValueError, RuntimeError):
-        return sympy.sympify(str(size))
-
-
-def _scaled(t: torch.Tensor, info: TokenInfo | None, tokens: int, sym: sympy.Symbol) -> Dims:
-    dims = [_int(s) for s in t.shape]
-    if info is None or not info.carries_tokens or info.axis is None:
-        return dims
-    if not -len(dims) <= info.axis < len(dims):
-        return dims
-    dims[info.axis] = sym * dims[info.axis] / tokens
-    return dims
-
-
-def dims(arg: object, tokens: int, sym: sympy.Symbol = N) -> Dims | None:
-    """Chunk shape of a tensor node: its token axis scaled to `sym` tokens."""
-    value = example_value(arg)
-    if not isinstance(value, torch.Tensor):
-        return None
-    return _scaled(value, _info(arg), tokens, sym)
-
-
-def _numel(d: Dims | None) -> sympy.Expr:
-    return sympy.Mul(*d) if d else sympy.Integer(0 if d is None else 1)
-
-
-def _nbytes(arg: object, tokens: int, sym: sympy.Symbol = N) -> sympy.Expr:
-    value = example_value(arg)
-    info = _info(arg) if isinstance(arg, torch.fx.Node) else None
-    return sum(
-        (_numel(_scaled(t, info, tokens, sym)) * t.element_size() for t in _tensors(value)),
-        sympy.Integer(0),
-    )
-
-
-def _out_numel(node: torch.fx.Node, tokens: int) -> sympy.Expr:
-    info = _info(node)
-    parts = [_numel(_scaled(t, info, tokens, N)) for t in _tensors(example_value(node))]
-    return sum(parts, sympy.Integer(0))
-
-
-def _io_bytes(node: torch.fx.Node, tokens: int) -> sympy.Expr:
-    """Bytes read from every tensor input plus bytes written to the output."""
-    read = sum((_nbytes(a, tokens) for a in node.all_input_nodes), sympy.Integer(0))
-    return read + _nbytes(node, tokens)
-
-
-def _arg(node: torch.fx.Node, index: int, name: str, default: object = None) -> object:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
+__all__ = ["RULES", "TILE", "ZERO", "C", "Cost", "N", "dims", "graph_cost", "node_cost"]
 
 # ---- rules -----------------------------------------------------------------------------
 
@@ -147,19 +52,19 @@ def _free(node: torch.fx.Node, tokens: int) -> Cost:
 
 def _elementwise(flops_per_element: int) -> Rule:
     def rule(node: torch.fx.Node, tokens: int) -> Cost:
-        flops = flops_per_element * _out_numel(node, tokens)
-        return Cost(flops, _io_bytes(node, tokens), launches=1)
+        flops = flops_per_element * out_numel(node, tokens)
+        return Cost(flops, io_bytes(node, tokens), launches=1)
 
     return rule
 
 
 def _copy(node: torch.fx.Node, tokens: int) -> Cost:
-    return Cost(sympy.Integer(0), _io_bytes(node, tokens), launches=1)
+    return Cost(sympy.Integer(0), io_bytes(node, tokens), launches=1)
 
 
 def _cast(node: torch.fx.Node, tokens: int) -> Cost:
     # .to()/.float() to the dtype a tensor already has returns it unchanged.
-    source = example_value(node.args[0]) if node.args else None
+    source = example_value(arg(node, 0, "input"))
     target = example_value(node)
     same = (
         isinstance(source, torch.Tensor)
@@ -172,58 +77,61 @@ def _cast(node: torch.fx.Node, tokens: int) -> Cost:
 
 
 def _dropout(node: torch.fx.Node, tokens: int) -> Cost:
-    training = _arg(node, 2, "training", True)
+    training = arg(node, 2, "training", True)
     return _elementwise(2)(node, tokens) if training else ZERO
 
 
 def _embedding(node: torch.fx.Node, tokens: int) -> Cost:
     # A gather: reads one table row per output row and writes it.
-    return Cost(sympy.Integer(0), 2 * _nbytes(node, tokens), launches=1)
+    return Cost(sympy.Integer(0), 2 * nbytes(node, tokens), launches=1)
 
 
 def _creation(node: torch.fx.Node, tokens: int) -> Cost:
-    return Cost(_out_numel(node, tokens), _nbytes(node, tokens), launches=1)
+    return Cost(out_numel(node, tokens), nbytes(node, tokens), launches=1)
 
 
 def _matmul_cost(node: torch.fx.Node, tokens: int, k: sympy.Expr, bias: bool) -> Cost:
-    out = _out_numel(node, tokens)
+    out = out_numel(node, tokens)
     mm = 2 * out * k
-    return Cost(mm + (out if bias else 0), _io_bytes(node, tokens), mm, launches=1)
+    return Cost(mm + (out if bias else 0), io_bytes(node, tokens), mm, launches=1)
 
 
 def _linear(node: torch.fx.Node, tokens: int) -> Cost:
-    k = dims(node.args[0], tokens)[-1]
-    return _matmul_cost(node, tokens, k, _arg(node, 2, "bias") is not None)
+    k = dims(arg(node, 0, "input"), tokens)[-1]
+    return _matmul_cost(node, tokens, k, arg(node, 2, "bias") is not None)
 
 
 def _matmul(node: torch.fx.Node, tokens: int) -> Cost:
-    k = dims(node.args[0], tokens)[-1]
+    k = dims(arg(node, 0, "input"), tokens)[-1]
     return _matmul_cost(node, tokens, k, bias=False)
 
 
-def _addmm(node: torch.fx.Node, tokens: int) -> Cost:
-    k = dims(node.args[1], tokens)[-1]
-    return _matmul_cost(node, tokens, k, bias=True)
+def _addmm(left: str) -> Rule:
+    """addmm(input, mat1, mat2), baddbmm(input, batch1, batch2): `left` names argument 1."""
+
+    def rule(node: torch.fx.Node, tokens: int) -> Cost:
+        k = dims(arg(node, 1, left), tokens)[-1]
+        return _matmul_cost(node, tokens, k, bias=True)
+
+    return rule
 
 
 def _conv(node: torch.fx.Node, tokens: int) -> Cost:
     # weight [C_out, C_in/groups, *kernel]: each output element is a dot of that length.
-    weight = dims(node.args[1], tokens)
-    return _matmul_cost(node, tokens, _numel(weight[1:]), _arg(node, 2, "bias") is not None)
+    weight = dims(arg(node, 1, "weight"), tokens)
+    return _matmul_cost(node, tokens, numel(weight[1:]), arg(node, 2, "bias") is not None)
 
 
 def _conv_transpose(node: torch.fx.Node, tokens: int) -> Cost:
     # weight [C_in, C_out/groups, *kernel]: each input element scatters into that many.
-    inp, weight = dims(node.args[0], tokens), dims(node.args[1], tokens)
-    mm = 2 * _numel(inp) * _numel(weight[1:])
-    return Cost(mm, _io_bytes(node, tokens), mm, launches=1)
+    inp, weight = dims(arg(node, 0, "input"), tokens), dims(arg(node, 1, "weight"), tokens)
+    mm = 2 * numel(inp) * numel(weight[1:])
+    return Cost(mm, io_bytes(node, tokens), mm, launches=1)
 
 
 def _einsum(node: torch.fx.Node, tokens: int) -> Cost:
-    equation = str(node.args[0]).replace(" ", "")
-    operands = node.args[1:]
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = operands[0]
+    equation = str(arg(node, 0, "equation")).replace(" ", "")
+    operands = varargs(node, 1)
     if len(operands) < 2:
         return _copy(node, tokens)  # a permutation or reduction of one operand
     sizes: dict[str, sympy.Expr] = {}
@@ -231,7 +139,7 @@ def _einsum(node: torch.fx.Node, tokens: int) -> Cost:
         for letter, size in zip(letters, dims(operand, tokens), strict=False):
             sizes[letter] = size
     mm = 2 * (len(operands) - 1) * sympy.Mul(*sizes.values())
-    return Cost(mm, _io_bytes(node, tokens), mm, launches=1)
+    return Cost(mm, io_bytes(node, tokens), mm, launches=1)
 
 
 _SOFTMAX_FLOPS = 5  # scale, max, exp, sum, divide per score
@@ -242,26 +150,26 @@ def _attention(node: torch.fx.Node, tokens: int) -> Cost:
 
     A fused kernel never writes the score matrix, so bytes are q, k, v and the output.
     """
-    q, k, v = (_arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
+    q, k, v = (arg(node, i, name) for i, name in enumerate(("query", "key", "value")))
     qd, kd, vd = dims(q, tokens), dims(k, tokens, C), dims(v, tokens, C)
     keys = kd[-2]
-    key_info = _info(k)
-    if _arg(node, 5, "is_causal", False) and key_info is not None and key_info.carries_tokens:
+    key_info = token_info(k)
+    if arg(node, 5, "is_causal", False) and key_info is not None and key_info.carries_tokens:
         keys = C - N / 2 + sympy.Min(N, TILE) / 2  # the chunk's own block is half masked
-    rows = _numel(dims(node, tokens)[:-1])  # batch * heads * query tokens
+    rows = numel(dims(node, tokens)[:-1])  # batch * heads * query tokens
     flops = rows * keys * (2 * qd[-1] + 2 * vd[-1] + _SOFTMAX_FLOPS)
-    nbytes = _nbytes(q, tokens) + _nbytes(k, tokens, C) + _nbytes(v, tokens, C)
-    mask = _arg(node, 3, "attn_mask")
+    moved = nbytes(q, tokens) + nbytes(k, tokens, C) + nbytes(v, tokens, C)
+    mask = arg(node, 3, "attn_mask")
     if isinstance(mask, torch.fx.Node):
-        nbytes += _nbytes(mask, tokens, N)
-    return Cost(flops, nbytes + _nbytes(node, tokens), attention_flops=flops, launches=1)
+        moved += nbytes(mask, tokens, N)
+    return Cost(flops, moved + nbytes(node, tokens), attention_flops=flops, launches=1)
 
 
 def _reduction(node: torch.fx.Node, tokens: int) -> Cost:
     # One flop per element read, not per element written.
-    source = node.args[0] if node.args else None
-    flops = _numel(dims(source, tokens)) if isinstance(source, torch.fx.Node) else 0
-    return Cost(sympy.sympify(flops), _io_bytes(node, tokens), launches=1)
+    source = arg(node, 0, "input")
+    flops = numel(dims(source, tokens)) if isinstance(source, torch.fx.Node) else 0
+    return Cost(sympy.sympify(flops), io_bytes(node, tokens), launches=1)
 
 
 _VIEWS = (
@@ -275,42 +183,55 @@ _NORMS = ("layer_norm", "group_norm", "rms_norm", "batch_norm", "instance_norm",
 _TRANSCENDENTAL = ("exp", "log", "sin", "cos", "tanh", "sigmoid", "rsqrt", "sqrt", "erf", "pow")
 _REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm")
 
-RULES: dict[str, Rule] = {
-    **dict.fromkeys(_VIEWS, _free),
-    **dict.fromkeys(_COPIES, _copy),
-    **dict.fromkeys(_CASTS, _cast),
-    **dict.fromkeys(_NORMS, _elementwise(8)),  # mean, variance, normalise, affine
-    **dict.fromkeys(_TRANSCENDENTAL, _elementwise(4)),
-    **dict.fromkeys(("softmax", "log_softmax"), _elementwise(_SOFTMAX_FLOPS)),
-    **dict.fromkeys(("gelu", "silu", "mish"), _elementwise(8)),
-    **dict.fromkeys(("arange", "zeros", "ones", "full", "empty", "randn", "rand"), _creation),
-    "dropout": _dropout,
-    "embedding": _embedding,
-    "linear": _linear,
-    **dict.fromkeys(("matmul", "mm", "bmm"), _matmul),
-    **dict.fromkeys(("addmm", "baddbmm"), _addmm),
-    **dict.fromkeys(("conv1d", "conv2d", "conv3d"), _conv),
-    **dict.fromkeys(("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"), _conv_transpose),
-    "einsum": _einsum,
-    "scaled_dot_product_attention": _attention,
-    **dict.fromkeys(_REDUCTIONS, _reduction),
-}
+# Where a call's function may live; each name above is looked up in every one of them and
+# as a tensor method, so torch.cat, F.linear and x.view all find their rule.
+_NAMESPACES = (torch, F, torch._C._nn, torch.functional, operator)
 
 
+def _ops(*names: str) -> list[Any]:
+    """The op keys (`core.ops.op_key`) of the ops called `names`."""
+    keys = []
+    for name in names:
+        keys.append(f"method:{name}")
+        keys += [getattr(ns, name) for ns in _NAMESPACES if callable(getattr(ns, name, None))]
+    return list(dict.fromkeys(keys))  # F.gelu is torch._C._nn.gelu: one key
+
+
+RULES: dict[Any, Rule] = merge_tables({
+    "views": dict.fromkeys(_ops(*_VIEWS), _free),
+    "copies": dict.fromkeys(_ops(*_COPIES), _copy),
+    "casts": dict.fromkeys(_ops(*_CASTS), _cast),
+    "norms": dict.fromkeys(_ops(*_NORMS), _elementwise(8)),  # mean, variance, normalise, affine
+    "transcendental": dict.fromkeys(_ops(*_TRANSCENDENTAL), _elementwise(4)),
+    "softmax": dict.fromkeys(_ops("softmax", "log_softmax"), _elementwise(_SOFTMAX_FLOPS)),
+    "activations": dict.fromkeys(_ops("gelu", "silu", "mish"), _elementwise(8)),
+    "creation": dict.fromkeys(_ops("arange", "zeros", "ones", "full", "empty", "randn", "rand"),
+                              _creation),
+    "dropout": dict.fromkeys(_ops("dropout"), _dropout),
+    "embedding": dict.fromkeys(_ops("embedding"), _embedding),
+    "linear": dict.fromkeys(_ops("linear"), _linear),
+    "matmul": dict.fromkeys(_ops("matmul", "mm", "bmm"), _matmul),
+    "addmm": {**dict.fromkeys(_ops("addmm"), _addmm("mat1")),
+              **dict.fromkeys(_ops("baddbmm"), _addmm("batch1"))},
+    "conv": dict.fromkeys(_ops("conv1d", "conv2d", "conv3d"), _conv),
+    "conv_transpose": dict.fromkeys(
+        _ops("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"), _conv_transpose),
+    "einsum": dict.fromkeys(_ops("einsum"), _einsum),
+    "attention": dict.fromkeys(_ops("scaled_dot_product_attention"), _attention),
+    "reductions": dict.fromkeys(_ops(*_REDUCTIONS), _reduction),
+})
+
+# An op without a rule: elementwise over its output, one flop per element.
 _DEFAULT = _elementwise(1)
 _ROLES_WITHOUT_WORK = ("placeholder", "get_attr", "output")
 
 
 def node_cost(node: torch.fx.Node, tokens: int) -> Cost:
     """FLOPs and bytes of `node` on a chunk of N tokens with C tokens of context."""
-    if node.op in _ROLES_WITHOUT_WORK or not _tensors(example_value(node)):
+    if node.op in _ROLES_WITHOUT_WORK or not tensors(example_value(node)):
         return ZERO
-    rule = RULES.get(target_name(node), _DEFAULT)
-    try:
-        return rule(node, tokens)
-    except (TypeError, ValueError, IndexError, KeyError, AttributeError):
-        # Arguments in an unexpected form: an estimate beats failing the compile.
-        return _DEFAULT(node, tokens)
+    rule = RULES.get(op_key(node), _DEFAULT)
+    return call_rule("cost", rule, node, tokens)  # a crash is a bug in the rule: it raises
 
 
 def graph_cost(nodes: Iterable[torch.fx.Node], tokens: int) -> Cost:

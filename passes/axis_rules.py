@@ -1,0 +1,213 @@
+"""Token rules for ops that select, split, join or reduce along one axis: indexing and
+writes, split/chunk, cat/stack, softmax, reductions. AXIS_RULES, merged in `rules.py`."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from tokpipe_compiler.core.args import arg
+from tokpipe_compiler.core.fx import example_value, node_shape, target_name
+from tokpipe_compiler.core.meta import TokenInfo
+from tokpipe_compiler.core.ops import op_key
+from tokpipe_compiler.passes import segments
+from tokpipe_compiler.passes.rule_base import (
+    Rule,
+    RuleContext,
+    first_token,
+    registrar,
+    slice_operand,
+    source,
+    unsupported,
+)
+from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis
+
+AXIS_RULES: dict[Any, Rule] = {}
+register = registrar(AXIS_RULES)
+
+# Ops that write into their first argument and return nothing: their rule checks the write
+# keeps the token layout; later readers of the argument see the written value.
+IN_PLACE = {operator.setitem}
+
+# -- indexing ----------------------------------------------------------------------------------
+
+
+@register(operator.setitem)
+def setitem(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    target, index, value = source(node), arg(node, 1, "index"), arg(node, 2, "value")
+    info = ctx.info(target)
+    if info is None or not info.carries_tokens:
+        return unsupported("a token value is written into a tensor without tokens")
+    shape = node_shape(target)
+    items = expand_index(index, len(shape))
+    moved = getitem_axis(items, info.axis, shape)
+    if isinstance(moved, str):
+        return unsupported(moved)
+    part = info
+    if moved[1] is not None:  # a write into the image tokens after a text segment, say
+        start, stop, _ = items[moved[1]].indices(shape[info.axis])
+        part = segments.cut(info, shape[info.axis], start, stop)
+        if isinstance(part, str):
+            return unsupported(part)
+    written = ctx.info(value)
+    if written is not None and written.carries_tokens and (
+            written.per_unit, written.lead, written.trail) != (
+            part.per_unit, part.lead, part.trail):
+        return unsupported("a write of values with another token layout")
+    return info
+
+
+@register(operator.getitem)
+def getitem(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if src is not source(node):
+        return unsupported("a token tensor is used as an index")
+    index = arg(node, 1, "index")
+    if not isinstance(example_value(src), torch.Tensor):
+        return _tuple_element(src, info, index)
+    shape = node_shape(src)
+    items = expand_index(index, len(shape))
+    moved = getitem_axis(items, info.axis, shape)
+    if isinstance(moved, str):
+        return unsupported(moved)
+    axis, position = moved
+    if position is None:
+        return info.moved(axis)
+    start, stop, _ = items[position].indices(shape[info.axis])
+    piece = segments.cut(info, shape[info.axis], start, stop)
+    return unsupported(piece) if isinstance(piece, str) else piece.moved(axis)
+
+
+def _tuple_element(src: torch.fx.Node, info: TokenInfo, index: int) -> TokenInfo:
+    """An element of a tuple from chunk/split: the source's layout, or its piece of a split
+    along the token axis."""
+    pieces = split_pieces(src, info)
+    return pieces[index] if isinstance(pieces, list) else info
+
+
+# -- split and chunk ---------------------------------------------------------------------------
+
+# The keyword of each split's sizes argument.
+_SPLITS = {"method:split": "split_size", torch.split: "split_size_or_sections",
+           "method:split_with_sizes": "split_sizes", torch.split_with_sizes: "split_sizes"}
+
+
+def split_pieces(node: torch.fx.Node, info: TokenInfo) -> list[TokenInfo] | None:
+    """Per-piece TokenInfos of a split by sizes along the token axis (None for other ops)."""
+    if op_key(node) not in _SPLITS:
+        return None
+    src = source(node)
+    dim = arg(node, 2, "dim", 0) % len(node_shape(src))
+    sizes = arg(node, 1, _SPLITS[op_key(node)])
+    if dim != info.axis or not isinstance(sizes, (list, tuple)):
+        return None
+    pieces = segments.cut_sizes(info, node_shape(src)[dim], sizes)
+    return pieces if isinstance(pieces, list) else None
+
+
+@register("method:chunk", torch.chunk, "method:split", torch.split, "method:split_with_sizes",
+          torch.split_with_sizes)
+def split_op(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    dim = arg(node, 2, "dim", 0) % len(node_shape(src))
+    if dim == info.axis and split_pieces(node, info) is None:
+        return unsupported(f"{target_name(node)} along the token axis cuts through the chunks "
+                           "(only a split by sizes at the text/image boundary is followed)")
+    return info
+
+
+@register("method:unbind", torch.unbind)
+def unbind(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    dim = arg(node, 1, "dim", 0) % len(node_shape(src))
+    if dim == info.axis:
+        return unsupported("unbind along the token axis")
+    return info.moved(info.axis - (dim < info.axis))
+
+
+@register("method:repeat_interleave", torch.repeat_interleave)
+def repeat_interleave(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    repeats, dim = arg(node, 1, "repeats"), arg(node, 2, "dim")
+    if src is not source(node) or not isinstance(repeats, int) or dim is None:
+        return unsupported("repeat_interleave with tensor repeats or without a dim")
+    if dim % len(node_shape(src)) != info.axis:
+        return info
+    # Each token repeated in place: a chunk's rows stay one contiguous, longer range.
+    return replace(info, per_unit=info.per_unit * repeats, lead=info.lead * repeats,
+                   trail=info.trail * repeats)
+
+
+# -- along one dim: softmax, cumsum, reductions ------------------------------------------------
+
+
+@register("method:softmax", F.softmax, torch.softmax, "method:log_softmax", F.log_softmax,
+          "method:cumsum", torch.cumsum)
+def along_dim(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    default = -1 if "softmax" in str(node.target) else None
+    dim = arg(node, 1, "dim", default)
+    if dim is None or dim % len(node_shape(src)) == info.axis:
+        return unsupported(f"{target_name(node)} along the token axis mixes tokens")
+    return info
+
+
+_REDUCTIONS = ["sum", "mean", "amax", "amin", "var", "std", "norm", "logsumexp", "prod"]
+
+
+@register(*(f"method:{m}" for m in _REDUCTIONS), torch.sum, torch.mean, torch.amax, torch.amin,
+          torch.var, torch.std, torch.logsumexp)
+def reduction(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    ndim = len(node_shape(src))
+    dims = arg(node, 1, "dim")
+    if dims is None:
+        return unsupported(f"{node.target} over all elements mixes tokens")
+    dims = [d % ndim for d in (dims if isinstance(dims, (tuple, list)) else [dims])]
+    if info.axis in dims:
+        return unsupported(f"{node.target} over the token axis mixes tokens (sums over tokens, "
+                           "as in linear attention, are not chunked yet)")
+    keepdim = arg(node, 2, "keepdim", False) is True
+    shift = 0 if keepdim else sum(1 for d in dims if d < info.axis)
+    return info.moved(info.axis - shift)
+
+
+# -- joining -----------------------------------------------------------------------------------
+
+
+@register(torch.cat, torch.concat, torch.concatenate)
+def cat(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    tensors = arg(node, 0, "tensors")
+    dim = arg(node, 1, "dim", 0) % len(node_shape(node))
+    infos = [ctx.infos[t] for t in tensors if ctx.infos[t].carries_tokens]
+    if len({i.axis for i in infos}) != 1:
+        return unsupported("concatenated tensors carry tokens on different axes")
+    if dim == infos[0].axis:
+        pieces = [(ctx.info(t) if ctx.infos[t].carries_tokens else None, node_shape(t)[dim])
+                  for t in tensors]
+        joined = segments.joined(pieces)
+        return unsupported(joined) if isinstance(joined, str) else joined
+    if any(i != infos[0] for i in infos):
+        return unsupported("concatenated tensors carry tokens with different layouts")
+    for t in tensors:
+        if not ctx.infos[t].carries_tokens and node_shape(t)[infos[0].axis] != 1:
+            why = slice_operand(node, t, infos[0].axis, infos[0])
+            if why:
+                return unsupported(why)
+    return infos[0].moved(infos[0].axis)
+
+
+@register(torch.stack)
+def stack(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    tensors = arg(node, 0, "tensors")
+    dim = arg(node, 1, "dim", 0) % len(node_shape(node))
+    infos = {ctx.infos[t] for t in tensors if ctx.infos[t].carries_tokens}
+    if len(infos) != 1 or len(infos) != len({ctx.infos[t] for t in tensors}):
+        return unsupported("stacks tensors that carry tokens differently (or not at all)")
+    info = infos.pop()
+    return info.moved(info.axis + (dim <= info.axis))

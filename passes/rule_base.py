@@ -1,0 +1,90 @@
+"""What every token rule module shares: the rule signature, the context a rule reads, a
+registration decorator bound to the module's own table, and small helpers.
+
+A rule sees a node with at least one token-carrying input and returns the node's TokenInfo
+(UNSUPPORTED, with a reason, for an op that mixes tokens). Each rule module keeps its own
+table; `rules.py` merges them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from fractions import Fraction
+from typing import Any
+
+import torch.fx
+
+from tokpipe_compiler.core.args import arg
+from tokpipe_compiler.core.fx import node_shape
+from tokpipe_compiler.core.meta import SLICES_KEY, UNSUPPORTED, TokenInfo
+
+Rule = Callable[[torch.fx.Node, "RuleContext"], TokenInfo]
+Register = Callable[..., Callable[[Rule], Rule]]
+
+
+class RuleContext:
+    """What a rule may ask: the TokenInfo of any earlier node."""
+
+    def __init__(self, infos: dict[torch.fx.Node, TokenInfo]):
+        self.infos = infos
+
+    def info(self, arg: Any) -> TokenInfo | None:
+        return self.infos.get(arg) if isinstance(arg, torch.fx.Node) else None
+
+    def token_args(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        return [a for a in node.all_input_nodes if self.infos[a].carries_tokens]
+
+
+def registrar(table: dict[Any, Rule]) -> Register:
+    """A `@register(*op_keys)` decorator that writes into `table`. Two different rules for
+    one key in a table is an error (the same rule under aliases of one op is not)."""
+
+    def register(*keys: Any) -> Callable[[Rule], Rule]:
+        def wrap(rule: Rule) -> Rule:
+            for key in keys:
+                if table.get(key, rule) is not rule:
+                    raise ValueError(f"op {key!r} has two rules: {table[key].__name__} and "
+                                     f"{rule.__name__}")
+                table[key] = rule
+            return rule
+
+        return wrap
+
+    return register
+
+
+def unsupported(reason: str) -> TokenInfo:
+    return TokenInfo(UNSUPPORTED, reason=reason)
+
+
+def first_token(node: torch.fx.Node, ctx: RuleContext) -> tuple[torch.fx.Node, TokenInfo]:
+    """The node's first token-carrying input and its TokenInfo."""
+    arg = ctx.token_args(node)[0]
+    return arg, ctx.infos[arg]
+
+
+def slice_operand(node: torch.fx.Node, operand: torch.fx.Node, axis: int, info: TokenInfo) -> str:
+    """Record that an invariant operand is a per-token table (a positional embedding, say)
+    that must be cut to the chunk before `node` uses it; returns why it cannot be, or ''.
+    `axis`: the operand's axis that lines up with the token axis of `info`, `node`'s own."""
+    if not info.per_unit:
+        return ""  # a segment-only value: every chunk uses the table whole
+    table, full = node_shape(operand)[axis], node_shape(node)[info.axis]
+    if table != full:
+        return (f"a per-token table of {table} rows meets a token axis of {full} rows (a "
+                "table longer than the sequence must be cut to it before the model uses it)")
+    node.meta.setdefault(SLICES_KEY, []).append((operand, axis, info.moved(axis)))
+    return ""
+
+
+def scaled_per_unit(info: TokenInfo, scale: int) -> TokenInfo:
+    """The same info with per_unit multiplied by the grid scale (Fraction -> int)."""
+    if not info.carries_tokens:
+        return info
+    return replace(info, per_unit=int(Fraction(info.per_unit) * scale))
+
+
+def source(node: torch.fx.Node) -> Any:
+    """What the op is applied to: a method's tensor, a function's first argument."""
+    return arg(node, 0, "input")

@@ -1,0 +1,147 @@
+"""Token rules for elementwise ops and for ops that only move elements around: views,
+reshapes, permutations, padding. VIEW_RULES, merged with the others in `rules.py`."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from tokpipe_compiler.core.args import arg, varargs
+from tokpipe_compiler.core.fx import node_shape
+from tokpipe_compiler.core.meta import INVARIANT_INFO, TOKEN, TokenInfo
+from tokpipe_compiler.passes.rule_base import (
+    Rule,
+    RuleContext,
+    first_token,
+    registrar,
+    slice_operand,
+    source,
+    unsupported,
+)
+from tokpipe_compiler.passes.shape_rules import permute_axis, reshape_axis, transpose_axis
+
+VIEW_RULES: dict[Any, Rule] = {}
+register = registrar(VIEW_RULES)
+
+# -- elementwise (broadcasting) ---------------------------------------------------------------
+
+_ELEMENTWISE = [
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+    operator.pow, operator.neg, operator.iadd, operator.imul,
+    torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.neg, torch.where,
+    torch.exp, torch.log, torch.sin, torch.cos, torch.tanh, torch.sigmoid, torch.sqrt,
+    torch.rsqrt, torch.abs, torch.erf, torch.clamp, torch.square, torch.relu, torch.maximum,
+    torch.minimum, torch.masked_fill, torch.lerp, torch.addcmul,
+    F.gelu, F.silu, F.relu, F.mish, F.leaky_relu, F.softplus, F.dropout, F.hardswish,
+    torch._C._nn.gelu, torch._C._nn.silu, torch.nn.functional.sigmoid, torch.nn.functional.tanh,
+]
+_ELEMENTWISE_METHODS = [
+    "add", "sub", "mul", "div", "pow", "neg", "exp", "log", "sin", "cos", "tanh", "sigmoid",
+    "sqrt", "rsqrt", "abs", "clamp", "square", "relu", "masked_fill", "to", "float", "half",
+    "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach", "__add__",
+    "__mul__", "__radd__", "__rmul__", "__sub__", "__rsub__", "__truediv__", "add_", "mul_",
+    "clamp_", "erf", "lerp", "addcmul", "float_power", "sign",
+]
+
+
+@register(*_ELEMENTWISE, *(f"method:{m}" for m in _ELEMENTWISE_METHODS))
+def elementwise(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    out_ndim = len(node_shape(node))
+    out = None
+    for operand in ctx.token_args(node):
+        info = ctx.infos[operand]
+        at = info.moved(info.axis + out_ndim - len(node_shape(operand)))
+        if out is None:
+            out = at
+        elif at != out:
+            return unsupported("operands carry tokens on different axes or segments")
+    for operand in node.all_input_nodes:
+        shape = node_shape(operand)
+        if ctx.infos[operand].carries_tokens or shape is None:
+            continue
+        at = out.axis - (out_ndim - len(shape))
+        if at >= 0 and shape[at] != 1:
+            why = slice_operand(node, operand, at, out)
+            if why:
+                return unsupported(why)
+    return out
+
+
+@register(torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
+          torch.randn_like, torch.rand_like, "method:new_empty", "method:new_zeros",
+          "method:new_ones", "method:new_full")
+def like(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    same_shape = node_shape(node) == node_shape(src)
+    if node.op == "call_method" and src is source(node) and not same_shape:
+        return INVARIANT_INFO  # x.new_ones(size): only x's dtype and device are used
+    if src is not source(node) or not same_shape:
+        return unsupported("a token tensor gives the shape of a new tensor")
+    return info
+
+
+# -- views and layout -------------------------------------------------------------------------
+
+
+@register("method:view", "method:reshape", torch.reshape, "method:flatten", torch.flatten,
+          "method:unflatten", torch.unflatten, "method:squeeze", torch.squeeze,
+          "method:unsqueeze", torch.unsqueeze, "method:view_as", "method:reshape_as")
+def reshape(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if src is not source(node):
+        return unsupported("the token tensor gives the target shape of a reshape")
+    moved = reshape_axis(node_shape(src), node_shape(node), info.axis)
+    if isinstance(moved, str):
+        return unsupported(moved)
+    axis, ratio = moved
+    lead, trail = info.lead * ratio, info.trail * ratio
+    if lead.denominator != 1 or trail.denominator != 1:
+        return unsupported("a reshape splits the text segment of the token axis")
+    return replace(info, kind=TOKEN, axis=axis, per_unit=info.per_unit * ratio,
+                   lead=int(lead), trail=int(trail))
+
+
+@register(torch.view_as_complex, torch.view_as_real)
+def complex_view(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if info.axis == len(node_shape(src)) - 1:
+        return unsupported("a complex view over the token axis")
+    return info
+
+
+@register(F.pad, torch._C._nn.pad)
+def pad(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    widths = arg(node, 1, "pad")
+    from_last = len(node_shape(src)) - 1 - info.axis
+    if src is not source(node) or any(widths[2 * from_last : 2 * from_last + 2]):
+        return unsupported("padding along the token axis")
+    return info
+
+
+@register("method:permute", torch.permute)
+def permute(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    dims = varargs(node, 1) or arg(node, 1, "dims")  # x.permute(*dims), torch.permute(x, dims)
+    return info.moved(permute_axis(info.axis, dims, len(node_shape(src))))
+
+
+@register("method:transpose", torch.transpose, "method:swapaxes", torch.swapaxes)
+def transpose(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    d0, d1 = arg(node, 1, "dim0"), arg(node, 2, "dim1")
+    return info.moved(transpose_axis(info.axis, d0, d1, len(node_shape(src))))
+
+
+@register("method:expand", "method:expand_as")
+def expand(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if src is not source(node):
+        return unsupported("the token tensor gives the target shape of an expand")
+    shift = len(node_shape(node)) - len(node_shape(src))
+    return info.moved(info.axis + shift)

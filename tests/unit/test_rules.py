@@ -1,0 +1,198 @@
+"""The token rule tables on hand-built FX graphs (no Dynamo): each test builds a few nodes
+with real example values, gives the inputs a TokenInfo and asks the merged table."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from tokpipe_compiler.core.args import SDPA, arg, bound_args, varargs
+from tokpipe_compiler.core.meta import ATTENTION, INVARIANT_INFO, TOKEN, UNSUPPORTED, TokenInfo
+from tokpipe_compiler.core.ops import RuleCrashed, call_rule, merge_tables, op_key
+from tokpipe_compiler.passes import compute_rules, view_rules
+from tokpipe_compiler.passes.annotate import annotate
+from tokpipe_compiler.passes.rule_base import RuleContext, registrar
+from tokpipe_compiler.passes.rules import RULES
+
+
+class Graph:
+    """A torch.fx.Graph built by hand; every node's example value is computed for real."""
+
+    def __init__(self) -> None:
+        self.graph = torch.fx.Graph()
+        self.infos: dict[torch.fx.Node, TokenInfo] = {}
+
+    def input(self, name: str, shape: tuple[int, ...], info: TokenInfo = INVARIANT_INFO):
+        node = self.graph.placeholder(name)
+        node.meta["example_value"] = torch.randn(shape)
+        self.infos[node] = info
+        return node
+
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        return self._add(self.graph.call_function(target, args, kwargs))
+
+    def method(self, name: str, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        return self._add(self.graph.call_method(name, args, kwargs))
+
+    def _add(self, node: torch.fx.Node) -> torch.fx.Node:
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
+                                             lambda n: n.meta["example_value"])
+        if node.op == "call_method":
+            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            value = node.target(*args, **kwargs)
+        node.meta["example_value"] = value
+        return node
+
+    def infer(self, node: torch.fx.Node) -> TokenInfo:
+        """The merged table's answer for `node` (and kept for the nodes after it)."""
+        info = call_rule("token", RULES[op_key(node)], node, RuleContext(self.infos))
+        self.infos[node] = info
+        return info
+
+
+def tok(axis: int, per_unit: int = 1) -> TokenInfo:
+    return TokenInfo(TOKEN, axis, per_unit)
+
+
+# -- views and layout --------------------------------------------------------------------------
+
+
+def test_view_merging_rows_moves_the_token_axis_and_scales_per_unit():
+    g = Graph()
+    x = g.input("x", (1, 4, 8, 8), tok(2))  # latent rows
+    assert g.infer(g.method("view", x, 1, 4, 64)) == tok(2, 8)
+    y = g.input("y", (1, 16, 4, 8), tok(1))
+    assert g.infer(g.call(torch.reshape, y, shape=(1, 64, 8))) == tok(1, 4)
+    assert g.infer(g.method("unsqueeze", y, 0)) == tok(2)
+
+
+def test_reshape_with_the_token_axis_an_inner_factor_is_unsupported():
+    g = Graph()
+    x = g.input("x", (2, 8, 16), tok(1))
+    info = g.infer(g.method("view", x, 16, 16))  # batch 2 merged outside the tokens
+    assert info.kind == UNSUPPORTED and "inner factor of a merged axis" in info.reason
+
+
+def test_transpose_and_permute_follow_the_token_axis():
+    g = Graph()
+    x = g.input("x", (1, 16, 8), tok(1))
+    assert g.infer(g.method("transpose", x, 1, 2)) == tok(2)
+    assert g.infer(g.call(torch.transpose, x, dim0=1, dim1=-1)) == tok(2)
+    assert g.infer(g.method("permute", x, 0, 2, 1)) == tok(2)
+    assert g.infer(g.method("permute", x, (2, 1, 0))) == tok(1)
+    assert g.infer(g.call(torch.permute, x, dims=(1, 0, 2))) == tok(0)
+
+
+# -- compute -----------------------------------------------------------------------------------
+
+
+def test_linear_keeps_the_token_axis_and_refuses_to_contract_it():
+    g = Graph()
+    x = g.input("x", (1, 16, 8), tok(1))
+    w = g.input("w", (12, 8))
+    assert g.infer(g.call(F.linear, x, w)) == tok(1)
+    xt = g.input("xt", (1, 8, 16), tok(2))
+    w16 = g.input("w16", (12, 16))
+    info = g.infer(g.call(F.linear, xt, w16))
+    assert info.kind == UNSUPPORTED and "contracts over the token axis" in info.reason
+
+
+def test_layer_norm_over_hidden_keeps_tokens_over_tokens_does_not():
+    g = Graph()
+    x = g.input("x", (1, 16, 8), tok(1))
+    assert g.infer(g.call(F.layer_norm, x, (8,))) == tok(1)
+    assert g.infer(g.call(F.layer_norm, x, normalized_shape=(8,))) == tok(1)
+    info = g.infer(g.call(F.layer_norm, x, (16, 8)))
+    assert info.kind == UNSUPPORTED and "normalises over the token axis" in info.reason
+
+
+def test_self_attention_is_marked_attention_cross_attention_is_not():
+    g = Graph()
+    q, k, v = (g.input(n, (1, 2, 16, 8), tok(2)) for n in "qkv")
+    out = g.call(F.scaled_dot_product_attention, q, k, v, is_causal=True)
+    assert g.infer(out) == TokenInfo(ATTENTION, 2, 1)
+    ctx_k, ctx_v = g.input("ck", (1, 2, 5, 8)), g.input("cv", (1, 2, 5, 8))
+    assert g.infer(g.call(F.scaled_dot_product_attention, q, ctx_k, ctx_v)) == tok(2)
+
+
+def test_mean_over_the_token_axis_is_unsupported_over_hidden_it_is_kept():
+    g = Graph()
+    x = g.input("x", (1, 16, 8), tok(1))
+    info = g.infer(g.method("mean", x, 1))
+    assert info.kind == UNSUPPORTED and "over the token axis mixes tokens" in info.reason
+    assert g.infer(g.call(torch.mean, x, dim=-1)) == tok(1)
+    assert g.infer(g.method("mean", x, 0)) == tok(0)
+    assert g.infer(g.method("mean", x, 0, keepdim=True)) == tok(1)
+
+
+def test_cat_along_another_axis_keeps_the_layout():
+    g = Graph()
+    a, b = g.input("a", (1, 16, 8), tok(1)), g.input("b", (1, 16, 4), tok(1))
+    assert g.infer(g.call(torch.cat, [a, b], dim=-1)) == tok(1)
+    assert g.infer(g.call(torch.cat, [a, b], 2)) == tok(1)
+
+
+# -- the tables and their merge ----------------------------------------------------------------
+
+
+def test_merge_rejects_an_op_defined_twice():
+    with pytest.raises(ValueError, match=r"'views'.*'compute'"):
+        merge_tables({"views": {F.linear: view_rules.elementwise},
+                      "compute": {F.linear: compute_rules.linear}})
+    assert merge_tables({"a": {F.linear: compute_rules.linear}, "b": {F.silu: len}}) == {
+        F.linear: compute_rules.linear, F.silu: len}
+
+
+def test_a_table_rejects_two_rules_for_one_op():
+    table: dict = {}
+    register = registrar(table)
+    register(F.linear, torch._C._nn.linear)(compute_rules.linear)  # aliases of one rule
+    with pytest.raises(ValueError, match="two rules"):
+        register(F.linear)(compute_rules.matmul)
+
+
+def test_merged_table_holds_every_module_table_under_op_keys():
+    assert RULES[F.linear] is compute_rules.linear
+    assert RULES["method:view"] is view_rules.reshape
+    assert RULES[operator.getitem].__name__ == "getitem"
+    assert "view" not in RULES and "linear" not in RULES  # keyed by op, not by name
+
+
+# -- a rule that crashes -----------------------------------------------------------------------
+
+
+def test_a_crashing_rule_raises_naming_the_op_instead_of_unsupported():
+    g = Graph()
+    x = g.input("x", (1, 16, 8), tok(1))
+    bad = g.graph.call_method("transpose", (x, 1))  # dim1 missing: the rule cannot read it
+    bad.meta["example_value"] = torch.randn(1, 8, 16)
+    g.graph.output(bad)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g.graph)
+    with pytest.raises(RuleCrashed, match="token rule for 'transpose'") as caught:
+        annotate(gm, "x")
+    assert caught.value.node is bad and caught.value.op == "transpose"
+    assert isinstance(caught.value.__cause__, TypeError)
+    assert "transpose((1, 16, 8))" in str(caught.value)  # describe(node)
+
+
+# -- the argument reader -----------------------------------------------------------------------
+
+
+def test_arg_reads_position_then_keyword_then_default():
+    g = Graph()
+    x = g.input("x", (1, 16, 8), tok(1))
+    node = g.call(torch.cat, [x, x], dim=2)
+    assert arg(node, 1, "dim", 0) == 2 and arg(node, 0, "tensors") == [x, x]
+    assert arg(g.call(torch.cat, [x, x]), 1, "dim", 0) == 0
+    assert varargs(g.method("permute", x, (0, 2, 1)), 1) == (0, 2, 1)
+    sdpa = g.call(F.scaled_dot_product_attention, x, x, x, None, 0.0, is_causal=True)
+    assert bound_args(sdpa, SDPA) == {"query": x, "key": x, "value": x, "attn_mask": None,
+                                      "dropout_p": 0.0, "is_causal": True}
+    with pytest.raises(TypeError, match="positional arguments"):
+        bound_args(sdpa, SDPA[:3])

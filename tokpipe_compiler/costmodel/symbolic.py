@@ -1,0 +1,124 @@
+"""The cost model's symbols and shapes: a node's work as sympy expressions of the chunk
+length N and the attention context C, and the chunk shape of each FX value (its token axis
+of full size S becomes S * N / tokens; other axes keep their size)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx
+
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.meta import META_KEY, TokenInfo
+
+N, C = sympy.symbols("n c", positive=True, integer=True)
+# Key positions per tile of the device's causal attention kernel: a kernel skips masked
+# tiles, not masked elements, so a chunk's own causal block costs min(n, tile) / 2 more keys
+# per query than its unmasked half. 0 (the default) counts useful work only.
+TILE = sympy.Symbol("tile", nonnegative=True, integer=True)
+
+Dims = list[sympy.Expr]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Work of one node or a sum of nodes, as expressions of N and C.
+
+    flops counts all arithmetic; matmul_flops and attention_flops are the parts of it done
+    by matrix-multiply and attention kernels (they run at their own rates). launches counts
+    the nodes that run a kernel (views launch nothing).
+    """
+
+    flops: sympy.Expr
+    bytes: sympy.Expr
+    matmul_flops: sympy.Expr = sympy.S.Zero
+    attention_flops: sympy.Expr = sympy.S.Zero
+    launches: int = 0
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(
+            self.flops + other.flops,
+            self.bytes + other.bytes,
+            self.matmul_flops + other.matmul_flops,
+            self.attention_flops + other.attention_flops,
+            self.launches + other.launches,
+        )
+
+    def at(self, n: int, c: int, tile: int = 0) -> tuple[float, float, float, float]:
+        """(flops, bytes, matmul_flops, attention_flops) as numbers for n and c."""
+        values = {N: n, C: c, TILE: tile}
+        exprs = (self.flops, self.bytes, self.matmul_flops, self.attention_flops)
+        return tuple(float(sympy.sympify(e).subs(values)) for e in exprs)
+
+
+ZERO = Cost(sympy.Integer(0), sympy.Integer(0))
+
+
+# ---- symbolic shapes -------------------------------------------------------------------
+
+
+def token_info(node: torch.fx.Node) -> TokenInfo | None:
+    return node.meta.get(META_KEY)
+
+
+def tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors(v)]
+    return []
+
+
+def sym_int(size: object) -> sympy.Expr:
+    # SymInts (dynamic shapes) become symbols by name; plain ints stay exact.
+    try:
+        return sympy.Integer(int(size))
+    except (TypeError, ValueError, RuntimeError):
+        return sympy.sympify(str(size))
+
+
+def scaled(t: torch.Tensor, info: TokenInfo | None, tokens: int, sym: sympy.Symbol) -> Dims:
+    """The shape of `t` with its token axis (per `info`) scaled to `sym` of `tokens`."""
+    sizes = [sym_int(s) for s in t.shape]
+    if info is None or not info.carries_tokens or info.axis is None:
+        return sizes
+    if not -len(sizes) <= info.axis < len(sizes):
+        return sizes
+    sizes[info.axis] = sym * sizes[info.axis] / tokens
+    return sizes
+
+
+def dims(value_node: object, tokens: int, sym: sympy.Symbol = N) -> Dims | None:
+    """Chunk shape of a tensor node: its token axis scaled to `sym` tokens."""
+    value = example_value(value_node)
+    if not isinstance(value, torch.Tensor):
+        return None
+    return scaled(value, token_info(value_node), tokens, sym)
+
+
+def numel(d: Dims | None) -> sympy.Expr:
+    return sympy.Mul(*d) if d else sympy.Integer(0 if d is None else 1)
+
+
+def nbytes(value_node: object, tokens: int, sym: sympy.Symbol = N) -> sympy.Expr:
+    """Bytes of a node's value (all its tensors) on a chunk of `sym` tokens."""
+    value = example_value(value_node)
+    info = token_info(value_node) if isinstance(value_node, torch.fx.Node) else None
+    return sum(
+        (numel(scaled(t, info, tokens, sym)) * t.element_size() for t in tensors(value)),
+        sympy.Integer(0),
+    )
+
+
+def out_numel(node: torch.fx.Node, tokens: int) -> sympy.Expr:
+    info = token_info(node)
+    parts = [numel(scaled(t, info, tokens, N)) for t in tensors(example_value(node))]
+    return sum(parts, sympy.Integer(0))
+
+
+def io_bytes(node: torch.fx.Node, tokens: int) -> sympy.Expr:
+    """Bytes read from every tensor input plus bytes written to the output."""
+    read = sum((nbytes(a, tokens) for a in node.all_input_nodes), sympy.Integer(0))
+    return read + nbytes(node, tokens)
