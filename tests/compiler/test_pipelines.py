@@ -44,6 +44,6 @@ def test_dit_pipeline_twice_with_one_seed(mode):
         scale = serial.abs().max().item()
         assert (first - serial).abs().max().item() <= 1e-5 * scale
     else:  # stale K/V after the warmup step: close to serial, not equal
-        assert 0 < (first - serial).abs().max().item()
+        assert (first - serial).abs().max().item() > 0
     (program,) = tp.programs(pipe.transformer)
     assert program.clock.step == 3  # four steps of the second generation, counted
