@@ -1,12 +1,9 @@
 """split: one GraphModule per stage, plus the prelude of invariant values.
 
-Every value a stage reads from outside comes in as a placeholder of one of three kinds:
-  boundary  a token value computed by an earlier stage for the same chunk (sent to it)
-  sliced    a full per-call tensor cut to the chunk by the runtime (the token input,
-            positional tables, mask rows)
-  call      a per-call value (parameters, timestep and text conditioning, K/V caches,
-            the chunk descriptor)
-The prelude computes the invariant values once per call; it never sees a token.
+Every value a stage reads from outside comes in as a placeholder: a boundary value sent by
+an earlier stage, a per-call tensor sliced to the chunk, or a per-call value (the kinds of
+`core/stage_graph.py`). The prelude computes the invariant values once per call; it never
+sees a token.
 """
 
 from __future__ import annotations
