@@ -190,7 +190,11 @@ def cache_path(device: str = "cpu", threads: int | None = None) -> Path:
 def load_or_measure(
     device: str = "cpu", threads: int | None = None, refresh: bool = False
 ) -> DeviceRates:
-    """Cached rates of `device`, measured and written to the cache when missing."""
+    """Cached rates of `device`, measured and written to the cache when missing. "meta"
+    (a model planned without memory behind it) has nothing to time: it gets the CPU's
+    rates, which weigh the nodes against each other as well as any."""
+    if torch.device(device).type == "meta":
+        device = "cpu"
     path = cache_path(device, threads)
     if path.exists() and not refresh:
         try:
