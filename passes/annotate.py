@@ -147,7 +147,9 @@ def _chunk_table(graph: torch.fx.Graph, table: torch.fx.Node, axis: int,
     """The chunk's rows of a per-token table: chunk_slice(table), or, around text segments,
     cat([table head, chunk_slice(middle rows), table tail])."""
     if not info.segmented:
-        return _add(graph, chunk_slice, (table, axis, info.per_unit), example_value(table), info)
+        blocks = (info.outer,) if info.outer > 1 else ()
+        return _add(graph, chunk_slice, (table, axis, info.per_unit, *blocks),
+                    example_value(table), info)
     full = node_shape(table)[axis]
     bounds = [(0, info.lead), (info.lead, full - info.trail), (full - info.trail, full)]
     parts = [_add(graph, torch.narrow, (table, axis, a, b - a),

@@ -159,6 +159,9 @@ def attention(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         return iq  # tokens on a batch or head axis: each item attends on its own
     if {iq.axis, ik.axis, iv.axis} != {nd - 2}:
         return unsupported("attention whose sequence axis is not the token axis")
+    if ik.outer > 1 or iq.outer > 1:
+        return unsupported("attention over a sequence that joins the tokens of several batch "
+                           "rows (the token axis is an inner factor of the merged sequence)")
     if ik != iv or iq not in (ik, replace(ik, lead=0, trail=0)):
         return unsupported("queries and keys of different token granularity or segments")
     mask = args.get("attn_mask")

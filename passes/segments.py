@@ -20,9 +20,15 @@ from dataclasses import replace
 
 from tokpipe_compiler.core.meta import TOKEN, TokenInfo
 
+# Segments are ranges of one block; a token axis of several blocks (batch merged with the
+# frames) is only ever taken whole.
+_BLOCKED = "taking part of a token axis that repeats in outer blocks (batch rows)"
+
 
 def cut(info: TokenInfo, full: int, start: int, stop: int) -> TokenInfo | str:
     """The TokenInfo of elements [start, stop) of a token axis of full size `full`."""
+    if info.outer > 1:
+        return _BLOCKED
     lo, hi = info.lead, full - info.trail
     if start <= lo and stop >= hi and hi > lo:
         return replace(info, kind=TOKEN, lead=lo - start, trail=stop - hi)
@@ -54,6 +60,8 @@ def to_chunk(index: int, info: TokenInfo, full: int, units: int) -> int:
 def joined(pieces: Sequence[tuple[TokenInfo | None, int]]) -> TokenInfo | str:
     """The TokenInfo of a concatenation along the token axis of (info or None, size) pieces
     (None: an invariant piece, whole in every chunk)."""
+    if any(info is not None and info.outer > 1 for info, _ in pieces):
+        return _BLOCKED
     chunked = [i for i, (info, _) in enumerate(pieces) if info is not None and info.per_unit]
     if len(chunked) > 1:
         return "concatenation of two chunked token sequences along the token axis"

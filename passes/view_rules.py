@@ -4,7 +4,10 @@ reshapes, permutations, padding. VIEW_RULES, merged with the others in `rules.py
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import replace
+from fractions import Fraction
+from math import prod
 from typing import Any
 
 import torch
@@ -23,7 +26,8 @@ from tokpipe_compiler.passes.rule_base import (
     source,
     unsupported,
 )
-from tokpipe_compiler.passes.shape_rules import permute_axis, reshape_axis, transpose_axis
+from tokpipe_compiler.passes.shape_rules import _groups as merge_groups
+from tokpipe_compiler.passes.shape_rules import permute_axis, transpose_axis
 
 VIEW_RULES: dict[Any, Rule] = {}
 register = registrar(VIEW_RULES)
@@ -95,15 +99,48 @@ def reshape(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
     if src is not source(node):
         return unsupported("the token tensor gives the target shape of a reshape")
-    moved = reshape_axis(node_shape(src), node_shape(node), info.axis)
-    if isinstance(moved, str):
-        return unsupported(moved)
-    axis, ratio = moved
-    lead, trail = info.lead * ratio, info.trail * ratio
-    if lead.denominator != 1 or trail.denominator != 1:
-        return unsupported("a reshape splits the text segment of the token axis")
-    return replace(info, kind=TOKEN, axis=axis, per_unit=info.per_unit * ratio,
-                   lead=int(lead), trail=int(trail))
+    moved = reshape_layout(node_shape(src), node_shape(node), info)
+    return unsupported(moved) if isinstance(moved, str) else moved
+
+
+def reshape_layout(in_shape: Sequence[int], out_shape: Sequence[int],
+                   info: TokenInfo) -> TokenInfo | str:
+    """The token layout after a reshape, or why it cannot be followed.
+
+    The dims merged with the token axis (its group) are seen flat: `blocks` outer blocks
+    (the info's own times the group's dims before the token axis), each holding one copy
+    of the token layout. The output axis is the one whose group dims before it consume as
+    many of those blocks as divide evenly: [B, F, C] (tokens F) -> [B * F, C] has outer B,
+    and [B * F, C] (outer B) -> [B, F, C] gives the frames back with outer 1.
+    """
+    for in_dims, out_dims in merge_groups(list(in_shape), list(out_shape)):
+        if info.axis in in_dims:
+            return _regrouped(in_shape, out_shape, in_dims, out_dims, info)
+    return "shapes do not match"
+
+
+def _regrouped(in_shape: Sequence[int], out_shape: Sequence[int], in_dims: list[int],
+               out_dims: list[int], info: TokenInfo) -> TokenInfo | str:
+    axis = info.axis
+    blocks = info.outer * prod(in_shape[d] for d in in_dims if d < axis)
+    inner = prod(in_shape[d] for d in in_dims if d > axis)
+    block = in_shape[axis] // info.outer * inner  # elements of one block, flat
+    candidates = [j for j in out_dims if out_shape[j] != 1]
+    if not candidates:
+        return "the token axis collapses to size 1"
+    for j in reversed(candidates):  # the most outer blocks consumed first
+        before = prod(out_shape[d] for d in out_dims if d < j)
+        after = prod(out_shape[d] for d in out_dims if d > j)
+        if blocks % before or (blocks > before and block % after):
+            continue  # blocks would straddle rows of axis j
+        ratio = Fraction(inner, after)
+        lead, trail = info.lead * ratio, info.trail * ratio
+        if lead.denominator != 1 or trail.denominator != 1:
+            return "a reshape splits the text segment of the token axis"
+        return replace(info, kind=TOKEN, axis=j, per_unit=info.per_unit * ratio,
+                       lead=int(lead), trail=int(trail), outer=blocks // before)
+    return ("the token axis is an inner factor of a merged axis whose rows straddle the "
+            "token blocks (chunks would not be whole rows)")
 
 
 @register(torch.view_as_complex, torch.view_as_real)

@@ -66,11 +66,29 @@ def table_from_tokens(units: int, tokens: int, lengths: Sequence[int]) -> list[C
     return table_from_sizes([n // per_unit for n in lengths])
 
 
-def chunk_slice(x: torch.Tensor, axis: int, per_unit: int) -> torch.Tensor:
+def chunk_slice(x: torch.Tensor, axis: int, per_unit: int, outer: int = 1) -> torch.Tensor:
     """Marker for a per-token constant cut to the chunk. The split pass turns each call into
     a stage input that the runtime slices with `slice_to_chunk`; it never runs in a graph."""
     raise TokpipeError("chunk_slice is a marker and runs only through the tokpipe runtime")
 
 
-def slice_to_chunk(x: torch.Tensor, axis: int, per_unit: int, chunk: Chunk) -> torch.Tensor:
-    return x.narrow(axis, chunk.start * per_unit, chunk.units * per_unit)
+def slice_to_chunk(x: torch.Tensor, axis: int, per_unit: int, chunk: Chunk,
+                   outer: int = 1) -> torch.Tensor:
+    """The chunk's rows of `x` along `axis`; with `outer` blocks (batch rows merged outside
+    the tokens), the chunk's rows of every block, blocks kept in order."""
+    if outer == 1:
+        return x.narrow(axis, chunk.start * per_unit, chunk.units * per_unit)
+    blocks = x.unflatten(axis, (outer, -1))
+    return blocks.narrow(axis + 1, chunk.start * per_unit, chunk.units * per_unit).flatten(
+        axis, axis + 1)
+
+
+def assemble(pieces: Sequence[torch.Tensor], axis: int, outer: int = 1) -> torch.Tensor:
+    """The inverse of `slice_to_chunk` over a chunk table: the chunks' pieces, in order,
+    joined along `axis` within each of the `outer` blocks."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if outer == 1:
+        return torch.cat(list(pieces), axis)
+    blocked = [p.unflatten(axis, (outer, -1)) for p in pieces]
+    return torch.cat(blocked, axis + 1).flatten(axis, axis + 1)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.meta import META_KEY
 from tokpipe_compiler.core.stage_graph import BOUNDARY, SLICED, StageGraph
 from tokpipe_compiler.runtime.chunking import Chunk, slice_to_chunk
 from tokpipe_compiler.runtime.kv_attention import (
@@ -75,6 +76,7 @@ class Executor:
         self.timeline = timeline if timeline is not None else Timeline()
         self.carried = carried or {}
         self.progress = progress
+        self._outer = [input_blocks(stage) for stage in stages]
 
     def run(self, actions: Sequence[Action], chunks: Sequence[Chunk],
             env_for: Callable[[int], dict], visible: Callable[[Chunk], int],
@@ -147,7 +149,9 @@ class Executor:
                  chunk_values: dict[str, torch.Tensor], visible: int) -> None:
         stage = self.stages[action.stage]
         env[CHUNK_INPUT] = chunk_descriptor(chunk, visible)
-        inputs = [stage_input(i, chunk, env, chunk_values) for i in stage.inputs]
+        outer = self._outer[action.stage]
+        inputs = [stage_input(i, chunk, env, chunk_values, outer.get(i.name, 1))
+                  for i in stage.inputs]
         outputs = self.run_stage(action.stage, chunk.units, inputs)
         chunk_values.update(zip(stage.outputs, outputs, strict=True))
 
@@ -158,7 +162,8 @@ def value_spec(stage: StageGraph, name: str, chunk: Chunk) -> TensorSpec:
     value = example_value(node)
     info = stage.output_infos[name]
     shape = list(value.shape)
-    shape[info.axis] = info.extent(chunk.units)  # text segments travel whole with every chunk
+    # text segments travel whole with every chunk, in each outer block
+    shape[info.axis] = info.extent(chunk.units)
     return TensorSpec(tuple(shape), value.dtype)
 
 
@@ -169,11 +174,20 @@ def chunk_descriptor(chunk: Chunk, visible: int) -> torch.Tensor:
     return descriptor
 
 
-def stage_input(spec, chunk: Chunk, call_env: dict, chunk_values: dict) -> torch.Tensor:
+def input_blocks(stage: StageGraph) -> dict[str, int]:
+    """Outer blocks of each placeholder whose token axis has more than one (the TokenInfo
+    the split pass copied onto it): a sliced input is cut in every block."""
+    infos = {n.name: n.meta.get(META_KEY) for n in stage.gm.graph.nodes if n.op == "placeholder"}
+    return {name: info.outer for name, info in infos.items()
+            if info is not None and info.outer > 1}
+
+
+def stage_input(spec, chunk: Chunk, call_env: dict, chunk_values: dict,
+                outer: int = 1) -> torch.Tensor:
     if spec.kind == BOUNDARY or spec.name in chunk_values:  # computed, received or carried
         return chunk_values[spec.name]
     if spec.kind == SLICED:
-        return slice_to_chunk(call_env[spec.source], spec.axis, spec.per_unit, chunk)
+        return slice_to_chunk(call_env[spec.source], spec.axis, spec.per_unit, chunk, outer)
     return call_env[spec.name]
 
 

@@ -12,7 +12,14 @@ import torch.fx
 import torch.nn.functional as F
 
 from tokpipe_compiler.core.args import SDPA, arg, bound_args, varargs
-from tokpipe_compiler.core.meta import ATTENTION, INVARIANT_INFO, TOKEN, UNSUPPORTED, TokenInfo
+from tokpipe_compiler.core.meta import (
+    ATTENTION,
+    INVARIANT_INFO,
+    SLICES_KEY,
+    TOKEN,
+    UNSUPPORTED,
+    TokenInfo,
+)
 from tokpipe_compiler.core.ops import RuleCrashed, call_rule, merge_tables, op_key
 from tokpipe_compiler.passes import compute_rules, view_rules
 from tokpipe_compiler.passes.annotate import annotate
@@ -72,11 +79,55 @@ def test_view_merging_rows_moves_the_token_axis_and_scales_per_unit():
     assert g.infer(g.method("unsqueeze", y, 0)) == tok(2)
 
 
-def test_reshape_with_the_token_axis_an_inner_factor_is_unsupported():
+def test_merging_the_batch_outside_the_tokens_records_outer_blocks():
     g = Graph()
     x = g.input("x", (2, 8, 16), tok(1))
-    info = g.infer(g.method("view", x, 16, 16))  # batch 2 merged outside the tokens
+    merged = g.method("view", x, 16, 16)  # batch 2 merged outside the tokens
+    info = g.infer(merged)
+    assert info == TokenInfo(TOKEN, 0, 1, outer=2)
+    assert info.extent(3) == 6  # three units in each of the two blocks
+    assert g.infer(g.method("view", merged, 2, 8, 16)) == tok(1)  # split back: outer 1
+
+
+def test_video_batch_merged_with_frames_and_split_back():
+    """Latte: [B, C, F, H, W] -permute-> [B, F, C, H, W] -> [B * F, C, H, W], then the
+    spatial tokens [B * F, H * W, D] -> [B, F, H * W, D] for temporal attention."""
+    g = Graph()
+    x = g.input("x", (2, 3, 4, 8, 8), tok(2))  # frames are the tokens
+    p = g.method("permute", x, 0, 2, 1, 3, 4)
+    assert g.infer(p) == tok(1)
+    assert g.infer(g.method("reshape", p, -1, 3, 8, 8)) == TokenInfo(TOKEN, 0, 1, outer=2)
+    tokens = g.input("t", (8, 64, 16), TokenInfo(TOKEN, 0, 1, outer=2))
+    assert g.infer(g.method("reshape", tokens, 2, 4, 64, 16)) == tok(1)
+    flat = g.infer(g.method("flatten", tokens, 0, 1))  # [B * F * HW, D]: per frame 64 rows
+    assert flat == TokenInfo(TOKEN, 0, 64, outer=2)
+
+
+def test_merges_that_cut_through_the_blocks_are_unsupported():
+    g = Graph()
+    x = g.input("x", (2, 6, 4), tok(1))
+    info = g.infer(g.method("view", x, 3, 4, 4))  # rows of 4 straddle the two blocks of 6
     assert info.kind == UNSUPPORTED and "inner factor of a merged axis" in info.reason
+    y = g.input("y", (12, 4), TokenInfo(TOKEN, 0, 1, outer=2))
+    assert g.infer(g.call(operator.getitem, y, (slice(0, 3),))).kind == UNSUPPORTED
+
+
+def test_attention_over_a_sequence_of_several_batch_rows_is_unsupported():
+    g = Graph()
+    info = TokenInfo(TOKEN, 2, 1, outer=2)  # [1, heads, B * L, d]: rows of two batch items
+    q, k, v = (g.input(n, (1, 2, 16, 8), info) for n in "qkv")
+    out = g.infer(g.call(F.scaled_dot_product_attention, q, k, v))
+    assert out.kind == UNSUPPORTED and "several batch rows" in out.reason
+
+
+def test_elementwise_keeps_outer_blocks_and_cuts_a_per_row_table_in_every_block():
+    g = Graph()
+    x = g.input("x", (8, 16), TokenInfo(TOKEN, 0, 1, outer=2))
+    table = g.input("table", (8, 1))  # a timestep embedding repeated per frame
+    node = g.call(torch.add, x, table)
+    assert g.infer(node) == TokenInfo(TOKEN, 0, 1, outer=2)
+    [(operand, axis, sliced)] = node.meta[SLICES_KEY]
+    assert operand is table and axis == 0 and sliced.outer == 2
 
 
 def test_transpose_and_permute_follow_the_token_axis():

@@ -48,6 +48,10 @@ class TokenInfo:
     carries whole: the text tokens of joint text+image attention. A value that is only such
     a segment (the text stream after joint attention) has per_unit 0: it changes with the
     chunk but its size does not.
+    outer: blocks the token layout repeats in along `axis`, outermost: a batch (or the
+    guidance branches) merged with the frames, `[B * F, ...]`, has outer B. Block b holds
+    elements [b * n, (b + 1) * n) of the axis, n = lead + units * per_unit + trail, and a
+    chunk is its range in every block.
     """
 
     kind: Kind
@@ -56,6 +60,7 @@ class TokenInfo:
     reason: str | None = None
     lead: int = 0
     trail: int = 0
+    outer: int = 1
 
     @property
     def carries_tokens(self) -> bool:
@@ -67,6 +72,10 @@ class TokenInfo:
 
     def extent(self, units: int) -> int:
         """Size of the token axis on a chunk of `units` grid units."""
+        return self.outer * self.block(units)
+
+    def block(self, units: int) -> int:
+        """Elements of one outer block on a chunk of `units` grid units."""
         return self.lead + units * self.per_unit + self.trail
 
     def moved(self, axis: int, kind: Kind = TOKEN) -> TokenInfo:

@@ -14,7 +14,8 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session
+from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, output_blocks
+from tokpipe_compiler.runtime.chunking import assemble
 from tokpipe_compiler.runtime.transport import DistributedTransport, init_process_group_from_env
 
 
@@ -82,7 +83,7 @@ class DistributedProgram(PipelinedProgram):
     def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The producer concatenates its chunks; every rank receives the whole output."""
         if spec.producer == self.rank:
-            tensor = torch.cat(pieces, spec.axis).contiguous()
+            tensor = assemble(pieces, spec.axis, output_blocks(self.plan, spec)).contiguous()
         else:
             tensor = self._empty_like_output(spec)
         dist.broadcast(tensor, src=spec.producer)

@@ -23,7 +23,7 @@ from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.generations import StepClock, timestep_index
 from tokpipe_compiler.programs.stage import StageProgram
 from tokpipe_compiler.runtime.caches import KVCaches
-from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
+from tokpipe_compiler.runtime.chunking import Chunk, assemble, chunk_table
 from tokpipe_compiler.runtime.executor import Executor, Timeline
 
 
@@ -195,7 +195,7 @@ class PipelinedProgram:
         return tuple(out)
 
     def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, spec.axis)
+        return assemble(pieces, spec.axis, output_blocks(self.plan, spec))
 
 
 def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
@@ -207,6 +207,11 @@ def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
         readers = {g.index for g in plan.graphs.stages for i in g.inputs if i.source == name}
         edges.setdefault(producer[output], set()).update(readers)
     return edges
+
+
+def output_blocks(plan: Plan, spec) -> int:
+    """Outer blocks of a token output's axis (batch rows merged outside its tokens)."""
+    return plan.graphs.stages[spec.producer].output_infos[spec.source].outer
 
 
 def _device_of(args: tuple) -> torch.device:
