@@ -38,6 +38,7 @@ from tokpipe_compiler.core.meta import (
     TokenInfo,
 )
 from tokpipe_compiler.core.ops import call_rule, op_key
+from tokpipe_compiler.passes import segments
 from tokpipe_compiler.passes.rule_base import RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
 from tokpipe_compiler.passes.token_input import find_token_input, seed_axes
@@ -53,10 +54,15 @@ class Annotation:
     unsupported: tuple[torch.fx.Node, ...]
 
 
-def annotate(gm: torch.fx.GraphModule, token_input: str | int | None) -> Annotation:
+def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
+             mode: str = "stale") -> Annotation:
+    """`mode`: in "sync" the one chunk is the whole sequence, so a value that mixes tokens
+    (and everything computed from it) runs whole instead of being unsupported."""
     seed = find_token_input(gm, token_input)
     _static_dtypes(gm)
     axis, infos = _first_supported(gm, seed)
+    if mode == "sync" and any(i.kind == UNSUPPORTED for i in infos.values()):
+        infos = _propagate(gm, seed, axis, whole_mixing=True)
     scale = math.lcm(*(Fraction(i.per_unit).denominator for i in infos.values()
                        if i.carries_tokens))
     rows = node_shape(seed)[axis]
@@ -94,10 +100,13 @@ def _first_supported(
     return tried[0]
 
 
-def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node,
-               axis: int) -> dict[torch.fx.Node, TokenInfo]:
+def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, axis: int,
+               whole_mixing: bool = False) -> dict[torch.fx.Node, TokenInfo]:
+    """TokenInfos from the seed's axis. `whole_mixing`: a node that mixes tokens, and every
+    node computed from it, holds a whole value (segments.whole) instead of UNSUPPORTED."""
     infos: dict[torch.fx.Node, TokenInfo] = {}
     ctx = RuleContext(infos)
+    mixed: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         node.meta.pop(SLICES_KEY, None)  # left by an earlier candidate axis
         if node.op == "output":
@@ -106,8 +115,12 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node,
             infos[node] = TokenInfo(TOKEN, axis, Fraction(1))
         elif node.op == "placeholder" or not ctx.token_args(node):
             infos[node] = INVARIANT_INFO
-        else:
+        elif mixed.isdisjoint(node.all_input_nodes):
             infos[node] = _apply_rule(node, ctx)
+        if whole_mixing and (node not in infos or infos[node].kind == UNSUPPORTED):
+            infos[node] = segments.whole(example_value(node))
+            node.meta.pop(SLICES_KEY, None)  # the whole node reads its tables whole
+            mixed.add(node)
     return infos
 
 

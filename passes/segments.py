@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
+
 from tokpipe_compiler.core.meta import TOKEN, TokenInfo
 
 # Segments are ranges of one block; a token axis of several blocks (batch merged with the
@@ -74,3 +76,12 @@ def joined(pieces: Sequence[tuple[TokenInfo | None, int]]) -> TokenInfo | str:
     before = sum(size for _, size in pieces[:at])
     after = sum(size for _, size in pieces[at + 1:])
     return replace(info, kind=TOKEN, lead=info.lead + before, trail=info.trail + after)
+
+
+def whole(value: object) -> TokenInfo:
+    """A value every chunk holds whole, all of it a segment: what a token-mixing op gives in
+    sync mode, where the one chunk is the whole sequence. The segment spans the first axis
+    (no axis for a scalar or a tuple), so its size never changes with the chunk."""
+    if isinstance(value, torch.Tensor) and value.dim():
+        return TokenInfo(TOKEN, 0, 0, lead=value.shape[0])
+    return TokenInfo(TOKEN, None, 0)

@@ -32,6 +32,8 @@ _UNFLATTEN_OPS = {"method:unflatten", torch.unflatten}
 
 
 def chunk_shape(shape: torch.Size, info: TokenInfo, units: int) -> tuple[int, ...]:
+    if info.axis is None:
+        return tuple(shape)  # a whole scalar (segments.whole): the same in every chunk
     out = list(shape)
     out[info.axis] = info.extent(units)
     return tuple(out)

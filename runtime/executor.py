@@ -162,6 +162,8 @@ def value_spec(stage: StageGraph, name: str, chunk: Chunk) -> TensorSpec:
     value = example_value(node)
     info = stage.output_infos[name]
     shape = list(value.shape)
+    if info.axis is None:  # a whole scalar: the same in every chunk
+        return TensorSpec(tuple(shape), value.dtype)
     # text segments travel whole with every chunk, in each outer block
     shape[info.axis] = info.extent(chunk.units)
     return TensorSpec(tuple(shape), value.dtype)

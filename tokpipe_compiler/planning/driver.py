@@ -57,7 +57,7 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     """Dynamo's graph -> a Plan (stages, chunk table, schedule). `gm` is left untouched.
     `ring_steps`: the plan runs as a ring of that many steps (chunks="auto" chooses for it)."""
     gm = copy_graph_module(gm)
-    annotation = run_pass(ANNOTATE, annotate_or_raise, gm, config.token_input)
+    annotation = run_pass(ANNOTATE, annotate_or_raise, gm, config.token_input, config.mode)
     tokens = sequence_tokens(gm, annotation.units)
     chunks = plan_chunks(gm, annotation, tokens, config, ring_steps)
     chunk_tokens = tokens * chunks[0].units // annotation.units
@@ -79,9 +79,11 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     return plan
 
 
-def annotate_or_raise(gm: torch.fx.GraphModule, token_input: str | int | None) -> Annotation:
-    """annotate, with a graph that mixes tokens unchunkably reported as the user's error."""
-    annotation = annotate(gm, token_input)
+def annotate_or_raise(gm: torch.fx.GraphModule, token_input: str | int | None,
+                      mode: str = "stale") -> Annotation:
+    """annotate, with a graph that mixes tokens unchunkably reported as the user's error
+    (in sync mode, which chunks nothing, such ops run whole instead)."""
+    annotation = annotate(gm, token_input, mode)
     if annotation.unsupported:
         raise_unsupported(annotation)
     return annotation

@@ -1,0 +1,67 @@
+"""Sync mode runs the whole sequence as one chunk, so an op that mixes tokens in a way
+chunking cannot (Sana's linear attention sums over tokens, a mean over tokens, a sort, a
+3x3 convolution on the latent) runs whole there; stale and causal still reject it.
+
+Tolerance: float32, max |pipelined - eager| <= 1e-5 * max |eager|.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.fixtures.models import ConvAcrossRows, MeanOverTokens, SortOverTokens
+from tests.fixtures.tracing import Traced, assert_rel_close, trace
+from tests.fixtures.zoo import ZOO, build
+from tokpipe_compiler.core.errors import TokpipeError
+
+SANA = "SanaTransformer2DModel"
+
+
+@functools.cache
+def traced_sana() -> tuple[torch.nn.Module, Traced]:
+    pytest.importorskip("diffusers")
+    model = build(SANA)
+    return model, trace(model, **ZOO[SANA].inputs(0))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_sana_linear_attention_in_sync_mode_equals_eager(stages):
+    model, t = traced_sana()
+    p = t.program(mode="sync", stages=stages, chunks=ZOO[SANA].chunks)
+    assert len(p.plan.stages) == stages
+    for seed in (1, 2):
+        inputs = ZOO[SANA].inputs(seed)
+        with torch.no_grad():
+            expected = model(**inputs)[0]
+        assert_rel_close(p(*t.with_arguments(inputs, strict=False))[0], expected)
+
+
+@pytest.mark.parametrize("mode", ["stale", "causal"])
+def test_sana_in_chunked_modes_is_still_rejected(mode):
+    _, t = traced_sana()
+    with pytest.raises(TokpipeError, match="these ops mix tokens"):
+        t.program(mode=mode, stages=2, chunks=ZOO[SANA].chunks)
+
+
+@pytest.mark.parametrize(("model", "argument", "shape", "stages"), [
+    (MeanOverTokens(), "x", (1, 8, 16), 1),
+    (MeanOverTokens(), "x", (1, 8, 16), 2),
+    (SortOverTokens(), "x", (1, 8, 16), 1),  # a tuple (values, indices) that mixes tokens
+    (ConvAcrossRows(), "latents", (1, 4, 8, 8), 1),
+])
+def test_small_token_mixers_in_sync_mode_equal_eager(model, argument, shape, stages):
+    model = model.eval()
+    t = trace(model, torch.randn(shape))
+    p = t.program(mode="sync", stages=stages, chunks=1)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        assert_rel_close(p(*t.args(**{argument: x}))[0], model(x))
+
+
+def test_mean_over_tokens_in_stale_mode_names_the_op():
+    t = trace(MeanOverTokens().eval(), torch.randn(1, 8, 16))
+    with pytest.raises(TokpipeError, match="mean over the token axis mixes tokens"):
+        t.program(mode="stale", stages=1, chunks=2)
