@@ -1,4 +1,5 @@
-"""Token-axis rules for ops that only move elements around: views, reshapes, permutations.
+"""Shape arithmetic for the rules of ops that only move elements around: which dims a
+reshape merges, where permutes and transposes move an axis, how indexing moves it.
 
 A token value is described by (axis, per_unit): a chunk of grid units [u0, u1) is the slice
 [u0 * per_unit, u1 * per_unit) of `axis`. `per_unit` is a Fraction while annotating; the
@@ -9,37 +10,9 @@ how a coarser grid (a patch of two latent rows, say) falls out of the graph by i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from fractions import Fraction
-from math import prod
 
 
-def reshape_axis(
-    in_shape: Sequence[int], out_shape: Sequence[int], axis: int
-) -> tuple[int, Fraction] | str:
-    """(output axis, elements per input element along it) of a reshape, or why the token
-    axis cannot be followed through it.
-
-    [1, 384, 16, 16] token 2 -> [1, 384, 256]: token 2, 16 (per unit 1/2 becomes 8).
-    The token axis must be the outermost non-1 dim of its merge group, so a chunk of rows
-    stays one contiguous range after the reshape.
-    """
-    for in_dims, out_dims in _groups(list(in_shape), list(out_shape)):
-        if axis not in in_dims:
-            continue
-        before = [in_shape[d] for d in in_dims if d < axis]
-        if any(size != 1 for size in before):
-            return "the token axis is an inner factor of a merged axis (chunks would be strided)"
-        block = Fraction(prod(in_shape[d] for d in in_dims if d > axis))
-        for j in out_dims:
-            if out_shape[j] == 1:
-                continue
-            inner = prod(out_shape[d] for d in out_dims if d > j)
-            return j, block / inner
-        return "the token axis collapses to size 1"
-    return "shapes do not match"
-
-
-def _groups(a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]]:
+def merge_groups(a: list[int], b: list[int]) -> list[tuple[list[int], list[int]]]:
     """Split two shapes of equal numel into runs of dims with equal products."""
     groups, i, j = [], 0, 0
     while i < len(a) or j < len(b):

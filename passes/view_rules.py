@@ -26,8 +26,7 @@ from tokpipe_compiler.passes.rule_base import (
     source,
     unsupported,
 )
-from tokpipe_compiler.passes.shape_rules import _groups as merge_groups
-from tokpipe_compiler.passes.shape_rules import permute_axis, transpose_axis
+from tokpipe_compiler.passes.shape_rules import merge_groups, permute_axis, transpose_axis
 
 VIEW_RULES: dict[Any, Rule] = {}
 register = registrar(VIEW_RULES)

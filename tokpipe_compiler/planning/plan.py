@@ -257,6 +257,8 @@ def _send_bytes(stage: StageGraph, graphs: SplitGraphs) -> int:
         if node.name in sent and node.op != "placeholder":
             value = example_value(node)
             info = stage.output_infos[node.name]
-            axis, per_unit = info.axis, info.per_unit
-            total += value.numel() // value.shape[axis] * per_unit * value.element_size()
+            if info.axis is None or not info.per_unit:
+                continue  # a value sent whole does not grow with the chunk
+            rows = value.numel() // value.shape[info.axis]
+            total += rows * info.per_unit * info.outer * value.element_size()
     return total

@@ -53,9 +53,9 @@ def locate(plan: Plan, calls: list[tuple], rtol: float) -> Where | None:
     for chunk, stage, outputs in _chunk_major(chunked):
         for name, value in outputs.items():
             info = plan.graphs.stages[stage].output_infos[name]
-            axis, per_unit = info.axis, info.per_unit
             reference = whole[stage][0][1][name]
-            expected = slice_to_chunk(reference, axis, per_unit, chunk)
+            expected = reference if info.axis is None or not info.per_unit else \
+                slice_to_chunk(reference, info.axis, info.per_unit, chunk, info.outer)
             error = (value.float() - expected.float()).abs().max().item()
             scale = reference.float().abs().max().item()
             if not error <= rtol * scale:  # also catches NaN
