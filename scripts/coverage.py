@@ -149,8 +149,9 @@ def next_step(inputs: dict) -> dict:
     latents = "hidden_states" if "hidden_states" in out else "x"
     out[latents] = out[latents] + 0.05 * torch.randn(out[latents].shape, generator=g)
     for key in ("timestep", "t", "timesteps"):
-        if isinstance(out.get(key), torch.Tensor) and out[key].is_floating_point():
-            out[key] = out[key] * 0.98
+        if isinstance(out.get(key), torch.Tensor):
+            lower = out[key] * 0.98 if out[key].is_floating_point() else out[key] - 1
+            out[key] = lower
     return out
 
 

@@ -104,3 +104,15 @@ def test_a_module_compiled_in_place_can_be_reset_and_listed():
         model(*inputs)
         tp.reset(model)
         assert program.clock.step == -1 and not program.branches
+
+
+def test_a_branch_first_seen_after_warmup_warms_up_its_own_caches():
+    """A second branch that appears at step 2 runs its first call whole (exact), not
+    chunked against caches it never filled."""
+    model, compiled = compiled_dit()
+    latents, t, labels = dit_inputs(model, 8)
+    with torch.no_grad():
+        compiled(latents, t, labels)
+        compiled(latents, t - 1, labels)  # step 1, chunked
+        late = compiled(latents, t - 1, labels + 1)  # step 1, a new branch
+        assert_rel_close(late, model(latents, t - 1, labels + 1))

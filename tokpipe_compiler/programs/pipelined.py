@@ -134,9 +134,10 @@ class PipelinedProgram:
         self.caches.filled = True  # every chunk has written its K/V once
 
     def _step_chunks(self, step: int) -> list[Chunk]:
-        """The whole sequence as one chunk (sync mode, warmup steps), or the chunk table."""
-        mode = self.plan.config.mode
-        warm = mode == "stale" and step < self.plan.config.warmup_steps
+        """The whole sequence as one chunk (sync mode, warmup steps), or the chunk table.
+        A guidance branch first seen after the warmup steps warms up its own caches."""
+        mode, warmup = self.plan.config.mode, self.plan.config.warmup_steps
+        warm = mode == "stale" and (step < warmup or (warmup > 0 and not self.caches.filled))
         return self.whole if mode == "sync" or warm else self.plan.chunks
 
     def _run(self, env_for, chunks: list[Chunk], steps: int = 1,
