@@ -93,16 +93,18 @@ def _attend_range(
     return acc, m_i, l_i
 
 
-# Tuned per chunk length too: short chunks need small query blocks to fill the GPU.
+# Tuned per chunk length too (rounded up to a power of two, so a run's few chunk lengths
+# and a test's many random ones tune a handful of times): short chunks need small query
+# blocks to fill the GPU.
 # Autotuning reruns the kernel on the caller's tensors. That is safe: the store writes the
 # same values every time, and no program reads the cache rows that are stored.
 @triton.autotune(
     configs=_configs(),
-    key=["n", "HEAD_DIM_PAD", "CAUSAL"],
+    key=["n_bucket", "HEAD_DIM_PAD", "CAUSAL"],
     prune_configs_by={"early_config_prune": _prune},
 )
 # Offsets change with every chunk: specializing on their divisibility would only recompile.
-@triton.jit(do_not_specialize=["offset", "kv_len"])
+@triton.jit(do_not_specialize=["offset", "kv_len", "n_bucket"])
 def _fused_kv_attention_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr,
     stride_qb, stride_qh, stride_qn,
@@ -111,7 +113,7 @@ def _fused_kv_attention_kernel(
     stride_kcb, stride_kch, stride_kcn,
     stride_vcb, stride_vch, stride_vcn,
     stride_ob, stride_oh, stride_on,
-    n, offset, kv_len, qk_scale,
+    n, n_bucket, offset, kv_len, qk_scale,
     HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -256,7 +258,7 @@ def fused_kv_attention(
         q, k, v, k_cache, v_cache, out,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
-        n, offset, kv_len, scale * _LOG2E,
+        n, triton.next_power_of_2(n), offset, kv_len, scale * _LOG2E,
         HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d,
         # tl.dot needs every block dim >= 16; pad D up to a power of two and mask the rest.
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), CAUSAL=causal,

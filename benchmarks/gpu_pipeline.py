@@ -1,0 +1,127 @@
+"""A released-width transformer through the in-process pipeline, against serial eager and
+serial Inductor, on one device.
+
+    python benchmarks/gpu_pipeline.py [--model pixart-alpha-xl-2-1024-ms] [--layers 4]
+        [--grid 128 128] [--chunks 2 4 8] [--stages 2] [--device cuda] [--dtype bfloat16]
+
+The model is the family's diffusers class at its released widths and text length (the
+config in tests/fixtures/released/), with --layers blocks and random weights, called as its
+pipeline calls it with guidance (batch 2). One device runs every stage in turn, so the
+pipelined step cannot beat the serial one: the ratio shows what chunking and the runtime
+cost at this size (a pipeline of S devices can at best reach S / ratio). Each tokpipe row
+is stale mode, warmup 1, stages compiled with Inductor; it also prints how far the
+warmup (exact) step is from eager, relative to the output's norm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tokpipe_compiler as tp  # noqa: E402
+from tests.fixtures import released  # noqa: E402
+
+
+def to_device(value: Any, device: str, dtype: torch.dtype) -> Any:
+    """Inputs on `device`, floating tensors in `dtype`; nested dicts too."""
+    if isinstance(value, dict):
+        return {k: to_device(v, device, dtype) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return value.to(device, dtype if value.is_floating_point() else value.dtype)
+    return value
+
+
+def timesteps(steps: int) -> list[float]:
+    """Falling timesteps: each call is the next step of one generation."""
+    return [999.0 - 40.0 * k for k in range(steps)]
+
+
+def run_steps(fn: Callable, inputs: dict, steps: int, sync: Callable) -> tuple[float, Any]:
+    """Median ms per step over `steps` calls with falling timesteps, and the first output."""
+    times, first = [], None
+    for t in timesteps(steps):
+        call_inputs = dict(inputs, timestep=torch.full_like(inputs["timestep"], t))
+        sync()
+        start = time.perf_counter()
+        out = fn(**call_inputs)
+        sync()
+        times.append(1e3 * (time.perf_counter() - start))
+        first = out[0] if first is None else first
+    return statistics.median(times[1:]), first
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="pixart-alpha-xl-2-1024-ms", choices=released.NAMES)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--grid", type=int, nargs="+", default=[128, 128])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="timed calls per competitor")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"])
+    args = parser.parse_args()
+    dtype, grid = getattr(torch, args.dtype), tuple(args.grid)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    model = released.build(args.model, layers=args.layers, device=args.device, grid=grid)
+    model = model.to(dtype)
+    inputs = to_device(released.inputs(args.model, batch=2, grid=grid), args.device, dtype)
+    tokens = _tokens(inputs, model)
+    print(f"{args.model}: released widths, {args.layers} blocks, grid {grid} ({tokens} image "
+          f"tokens), batch 2, {args.device} {args.dtype}", flush=True)
+    rows: list[tuple[str, float, str]] = []
+    with torch.no_grad():
+        eager_ms, reference = run_steps(model, inputs, args.steps, sync)
+        rows.append(("serial eager", eager_ms, ""))
+        print(f"serial eager: {eager_ms:.2f} ms/step", flush=True)
+        start = time.perf_counter()
+        inductor = torch.compile(model, dynamic=False)
+        inductor(**inputs)
+        compile_s = time.perf_counter() - start
+        ms, out = run_steps(inductor, inputs, args.steps, sync)
+        rows.append(("serial inductor", ms, f"compile {compile_s:.0f} s, "
+                                            f"vs eager {relative(out, reference):.1e}"))
+        print(f"serial inductor: {ms:.2f} ms/step", flush=True)
+        for chunks in args.chunks:
+            rows.append(pipelined(model, inputs, args, chunks, sync, reference))
+            print(f"{rows[-1][0]}: {rows[-1][1]:.2f} ms/step", flush=True)
+    print(f"\n{'run':<34} {'ms/step':>9} {'vs eager':>9} {'vs inductor':>11}  notes")
+    for label, ms, note in rows:
+        print(f"{label:<34} {ms:>9.2f} {eager_ms / ms:>8.2f}x {rows[1][1] / ms:>10.2f}x  {note}")
+
+
+def pipelined(model, inputs: dict, args, chunks: int, sync, reference) -> tuple[str, float, str]:
+    options = {"stages": args.stages, "chunks": chunks, "mode": "stale", "warmup_steps": 1,
+               "compiler": args.compiler}
+    compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
+    start = time.perf_counter()
+    run_steps(compiled, inputs, 3, sync)  # plans, compiles both chunk lengths
+    compile_s = time.perf_counter() - start
+    tp.reset(compiled)
+    ms, warm = run_steps(compiled, inputs, args.steps + 1, sync)
+    label = f"tokpipe {args.stages} stages x {chunks} chunks"
+    return label, ms, f"plan+compile {compile_s:.0f} s, warmup vs eager {relative(warm, reference):.1e}"
+
+
+def _tokens(inputs: dict, model) -> int:
+    patch = model.config.get("patch_size") or 1
+    shape = inputs["hidden_states"].shape
+    return shape[-1] * shape[-2] // patch**2
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""What chunking costs: M chunk passes of a stage against one whole pass of the same stage.
+
+    python benchmarks/overhead.py [--tokens 256 1024] [--chunks 1 2 4 8 16] [--device cuda]
+
+One process, one thread (on the CPU), one pipeline stage holding a DiT-S sized model (hidden
+384, 6 heads, patch 2, --layers blocks), stale mode. The whole pass is the program's warmup
+step (the same stage graph over every token); a chunked step runs the stage once per chunk
+against the K/V caches. The ratio (chunked step / whole step) is the price of chunking on
+one device: a pipeline of S stages can at best reach S / ratio.
+
+Breakdown of a chunked step (from one profiled step, scaled to the timed median):
+  compute    inside the stage functions, the attention op excluded
+  attention  the `tokpipe::kv_attention` op: its cache writes and the attention itself
+  writes     the part of `attention` spent writing chunks into the K/V caches
+  executor   everything outside the stage functions: scheduling, slicing, assembling
+  sends      boundary values handed between stages (none here: one stage, one process)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import tokpipe_compiler as tp
+
+HIDDEN_HEADS, HEAD_DIM = 6, 64
+KV_OP = "tokpipe::kv_attention"
+
+
+@dataclass
+class Row:
+    tokens: int
+    chunks: int
+    whole_ms: float
+    chunked_ms: float
+    parts: dict[str, float]
+
+    @property
+    def ratio(self) -> float:
+        return self.chunked_ms / self.whole_ms
+
+
+def dit(tokens: int, layers: int, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A DiT-S wide DiTTransformer2DModel whose latent makes `tokens` patches of 2x2."""
+    from diffusers import DiTTransformer2DModel
+
+    side = 2 * round(tokens**0.5)
+    torch.manual_seed(0)
+    model = DiTTransformer2DModel(
+        num_attention_heads=HIDDEN_HEADS, attention_head_dim=HEAD_DIM, in_channels=4,
+        out_channels=8, num_layers=layers, sample_size=side, patch_size=2,
+        num_embeds_ada_norm=1000, norm_type="ada_norm_zero",
+    ).to(device).eval()
+    return model if dtype == torch.float32 else model.to(dtype)
+
+
+def synced(device: str) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def median_ms(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def measure(tokens: int, chunks: int, args) -> Row:
+    torch._dynamo.reset()  # each point compiles a fresh model: no recompile limit across them
+    dtype = getattr(torch, args.dtype)
+    model = dit(tokens, args.layers, args.device, dtype)
+    side = model.config.sample_size
+    gen = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, 4, side, side, generator=gen).to(args.device, dtype)
+    t, label = torch.tensor([500], device=args.device), torch.tensor([1], device=args.device)
+    options = {"stages": 1, "chunks": chunks, "mode": "stale", "warmup_steps": 1,
+               "compiler": args.compiler}
+    compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
+    sync = synced(args.device)
+
+    def call():
+        return compiled(latents, timestep=t, class_labels=label)
+
+    def whole():  # each call after a reset is a warmup step over every token
+        tp.reset(compiled)
+        call()
+
+    with torch.no_grad():
+        call()
+        call()  # compiles both lengths
+        whole_ms = median_ms(whole, args.reps, sync)
+        tp.reset(compiled)
+        call()  # warmup: fills the caches; the calls below are chunked steps
+        chunked_ms = median_ms(call, args.reps, sync)
+        parts = breakdown(compiled, call, sync, chunked_ms)
+    return Row(tokens, chunks, whole_ms, chunked_ms, parts)
+
+
+def breakdown(compiled, call: Callable[[], object], sync, chunked_ms: float) -> dict:
+    """Where one chunked step's time goes, scaled so the parts add up to `chunked_ms`."""
+    (program,) = tp.programs(compiled)
+    program.timeline.events.clear()
+    sync()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+        sync()
+    wall = 1e3 * (time.perf_counter() - start)
+    events = prof.events()
+    attention = sum(e.cpu_time_total for e in events if e.name == KV_OP) / 1e3
+    writes = sum(e.cpu_time_total for e in events
+                 if e.name == "aten::copy_" and _inside(e, KV_OP)) / 1e3
+    stage = 1e3 * sum(e.duration for e in program.timeline.events if e.kind == "compute")
+    sends = 1e3 * sum(e.duration for e in program.timeline.events if e.kind != "compute")
+    scale = chunked_ms / wall if wall else 0.0
+    return {"compute": scale * max(stage - attention, 0.0), "attention": scale * attention,
+            "writes": scale * writes, "executor": scale * max(wall - stage - sends, 0.0),
+            "sends": scale * sends}
+
+
+def _inside(event, name: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def report(rows: list[Row], args) -> None:
+    print(f"\nDiT-S width, {args.layers} blocks, 1 stage, stale, {args.device} {args.dtype}, "
+          f"stages compiled with {args.compiler}; times in ms (median of {args.reps})")
+    print(f"{'tokens':>6} {'M':>3} {'whole':>8} {'chunked':>8} {'ratio':>6} | "
+          f"{'compute':>8} {'attn':>7} {'writes':>7} {'executor':>8} {'sends':>6}")
+    for row in rows:
+        p = row.parts
+        print(f"{row.tokens:>6} {row.chunks:>3} {row.whole_ms:>8.2f} {row.chunked_ms:>8.2f} "
+              f"{row.ratio:>6.3f} | {p['compute']:>8.2f} {p['attention']:>7.2f} "
+              f"{p['writes']:>7.2f} {p['executor']:>8.2f} {p['sends']:>6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for tokens in args.tokens:
+        for chunks in args.chunks:
+            rows.append(measure(tokens, chunks, args))
+            print(f"tokens {tokens} chunks {chunks}: ratio {rows[-1].ratio:.3f}", flush=True)
+    report(rows, args)
+
+
+if __name__ == "__main__":
+    main()

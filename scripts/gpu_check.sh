@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Everything that needs a CUDA GPU, in one run of under 8 minutes on one GPU:
+#   1. the fused K/V-cache attention kernel's tests, compiled (not interpreted), fp16/bf16
+#   2. the kernel benchmark (fused against unfused and the library's attention)
+#   3. a PixArt-alpha-wide transformer through the in-process pipeline, Inductor stages,
+#      against serial eager and serial Inductor
+#   4. the chunking overhead benchmark on the GPU
+# Writes one report, $REPORT_DIR/gpu_report.md (default: ./gpu_report), with each part's
+# output; a part that fails or runs past its time is marked so and the rest still run.
+#
+#   bash scripts/gpu_check.sh
+#
+# Python packages missing on the machine (diffusers on a bare image) may be put as wheels
+# in .whl/ at the repository root: they are installed first, without the network.
+# GPU_CHECK_PARTS="kernels bench pipeline overhead" (the default) chooses the parts.
+set -u
+cd "$(dirname "$0")/.."
+REPORT_DIR=${REPORT_DIR:-gpu_report}
+mkdir -p "$REPORT_DIR"
+REPORT="$REPORT_DIR/gpu_report.md"
+export PYTHONUNBUFFERED=1
+
+if ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    echo "no CUDA GPU here: nothing to check" >&2
+    exit 1
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tokpipe_site \
+        .whl/*.whl && export PYTHONPATH=/tmp/tokpipe_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+    || echo "warning: editable install failed; importing from the checkout" >&2
+
+{
+    echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
+    echo
+    echo '```'
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'triton', triton.__version__)"
+    python3 -c "import diffusers; print('diffusers', diffusers.__version__)"
+    echo '```'
+} >"$REPORT" 2>&1
+
+part() {  # part TITLE SECONDS COMMAND...: run one part, its output into the report
+    local title=$1 seconds=$2
+    shift 2
+    echo "== $title" >&2
+    local start=$SECONDS
+    local output
+    output=$(timeout "$seconds" "$@" 2>&1)
+    local status=$?
+    echo "$output" | tail -60 >&2
+    {
+        echo
+        echo "## $title"
+        echo
+        echo "\`$*\`: exit $status after $((SECONDS - start)) s$([ $status = 124 ] && echo " (timed out)")"
+        echo
+        echo '```'
+        echo "$output" | grep -v "should be kept in float32" | tail -80
+        echo '```'
+    } >>"$REPORT"
+}
+
+want() { [[ " ${GPU_CHECK_PARTS:-kernels bench pipeline overhead} " == *" $1 "* ]]; }
+
+want kernels && part "Kernel tests (compiled)" 170 python3 -m pytest -v -x -p no:cacheprovider \
+    --durations=5 tests/unit/test_triton_attention.py
+want bench && part "Kernel benchmark" 110 python3 benchmarks/gpu_kernels.py
+want pipeline && part "PixArt-alpha widths, in-process pipeline" 210 python3 benchmarks/gpu_pipeline.py \
+    --layers 4 --grid 128 128 --chunks 2 4 8 --steps 6
+want overhead && part "Chunking overhead" 90 python3 benchmarks/overhead.py --device cuda --dtype bfloat16 \
+    --tokens 1024 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10
+echo "report: $REPORT" >&2
