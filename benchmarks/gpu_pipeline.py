@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import tokpipe_compiler as tp  # noqa: E402
-from tests.fixtures import released  # noqa: E402
+import tokpipe_compiler as tp
+from tests.fixtures import released
 
 
 def to_device(value: Any, device: str, dtype: torch.dtype) -> Any:
@@ -114,7 +114,8 @@ def pipelined(model, inputs: dict, args, chunks: int, sync, reference) -> tuple[
     tp.reset(compiled)
     ms, warm = run_steps(compiled, inputs, args.steps + 1, sync)
     label = f"tokpipe {args.stages} stages x {chunks} chunks"
-    return label, ms, f"plan+compile {compile_s:.0f} s, warmup vs eager {relative(warm, reference):.1e}"
+    drift = relative(warm, reference)
+    return label, ms, f"plan+compile {compile_s:.0f} s, warmup vs eager {drift:.1e}"
 
 
 def _tokens(inputs: dict, model) -> int:

@@ -8,11 +8,13 @@ step (the same stage graph over every token); a chunked step runs the stage once
 against the K/V caches. The ratio (chunked step / whole step) is the price of chunking on
 one device: a pipeline of S stages can at best reach S / ratio.
 
-Breakdown of a chunked step (from one profiled step, scaled to the timed median):
+Breakdown of a chunked step (the runtime's timeline and a profiled step, scaled to the
+timed median):
   compute    inside the stage functions, the attention op excluded
   attention  the `tokpipe::kv_attention` op: its cache writes and the attention itself
   writes     the part of `attention` spent writing chunks into the K/V caches
-  executor   everything outside the stage functions: scheduling, slicing, assembling
+  executor   everything outside the stage functions: the prelude (run once per step),
+             scheduling, slicing inputs to chunks, assembling the output
   sends      boundary values handed between stages (none here: one stage, one process)
 """
 
@@ -107,25 +109,34 @@ def measure(tokens: int, chunks: int, args) -> Row:
 
 
 def breakdown(compiled, call: Callable[[], object], sync, chunked_ms: float) -> dict:
-    """Where one chunked step's time goes, scaled so the parts add up to `chunked_ms`."""
+    """Where one chunked step's time goes. Stage and executor times come from the runtime's
+    own timeline of an unprofiled step, scaled to the median `chunked_ms`; the attention
+    op's share of the stage time comes from a second, profiled step (the profiler slows
+    every op, so only its shares are used)."""
     (program,) = tp.programs(compiled)
-    program.timeline.events.clear()
+    events = program.timeline.events
+    events.clear()
     sync()
     start = time.perf_counter()
+    call()
+    sync()
+    wall = 1e3 * (time.perf_counter() - start)
+    stage = 1e3 * sum(e.duration for e in events if e.kind == "compute")
+    sends = 1e3 * sum(e.duration for e in events if e.kind != "compute")
+    events.clear()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         call()
         sync()
-    wall = 1e3 * (time.perf_counter() - start)
-    events = prof.events()
-    attention = sum(e.cpu_time_total for e in events if e.name == KV_OP) / 1e3
-    writes = sum(e.cpu_time_total for e in events
+    ops = prof.events()
+    profiled_stage = 1e3 * sum(e.duration for e in events if e.kind == "compute")
+    attention = sum(e.cpu_time_total for e in ops if e.name == KV_OP) / 1e3
+    writes = sum(e.cpu_time_total for e in ops
                  if e.name == "aten::copy_" and _inside(e, KV_OP)) / 1e3
-    stage = 1e3 * sum(e.duration for e in program.timeline.events if e.kind == "compute")
-    sends = 1e3 * sum(e.duration for e in program.timeline.events if e.kind != "compute")
+    share = stage / profiled_stage if profiled_stage else 0.0  # profiled ms -> real ms
     scale = chunked_ms / wall if wall else 0.0
-    return {"compute": scale * max(stage - attention, 0.0), "attention": scale * attention,
-            "writes": scale * writes, "executor": scale * max(wall - stage - sends, 0.0),
-            "sends": scale * sends}
+    return {"compute": scale * max(stage - share * attention, 0.0),
+            "attention": scale * share * attention, "writes": scale * share * writes,
+            "executor": scale * max(wall - stage - sends, 0.0), "sends": scale * sends}
 
 
 def _inside(event, name: str) -> bool:

@@ -104,6 +104,8 @@ def _attend_range(
     prune_configs_by={"early_config_prune": _prune},
 )
 # Offsets change with every chunk: specializing on their divisibility would only recompile.
+# Head counts and the head dim are plain arguments, not constants: one compiled kernel per
+# padded head dim serves every model (compiling per head count cost seconds per shape).
 @triton.jit(do_not_specialize=["offset", "kv_len", "n_bucket"])
 def _fused_kv_attention_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr,
@@ -113,20 +115,20 @@ def _fused_kv_attention_kernel(
     stride_kcb, stride_kch, stride_kcn,
     stride_vcb, stride_vch, stride_vcn,
     stride_ob, stride_oh, stride_on,
-    n, n_bucket, offset, kv_len, qk_scale,
-    HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    n, n_bucket, offset, kv_len, qk_scale, hq, group, head_dim,
+    HEAD_DIM_PAD: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Store this block's chunk rows into the cache (one head per group), then attend."""
     row_lo = tl.program_id(0) * BLOCK_M
     # int64 so that batch/head offsets of long caches cannot overflow.
-    b = (tl.program_id(1) // HQ).to(tl.int64)
-    h = (tl.program_id(1) % HQ).to(tl.int64)
-    kvh = h // GROUP
+    b = (tl.program_id(1) // hq).to(tl.int64)
+    h = (tl.program_id(1) % hq).to(tl.int64)
+    kvh = h // group
 
     rows = row_lo + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
+    d_mask = offs_d < head_dim
     row_mask = (rows < n)[:, None] & d_mask[None, :]
 
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
@@ -134,7 +136,7 @@ def _fused_kv_attention_kernel(
     kc_base = kc_ptr + b * stride_kcb + kvh * stride_kch
     vc_base = vc_ptr + b * stride_vcb + kvh * stride_vch
 
-    if h % GROUP == 0:
+    if h % group == 0:
         k_rows = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=row_mask)
         v_rows = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=row_mask)
         cache_rows = (offset + rows)[:, None]
@@ -258,8 +260,7 @@ def fused_kv_attention(
         q, k, v, k_cache, v_cache, out,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
-        n, triton.next_power_of_2(n), offset, kv_len, scale * _LOG2E,
-        HQ=hq, GROUP=hq // k.shape[1], HEAD_DIM=d,
+        n, triton.next_power_of_2(n), offset, kv_len, scale * _LOG2E, hq, hq // k.shape[1], d,
         # tl.dot needs every block dim >= 16; pad D up to a power of two and mask the rest.
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(d)), CAUSAL=causal,
         # float32 callers get float32 products, not TF32 (16-bit types ignore this).
