@@ -2,6 +2,12 @@
 
 It knows nothing of graphs: a stage is a function from its inputs to its outputs, and the
 wiring (which value each stage reads, from where) comes from the split pass's StageInputs.
+
+Under torch.profiler each action is a `record_function` range (see `range_name`), so a
+Kineto or Chrome trace of a run shows the pipeline: `tokpipe/stage1/chunk2/step5` for a
+chunk's compute, `tokpipe/stage1/whole/step0` for a whole-sequence step (the warmup steps of
+stale mode, every step of sync mode), and each send and receive with its peer and value count.
+Steps count across calls (the run's `step_base` plus the action's own step).
 """
 
 from __future__ import annotations
@@ -9,9 +15,11 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd import _profiler_enabled
 
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.meta import META_KEY
@@ -27,6 +35,8 @@ from tokpipe_compiler.runtime.schedule import COMPUTE, RECV, SEND, Action
 from tokpipe_compiler.runtime.transport import MessageKey, TensorSpec
 
 KINDS = {COMPUTE: "compute", SEND: "send", RECV: "recv"}
+RANGE_PREFIX = "tokpipe/"
+_NO_RANGE = nullcontext()  # reusable: entering it does nothing
 
 StageRunner = Callable[[int, int, list[torch.Tensor]], Sequence[torch.Tensor]]
 
@@ -50,9 +60,11 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
 
     def record(self, kind: str, rank: int, action: Action, start: float,
-               units: int | None = None) -> None:
-        """An event from `start` until now; `units`: grid rows of the chunk."""
-        self.events.append(Event(kind, rank, action.stage, action.chunk, action.step, start,
+               units: int | None = None, step_base: int = 0) -> None:
+        """An event from `start` until now; `units`: grid rows of the chunk; the step counted
+        from `step_base` (the steps of earlier calls)."""
+        self.events.append(Event(kind, rank, action.stage, action.chunk,
+                                 step_base + action.step, start,
                                  time.perf_counter() - start, units))
 
 
@@ -84,30 +96,51 @@ class Executor:
         """Returns, per (step, chunk), every value this rank computed or received.
 
         `step_base` numbers this run's messages (with each action's own step) so that
-        messages of different calls never match.
+        messages of different calls never match, and its timeline events and profiler ranges
+        so that steps count across calls.
         """
         values: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
-        posted = self._post_receives(actions, chunks, step_base)
+        # Checked once per run: range names are built only while a profiler is running.
+        profiling = _profiler_enabled()
+        whole = len(chunks) == 1
+        posting = f"{RANGE_PREFIX}post_receives" if profiling else ""
+        with self._range(profiling, posting):
+            posted = self._post_receives(actions, chunks, step_base)
         step_ends = {max(i for i, a in enumerate(actions) if a.kind == COMPUTE and a.step == s)
                      for s in {a.step for a in actions}}
         for index, action in enumerate(actions):
             start = time.perf_counter()
             here = values[(action.step, action.chunk)]
-            if action.kind == COMPUTE:
-                chunk = chunks[action.chunk]
-                self._compute(action, chunk, env_for(action.step), here, visible(chunk))
-                self._keep_carries(action, here, values)
-            elif action.kind == SEND:
-                for key, value in self._outgoing(action, here, step_base):
-                    self.transport.send(key, value, action.peer)
-            elif action.kind == RECV:
-                for key, handle in posted.pop(action):
-                    here[key.name] = handle.wait()
+            name = self._range_name(action, step_base, whole, posted) if profiling else ""
+            with self._range(profiling, name):
+                if action.kind == COMPUTE:
+                    chunk = chunks[action.chunk]
+                    self._compute(action, chunk, env_for(action.step), here, visible(chunk))
+                    self._keep_carries(action, here, values)
+                elif action.kind == SEND:
+                    for key, value in self._outgoing(action, here, step_base):
+                        self.transport.send(key, value, action.peer)
+                elif action.kind == RECV:
+                    for key, handle in posted.pop(action):
+                        here[key.name] = handle.wait()
             self.timeline.record(KINDS[action.kind], self.rank, action, start,
-                                 chunks[action.chunk].units)
+                                 chunks[action.chunk].units, step_base)
             if index in step_ends and self.progress is not None:
                 self.progress(action.step)
         return values
+
+    @staticmethod
+    def _range(profiling: bool, name: str) -> AbstractContextManager:
+        return torch.profiler.record_function(name) if profiling else _NO_RANGE
+
+    def _range_name(self, action: Action, step_base: int, whole: bool, posted: dict) -> str:
+        if action.kind == COMPUTE:
+            values = 0
+        elif action.kind == RECV:
+            values = len(posted[action])
+        else:
+            values = len(self._outgoing_names(action))
+        return range_name(action, step_base + action.step, whole, values)
 
     def _post_receives(self, actions: Sequence[Action], chunks: Sequence[Chunk], base: int):
         """Every receive of the run, posted before any compute (gloo sends complete only
@@ -132,12 +165,17 @@ class Executor:
                 for name in boundary_names(self.stages, action.stage, self.rank)]
 
     def _outgoing(self, action: Action, here: dict, base: int):
+        names = self._outgoing_names(action)
         if action.carry:
-            names = carried_names(self.stages, self.carried, action.stage, action.peer)
             return [(MessageKey(base + action.step + 1, action.peer, action.chunk, name),
                      here[self.carried[name]]) for name in names]
         return [(MessageKey(base + action.step, action.peer, action.chunk, name), here[name])
-                for name in boundary_names(self.stages, action.stage, action.peer)]
+                for name in names]
+
+    def _outgoing_names(self, action: Action) -> list[str]:
+        if action.carry:
+            return carried_names(self.stages, self.carried, action.stage, action.peer)
+        return boundary_names(self.stages, action.stage, action.peer)
 
     def _keep_carries(self, action: Action, here: dict, values: dict) -> None:
         """Outputs that feed the next step's inputs on this same rank stay here."""
@@ -154,6 +192,21 @@ class Executor:
                   for i in stage.inputs]
         outputs = self.run_stage(action.stage, chunk.units, inputs)
         chunk_values.update(zip(stage.outputs, outputs, strict=True))
+
+
+def range_name(action: Action, step: int, whole: bool, values: int = 0) -> str:
+    """The profiler range of one action. Computes: `tokpipe/stage{s}/chunk{c}/step{k}`, or
+    `tokpipe/stage{s}/whole/step{k}` when the step runs the whole sequence as one chunk.
+    Sends and receives (`stage` is the producing stage; `carry`: a ring step's output fed
+    to the next step): `tokpipe/stage0/chunk2/step5/send->rank1/3 values`,
+    `tokpipe/stage0/chunk2/step5/recv<-rank0/3 values`."""
+    where = "whole" if whole else f"chunk{action.chunk}"
+    name = f"{RANGE_PREFIX}stage{action.stage}/{where}/step{step}"
+    if action.kind == COMPUTE:
+        return name
+    arrow = "send->" if action.kind == SEND else "recv<-"
+    carry = "carry " if action.carry else ""
+    return f"{name}/{carry}{arrow}rank{action.peer}/{values} values"
 
 
 def value_spec(stage: StageGraph, name: str, chunk: Chunk) -> TensorSpec:

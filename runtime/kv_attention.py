@@ -3,8 +3,11 @@ layer's cache at the chunk's offset, then attend over the cache with the mode's 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.autograd import _profiler_enabled
 
 CHUNK_INPUT = "tokpipe_chunk"  # the graph input that carries the chunk descriptor
 # chunk tensor layout: [first unit of the chunk, units in the chunk, units of the cache to
@@ -14,6 +17,8 @@ CHUNK_START, CHUNK_UNITS, CHUNK_VISIBLE = 0, 1, 2
 # it is missing (or lacks the dtype) the masked path is exact too, only slower.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+CACHE_WRITE_RANGE = "tokpipe/kv_cache_write"  # the profiler range of the cache writes
+_NO_RANGE = nullcontext()
 
 
 @torch.library.custom_op("tokpipe::kv_attention", mutates_args=("k_cache", "v_cache"))
@@ -46,8 +51,9 @@ def kv_attention(
         from tokpipe_compiler.runtime.triton_attention import fused_kv_attention
 
         return fused_kv_attention(q, k, v, k_cache, v_cache, offset, kv_len, causal, scale)
-    k_cache[..., offset : offset + n, :].copy_(k)
-    v_cache[..., offset : offset + n, :].copy_(v)
+    with _cache_write_range():
+        k_cache[..., offset : offset + n, :].copy_(k)
+        v_cache[..., offset : offset + n, :].copy_(v)
     keys, values = k_cache[..., :kv_len, :], v_cache[..., :kv_len, :]
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
     if causal and mask is None and kv_len == offset + n and _has_cpu_flash(q):
@@ -72,10 +78,11 @@ def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, tr
     start, _, visible = (int(x) for x in chunk.tolist())
     full, n = k_cache.shape[-2], k.shape[-2] - lead - trail
     offset = lead + start * per_unit
-    for cache, new in ((k_cache, k), (v_cache, v)):
-        cache[..., :lead, :].copy_(new[..., :lead, :])
-        cache[..., offset : offset + n, :].copy_(new[..., lead : lead + n, :])
-        cache[..., full - trail :, :].copy_(new[..., lead + n :, :])
+    with _cache_write_range():
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            cache[..., :lead, :].copy_(new[..., :lead, :])
+            cache[..., offset : offset + n, :].copy_(new[..., lead : lead + n, :])
+            cache[..., full - trail :, :].copy_(new[..., lead + n :, :])
     seen = torch.cat([torch.arange(lead + visible * per_unit, device=q.device),
                       torch.arange(full - trail, full, device=q.device)])
     keys, values = k_cache.index_select(-2, seen), v_cache.index_select(-2, seen)
@@ -85,6 +92,14 @@ def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, tr
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
     ).contiguous()
+
+
+def _cache_write_range() -> AbstractContextManager:
+    """A profiler range around the cache writes, only while a profiler runs (a range costs
+    a dispatcher call even when nothing records it)."""
+    if _profiler_enabled():
+        return torch.profiler.record_function(CACHE_WRITE_RANGE)
+    return _NO_RANGE
 
 
 def _causal_cpu(
