@@ -9,6 +9,11 @@ bytes only. Messages between a pair of ranks match by tag where the backend has 
 and by posting order where it has none (NCCL): both ends must post a pair's messages in the
 same order, which the schedule guarantees.
 
+Sends are completed as a run goes: starting a send of step s first waits for this rank's
+sends of steps <= s - SEND_LAG_STEPS, so a ring holds about two steps of sent tensors however
+long it runs. A schedule must therefore post a step's receives before the sender is
+SEND_LAG_STEPS steps further on (the executor posts a whole run's receives up front).
+
 Two backend facts shape how a schedule must post:
 - gloo: a send completes only once the peer has posted the matching receive, so post
   receives before `flush`ing sends, or two ranks that send to each other wait for ever.
@@ -34,24 +39,31 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from tokpipe_compiler.config import MAX_TIMEOUT
 from tokpipe_compiler.core.errors import TokpipeError
 
 _MAX_TAG = 2**31 - 1  # torch passes tags to the backend as a C int
+# How many steps behind the newest send a started send may stay incomplete (see above).
+SEND_LAG_STEPS = 2
+# `MessageKey.chunk` of a message that is not one chunk's (a whole output, a fingerprint).
+WHOLE = -1
 
 ErrorFn = Callable[[str], TokpipeError]
 
 
 @dataclass(frozen=True)
 class MessageKey:
-    """What a message is. `stage` is the stage the message is addressed to."""
+    """What a message is. `stage` is the stage the message is addressed to; `what`, if set,
+    is how errors name the message (for messages that are not one chunk's value)."""
 
     step: int
     stage: int
     chunk: int
     name: str
+    what: str = ""
 
     def __str__(self) -> str:
-        return f"step {self.step} chunk {self.chunk} {self.name!r}"
+        return self.what or f"step {self.step} chunk {self.chunk} {self.name!r}"
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,14 @@ class Transport(Protocol):
     def flush(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+def check_timeout(timeout: float) -> None:
+    """A finite, positive number of seconds that timedelta and the backends can hold."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+            not 0 < timeout <= MAX_TIMEOUT:  # also rejects nan
+        raise TokpipeError(f"transport timeout must be a finite number of seconds, > 0 and "
+                           f"<= {MAX_TIMEOUT:.0f} (a week), got {timeout!r}")
 
 
 def recv_error(rank: int, src: int, key: MessageKey, reason: str) -> TokpipeError:
@@ -176,6 +196,7 @@ class DistributedTransport:
             )
         if max_message_bytes < 1:
             raise TokpipeError(f"max_message_bytes must be positive, got {max_message_bytes}")
+        check_timeout(timeout)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -206,6 +227,7 @@ class DistributedTransport:
             raise error(
                 f"the tensor is on {tensor.device}; this transport sends from {self.device}"
             )
+        self._complete_before(key.step - SEND_LAG_STEPS)
         data = as_bytes(tensor)
         works = [
             self._post(dist.isend, piece, dst, message_tag(key, i), error)
@@ -242,6 +264,18 @@ class DistributedTransport:
             return send_error(self.rank, pending.dst, pending.key, reason)
 
         self._wait_all(pending.works, deadline, error)
+
+    @property
+    def pending_sends(self) -> int:
+        """Sends started and not yet known to be complete."""
+        return len(self._sends)
+
+    def _complete_before(self, step: int) -> None:
+        """Waits for the sends of steps <= `step`: under gloo a send looks unfinished until
+        waited for, so without this a ring would hold every sent tensor until `flush`."""
+        deadline = time.monotonic() + self.timeout
+        while self._sends and self._sends[0].key.step <= step:
+            self._finish(self._sends.pop(0), deadline)
 
     def _reap(self) -> None:
         """Drop finished sends (surfacing their errors) so long runs hold no stale tensors.
@@ -337,6 +371,7 @@ class LocalTransport:
     """
 
     def __init__(self, rank: int, world_size: int, timeout: float = 60.0, hub=None):
+        check_timeout(timeout)
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout

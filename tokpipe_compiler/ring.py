@@ -36,13 +36,15 @@ class Ring:
 
     def __init__(self, step_fn: Callable[..., Any], carry: Sequence[str], **options: Any):
         self.step_fn = step_fn
-        self.carry = list(carry)
+        self.carry = _carry_names(carry)
         self.config = Config.from_options({"token_input": self.carry[0], **options})
         if self.config.mode == "stale" and self.config.warmup_steps < 1:
             raise ValueError("ring mode in 'stale' needs option 'warmup_steps' >= 1, got 0: "
                              "the first step must fill the K/V caches")
-        self.program = None
+        self.program = None  # the program of the latest run
         self._traced: Captured | None = None
+        # One traced program per input signature: another batch or resolution traces anew.
+        self._programs: dict[tuple, tuple[Captured, Any]] = {}
 
     def run(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor] | None = None,
             steps: int | None = None, progress: Callable[[int], None] | None = None) -> tuple:
@@ -51,12 +53,15 @@ class Ring:
         `per_step[name][k]` is input `name` at step k. Returns the carried values after the
         last step, in `carry` order."""
         per_step = per_step or {}
-        steps = steps if steps is not None else _steps_of(per_step)
+        steps = _check_steps(steps, per_step)
         missing = [name for name in self.carry if name not in inputs]
         if missing:
             raise TokpipeError(f"Ring.run needs a first value for carried input(s) {missing}")
+        if steps == 0:  # no step taken: the carried values stay as they came
+            return tuple(inputs[name] for name in self.carry)
         values = {**inputs, **{k: v[0] for k, v in per_step.items()}}
-        generation = _steps_of(per_step) if per_step else steps  # what "auto" plans for
+        # what "auto" chunking plans for: the whole generation the per-step values describe
+        generation = min((len(v) for v in per_step.values()), default=steps)
         program = self._program(values, generation - self.config.warmup_steps)
         program.reset()
         carried = self._carried_outputs(program)
@@ -73,10 +78,13 @@ class Ring:
         return tuple(outputs[: len(self.carry)])
 
     def _program(self, values: dict[str, Any], ring_steps: int):
-        if self.program is None:
-            self._traced = trace_step(self.step_fn, values)
-            plan = build_plan(self._traced.gm, self.config, ring_steps=max(ring_steps, 1))
-            self.program = make_program(plan, None)
+        """The program for these inputs' shapes and dtypes, traced and planned once."""
+        signature = _signature(values)
+        if signature not in self._programs:
+            traced = trace_step(self.step_fn, values)
+            plan = build_plan(traced.gm, self.config, ring_steps=max(ring_steps, 1))
+            self._programs[signature] = (traced, make_program(plan, None))
+        self._traced, self.program = self._programs[signature]
         return self.program
 
     def _args(self, values: dict[str, Any], per_step: dict[str, torch.Tensor], k: int) -> tuple:
@@ -114,6 +122,42 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
     except torch._dynamo.exc.Unsupported as err:
         raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
                            f"it: {str(err).splitlines()[0]}") from err
+
+
+def _carry_names(carry: Sequence[str]) -> list[str]:
+    if isinstance(carry, str):
+        carry = [carry]
+    names = list(carry)
+    if not names:
+        raise TokpipeError("Ring needs carry=[...] to name at least one input the step "
+                           "function's outputs feed back, e.g. carry=['latents']")
+    bad = [name for name in names if not isinstance(name, str)]
+    if bad or len(set(names)) != len(names):
+        raise TokpipeError(f"Ring's carry must name distinct inputs by name, got {names!r}")
+    return names
+
+
+def _check_steps(steps: int | None, per_step: dict[str, torch.Tensor]) -> int:
+    """`steps`, or the per-step tensors' common length; an error if some are too short."""
+    if steps is None:
+        if not per_step:
+            raise TokpipeError("Ring.run needs steps=... or per-step inputs to count them")
+        return _steps_of(per_step)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise TokpipeError(f"Ring.run: steps must be an int >= 0, got {steps!r}")
+    short = {name: len(v) for name, v in per_step.items() if len(v) < steps}
+    if short:
+        raise TokpipeError(f"Ring.run: steps={steps} but per-step input(s) hold fewer values: "
+                           f"{short}; pass one value per step, or fewer steps")
+    return steps
+
+
+def _signature(values: dict[str, Any]) -> tuple:
+    """What a traced step is specialised to: each tensor's shape, dtype and device, and the
+    value of anything else (the trace holds those as constants)."""
+    return tuple(sorted(
+        (name, (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else repr(v))
+        for name, v in values.items()))
 
 
 def _steps_of(per_step: dict[str, torch.Tensor]) -> int:

@@ -1,10 +1,21 @@
 """One process per stage: rank r runs stage r of every chunk and passes its boundary values
-to the ranks that read them. Every rank returns the full output (broadcast from the rank
-that computes it), bit for bit what the in-process runtime returns."""
+to the ranks that read them. Every rank returns the full output (sent by the rank that
+computes it), bit for bit what the in-process runtime returns.
+
+Every wait between ranks goes through the transport, so it is bounded by the `timeout`
+option and fails with a TokpipeError naming the rank, stage, step and value it waited for.
+At a program's first call the ranks exchange a fingerprint (options, plan, input shapes and
+dtypes, checksums of the inputs) and stop with a named error if they disagree, before any
+message whose size the other side would not expect.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import warnings
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,9 +25,23 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, output_blocks
+from tokpipe_compiler.programs.pipelined import (
+    PipelinedProgram,
+    Session,
+    input_arguments,
+    output_blocks,
+)
 from tokpipe_compiler.runtime.chunking import assemble
-from tokpipe_compiler.runtime.transport import DistributedTransport, init_process_group_from_env
+from tokpipe_compiler.runtime.transport import (
+    WHOLE,
+    DistributedTransport,
+    MessageKey,
+    TensorSpec,
+    as_bytes,
+    init_process_group_from_env,
+)
+
+FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
 
 
 def distributed_world() -> tuple[int, int] | None:
@@ -51,6 +76,28 @@ class DistributedProgram(PipelinedProgram):
         self.prelude = prelude_for(plan.graphs, {self.rank})
         self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
         self.on_device: dict[int, torch.Tensor] = {}  # this stage's weights, moved once
+        self.agreed = False  # whether the ranks compared fingerprints (at the first call)
+        self._output_step = 0  # the step whose outputs `_gather` is collecting
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        self._agree(args)
+        return super().__call__(*args)
+
+    def run_ring(self, step_args: list[tuple], carried: dict[str, str],
+                 progress: Callable[[int], None] | None = None, first: int = 0) -> tuple:
+        if step_args:
+            self._agree(step_args[0])
+        return super().run_ring(step_args, carried, progress, first)
+
+    def _agree(self, args: tuple) -> None:
+        """At the first call: every rank's fingerprint to every other; raises on all ranks
+        alike if they disagree (a TokpipeError that says which rank has what)."""
+        if self.agreed:
+            return
+        mine = fingerprint(self.plan, args)
+        every = exchange_fingerprints(self.transport, mine, step=self.calls)
+        check_agreement(every)
+        self.agreed = True
 
     def _call_env(self, args: tuple) -> dict:
         """Per-call values; on a GPU, what this rank's stage reads moves to its device (its
@@ -80,20 +127,34 @@ class DistributedProgram(PipelinedProgram):
         part's; the rest of the model stays wherever the caller keeps it): the plan's count."""
         return self.plan.stages[self.rank].param_bytes
 
+    def _assemble(self, values: dict, chunks: list, call_env: dict, step: int) -> tuple:
+        self._output_step = self.calls + step  # numbered as the executor numbers messages
+        return super()._assemble(values, chunks, call_env, step)
+
     def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The producer concatenates its chunks; every rank receives the whole output."""
-        if spec.producer == self.rank:
-            tensor = assemble(pieces, spec.axis, output_blocks(self.plan, spec)).contiguous()
-        else:
-            tensor = self._empty_like_output(spec)
-        dist.broadcast(tensor, src=spec.producer)
+        """The producer concatenates its chunks and sends the whole output to every other
+        rank; they wait for it with the transport's timeout."""
+        step = self._output_step
+        what = f"stage {spec.producer}'s output {spec.source!r} of step {step} (all chunks)"
+
+        def key(dst: int) -> MessageKey:
+            return MessageKey(step, dst, WHOLE, spec.source, what)
+
+        if spec.producer != self.rank:
+            handle = self.transport.post_recv(key(self.rank), spec.producer, self._spec(spec))
+            return handle.wait()
+        tensor = assemble(pieces, spec.axis, output_blocks(self.plan, spec)).contiguous()
+        for dst in range(self.world):
+            if dst != self.rank:
+                self.transport.send(key(dst), tensor, dst)
+        self.transport.flush()  # the caller may overwrite the output: finish sending it first
         return tensor
 
-    def _empty_like_output(self, spec) -> torch.Tensor:
+    def _spec(self, spec) -> TensorSpec:
         stage = self.plan.graphs.stages[spec.producer]
         node = next(n for n in stage.gm.graph.nodes if n.name == spec.source)
         value = example_value(node)
-        return torch.empty(value.shape, dtype=value.dtype, device=self.device)
+        return TensorSpec(tuple(value.shape), value.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -101,6 +162,130 @@ class DistributedProgram(PipelinedProgram):
 
     def close(self) -> None:
         self.transport.close()
+
+
+# ---- agreement between ranks ------------------------------------------------------------
+
+
+def fingerprint(plan: Plan, args: tuple) -> dict[str, Any]:
+    """What every rank must share, as plain data: the options (but the timeout), the plan's
+    layout and graphs, the shapes and dtypes of the inputs and checksums of the user's."""
+    names = input_arguments(plan)
+    token = plan.graphs.input_names.index(plan.token_input)
+    user = {str(names[i]): arg for i, arg in enumerate(args) if names[i] is not None}
+    weights = [_describe(arg) for i, arg in enumerate(args) if names[i] is None]
+    graphs = [plan.graphs.prelude.code, *(stage.gm.code for stage in plan.graphs.stages)]
+    return {
+        "options": {k: repr(v) for k, v in plan.config.as_dict().items() if k != "timeout"},
+        "plan": {"stages": len(plan.stages), "units": plan.units, "tokens": plan.tokens,
+                 "chunks": [c.units for c in plan.chunks], "token input": plan.token_input,
+                 "graphs": _crc("\n".join(graphs))},
+        "inputs": {name: _describe(arg) for name, arg in user.items()},
+        "weights": _crc(json.dumps(weights)),
+        "token": str(names[token]),
+        "checksums": {name: _checksum(arg) for name, arg in user.items()},
+    }
+
+
+def exchange_fingerprints(transport, mine: dict[str, Any], step: int) -> list[dict[str, Any]]:
+    """Every rank's fingerprint, in rank order. Messages have a fixed size, and each pair
+    posts in one order (the lower rank sends first), which NCCL needs and gloo accepts."""
+    rank, world = transport.rank, transport.world_size
+    spec = TensorSpec((FINGERPRINT_BYTES,), torch.uint8)
+    data = _encode(mine).to(transport.device)
+
+    def key(dst: int) -> MessageKey:
+        what = f"the fingerprint of the first call at step {step} (options, plan, inputs)"
+        return MessageKey(step, dst, WHOLE, "fingerprint", what)
+
+    handles = {}
+    for peer in range(world):
+        if peer == rank:
+            continue
+        if rank < peer:
+            transport.send(key(peer), data, peer)
+        handles[peer] = transport.post_recv(key(rank), peer, spec)
+        if rank > peer:
+            transport.send(key(peer), data, peer)
+    received = {peer: _decode(handle.wait()) for peer, handle in handles.items()}
+    transport.flush()
+    return [mine if r == rank else received[r] for r in range(world)]
+
+
+def check_agreement(every: list[dict[str, Any]]) -> None:
+    """Raises if the ranks' fingerprints differ in anything that shapes the messages, or in
+    the token input's values; warns if only other inputs' values differ."""
+    differences = [line for part in ("options", "plan", "inputs")
+                   for line in _differences(part, [fp[part] for fp in every])]
+    if any(fp["weights"] != every[0]["weights"] for fp in every):
+        differences.append("weights: the shapes or dtypes of the weights differ between ranks")
+    if differences:
+        raise TokpipeError(
+            "the ranks disagree at the first call of a pipelined program, so they cannot run "
+            "one pipeline:\n  " + "\n  ".join(differences) + "\nEvery rank must compile the "
+            "same model with the same options and call it with inputs of the same shapes "
+            "and dtypes.")
+    sums = _differences("checksums", [fp["checksums"] for fp in every])
+    token = every[0]["token"]
+    if any(f"input {token!r}" in line for line in sums):
+        raise TokpipeError(
+            f"the token input {token!r} has other values on other ranks, but every rank must "
+            "be called with the same inputs:\n  " + "\n  ".join(sums) + "\nSeed the random "
+            "generator identically on every rank before drawing the latents (e.g. "
+            "torch.manual_seed(seed)), or draw them on one rank and broadcast them.")
+    if sums:
+        warnings.warn("inputs differ between ranks (the output is computed from each stage's "
+                      "rank's own copy, so it matches no single rank's inputs):\n  "
+                      + "\n  ".join(sums), stacklevel=3)
+
+
+def _differences(part: str, values: list[dict[str, Any]]) -> list[str]:
+    """'<part> <field>: rank 0 <value>, rank 1 <value>' for each field that differs."""
+    lines = []
+    for field in sorted({f for v in values for f in v}):
+        seen = [v.get(field, "missing") for v in values]
+        if any(s != seen[0] for s in seen):
+            label = {"inputs": "input", "checksums": "input"}.get(part, part)
+            ranks = ", ".join(f"rank {r} {s}" for r, s in enumerate(seen))
+            what = "checksum " if part == "checksums" else ""
+            lines.append(f"{label} {field!r}: {what}{ranks}")
+    return lines
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return repr(value)
+
+
+def _checksum(value: Any) -> str:
+    """CRC32 of the bytes (a tensor's on the CPU: only at a first call)."""
+    if isinstance(value, torch.Tensor):
+        return f"{zlib.crc32(as_bytes(value.detach().cpu()).numpy()):08x}"
+    return _crc(repr(value))
+
+
+def _crc(text: str) -> str:
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
+def _encode(fp: dict[str, Any]) -> torch.Tensor:
+    """JSON padded to FINGERPRINT_BYTES; a fingerprint too long keeps its digests only."""
+    text = json.dumps(fp)
+    if len(text.encode()) > FINGERPRINT_BYTES:
+        sums = fp["checksums"]
+        fp = {k: (v if k in ("plan", "weights", "token") else _crc(json.dumps(v)))
+              for k, v in fp.items()}
+        fp["inputs"] = {"(all, digest)": fp["inputs"]}
+        token = fp["token"]
+        fp["checksums"] = {token: sums.get(token, ""), "(the others, digest)": fp["checksums"]}
+        text = json.dumps(fp)
+    data = text.encode().ljust(FINGERPRINT_BYTES)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor) -> dict[str, Any]:
+    return json.loads(bytes(data.cpu().numpy()).decode())
 
 
 def make_program(plan: Plan, session: Session | None, owner: int | None = None) -> Any:
