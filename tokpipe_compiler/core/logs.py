@@ -14,17 +14,36 @@ TOKPIPE_LOGS_DIR=DIR also writes each pass dump to DIR/NNN_<pass>.py.
 
 Loggers configured by the application (logging.basicConfig, dictConfig) work as usual;
 a stderr handler is added only when nothing else would print the records.
+
+torch's own switches work too. TORCH_LOGS is read when torch is imported, before this
+package can register names with it, so there the package's module name turns its logs on:
+
+    TORCH_LOGS="+tokpipe_compiler"   every message at DEBUG, the pass dumps included
+    TORCH_LOGS="tokpipe_compiler"    INFO: plan summaries, warnings
+    TORCH_TRACE=DIR                  the plan (`tokpipe_plan`) and every pass's graph
+                                     (`tokpipe_pass_<pass>`) as artifacts for tlparse
+
+From Python, after import, the registered short names work as well:
+
+    torch._logging.set_logs(modules={"tokpipe": logging.DEBUG})
+    torch._logging.set_logs(modules={"tokpipe_passes": True, "tokpipe_plan": True})
+
+torch then treats these loggers as its own: each of its configurations sets their levels
+and handlers (and stops their records propagating to the root logger).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
+import torch._logging
 import torch.fx
 
 LOG = logging.getLogger("tokpipe_compiler")
@@ -33,6 +52,12 @@ PLAN = logging.getLogger("tokpipe_compiler.plan")
 ENV, DIR_ENV = "TOKPIPE_LOGS", "TOKPIPE_LOGS_DIR"
 ARTIFACTS = {"passes": PASSES, "plan": PLAN}
 _ALL = {"tokpipe": logging.INFO, "+tokpipe": logging.DEBUG}
+TORCH_NAME = "tokpipe"  # torch._logging's short name for LOG
+# torch._logging artifacts: name -> (logger, what it shows)
+TORCH_ARTIFACTS = {
+    "tokpipe_passes": (PASSES, "tokpipe: the graph after each compiler pass"),
+    "tokpipe_plan": (PLAN, "tokpipe: the plan summary whenever a graph is planned"),
+}
 
 _dump_dir: Path | None = None
 _dump_index = itertools.count()
@@ -62,18 +87,58 @@ def configure_from_env(environ: Mapping[str, str] = os.environ) -> None:
         set_logs(environ[ENV], environ.get(DIR_ENV) or None)
 
 
+def register_with_torch() -> None:
+    """Make the loggers torch._logging's: `tokpipe` a log name for LOG, the pass dumps and
+    the plan artifacts (on by name, or when an ancestor logs at DEBUG). Best effort: the
+    registry is torch's internal API, and logging must never stop the compiler loading."""
+    try:
+        from torch._logging import _internal
+
+        registry = _internal.log_registry
+        if not registry.is_log(TORCH_NAME):
+            _internal.register_log(TORCH_NAME, LOG.name)
+        for name, (logger, description) in TORCH_ARTIFACTS.items():
+            if not registry.is_artifact(name):
+                _internal.register_artifact(name, description)
+            logger.artifact_name = name  # what torch's getArtifactLogger would set
+            registry.register_artifact_log(logger.name)
+    except (ImportError, AttributeError, TypeError) as err:  # another torch's internals
+        LOG.debug("not registered with torch._logging: %s", err)
+
+
+def trace_artifact(name: str, payload: Callable[[], str]) -> None:
+    """A string artifact in the TORCH_TRACE log (tlparse shows it with Dynamo's own);
+    `payload` is called only when a trace is being written."""
+    torch._logging.trace_structured(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=payload, expect_trace_id=False)
+
+
+def log_plan(plan: Any) -> None:
+    """The plan summary: INFO on the plan logger, the `tokpipe_plan` artifact in a trace."""
+    trace_artifact("tokpipe_plan", lambda: str(plan))
+    if PLAN.isEnabledFor(logging.INFO):
+        PLAN.info("%s", plan)
+
+
 def dump_graph(pass_name: str, gm: torch.fx.GraphModule) -> None:
-    """Log (and write, with a dump dir) `gm` as the pass `pass_name` left it."""
+    """Log (and write, with a dump dir) `gm` as the pass `pass_name` left it; in a trace,
+    the artifact `tokpipe_pass_<pass>`."""
+    readable = functools.cache(lambda: gm.print_readable(print_output=False))
+    trace_artifact(f"tokpipe_pass_{_file_name(pass_name)}", readable)
     if not PASSES.isEnabledFor(logging.DEBUG):
         return
     index = next(_dump_index)
-    text = gm.print_readable(print_output=False)
+    text = readable()
     PASSES.debug("[tokpipe dump %03d, after pass %s]\n%s", index, pass_name, text)
     if _dump_dir is not None:
         _dump_dir.mkdir(parents=True, exist_ok=True)
-        name = re.sub(r"[^A-Za-z0-9_]+", "_", pass_name)
-        path = _dump_dir / f"{index:03d}_{name}.py"
+        path = _dump_dir / f"{index:03d}_{_file_name(pass_name)}.py"
         path.write_text(f"# tokpipe dump {index:03d}, made by pass: {pass_name}\n{text}")
+
+
+def _file_name(pass_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]+", "_", pass_name)
 
 
 def _ensure_handler() -> None:
@@ -85,4 +150,5 @@ def _ensure_handler() -> None:
     LOG.addHandler(_handler)
 
 
+register_with_torch()
 configure_from_env()

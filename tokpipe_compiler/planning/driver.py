@@ -20,13 +20,11 @@ model for the chunk table and the stage weights. The meta keys each pass reads a
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.fx
 
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.core.logs import LOG, PLAN
+from tokpipe_compiler.core.logs import LOG, log_plan
 from tokpipe_compiler.core.meta import ATTENTION, META_KEY, SOURCE_KEY, STAGE_KEY
 from tokpipe_compiler.costmodel import planning_costs
 from tokpipe_compiler.costmodel.chunk_choice import choose_causal, choose_stale
@@ -74,8 +72,7 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     stages = describe_stages(graphs, caches, cut, costs)
     plan = Plan(config, graphs, stages, chunks, annotation.units, annotation.token_input.name,
                 caches, consumers, tokens)
-    if PLAN.isEnabledFor(logging.INFO):
-        PLAN.info("%s", plan)
+    log_plan(plan)
     return plan
 
 
