@@ -12,8 +12,10 @@ two results, and saves the result as an image.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -78,16 +80,27 @@ def pipelined_rank(rank: int, world: int, size: str, steps: int, options: dict,
     return x, time.perf_counter() - start
 
 
-def _bar(total: int, label: str, show: bool):
-    """A one-line progress bar on stderr, updated as each step completes."""
+def _bar(total: int, label: str, show: bool) -> Callable[[int], None]:
+    """A tqdm bar on stderr, advanced as each step completes: `report(step)`. Quiet unless
+    `show` and a person is watching (stderr a terminal, no CI), or without tqdm."""
+    if not (show and interactive()):
+        return lambda step: None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the demo extra; the run works without it
+        return lambda step: None
+    bar = tqdm(total=total, desc=label, unit="step", file=sys.stderr)
+
     def report(step: int) -> None:
-        if show:
-            done = step + 1
-            sys.stderr.write(f"\r{label} [{'#' * done}{'.' * (total - done)}] {done}/{total}")
-            if done == total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+        bar.update(step + 1 - bar.n)  # steps complete in order; the warmup ones come first
+        if bar.n >= total:
+            bar.close()
     return report
+
+
+def interactive(environ: Mapping[str, str] = os.environ) -> bool:
+    """A person watches: stderr is a terminal and no CI variable is set."""
+    return sys.stderr.isatty() and not environ.get("CI")
 
 
 def save_image(latents: torch.Tensor, path: Path) -> None:
