@@ -110,6 +110,22 @@ def test_summary_numbers():
     assert sum(s["kv_cache_bytes"] for s in summary["stages"]) == 4 * 2 * 64 * 32 * 4
 
 
+def test_the_plan_says_how_balanced_its_stages_are():
+    """The partition's imbalance is on the plan, printed and in the summary; a plan that
+    cannot balance (more stages than blocks) says why in print(plan), not only in a warning
+    that a notebook may hide."""
+    _, balanced = dit_plan()
+    assert balanced.imbalance < 1.10 and not balanced.imbalance_warning
+    assert f"slowest stage costs {balanced.imbalance:.2f}x an even share\n" in str(balanced)
+    model = TinyDiT(depth=1, width=32, heads=2, grid=16).eval()
+    with pytest.warns(UserWarning, match="tokpipe"):
+        lopsided = tp.explain(model, dit_inputs(model, 16), stages=4, chunks=4,
+                              compiler="eager")
+    assert lopsided.imbalance > 1.10 and lopsided.imbalance_warning
+    assert f"(unbalanced: {lopsided.imbalance_warning})" in str(lopsided)
+    assert lopsided.summary()["imbalance"] == lopsided.imbalance
+
+
 def test_causal_chunks_cost_more_later():
     model = TinyCausalLM(depth=2, width=32, heads=2).eval()
     import torch

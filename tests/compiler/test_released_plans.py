@@ -4,7 +4,8 @@ image tokens with stages within 10% of an even split, or says why not.
 
 Each config is traced once (20-50 s of Dynamo at full depth on 2 cores) and planned for
 every stage count from that graph. Tracing all 17 takes minutes: a few configs that stand
-for the families' problems run by default, the rest are marked slow (CI runs them).
+for the families' problems run by default, three more in CI (marked slow), the rest with
+`-m full`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,6 @@ FAST = ("dit-xl-2-256", "hunyuandit-v1.2", "flux1-schnell")
 # Configs whose plans fail in passes this file does not own: strict xfails, so a fix
 # shows up as a failure here until the entry is removed.
 BROKEN: dict[str, str] = {
-    "latte-1": "planning/driver.py sequence_tokens (units x the largest per-unit length of "
-               "an attention value): Latte's attentions carry one frame per unit (spatial: "
-               "frames on the batch axis; temporal: the frame axis), so its plans count 16 "
-               "tokens, its frames, not 16 x 1024",
     "sana-1600m-1024px": "linear attention (a matmul over the token axis, SanaLinearAttn"
                          "Processor) and the 3x3 depthwise convolution of its Mix-FFN mix "
                          "tokens: not chunkable yet (docs/models.md, sums over tokens)",
@@ -41,8 +38,15 @@ BROKEN: dict[str, str] = {
 PLAN_SECONDS = 120  # one build_plan of a full-size model (Dynamo's trace not counted)
 
 
+# Run in CI besides FAST: video chunked by frames (Latte), joint attention with a long text
+# (SD3), the longest sequence (Wan, 32760 tokens). The rest run with `-m full`.
+CI = ("latte-1", "sd3-medium", "wan2.1-t2v-1.3b")
+
+
 def _param(name: str):
     marks = [] if name in FAST else [pytest.mark.slow]
+    if name not in FAST + CI:
+        marks.append(pytest.mark.full)
     if name in BROKEN:
         marks.append(pytest.mark.xfail(reason=BROKEN[name], strict=True))
     return pytest.param(name, marks=marks, id=name)

@@ -40,7 +40,9 @@ def _stage_table(plan: Plan) -> list[str]:
     rows.append(("all", "prelude (each rank runs what its stage reads)",
                  str(node_count(plan.graphs.prelude)), human_bytes(plan.prelude_param_bytes),
                  human_count(plan.prelude_flops()) + "/call", "-", "-"))
-    notes = ["FLOP/chunk and send/chunk: the largest chunk",
+    balance = (f"balance: the slowest stage costs {plan.imbalance:.2f}x an even share"
+               + (f" (unbalanced: {plan.imbalance_warning})" if plan.imbalance_warning else ""))
+    notes = [balance, "FLOP/chunk and send/chunk: the largest chunk",
              "params held: the stage's weights and those of the prelude part its rank runs "
              "(shared conditioning on every rank); prelude: its weights, each once"]
     return _table(rows, left=frozenset({1})) + notes

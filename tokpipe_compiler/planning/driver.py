@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from tokpipe_compiler.config import Config
+from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.logs import LOG, log_plan
 from tokpipe_compiler.core.meta import ATTENTION, META_KEY, SOURCE_KEY, STAGE_KEY
 from tokpipe_compiler.costmodel import planning_costs
@@ -56,7 +57,7 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     `ring_steps`: the plan runs as a ring of that many steps (chunks="auto" chooses for it)."""
     gm = copy_graph_module(gm)
     annotation = run_pass(ANNOTATE, annotate_or_raise, gm, config.token_input, config.mode)
-    tokens = sequence_tokens(gm, annotation.units)
+    tokens = sequence_tokens(gm, annotation.units, token_batch(annotation))
     chunks = plan_chunks(gm, annotation, tokens, config, ring_steps)
     chunk_tokens = tokens * chunks[0].units // annotation.units
     cut = run_pass(PARTITION, assign_stages, gm, config.stages, tokens, chunk_tokens,
@@ -71,9 +72,15 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
                      if i.producer == s} for s in range(config.stages)}
     stages = describe_stages(graphs, caches, cut, costs)
     plan = Plan(config, graphs, stages, chunks, annotation.units, annotation.token_input.name,
-                caches, consumers, tokens)
+                caches, consumers, tokens, cut.imbalance, cut.warning)
     log_plan(plan)
     return plan
+
+
+def token_batch(annotation: Annotation) -> int:
+    """Samples in a call: the token input's leading axis (guidance makes it 2)."""
+    value = example_value(annotation.token_input)
+    return int(value.shape[0]) if isinstance(value, torch.Tensor) and value.dim() > 1 else 1
 
 
 def annotate_or_raise(gm: torch.fx.GraphModule, token_input: str | int | None,
@@ -128,8 +135,30 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def sequence_tokens(gm: torch.fx.GraphModule, units: int) -> int:
-    """Tokens of the attention sequence (the longest token axis when there is none)."""
-    infos = [n.meta[META_KEY] for n in gm.graph.nodes if n.op != "output"]
-    attention = [i.per_unit for i in infos if i.kind == ATTENTION]
-    return units * max(attention or [i.per_unit for i in infos if i.carries_tokens])
+def sequence_tokens(gm: torch.fx.GraphModule, units: int, batch: int = 1) -> int:
+    """Image (video) tokens of one sample: the most query rows of any token-mixing
+    attention, its text segments, heads and `batch` rows left out (the longest token axis
+    when there is no attention).
+
+    Not units x tokens per unit of the attention axis: a video chunked by frames attends
+    over one frame per unit along its temporal attention and keeps each frame's pixels on
+    another axis (spatial attention puts frames on the batch axis), so that would count
+    frames, not tokens.
+    """
+    infos = [(n, n.meta[META_KEY]) for n in gm.graph.nodes if n.op != "output"]
+    attention = [(node, info) for node, info in infos if info.kind == ATTENTION]
+    rows = [_query_rows(node, info, units, batch) for node, info in attention]
+    return max(rows or [units * i.per_unit for _, i in infos if i.carries_tokens])
+
+
+def _query_rows(node: torch.fx.Node, info, units: int, batch: int) -> int:
+    """Rows of an attention output [B, heads, L, D] per sample, segments excluded (other
+    layouts, where heads may hide in the batch axis: units x the axis' tokens per unit)."""
+    value = example_value(node)
+    if not isinstance(value, torch.Tensor) or value.dim() != 4 or info.axis != 2:
+        return units * info.per_unit
+    seq = value.shape[2]
+    per_sample = value.numel() // value.shape[3] // value.shape[1] // max(batch, 1)
+    return per_sample * (seq - info.lead - info.trail) // max(seq, 1)
+
+

@@ -67,7 +67,9 @@ class Plan:
     token_input: str
     caches: list[CacheSpec]
     consumers: dict[int, set[int]]
-    tokens: int = 0  # tokens of the attention sequence
+    tokens: int = 0  # image (video) tokens of one sample, text segments not counted
+    imbalance: float = 1.0  # the slowest stage's cost over an even share (the partition's)
+    imbalance_warning: str = ""  # why the stages are not balanced, when they are not
     _schedules: dict[tuple, Schedule] = field(default_factory=dict, init=False, repr=False,
                                               compare=False)
 
@@ -171,6 +173,8 @@ def summary(plan: Plan) -> dict[str, Any]:
         "token_input": plan.token_input,
         "units": plan.units,
         "tokens": plan.tokens,
+        "imbalance": plan.imbalance,
+        "imbalance_warning": plan.imbalance_warning,
         "model_param_bytes": plan.model_param_bytes,
         "prelude": {"nodes": node_count(plan.graphs.prelude),
                     "param_bytes": plan.prelude_param_bytes,
