@@ -53,6 +53,14 @@ class Event:
     start: float
     duration: float
     units: int | None = None  # grid rows of the chunk (tells warmup calls from chunked ones)
+    peer: int | None = None  # the other rank of a send or recv
+    carry: bool = False  # ring mode: a step's output sent as the next step's input
+    whole: bool = False  # the step ran the whole sequence as one chunk (warmup, sync)
+
+    @property
+    def message_step(self) -> int:
+        """The step of the message a send or recv moves: a carry goes to the next step."""
+        return self.step + (self.carry and self.kind == "send")
 
 
 @dataclass
@@ -60,12 +68,13 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
 
     def record(self, kind: str, rank: int, action: Action, start: float,
-               units: int | None = None, step_base: int = 0) -> None:
+               units: int | None = None, step_base: int = 0, whole: bool = False) -> None:
         """An event from `start` until now; `units`: grid rows of the chunk; the step counted
         from `step_base` (the steps of earlier calls)."""
         self.events.append(Event(kind, rank, action.stage, action.chunk,
                                  step_base + action.step, start,
-                                 time.perf_counter() - start, units))
+                                 time.perf_counter() - start, units, action.peer,
+                                 action.carry, whole))
 
 
 class Executor:
@@ -124,7 +133,7 @@ class Executor:
                     for key, handle in posted.pop(action):
                         here[key.name] = handle.wait()
             self.timeline.record(KINDS[action.kind], self.rank, action, start,
-                                 chunks[action.chunk].units, step_base)
+                                 chunks[action.chunk].units, step_base, whole)
             if index in step_ends and self.progress is not None:
                 self.progress(action.step)
         return values

@@ -1,20 +1,30 @@
-"""A real run's timeline: as a Chrome trace, and measured against predicted per stage.
+"""A real run's timeline: as a Chrome trace, merged across ranks, and measured against
+predicted per stage.
 
     program = tokpipe_compiler.programs(compiled)[0]          # after a few calls
     write_chrome_trace(program.timeline, "trace.json")       # ui.perfetto.dev, chrome://tracing
     print(format_comparison(compare(program.plan, program.timeline)))
 
-Each rank is a process; each stage has a row for its computes and one for its sends,
-receives and waits. Events gathered from several ranks share one clock when the ranks share
-a machine (time.perf_counter is system-wide there).
+Under torch.distributed each rank writes its own file; one command merges them:
+
+    write_chrome_trace(program.timeline, f"trace{rank}.json")     # on every rank
+    python -m tokpipe_compiler.inspection.timeline merged.json trace0.json trace1.json
+
+Each rank is a process; its rows are each stage's computes, its sends to each rank and its
+receives from each rank (only rows that hold events). Steps count across calls; computes of a
+whole-sequence step (warmup, sync mode) are named `whole`; an arrow (flow event) joins each
+send to its receive. Ranks on one machine share one clock (time.perf_counter is system-wide
+there), which each file keeps (`otherData.tokpipe_origin_s`) so that merging lines them up.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,28 +34,27 @@ if TYPE_CHECKING:
     from tokpipe_compiler.costmodel.calibrate import DeviceRates
     from tokpipe_compiler.planning.plan import Plan
 
-COMPUTE = "compute"
+COMPUTE, SEND, RECV = "compute", "send", "recv"
+ORIGIN_KEY = "tokpipe_origin_s"  # otherData: the clock reading that ts 0 stands for
+_ROW_BASE = {COMPUTE: 0, SEND: 1000, RECV: 2000}  # tid = base + stage (compute) or peer
+_ROW_NAMES = {COMPUTE: "stage {} compute", SEND: "send to rank {}", RECV: "recv from rank {}"}
 
 
 def chrome_trace(events: Timeline | Iterable[Event]) -> dict[str, Any]:
-    """The Trace Event Format: complete ('X') events in microseconds, with names for every
-    process (rank) and thread (a stage's compute or communication row)."""
-    events = list(events.events if isinstance(events, Timeline) else events)
+    """The Trace Event Format: complete ('X') events in microseconds, flow events ('s', 'f')
+    from each send to its receive, names for every process (rank) and row."""
+    events = sorted(_events(events), key=lambda e: e.start)
     origin = min((e.start for e in events), default=0.0)
     trace: list[dict[str, Any]] = []
     for rank in sorted({e.rank for e in events}):
         trace.append(_meta("process_name", rank, 0, f"rank {rank}"))
-    for rank, stage in sorted({(e.rank, e.stage) for e in events}):
-        trace.append(_meta("thread_name", rank, _tid(stage, COMPUTE), f"stage {stage} compute"))
-        trace.append(_meta("thread_name", rank, _tid(stage, "send"), f"stage {stage} send/recv"))
-    for e in events:
-        trace.append({
-            "name": f"{e.kind} {e.stage}.{e.chunk}", "cat": e.kind, "ph": "X",
-            "ts": (e.start - origin) * 1e6, "dur": e.duration * 1e6,
-            "pid": e.rank, "tid": _tid(e.stage, e.kind),
-            "args": {"stage": e.stage, "chunk": e.chunk, "step": e.step, "units": e.units},
-        })
-    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+        trace.append(_meta("process_sort_index", rank, 0, rank, key="sort_index"))
+    for rank, tid in sorted({(e.rank, _tid(e)) for e in events}):
+        trace.append(_meta("thread_name", rank, tid, _row_name(tid)))
+        trace.append(_meta("thread_sort_index", rank, tid, tid, key="sort_index"))
+    trace.extend(_complete(e, origin) for e in events)
+    trace.extend(_flows(events, origin))
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {ORIGIN_KEY: origin}}
 
 
 def write_chrome_trace(events: Timeline | Iterable[Event], path: str | Path) -> Path:
@@ -54,12 +63,74 @@ def write_chrome_trace(events: Timeline | Iterable[Event], path: str | Path) -> 
     return path
 
 
-def _tid(stage: int, kind: str) -> int:
-    return 2 * stage + (kind != COMPUTE)
+def events_from_trace(trace: dict[str, Any]) -> list[Event]:
+    """The events a `chrome_trace` holds, on the clock of the run that wrote it."""
+    origin = trace.get("otherData", {}).get(ORIGIN_KEY, 0.0)
+    return [Event(start=origin + e["ts"] / 1e6, duration=e["dur"] / 1e6, **e["args"])
+            for e in trace["traceEvents"] if e.get("ph") == "X"]
 
 
-def _meta(name: str, pid: int, tid: int, value: str) -> dict[str, Any]:
-    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": {"name": value}}
+def merge_traces(traces: Iterable[dict[str, Any] | str | Path]) -> dict[str, Any]:
+    """One trace from several ranks' `chrome_trace`s (dicts or files): one process per rank,
+    and the arrows between them that no single rank's file can hold."""
+    loaded = (t if isinstance(t, dict) else json.loads(Path(t).read_text()) for t in traces)
+    return chrome_trace(chain.from_iterable(events_from_trace(t) for t in loaded))
+
+
+def _events(events: Timeline | Iterable[Event]) -> list[Event]:
+    return list(events.events if isinstance(events, Timeline) else events)
+
+
+def _tid(e: Event) -> int:
+    return _ROW_BASE[e.kind] + (e.stage if e.kind == COMPUTE else (e.peer or 0))
+
+
+def _row_name(tid: int) -> str:
+    kind = {base: kind for kind, base in _ROW_BASE.items()}[tid - tid % 1000]
+    return _ROW_NAMES[kind].format(tid % 1000)
+
+
+def _name(e: Event) -> str:
+    if e.kind == COMPUTE:
+        return f"stage {e.stage} {'whole' if e.whole else f'chunk {e.chunk}'}"
+    arrow = "->" if e.kind == SEND else "<-"
+    carry = " carry" if e.carry else ""
+    return f"{e.kind}{carry} stage {e.stage} chunk {e.chunk} {arrow} rank {e.peer}"
+
+
+def _complete(e: Event, origin: float) -> dict[str, Any]:
+    return {"name": _name(e), "cat": e.kind, "ph": "X", "ts": (e.start - origin) * 1e6,
+            "dur": e.duration * 1e6, "pid": e.rank, "tid": _tid(e),
+            "args": {"kind": e.kind, "rank": e.rank, "stage": e.stage, "chunk": e.chunk,
+                     "step": e.step, "units": e.units, "peer": e.peer, "carry": e.carry,
+                     "whole": e.whole}}
+
+
+def _message(e: Event) -> tuple:
+    """What a send and its receive share: sender, receiver, stage, chunk, message step."""
+    sender, receiver = (e.rank, e.peer) if e.kind == SEND else (e.peer, e.rank)
+    return sender, receiver, e.stage, e.chunk, e.message_step, e.carry
+
+
+def _flows(events: list[Event], origin: float) -> list[dict[str, Any]]:
+    """A flow from the middle of each send to the middle of its receive (both ends bound to
+    the slices around them), for the pairs whose two ends are in `events`."""
+    receives = {_message(e): e for e in events if e.kind == RECV}
+    flows = []
+    for e in events:
+        recv = receives.get(_message(e)) if e.kind == SEND else None
+        if recv is None:
+            continue
+        flow_id = len(flows) // 2 + 1
+        for end, phase in ((e, "s"), (recv, "f")):
+            flows.append({"name": "message", "cat": "message", "ph": phase, "id": flow_id,
+                          "pid": end.rank, "tid": _tid(end), "bp": "e",
+                          "ts": (end.start + end.duration / 2 - origin) * 1e6})
+    return flows
+
+
+def _meta(name: str, pid: int, tid: int, value: Any, key: str = "name") -> dict[str, Any]:
+    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
 
 
 @dataclass(frozen=True)
@@ -106,3 +177,17 @@ def format_comparison(rows: list[StageTiming]) -> str:
         lines.append(f"{r.stage:>5} {r.samples:>6} {r.measured_s * 1e3:>12.3f} "
                      f"{r.predicted_s * 1e3:>13.3f} {r.ratio:>19.2f}")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Merge per-rank tokpipe Chrome traces.")
+    parser.add_argument("out", type=Path, help="the merged trace to write")
+    parser.add_argument("traces", type=Path, nargs="+", help="each rank's trace")
+    args = parser.parse_args(argv)
+    args.out.write_text(json.dumps(merge_traces(args.traces)))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
