@@ -1,6 +1,7 @@
 """tokpipe_compiler: a torch.compile backend that pipelines diffusion transformers over
 token chunks."""
 
+from tokpipe_compiler import pipelines
 from tokpipe_compiler.api import backend, capture_graphs, explain, programs, reset
 from tokpipe_compiler.backend import tokpipe
 from tokpipe_compiler.config import Config
@@ -10,7 +11,7 @@ from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.ring import Ring
 
 __all__ = ["Config", "Plan", "Ring", "TokpipeError", "backend", "capture_graphs", "explain",
-           "programs", "reset", "set_logs", "simulate", "tokpipe"]
+           "pipelines", "programs", "reset", "set_logs", "simulate", "tokpipe"]
 __version__ = "0.1.0"
 
 

@@ -25,9 +25,9 @@ def dit_pipeline() -> diffusers.DiTPipeline:
                                  scheduler=diffusers.DDIMScheduler(), id2label={0: "a", 1: "b"})
 
 
-def generate(pipe, seed: int = 0) -> torch.Tensor:
-    """Guided (batch 2 inside the pipeline), 4 steps, the latents before the VAE."""
-    out = pipe(class_labels=[1], num_inference_steps=4, guidance_scale=4.0,
+def generate(pipe, seed: int = 0, steps: int = 4) -> torch.Tensor:
+    """Guided (batch 2 inside the pipeline), `steps` steps, the latents before the VAE."""
+    out = pipe(class_labels=[1], num_inference_steps=steps, guidance_scale=4.0,
                generator=torch.Generator().manual_seed(seed), output_type="latent")
     return torch.as_tensor(out.images)
 
@@ -47,3 +47,30 @@ def test_dit_pipeline_twice_with_one_seed(mode):
         assert (first - serial).abs().max().item() > 0
     (program,) = tp.programs(pipe.transformer)
     assert program.clock.step == 3  # four steps of the second generation, counted
+
+
+def test_parallelize_ends_each_generation_with_the_pipeline_call():
+    """parallelize compiles the transformer in place, and the pipeline's end-of-call reset
+    ends the generation. One-step generations (distilled models) never raise the timestep:
+    without that reset each new seed would count as one more guidance branch of the same
+    step, and every branch's K/V caches would be kept."""
+    pipe = tp.pipelines.parallelize(dit_pipeline(), stages=2, chunks=2, mode="stale",
+                                    warmup_steps=1, compiler="eager")
+    reference = dit_pipeline()
+    for seed in range(3):
+        image = generate(pipe, seed, steps=1)
+        (program,) = tp.programs(pipe.transformer)
+        assert not program.branches  # dropped when the call ended
+        serial = generate(reference, seed, steps=1)  # one step is the warmup step: exact
+        assert (image - serial).abs().max().item() <= 1e-5 * serial.abs().max().item()
+
+
+def test_parallelize_errors_name_the_problem():
+    with pytest.raises(tp.TokpipeError, match="cfg=2"):
+        tp.pipelines.parallelize(dit_pipeline(), cfg=2)
+    with pytest.raises(ValueError, match="chunks"):
+        tp.pipelines.parallelize(dit_pipeline(), chunks=0)
+    unet_like = diffusers.DDIMPipeline(unet=torch.nn.Identity(),
+                                       scheduler=diffusers.DDIMScheduler())
+    with pytest.raises(tp.TokpipeError, match="no denoising transformer"):
+        tp.pipelines.parallelize(unet_like)
