@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import re
 import threading
 import time
 import zlib
@@ -325,12 +326,22 @@ def _reason(e: BaseException, timeout: float) -> str:
     text = _first_line(e)
     if "timed out" in text.lower():
         return f"timed out after {timeout:g} s ({text})"
+    if any(sign in text for sign in _LOST):
+        return f"failed ({text}): the connection was lost, the peer has likely died"
     return f"failed ({text})"
 
 
+# How gloo reports a peer process that is gone (exit, crash, kill).
+_LOST = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe")
+
+
 def _first_line(e: BaseException) -> str:
+    """The backend's message without the C++ source location gloo puts first."""
     lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
+    return _SOURCE_LOCATION.sub("", lines[0]) if lines else type(e).__name__
+
+
+_SOURCE_LOCATION = re.compile(r"^\[[^\]\s]+:\d+\]\s*")
 
 
 class _LocalHub:

@@ -57,7 +57,7 @@ def test_more_steps_than_per_step_values_is_a_clear_error():
     for bad in (-1, 1.5, True):
         with pytest.raises(tp.TokpipeError, match="steps must be an int >= 0"):
             ring.run(inputs(), per_step=PER_STEP, steps=bad)
-    with pytest.raises(tp.TokpipeError, match="steps=... or per-step inputs"):
+    with pytest.raises(tp.TokpipeError, match=r"steps=\.\.\. or per-step inputs"):
         ring.run(inputs())
 
 

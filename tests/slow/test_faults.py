@@ -1,0 +1,202 @@
+"""Faults across gloo ranks: a rank that dies or stalls in its stage (first, middle or last,
+per call and in a ring) makes every other rank raise a TokpipeError within the timeout that
+names the rank, stage, step and value it waited for; ranks that disagree (shapes, options,
+latents) stop at the first call with a named error on every rank, never a gloo abort."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import TinyDiT, dit_inputs
+from tokpipe_compiler.runtime.launch import launch
+
+pytestmark = pytest.mark.slow
+
+FAULT_TIMEOUT = 3.0
+OPTIONS = {"chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager",
+           "timeout": FAULT_TIMEOUT}
+RING_STEPS = 3
+
+
+def inject(program, fault: str, after: int = 0) -> None:
+    """This rank's stage dies (exit code 3) or stalls from its `after`-th run on."""
+    calls = {"n": 0}
+    run_stage = program._run_stage
+
+    def faulty(stage: int, units: int, inputs: list[torch.Tensor]):
+        calls["n"] += 1
+        if calls["n"] > after:
+            if fault == "dies":
+                os._exit(3)
+            time.sleep(3600)
+        return run_stage(stage, units, inputs)
+
+    program._run_stage = faulty
+
+
+def timed(fn) -> object:
+    """Runs fn; a TokpipeError gains how long this rank waited: '[waited 3.01 s]'."""
+    start = time.monotonic()
+    try:
+        return fn()
+    except tp.TokpipeError as e:
+        raise tp.TokpipeError(f"{e} [waited {time.monotonic() - start:.2f} s]") from None
+
+
+def per_call_rank(rank: int, world: int, faulty: int, fault: str) -> None:
+    torch.manual_seed(0)
+    model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend=tp.backend(stages=world, **OPTIONS), dynamic=False)
+    latents, _, labels = dit_inputs(model, 8)
+    with torch.no_grad():
+        compiled(latents, torch.tensor([900]), labels)  # every rank healthy
+        (program,) = tp.programs(compiled)
+        if rank == faulty:
+            inject(program, fault)
+        dist.barrier()  # start the clocks together
+        timed(lambda: compiled(latents, torch.tensor([800]), labels))
+
+
+def ring_rank(rank: int, world: int, faulty: int, fault: str) -> None:
+    """A healthy ring run, then one where `faulty`'s stage fails at the last ring step."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
+
+    def step(latents, timestep, c, labels):
+        return (latents - c * model(latents, timestep[None], labels),)
+
+    latents, _, labels = dit_inputs(model, 8)
+    per_step = {"timestep": torch.linspace(900, 100, RING_STEPS).long(),
+                "c": torch.linspace(0.3, 0.1, RING_STEPS)}
+    ring = tp.Ring(step, carry=["latents"], stages=world, **OPTIONS)
+    first = {"latents": latents, "labels": labels}
+    ring.run(first, per_step=per_step)
+    if rank == faulty:  # its runs: one warmup, then `chunks` per ring step
+        inject(ring.program, fault, after=1 + (RING_STEPS - 2) * OPTIONS["chunks"])
+    dist.barrier()
+    timed(lambda: ring.run(first, per_step=per_step))
+
+
+def waits(text: str) -> dict[int, tuple[str, float]]:
+    """Each failed rank's TokpipeError and how long it waited, from launch's report."""
+    found = {}
+    for rank, body in re.findall(r"--- rank (\d+) ---\n(.*?)(?=\n--- rank |\Z)", text, re.S):
+        match = re.search(r"TokpipeError: (.*) \[waited ([\d.]+) s\]", body, re.S)
+        if match:
+            found[int(rank)] = (match.group(1), float(match.group(2)))
+    return found
+
+
+def run_fault(fn, world: int, faulty: int, fault: str) -> tuple[dict, float]:
+    start = time.monotonic()
+    with pytest.raises(tp.TokpipeError) as info:
+        launch(fn, world, args=(faulty, fault), timeout=120)
+    return waits(str(info.value)), time.monotonic() - start
+
+
+def check_bounded(errors: dict, faulty: int, world: int, fault: str) -> None:
+    """Every other rank raised a named TokpipeError, within the timeout (a stall: after it)."""
+    others = [r for r in range(world) if r != faulty]
+    assert set(others) <= set(errors), errors
+    for rank in others:
+        message, waited = errors[rank]
+        assert f"rank {rank} (stage {rank})" in message or f"rank {rank} sending" in message
+        assert "step" in message
+        assert "Received data size" not in message
+        assert waited < FAULT_TIMEOUT + 3, (rank, waited, message)
+    if fault == "stalls":  # the first to notice waited the whole timeout
+        assert min(errors[r][1] for r in others) > FAULT_TIMEOUT - 0.5
+
+
+OUTPUT = re.compile(r"waiting for stage (\d)'s output '\w+' of step \d+ \(all chunks\) "
+                    r"from rank \1")
+
+
+@pytest.mark.parametrize("fault", ["stalls", "dies"])
+def test_last_stage_fault_per_call_raises_on_the_others(fault):
+    errors, elapsed = run_fault(per_call_rank, 2, 1, fault)
+    check_bounded(errors, 1, 2, fault)
+    message = errors[0][0]
+    assert OUTPUT.search(message), message
+    reason = "timed out after 3 s" if fault == "stalls" else "the peer has likely died"
+    assert reason in message
+    assert elapsed < 60
+
+
+@pytest.mark.parametrize("fault", ["stalls", "dies"])
+def test_last_stage_fault_at_the_last_ring_step(fault):
+    errors, elapsed = run_fault(ring_rank, 2, 1, fault)
+    check_bounded(errors, 1, 2, fault)
+    assert OUTPUT.search(errors[0][0]), errors[0][0]
+    assert elapsed < 60
+
+
+@pytest.mark.parametrize(("faulty", "fault"), [(0, "stalls"), (1, "dies"), (1, "stalls"),
+                                               (2, "dies")])
+def test_any_stage_of_three_fails_every_other_rank_in_time(faulty, fault):
+    errors, elapsed = run_fault(per_call_rank, 3, faulty, fault)
+    check_bounded(errors, faulty, 3, fault)
+    if faulty == 2:
+        for rank in (0, 1):
+            assert OUTPUT.search(errors[rank][0]), errors[rank][0]
+    assert elapsed < 60
+
+
+@pytest.mark.parametrize("faulty", [0, 1])
+def test_first_or_middle_stage_dies_in_a_ring_of_three(faulty):
+    errors, elapsed = run_fault(ring_rank, 3, faulty, "dies")
+    check_bounded(errors, faulty, 3, "dies")
+    assert elapsed < 60
+
+
+# Ranks that disagree.
+
+
+def disagreeing_rank(rank: int, world: int, what: str) -> list[str]:
+    """Rank 1 differs from rank 0 in `what`; returns the warnings of the call."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    odd = rank == 1
+    options = {**OPTIONS, "stages": world, "timeout": 20.0}
+    if what == "options" and odd:
+        options["chunks"] = 4
+    batch = 2 if what == "batch" and odd else 1
+    latents, t, labels = dit_inputs(model, 8, seed=1 if what == "seed" and odd else 0,
+                                    batch=batch)
+    if what == "labels":
+        labels = torch.tensor([rank])
+    compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(latents, t, labels)
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(("what", "expected"), [
+    ("batch", r"input 'latents': rank 0 \(1, 4, 8, 8\) float32, rank 1 \(2, 4, 8, 8\) float32"),
+    ("options", r"options 'chunks': rank 0 2, rank 1 4"),
+    ("seed", r"the token input 'latents' has other values on other ranks"),
+    ("seed", r"input 'latents': checksum rank 0 [0-9a-f]{8}, rank 1 [0-9a-f]{8}"),
+])
+def test_ranks_that_disagree_raise_a_named_error_on_every_rank(what, expected):
+    start = time.monotonic()
+    with pytest.raises(tp.TokpipeError) as info:
+        launch(disagreeing_rank, 2, args=(what,), timeout=120)
+    text = str(info.value)
+    assert "rank(s) 0, 1 of 2 failed" in text
+    assert len(re.findall(expected, text)) == 2, text  # the same error on both ranks
+    assert "EnforceNotMet" not in text and "exited with code" not in text
+    assert time.monotonic() - start < 60
+
+
+def test_other_inputs_that_differ_give_a_warning():
+    for caught in launch(disagreeing_rank, 2, args=("labels",), timeout=120):
+        assert any("input 'labels': checksum rank 0" in w for w in caught), caught
