@@ -68,7 +68,43 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--run", type=_count(0), default=0, metavar="K",
                          help="run K calls in-process; write trace.json to --out")
     inspect.set_defaults(func=_inspect)
+    _add_generate(commands)
     return parser
+
+
+def _add_generate(commands) -> None:
+    from tokpipe_compiler import generate as generate_module
+    from tokpipe_compiler.generate import TINY, generate
+
+    gen = commands.add_parser(
+        "generate", help="run a diffusers pipeline pipelined and save its images",
+        description=(generate_module.__doc__ or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a local diffusers pipeline folder")
+    source.add_argument("--tiny", choices=TINY, help="a small built-in pipeline")
+    gen.add_argument("--prompt")
+    gen.add_argument("--class-label", type=int, default=1, help="DiT pipelines (default 1)")
+    gen.add_argument("--guidance-scale", type=float)
+    gen.add_argument("--steps", type=_count(1), default=20)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stages", type=_count(1), default=2)
+    gen.add_argument("--chunks", type=parse_chunks, default=4)
+    gen.add_argument("--mode", choices=MODES, default="stale")
+    gen.add_argument("--warmup-steps", type=_count(0), default=1)
+    gen.add_argument("--cfg", type=_count(1), default=1)
+    gen.add_argument("--compiler", choices=COMPILERS, default="inductor")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    gen.add_argument("--ranks", type=_count(1), default=1,
+                     help="processes to start here (default 1: this one, or torchrun's)")
+    gen.add_argument("--threads", type=_count(1), default=1, help="CPU threads per rank")
+    gen.add_argument("--timeout", type=float, default=3600.0, help="seconds for the run")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run the serial pipeline: speedup and difference")
+    gen.add_argument("--profile", action="store_true",
+                     help="write a torch.profiler trace per rank to --out")
+    gen.add_argument("--out", type=Path, help="folder for the images (default: none)")
+    gen.set_defaults(func=generate)
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -1,0 +1,163 @@
+"""`tokpipe generate`: run a diffusers pipeline with its transformer pipelined, save images.
+
+    tokpipe generate --model PATH --prompt "a cat" --stages 2 --ranks 2 --out out/
+    tokpipe generate --tiny dit --steps 4 --ranks 2 --compare
+
+--model takes a local pipeline folder (DiffusionPipeline.from_pretrained; nothing is
+downloaded); --tiny builds a small pipeline with seeded random weights. --ranks N runs N
+processes on this machine (under torchrun, leave it out: each process is one rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokpipe_compiler.core.errors import TokpipeError
+
+TINY = ("dit",)
+
+
+def tiny_dit_pipeline() -> Any:
+    """A DiTPipeline of small seeded random components: the same weights in every process."""
+    import diffusers
+
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 32),
+        latent_channels=4, norm_num_groups=8, sample_size=64).eval()
+    transformer = diffusers.DiTTransformer2DModel(
+        num_attention_heads=4, attention_head_dim=32, in_channels=4, out_channels=8,
+        num_layers=4, sample_size=32, patch_size=2, num_embeds_ada_norm=1000,
+        norm_type="ada_norm_zero").eval()
+    return diffusers.DiTPipeline(transformer=transformer, vae=vae,
+                                 scheduler=diffusers.DDIMScheduler(),
+                                 id2label={i: str(i) for i in range(10)})
+
+
+def load_pipeline(args: argparse.Namespace) -> Any:
+    if args.tiny:
+        return tiny_dit_pipeline()
+    import diffusers
+
+    path = Path(args.model)
+    if not (path / "model_index.json").is_file():
+        raise TokpipeError(f"--model {path}: no model_index.json there; pass a local "
+                           "diffusers pipeline folder (save_pretrained writes one)")
+    return diffusers.DiffusionPipeline.from_pretrained(path, torch_dtype=_dtype(args))
+
+
+def _dtype(args: argparse.Namespace) -> torch.dtype:
+    return getattr(torch, args.dtype)
+
+
+def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """What the pipeline's __call__ takes: a class label (DiT) or a prompt."""
+    kwargs: dict[str, Any] = {"num_inference_steps": args.steps}
+    if type(pipe).__name__ == "DiTPipeline":
+        kwargs["class_labels"] = [args.class_label]
+    elif args.prompt is None:
+        raise TokpipeError(f"{type(pipe).__name__} needs --prompt")
+    else:
+        kwargs["prompt"] = args.prompt
+    if args.guidance_scale is not None:
+        kwargs["guidance_scale"] = args.guidance_scale
+    return kwargs
+
+
+def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One rank's part: an optional serial generation, then the pipelined one."""
+    from tokpipe_compiler.pipelines.parallelize import parallelize
+
+    torch.set_num_threads(args.threads)
+    pipe = load_pipeline(args)
+    kwargs = call_kwargs(pipe, args)
+    result: dict[str, Any] = {}
+    if args.compare:
+        _timed(pipe, {**kwargs, "num_inference_steps": 1}, args.seed)  # first-call costs
+        result["serial_s"], serial = _timed(pipe, kwargs, args.seed)
+    parallelize(pipe, stages=args.stages, chunks=args.chunks, mode=args.mode,
+                warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg)
+    _timed(pipe, {**kwargs, "num_inference_steps": min(2, args.steps)}, args.seed)  # compile
+    if args.profile:
+        result["trace"] = _profiled(pipe, kwargs, args, rank)
+    result["pipelined_s"], images = _timed(pipe, kwargs, args.seed)
+    if args.compare:
+        result["difference"] = _relative(images, serial)
+    if rank == 0 and args.out is not None:
+        result["files"] = save(images, Path(args.out))
+    return result
+
+
+def _timed(pipe: Any, kwargs: dict, seed: int) -> tuple[float, list]:
+    start = time.perf_counter()
+    out = pipe(**kwargs, generator=torch.Generator().manual_seed(seed), output_type="np")
+    return time.perf_counter() - start, list(out.images if hasattr(out, "images") else out.frames)
+
+
+def _profiled(pipe: Any, kwargs: dict, args: argparse.Namespace, rank: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    path = Path(args.out or ".") / f"profile_rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        _timed(pipe, kwargs, args.seed)
+    prof.export_chrome_trace(str(path))
+    return str(path)
+
+
+def _relative(a: list, b: list) -> float:
+    x = torch.as_tensor(__import__("numpy").stack(a))
+    y = torch.as_tensor(__import__("numpy").stack(b))
+    return float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
+
+
+def save(images: list, out: Path) -> list[str]:
+    """Each image (or video frame) as out/image_{i}.png."""
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for i, image in enumerate(images):
+        frames = image if image.ndim == 4 else image[None]
+        for f, frame in enumerate(frames):
+            name = out / (f"image_{i}.png" if len(frames) == 1 else f"video_{i}_frame_{f}.png")
+            Image.fromarray((frame * 255).round().clip(0, 255).astype("uint8")).save(name)
+            files.append(str(name))
+    return files
+
+
+def generate(args: argparse.Namespace) -> int:
+    """The command: in this process (one rank, or torchrun's), or on --ranks processes."""
+    if args.ranks > 1:
+        from tokpipe_compiler.runtime.launch import launch
+
+        results = launch(run, args.ranks, args=(args,), timeout=args.timeout)
+        report(results[0], args)
+        return 0
+    result = run(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), args)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for all
+        report(result, args)
+    return 0
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"pipelined ({args.stages} stages x {args.chunks} chunks, {args.mode}): "
+          f"{result['pipelined_s']:.2f} s for {args.steps} steps")
+    if "serial_s" in result:
+        print(f"serial: {result['serial_s']:.2f} s; speedup "
+              f"{result['serial_s'] / result['pipelined_s']:.2f}x; largest difference "
+              f"{result['difference']:.2e} of the largest pixel")
+    if result.get("trace"):
+        print(f"profile: {result['trace']}")
+    if result.get("files"):
+        print(f"saved {len(result['files'])} file(s) to {args.out}/")
