@@ -1,7 +1,8 @@
 """Every family at its released widths and text length (one or two blocks per depth field,
 a small latent grid), batch 2 as guidance runs it, inputs by keyword as its pipeline passes
 them: the token input is the latent, and sync and warmup-stale equal eager within 1e-5 of
-the largest eager value, in one process and on two gloo ranks.
+the largest eager value, in one process and on two gloo ranks (CI: every family in one
+process, four on two ranks; `-m full`: every family on two ranks too).
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ def check(name: str, mode: str, outputs: list[torch.Tensor], expected: torch.Ten
 # pipeline; sync itself on the two cheapest families.
 RANK_CASES = [(name, MODES.get(name, ("stale",))[-1]) for name in FAMILIES]
 CASES = [*RANK_CASES, ("dit-xl-2-256", "sync"), ("sd3-medium", "sync")]
+# Two ranks in CI: text by cross-attention (PixArt), joint attention of two block kinds
+# (Flux), guided video with batch and frames merged (Latte), joint video (CogVideoX). Every
+# family on two ranks: `-m full`.
+CI_RANKS = ("pixart-sigma-xl-2-1024-ms", "flux1-schnell", "latte-1", "cogvideox-2b")
+
+
+def _rank_case(name: str, mode: str):
+    marks = () if name in CI_RANKS else (pytest.mark.full,)
+    return pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
 
 
 @pytest.mark.parametrize(("name", "mode"), CASES)
@@ -81,7 +91,7 @@ def _on_rank(rank: int, world: int, name: str, mode: str):
     return pipelined_calls(name, mode)
 
 
-@pytest.mark.parametrize(("name", "mode"), RANK_CASES)
+@pytest.mark.parametrize(("name", "mode"), [_rank_case(*case) for case in RANK_CASES])
 def test_two_ranks(name, mode):
     per_rank = launch(_on_rank, 2, args=(name, mode), timeout=600)
     for outputs, expected, token_input in per_rank:
