@@ -88,11 +88,19 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     if args.profile:
         result["trace"] = _profiled(pipe, kwargs, args, rank)
     result["pipelined_s"], images = _timed(pipe, kwargs, args.seed)
+    result["memory"] = _memory(pipe)
     if args.compare:
         result["difference"] = _relative(images, serial)
     if rank == 0 and args.out is not None:
         result["files"] = save(images, Path(args.out))
     return result
+
+
+def _memory(pipe: Any) -> str:
+    from tokpipe_compiler.api import programs
+    from tokpipe_compiler.inspection.memory import format_memory, memory_report
+
+    return "\n".join(format_memory(memory_report(p)) for p in programs(pipe.transformer))
 
 
 def _timed(pipe: Any, kwargs: dict, seed: int) -> tuple[float, list]:
@@ -143,6 +151,8 @@ def generate(args: argparse.Namespace) -> int:
 
         results = launch(run, args.ranks, args=(args,), timeout=args.timeout)
         report(results[0], args)
+        for result in results[1:]:
+            print(result["memory"])
         return 0
     result = run(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), args)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for all
@@ -157,6 +167,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"serial: {result['serial_s']:.2f} s; speedup "
               f"{result['serial_s'] / result['pipelined_s']:.2f}x; largest difference "
               f"{result['difference']:.2e} of the largest pixel")
+    print(result["memory"])
     if result.get("trace"):
         print(f"profile: {result['trace']}")
     if result.get("files"):

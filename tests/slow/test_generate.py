@@ -17,6 +17,7 @@ def test_two_ranks_sync_equal_the_serial_pipeline(tmp_path, capsys):
                  "--compiler", "eager", "--compare", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "largest difference 0.00e+00" in out, out
+    assert "rank 0: peak" in out and "rank 1: peak" in out  # each rank's memory
     image = np.asarray(Image.open(tmp_path / "image_0.png"))
     assert image.shape == (64, 64, 3) and image.std() > 0
 

@@ -1,0 +1,80 @@
+"""What a rank holds, predicted by the plan and measured on the running program.
+
+    from tokpipe_compiler.inspection.memory import memory_report, format_memory
+    print(format_memory(memory_report(tp.programs(compiled)[0])))
+
+Per stage this process runs: the weights its rank holds (the stage's and its share of the
+prelude), its K/V caches (one set per guidance branch), and the process's peak memory
+(CUDA: the allocator's peak on the device; CPU: the resident set's high-water mark).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from tokpipe_compiler.inspection.report import human_bytes
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    weights_predicted: int
+    kv_predicted: int  # one guidance branch
+    kv_measured: int  # every branch held now
+    branches: int
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    rank: int
+    stages: list[StageMemory]
+    peak: int  # bytes, the process's (see peak_bytes)
+    peak_source: str
+
+
+def memory_report(program) -> MemoryReport:
+    """Predicted and measured bytes of the stages `program` runs (all of them in process,
+    its own stage on a rank)."""
+    plan = program.plan
+    mine = range(len(plan.stages)) if program.world == 1 else [program.rank]
+    branches = list(program.branches.values())
+    rows = []
+    for index in mine:
+        stage = plan.stages[index]
+        names = {n for spec in stage.caches for n in (spec.k_name, spec.v_name)}
+        held = sum(t.numel() * t.element_size() for caches in branches
+                   for name, t in caches.buffers.items() if name in names)
+        rows.append(StageMemory(index, stage.param_bytes, stage.kv_cache_bytes, held,
+                                len(branches)))
+    peak, source = peak_bytes(_device(program))
+    return MemoryReport(program.rank, rows, peak, source)
+
+
+def peak_bytes(device: torch.device) -> tuple[int, str]:
+    """The process's peak: CUDA's allocator on a GPU, else the resident set's maximum."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA allocator peak"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return rss * scale, "process max RSS"
+
+
+def _device(program) -> torch.device:
+    for caches in program.branches.values():
+        for tensor in caches.buffers.values():
+            return tensor.device
+    return torch.device("cpu")
+
+
+def format_memory(report: MemoryReport) -> str:
+    lines = [f"rank {report.rank}: peak {human_bytes(report.peak)} ({report.peak_source})",
+             "stage  weights held  K/V predicted (per branch)  K/V held  branches"]
+    for s in report.stages:
+        lines.append(f"{s.stage:>5}  {human_bytes(s.weights_predicted):>12}  "
+                     f"{human_bytes(s.kv_predicted):>26}  {human_bytes(s.kv_measured):>8}  "
+                     f"{s.branches:>8}")
+    return "\n".join(lines)
