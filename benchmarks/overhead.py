@@ -33,6 +33,7 @@ import tokpipe_compiler as tp
 
 HIDDEN_HEADS, HEAD_DIM = 6, 64
 KV_OP = "tokpipe::kv_attention"
+CACHE_WRITE = "tokpipe/kv_cache_write"  # the runtime's profiler range around cache writes
 
 
 @dataclass
@@ -130,22 +131,12 @@ def breakdown(compiled, call: Callable[[], object], sync, chunked_ms: float) -> 
     ops = prof.events()
     profiled_stage = 1e3 * sum(e.duration for e in events if e.kind == "compute")
     attention = sum(e.cpu_time_total for e in ops if e.name == KV_OP) / 1e3
-    writes = sum(e.cpu_time_total for e in ops
-                 if e.name == "aten::copy_" and _inside(e, KV_OP)) / 1e3
+    writes = sum(e.cpu_time_total for e in ops if e.name == CACHE_WRITE) / 1e3
     share = stage / profiled_stage if profiled_stage else 0.0  # profiled ms -> real ms
     scale = chunked_ms / wall if wall else 0.0
     return {"compute": scale * max(stage - share * attention, 0.0),
             "attention": scale * share * attention, "writes": scale * share * writes,
             "executor": scale * max(wall - stage - sends, 0.0), "sends": scale * sends}
-
-
-def _inside(event, name: str) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name == name:
-            return True
-        parent = parent.cpu_parent
-    return False
 
 
 def report(rows: list[Row], args) -> None:
