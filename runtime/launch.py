@@ -1,7 +1,9 @@
 """Run a function on N local ranks without torchrun, and supervise them.
 
 Every wait has a deadline: a rank that raises, dies or stalls becomes one TokpipeError in the
-caller that carries each failed rank's traceback, and the other ranks are terminated.
+caller that carries each failed rank's traceback, and the other ranks are terminated. Ranks
+die with the process that launched them, however it ends (killed included), as torchrun's
+do: no orphan keeps a port or a device.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import sys
 import time
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.runtime.transport import init_process_group_from_env
@@ -63,7 +67,7 @@ def launch(
     try:
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
-            config = (rank, world_size, port, str(device), threads_per_rank)
+            config = (rank, world_size, port, str(device), threads_per_rank, os.getpid())
             proc = ctx.Process(target=_run_rank, args=(fn, args, config, child))
             proc.start()
             child.close()  # so that EOF on `parent` means the rank is gone
@@ -76,7 +80,8 @@ def launch(
 
 
 def _run_rank(fn: Callable[..., Any], args: tuple, config: tuple, conn: Connection) -> None:
-    rank, world_size, port, device, threads = config
+    rank, world_size, port, device, threads, launcher = config
+    _die_with(launcher)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -97,6 +102,17 @@ def _run_rank(fn: Callable[..., Any], args: tuple, config: tuple, conn: Connecti
         conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
     finally:
         conn.close()
+
+
+def _die_with(launcher: int) -> None:
+    """This rank gets SIGKILL when its launcher ends (Linux; torch's own spawn does the
+    same with SIGINT, which a rank blocked in a backend wait would not act on)."""
+    set_death_signal = getattr(torch.multiprocessing, "_prctl_pr_set_pdeathsig", None)
+    if set_death_signal is None:  # not Linux: the supervisor's own teardown must do
+        return
+    set_death_signal(signal.SIGKILL)
+    if os.getppid() != launcher:  # the launcher ended before the signal was armed
+        os._exit(1)
 
 
 def _supervise(
@@ -138,10 +154,10 @@ def _stop(procs: list[BaseProcess], outcomes: dict[int, _Outcome]) -> None:
     deadline = time.monotonic() + _JOIN_S
     for rank in outcomes:
         procs[rank].join(max(deadline - time.monotonic(), 0))
-    for signal in ("terminate", "kill"):
+    for stop in ("terminate", "kill"):
         alive = [proc for proc in procs if proc.is_alive()]
         for proc in alive:
-            getattr(proc, signal)()
+            getattr(proc, stop)()
         for proc in alive:
             proc.join(_JOIN_S)
 
