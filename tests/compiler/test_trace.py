@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from tests.fixtures.models import TinyDiT, dit_inputs
@@ -50,12 +51,28 @@ def test_chrome_trace_follows_the_format(tmp_path):
 
 def test_measured_against_predicted_per_stage():
     program = ran_program()
-    rows = compare(program.plan, program.timeline, RATES)
+    no_launch_cost = dataclasses.replace(RATES, per_op_overhead=0.0)
+    rows = compare(program.plan, program.timeline, no_launch_cost)
     assert [r.stage for r in rows] == [0, 1]
     assert all(r.samples == 2 * 4 for r in rows)  # two chunked calls, the warmup left out
     assert all(r.measured_s > 0 and r.predicted_s > 0 for r in rows)
     text = format_comparison(rows)
     assert "measured/predicted" in text and len(text.splitlines()) == 3
+    assert "compute/memory" in text and "too small" not in text
+
+
+def test_a_chunk_bound_by_op_launches_is_named():
+    """With 1 ms per op launch, a tiny stage's chunk is nearly all launch cost: the table
+    says so, with the chunk's token count and what to do."""
+    program = ran_program()
+    slow_launches = DeviceRates(matmul_flops=1e10, mem_bandwidth=1e10, attention_flops=1e10,
+                                per_op_overhead=1e-3)
+    rows = compare(program.plan, program.timeline, slow_launches)
+    assert all(r.overhead_bound for r in rows)
+    text = format_comparison(rows)
+    assert "op overhead" in text
+    assert f"a chunk of {program.plan.chunk_tokens(program.plan.chunks[0])} tokens" in text
+    assert "fewer chunks" in text
 
 
 def test_empty_timeline():

@@ -127,3 +127,29 @@ def test_charts_boxes_are_the_time_model(consumers):
     assert sorted(drawn, key=lambda b: (b.step, b.stage, b.chunk)) == sorted(
         boxes(scaled, 2, schedule_for=lambda *_: skip), key=lambda b: (b.step, b.stage, b.chunk))
     assert chain(3, 4)(1, None).ranks == build_schedule(3, 4, world=3).ranks
+
+
+class ModePlan(HandPlan):
+    def __init__(self, flops, mode: str, warmup_steps: int = 1):
+        super().__init__(flops, {0: {1}})
+        self.config = type("Config", (), {"mode": mode, "warmup_steps": warmup_steps})()
+
+
+def test_schedule_chart_draws_warmup_whole_and_can_draw_the_ring():
+    """Stale: the warmup step is one box per stage over the whole sequence, stage after
+    stage; the chunked steps follow, per call or as one ring (shorter: no drain between
+    steps). Sync: every step whole."""
+    from tokpipe_compiler.inspection.charts import WHOLE, schedule_boxes
+
+    flops = [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+    per_call = schedule_boxes(ModePlan(flops, "stale"), steps=3)
+    whole = [b for b in per_call if b.chunk == WHOLE]
+    assert [(b.stage, b.step, b.start, b.end) for b in whole] == [(0, 0, 0.0, 4.0),
+                                                                  (1, 0, 4.0, 8.0)]
+    chunked = [b for b in per_call if b.chunk != WHOLE]
+    assert {b.step for b in chunked} == {1, 2} and min(b.start for b in chunked) == 8.0
+    assert len(chunked) == 2 * 2 * 4
+    ring = schedule_boxes(ModePlan(flops, "stale"), steps=3, ring=True)
+    assert max(b.end for b in ring) < max(b.end for b in per_call)
+    sync = schedule_boxes(ModePlan(flops, "sync"), steps=2)
+    assert all(b.chunk == WHOLE for b in sync) and len(sync) == 2 * 2

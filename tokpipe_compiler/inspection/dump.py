@@ -71,8 +71,9 @@ def _charts(plan: Plan, folder: Path) -> list[Path]:
         log.warning("matplotlib is not installed: plan.save skips the PNG charts")
         return []
     schedule_chart(plan, folder / "schedule.png")
+    schedule_chart(plan, folder / "schedule_ring.png", steps=4, ring=True)
     partition_chart(plan, folder / "partition.png")
-    return [folder / "schedule.png", folder / "partition.png"]
+    return [folder / "schedule.png", folder / "schedule_ring.png", folder / "partition.png"]
 
 
 def _write(path: Path, text: str) -> Path:

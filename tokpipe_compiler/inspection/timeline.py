@@ -142,10 +142,18 @@ class StageTiming:
     samples: int
     measured_s: float
     predicted_s: float
+    overhead_s: float = 0.0  # of predicted_s: the fixed cost of launching the stage's ops
+    chunk_tokens: int = 0
 
     @property
     def ratio(self) -> float:
         return self.measured_s / self.predicted_s if self.predicted_s else float("inf")
+
+    @property
+    def overhead_bound(self) -> bool:
+        """More than half the chunk's time is the per-op fixed cost: the chunk is too small
+        for this device to do useful work between op launches."""
+        return self.overhead_s > 0.5 * self.predicted_s
 
 
 def compare(plan: Plan, events: Timeline | Iterable[Event],
@@ -166,16 +174,26 @@ def compare(plan: Plan, events: Timeline | Iterable[Event],
                      for c in plan.chunks]
         rows.append(StageTiming(stage.index, len(measured),
                                 statistics.median(measured) if measured else float("nan"),
-                                statistics.median(predicted)))
+                                statistics.median(predicted),
+                                stage.cost.launches * rates.per_op_overhead,
+                                plan.chunk_tokens(plan.chunks[0])))
     return rows
 
 
 def format_comparison(rows: list[StageTiming]) -> str:
     lines = [f"{'stage':>5} {'chunks':>6} {'measured ms':>12} {'predicted ms':>13} "
-             f"{'measured/predicted':>19}"]
+             f"{'measured/predicted':>19}  bound by"]
     for r in rows:
+        bound = "op overhead" if r.overhead_bound else "compute/memory"
         lines.append(f"{r.stage:>5} {r.samples:>6} {r.measured_s * 1e3:>12.3f} "
-                     f"{r.predicted_s * 1e3:>13.3f} {r.ratio:>19.2f}")
+                     f"{r.predicted_s * 1e3:>13.3f} {r.ratio:>19.2f}  {bound}")
+    small = [r for r in rows if r.overhead_bound]
+    if small:
+        lines.append(
+            f"stage(s) {', '.join(str(r.stage) for r in small)}: a chunk of "
+            f"{small[0].chunk_tokens} tokens is too small for this device; more than half its "
+            "time is the fixed cost of launching each op, which the prediction holds loosely; "
+            "use fewer chunks (or Inductor stages, or CUDA graphs on a GPU)")
     return "\n".join(lines)
 
 
