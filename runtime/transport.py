@@ -40,7 +40,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from tokpipe_compiler.config import MAX_TIMEOUT
 from tokpipe_compiler.core.errors import TokpipeError
 
 _MAX_TAG = 2**31 - 1  # torch passes tags to the backend as a C int
@@ -50,6 +49,9 @@ SEND_LAG_STEPS = 2
 WHOLE = -1
 
 ErrorFn = Callable[[str], TokpipeError]
+
+# The longest wait a timeout may ask for (the options check it too: config.py).
+MAX_TIMEOUT = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True)

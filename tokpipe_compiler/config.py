@@ -6,6 +6,8 @@ import argparse
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from tokpipe_compiler.runtime.transport import MAX_TIMEOUT
+
 MODES = ("stale", "causal", "sync")
 COMPILERS = ("inductor", "eager")
 
@@ -69,9 +71,8 @@ class Config:
         return asdict(self)
 
 
-# torch.distributed keeps timeouts as a timedelta in milliseconds; a week is far past any
-# real wait and well inside what every backend converts without overflow.
-MAX_TIMEOUT = 7 * 24 * 3600.0
+# torch.distributed keeps timeouts as a timedelta in milliseconds; a week (MAX_TIMEOUT) is
+# far past any real wait and well inside what every backend converts without overflow.
 
 
 def _check_timeout(value: Any) -> None:
