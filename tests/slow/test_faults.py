@@ -111,7 +111,7 @@ def check_bounded(errors: dict, faulty: int, world: int, fault: str) -> None:
         assert f"rank {rank} (stage {rank})" in message or f"rank {rank} sending" in message
         assert "step" in message
         assert "Received data size" not in message
-        assert waited < FAULT_TIMEOUT + 3, (rank, waited, message)
+        assert waited < FAULT_TIMEOUT + 5, (rank, waited, message)  # a loaded machine
     if fault == "stalls":  # the first to notice waited the whole timeout
         assert min(errors[r][1] for r in others) > FAULT_TIMEOUT - 0.5
 
@@ -128,7 +128,7 @@ def test_last_stage_fault_per_call_raises_on_the_others(fault):
     assert OUTPUT.search(message), message
     reason = "timed out after 3 s" if fault == "stalls" else "the peer has likely died"
     assert reason in message
-    assert elapsed < 60
+    assert elapsed < 90  # mostly starting the ranks
 
 
 @pytest.mark.parametrize("fault", ["stalls", "dies"])
@@ -136,7 +136,7 @@ def test_last_stage_fault_at_the_last_ring_step(fault):
     errors, elapsed = run_fault(ring_rank, 2, 1, fault)
     check_bounded(errors, 1, 2, fault)
     assert OUTPUT.search(errors[0][0]), errors[0][0]
-    assert elapsed < 60
+    assert elapsed < 90  # mostly starting the ranks
 
 
 @pytest.mark.parametrize(("faulty", "fault"), [(0, "stalls"), (1, "dies"), (1, "stalls"),
@@ -147,14 +147,14 @@ def test_any_stage_of_three_fails_every_other_rank_in_time(faulty, fault):
     if faulty == 2:
         for rank in (0, 1):
             assert OUTPUT.search(errors[rank][0]), errors[rank][0]
-    assert elapsed < 60
+    assert elapsed < 90  # mostly starting the ranks
 
 
 @pytest.mark.parametrize("faulty", [0, 1])
 def test_first_or_middle_stage_dies_in_a_ring_of_three(faulty):
     errors, elapsed = run_fault(ring_rank, 3, faulty, "dies")
     check_bounded(errors, faulty, 3, "dies")
-    assert elapsed < 60
+    assert elapsed < 90  # mostly starting the ranks
 
 
 # Ranks that disagree.
@@ -194,7 +194,7 @@ def test_ranks_that_disagree_raise_a_named_error_on_every_rank(what, expected):
     assert "rank(s) 0, 1 of 2 failed" in text
     assert len(re.findall(expected, text)) == 2, text  # the same error on both ranks
     assert "EnforceNotMet" not in text and "exited with code" not in text
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 90
 
 
 def test_other_inputs_that_differ_give_a_warning():
