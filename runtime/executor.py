@@ -98,11 +98,13 @@ class Executor:
         self.carried = carried or {}
         self.progress = progress
         self._outer = [input_blocks(stage) for stage in stages]
+        self.peak_held = 0  # the most (step, chunk) value sets held at once in a run
 
     def run(self, actions: Sequence[Action], chunks: Sequence[Chunk],
             env_for: Callable[[int], dict], visible: Callable[[Chunk], int],
             step_base: int = 0) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
-        """Returns, per (step, chunk), every value this rank computed or received.
+        """Returns, per (step, chunk), the values this rank computed or received for the
+        last two steps (earlier steps' are dropped as the run goes).
 
         `step_base` numbers this run's messages (with each action's own step) so that
         messages of different calls never match, and its timeline events and profiler ranges
@@ -126,6 +128,10 @@ class Executor:
                     chunk = chunks[action.chunk]
                     self._compute(action, chunk, env_for(action.step), here, visible(chunk))
                     self._keep_carries(action, here, values)
+                    # Two steps back this chunk's values are sent and carried: a ring of
+                    # any length holds about two steps of them, not all.
+                    values.pop((action.step - 2, action.chunk), None)
+                    self.peak_held = max(self.peak_held, len(values))
                 elif action.kind == SEND:
                     for key, value in self._outgoing(action, here, step_base):
                         self.transport.send(key, value, action.peer)

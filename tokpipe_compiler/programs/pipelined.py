@@ -72,6 +72,7 @@ class PipelinedProgram:
         self.clock = StepClock(timestep_index(arguments),
                                [i for i, name in enumerate(arguments) if name is not None])
         self.calls = 0  # steps run by this program, for the timeline
+        self.peak_values_held = 0  # the last run's most (step, chunk) value sets at once
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
         self.prelude = (plan.graphs.prelude, plan.graphs.prelude_outputs)
@@ -148,6 +149,7 @@ class PipelinedProgram:
                             progress=progress)
         values = executor.run(actions, chunks, env_for,
                               self._visible(chunks), step_base=self.calls)
+        self.peak_values_held = executor.peak_held  # (step, chunk) value sets, at most
         if self.transport is not None:
             self.transport.flush()
         return values
