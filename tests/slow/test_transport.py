@@ -277,7 +277,9 @@ def test_dead_rank_fails_its_peers_fast():
     with pytest.raises(TokpipeError) as info:
         launch(faulty_rank, 3, args=("exit",), timeout=60.0)
     text = str(info.value)
-    assert time.monotonic() - start < FAULT_TIMEOUT + 20
+    # The bound that matters is each rank's own wait (below); the whole launch, mostly
+    # starting three interpreters, only has to end well before launch's own 60 s.
+    assert time.monotonic() - start < 50
     assert "rank(s) 0, 1, 2 of 3 failed" in text
     assert "rank 1 ---\nexited with code 3" in text
     assert "Connection closed by peer" in text
@@ -291,7 +293,7 @@ def test_stalled_rank_times_out_its_peers():
     with pytest.raises(TokpipeError) as info:
         launch(faulty_rank, 3, args=("stall",), timeout=60.0)
     text = str(info.value)
-    assert time.monotonic() - start < FAULT_TIMEOUT + 20
+    assert time.monotonic() - start < 50  # as above: the waits below are what counts
     assert "Rank(s) 1 still running were terminated" in text
     assert "timed out after 3 s" in text
     for what in (SENDING, WAITING):
