@@ -3,6 +3,7 @@
     python scripts/coverage.py            # writes docs/models.md
     python scripts/coverage.py --check    # fails if a class that worked stops working
     python scripts/coverage.py SD3Transformer2DModel   # print some rows only
+    python scripts/coverage.py --ranks    # also on two gloo ranks: the "2 ranks" column
 
 Small configs and inputs come from tests/fixtures/zoo.py; a class without an entry gets a row that
 says so. Each mode is compared with the Dynamo graph run as is (eager) on the same inputs.
@@ -29,10 +30,14 @@ from tests.fixtures.zoo import ZOO, build  # noqa: E402
 from tokpipe_compiler import Config  # noqa: E402
 from tokpipe_compiler.planning.capture import Captured, capture  # noqa: E402
 from tokpipe_compiler.planning.driver import build_plan  # noqa: E402
+from tokpipe_compiler.programs.distributed import make_program  # noqa: E402
 from tokpipe_compiler.programs.pipelined import PipelinedProgram  # noqa: E402
+from tokpipe_compiler.runtime.launch import launch  # noqa: E402
 
 DOC = ROOT / "docs" / "models.md"
 MODES = ("sync", "stale", "causal")
+RANKS = "2 ranks"  # the column of sync and stale on two gloo processes
+RANK_MODES = ("sync", "stale")
 TOLERANCE = 1e-5
 STAGES = 2
 # Statuses from best to worst: a class may not move right of its committed status.
@@ -65,8 +70,9 @@ frame; chunks are contiguous frame ranges of the frames-first flattened token gr
 positional tables are cut to the same ranges. Attention that runs per frame (Latte's
 spatial blocks) carries the frames on its batch axis and is chunked without a cache.
 
-**Sums over tokens** (linear attention: Sana, SanaVideo): not chunked yet; the compiler
-stops with an error naming the op and the line. The plan for them: a per-unit partial sum
+**Sums over tokens** (linear attention: Sana, SanaVideo; group norm over the token grid):
+not chunked yet. In `sync` they run whole (nothing is chunked there); in `stale` and
+`causal` the compiler stops with an error naming the op and the line. The plan for them: a per-unit partial sum
 kept in a cache like K/V, fresh for earlier chunks and stale for later ones (per layer
 (D+1)/(2 * tokens per unit) the size of a K/V cache).
 """
@@ -78,6 +84,10 @@ class Row:
     traced: str
     modes: dict[str, str]
     drift: str = ""  # stale on a changed input: relative difference from eager
+    ranks: str = ""  # sync and stale on two gloo ranks (with --ranks)
+
+    def matches(self) -> bool:
+        return self.traced == "yes" and all(self.modes[m] == "matches" for m in RANK_MODES)
 
 
 def transformer_classes() -> list[str]:
@@ -115,17 +125,19 @@ def first_tensor(values) -> torch.Tensor:
     return next(v for v in values if isinstance(v, torch.Tensor))
 
 
-def run_mode(captured: Captured, name: str, mode: str) -> tuple[str, str]:
-    """(status, stale drift) of one mode."""
+def run_mode(captured: Captured, name: str, mode: str,
+             make=PipelinedProgram) -> tuple[str, str]:
+    """(status, stale drift) of one mode; `make(plan)`: the program (in process, or this
+    rank's part under torch.distributed)."""
     entry, gm = ZOO[name], captured.gm
     a = graph_args(captured, entry.inputs(1))
     b = graph_args(captured, next_step(entry.inputs(1)))
     with torch.no_grad():
         ref_a, ref_b = first_tensor(gm(*a)), first_tensor(gm(*b))
     config = Config(stages=STAGES, chunks=entry.chunks, mode=mode, warmup_steps=1,
-                    compiler="eager")
+                    compiler="eager", timeout=120.0)
     try:
-        program = PipelinedProgram(build_plan(gm, config))
+        program = make(build_plan(gm, config))
         out = first_tensor(program(*a))
         if mode == "stale":
             out = first_tensor(program(*a))  # repeated input: stale K/V are the fresh ones
@@ -173,6 +185,34 @@ def cover(name: str) -> Row:
     return row
 
 
+def on_rank(rank: int, world: int, names: list[str]) -> dict[str, str]:
+    """Each class's sync and stale on this rank of a gloo group: its status cell."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    out = {}
+    for name in names:
+        try:
+            graphs = capture(build(name), kwargs=ZOO[name].inputs(0), fresh=True)
+            results = [run_mode(graphs[0], name, mode, lambda plan: make_program(plan, None))[0]
+                       for mode in RANK_MODES]
+        except Exception as err:  # a cell per failure is the point
+            results = [f"fails: {one_line(err)}"]
+        bad = [r for r in results if r != "matches"]
+        out[name] = bad[0] if bad else "matches"
+    return out
+
+
+def cover_ranks(rows: list[Row]) -> None:
+    """Fill the "2 ranks" cell of every row that matches in one process (one gloo group
+    for all of them: two processes, started once)."""
+    names = [r.name for r in rows if r.matches()]
+    per_rank = launch(on_rank, STAGES, args=(names,), timeout=3600)
+    for row in rows:
+        if row.name in per_rank[0]:
+            cells = {per_rank[rank][row.name] for rank in range(STAGES)}
+            row.ranks = "matches" if cells == {"matches"} else sorted(cells - {"matches"})[0]
+
+
 def render(rows: list[Row], seconds: float) -> str:
     traced = [r for r in rows if r.traced == "yes"]
     working = [r for r in traced if all(r.modes[m] == "matches" for m in ("sync", "stale"))]
@@ -185,20 +225,24 @@ def render(rows: list[Row], seconds: float) -> str:
         "config in `tests/fixtures/zoo.py` with random weights, traced by Dynamo and run with "
         f"{STAGES} stages, eager stage graphs, float32. *matches*: max |out - eager| <= "
         f"{TOLERANCE:g} max |eager| (stale: on the second call with the same input). "
+        f"*{RANKS}*: sync and stale, as above, on {STAGES} gloo processes of one stage each "
+        "(`--ranks`; every class that matches in one process). "
         "*stale drift*: the same relative error for stale on the next denoising step "
         "(latents nudged by 5% noise, text unchanged): the PipeFusion approximation, which "
         "for joint text+image models includes the text stream's (see below).",
         "",
         f"Classes: {len(rows)}; built: {sum(r.name in ZOO for r in rows)}; traced as one "
         f"graph: {len(traced)}; sync and stale match eager: {len(working)} "
-        f"({share:.0f}% of the traced). Run time {seconds:.0f} s.",
+        f"({share:.0f}% of the traced); on {STAGES} ranks: "
+        f"{sum(r.ranks == 'matches' for r in rows)}. Run time {seconds:.0f} s.",
         "",
-        "| class | traced (full graph) | " + " | ".join(MODES) + " | stale drift |",
-        "|---|---|" + "---|" * len(MODES) + "---|",
+        "| class | traced (full graph) | " + " | ".join(MODES) + f" | {RANKS} | stale drift |",
+        "|---|---|" + "---|" * len(MODES) + "---|---|",
     ]
     for r in rows:
         modes = [r.modes.get(m, "") for m in MODES]
-        lines.append(f"| {r.name} | {r.traced} | " + " | ".join(modes) + f" | {r.drift} |")
+        lines.append(f"| {r.name} | {r.traced} | " + " | ".join(modes)
+                     + f" | {r.ranks} | {r.drift} |")
     return "\n".join(lines) + "\n\n" + SEMANTICS
 
 
@@ -211,7 +255,7 @@ def _diffusers_version() -> str:
 def statuses(text: str) -> dict[tuple[str, str], str]:
     """(class, column) -> the first word of each status in a rendered table."""
     out = {}
-    columns = ("traced", *MODES)
+    columns = ("traced", *MODES, RANKS)
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != len(columns) + 2 or cells[0] == "class" or cells[0].startswith("-"):
@@ -222,10 +266,11 @@ def statuses(text: str) -> dict[tuple[str, str], str]:
     return out
 
 
-def regressions(old: str, new: str) -> list[str]:
+def regressions(old: str, new: str, columns: tuple[str, ...] = ("traced", *MODES)) -> list[str]:
+    """Cells of `columns` that got worse from `old` to `new`."""
     before, after = statuses(old), statuses(new)
     return [f"{cls} {col}: {was} -> {after.get((cls, col), 'missing')}"
-            for (cls, col), was in before.items()
+            for (cls, col), was in before.items() if col in columns and was
             if RANK.get(after.get((cls, col), "fails"), 2) > RANK.get(was, 2)]
 
 
@@ -233,6 +278,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="compare with the committed table; fail on regressions")
+    parser.add_argument("--ranks", action="store_true",
+                        help=f"also run the matching classes on {STAGES} gloo ranks")
     parser.add_argument("classes", nargs="*",
                         help="only these classes, printed (default: all, into docs/models.md)")
     args = parser.parse_args()
@@ -244,9 +291,12 @@ def main() -> int:
     for name in names:
         rows.append(cover(name))
         print(f"{name}: {rows[-1].traced} {rows[-1].modes}", file=sys.stderr, flush=True)
+    if args.ranks:
+        cover_ranks(rows)
     text = render(rows, time.perf_counter() - start)
     if args.check:
-        lost = regressions(DOC.read_text(), text)
+        columns = ("traced", *MODES, *((RANKS,) if args.ranks else ()))
+        lost = regressions(DOC.read_text(), text, columns)
         for line in lost:
             print(f"regression: {line}", file=sys.stderr)
         return 1 if lost else 0
