@@ -72,9 +72,9 @@ spatial blocks) carries the frames on its batch axis and is chunked without a ca
 
 **Sums over tokens** (linear attention: Sana, SanaVideo; group norm over the token grid):
 not chunked yet. In `sync` they run whole (nothing is chunked there); in `stale` and
-`causal` the compiler stops with an error naming the op and the line. The plan for them: a per-unit partial sum
-kept in a cache like K/V, fresh for earlier chunks and stale for later ones (per layer
-(D+1)/(2 * tokens per unit) the size of a K/V cache).
+`causal` the compiler stops with an error naming the op and the line. The plan for them:
+a per-unit partial sum kept in a cache like K/V, fresh for earlier chunks and stale for
+later ones (per layer (D+1)/(2 * tokens per unit) the size of a K/V cache).
 """
 
 
