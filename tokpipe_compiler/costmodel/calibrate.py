@@ -10,7 +10,8 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 from tokpipe_compiler.costmodel.cost import TILE, C, Cost, N
 
 CACHE_ENV = "TOKPIPE_CACHE_DIR"
+# Rates that load_or_measure returns instead of measuring (see assume_rates).
+_ASSUMED: dict[str, DeviceRates] = {}
 
 
 @dataclass
@@ -192,7 +195,10 @@ def load_or_measure(
 ) -> DeviceRates:
     """Cached rates of `device`, measured and written to the cache when missing. "meta"
     (a model planned without memory behind it) has nothing to time: it gets the CPU's
-    rates, which weigh the nodes against each other as well as any."""
+    rates, which weigh the nodes against each other as well as any, unless assume_rates
+    gave it others."""
+    if device in _ASSUMED:
+        return _ASSUMED[device]
     if torch.device(device).type == "meta":
         device = "cpu"
     path = cache_path(device, threads)
@@ -208,6 +214,21 @@ def load_or_measure(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(rates), indent=1))
     return rates
+
+
+@contextmanager
+def assume_rates(device: str, rates: DeviceRates) -> Iterator[None]:
+    """Within the block, `device` has `rates` (not measured): a model on "meta" planned
+    for hardware this machine does not have (chunks="auto" chooses at these rates)."""
+    before = _ASSUMED.get(device)
+    _ASSUMED[device] = rates
+    try:
+        yield
+    finally:
+        if before is None:
+            _ASSUMED.pop(device)
+        else:
+            _ASSUMED[device] = before
 
 
 if __name__ == "__main__":

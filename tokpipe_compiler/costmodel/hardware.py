@@ -14,12 +14,15 @@ ACHIEVABLE = 0.5
 @dataclass(frozen=True)
 class DeviceModel:
     """One accelerator: sustained matmul FLOP/s, memory B/s, and the matmul size (rows)
-    at which a skinny matmul reaches half its rate."""
+    at which a skinny matmul reaches half its rate. memory: bytes of device memory (0:
+    unknown); causal_tile: key positions per tile of its causal attention kernel."""
 
     name: str
     matmul_flops: float
     mem_bandwidth: float
     matmul_half: float = 64.0
+    memory: float = 0.0
+    causal_tile: float = 0.0
 
     def rates(self) -> DeviceRates:
         # Launch cost is left out: GPU launches are asynchronous and hide behind
@@ -30,6 +33,7 @@ class DeviceModel:
             attention_flops=self.matmul_flops,
             per_op_overhead=0.0,
             matmul_half=self.matmul_half,
+            causal_tile=self.causal_tile,
         )
 
 
@@ -47,12 +51,16 @@ class LinkModel:
 
 TERA, GIGA = 1e12, 1e9
 DEVICES: dict[str, DeviceModel | None] = {
-    # H200 SXM: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e (NVIDIA H200 product brief).
-    "h200": DeviceModel("h200", ACHIEVABLE * 989 * TERA, 0.8 * 4800 * GIGA),
+    # H200 SXM: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, 141 GB (NVIDIA H200 product brief);
+    # FlashAttention's causal kernels skip masked tiles of 128 keys. No published run to
+    # fit its sustained share: costmodel/h200.py takes the A100's fitted share instead.
+    "h200": DeviceModel("h200", ACHIEVABLE * 989 * TERA, 0.8 * 4800 * GIGA,
+                        memory=141 * GIGA, causal_tile=128),
     # A100 PCIe 80GB: 312 TFLOP/s dense BF16, 1935 GB/s HBM2e (NVIDIA A100 datasheet).
-    "a100-pcie": DeviceModel("a100-pcie", ACHIEVABLE * 312 * TERA, 0.8 * 1935 * GIGA),
-    # L20: 119.5 TFLOP/s dense FP16/BF16 tensor, 864 GB/s GDDR6 (NVIDIA L20 datasheet).
-    "l20": DeviceModel("l20", ACHIEVABLE * 119.5 * TERA, 0.8 * 864 * GIGA),
+    "a100-pcie": DeviceModel("a100-pcie", ACHIEVABLE * 312 * TERA, 0.8 * 1935 * GIGA,
+                             memory=80 * GIGA),
+    # L20: 119.5 TFLOP/s dense FP16/BF16 tensor, 864 GB/s GDDR6, 48 GB (NVIDIA L20 datasheet).
+    "l20": DeviceModel("l20", ACHIEVABLE * 119.5 * TERA, 0.8 * 864 * GIGA, memory=48 * GIGA),
     # The local CPU has no spec sheet: see cpu_device(), which measures it.
     "cpu": None,
 }

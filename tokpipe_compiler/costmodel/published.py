@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import sympy
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.costmodel.cost import C, Cost, N
@@ -158,22 +161,8 @@ def report(chunks: int = 4) -> None:
 def count_vae_decoder() -> tuple[float, float]:
     """(FLOPs, bytes of op outputs) of the SD VAE decoder, 128 x 128 latent, bf16, counted
     on the meta device (needs diffusers): where VAE_DECODE_* come from."""
-    import torch
     from diffusers import AutoencoderKL
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
     from torch.utils.flop_counter import FlopCounterMode
-
-    class OutputBytes(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.total = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.total += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
-                              if isinstance(t, torch.Tensor))
-            return out
 
     with torch.device("meta"):
         vae = AutoencoderKL(down_block_types=["DownEncoderBlock2D"] * 4,
@@ -185,3 +174,17 @@ def count_vae_decoder() -> tuple[float, float]:
     with FlopCounterMode(display=False) as flops, counted, torch.no_grad():
         vae.decode(latent)
     return float(flops.get_total_flops()), float(counted.total)
+
+
+class OutputBytes(TorchDispatchMode):
+    """Counts the bytes of every op's outputs while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.total += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                          if isinstance(t, torch.Tensor))
+        return out

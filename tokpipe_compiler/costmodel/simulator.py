@@ -59,28 +59,56 @@ def simulate_model(
     overlap_sends=False: a stage is busy while it sends (sends on the compute stream).
     launch_s: seconds per kernel launch; a chunk takes at least its stage's launches.
     """
+    n = max(tokens // chunks, 1)
+    return simulate_chunks(stage_costs, boundary_bytes_per_token, tokens, [(n, tokens)] * chunks,
+                           steps, warmup_steps, device, link, world, outside_s=outside_s,
+                           overlap_sends=overlap_sends, launch_s=launch_s)
+
+
+def simulate_chunks(
+    stage_costs: list[Cost],
+    boundary_bytes_per_token: list[float],
+    tokens: int,
+    chunks: list[tuple[int, int]],
+    steps: int,
+    warmup_steps: int,
+    device: DeviceModel,
+    link: LinkModel,
+    world: int,
+    *,
+    outside_s: float = 0.0,
+    overlap_sends: bool = True,
+    launch_s: float = 0.0,
+) -> SimResult:
+    """`simulate_model` with any chunk table: `chunks` holds each chunk's (tokens, context
+    tokens), e.g. TeraPipe's uneven causal chunks, each attending over those before it.
+    per_stage_s is then each stage's seconds summed over one step's chunks."""
     if len(stage_costs) != world or len(boundary_bytes_per_token) != world:
         raise ValueError(f"need one stage cost and one boundary size per rank ({world})")
     rates = device.rates()
-    def stage_seconds(cost: Cost, n: int) -> float:
-        return max(seconds(cost, rates, n, tokens), cost.launches * launch_s)
 
-    serial = steps * stage_seconds(sum(stage_costs, Cost(0, 0)), tokens) + outside_s
-    n = max(tokens // chunks, 1)
-    per_stage = [stage_seconds(cost, n) for cost in stage_costs]
-    links = [link.seconds(b * n) if world > 1 else 0.0 for b in boundary_bytes_per_token]
+    def stage_seconds(cost: Cost, n: int, c: int) -> float:
+        return max(seconds(cost, rates, n, c), cost.launches * launch_s)
+
+    serial = steps * stage_seconds(sum(stage_costs, Cost(0, 0)), tokens, tokens) + outside_s
+    compute = [[stage_seconds(cost, n, c) for n, c in chunks] for cost in stage_costs]
+    links = [[link.seconds(b * n) if world > 1 else 0.0 for n, _ in chunks]
+             for b in boundary_bytes_per_token]
     if not overlap_sends:  # the sender waits for its send: it is part of its stage time
-        per_stage = [t + send for t, send in zip(per_stage, links, strict=True)]
-        links = [0.0] * world
-    sync = sum(stage_seconds(cost, tokens) for cost in stage_costs) + sum(
+        compute = [[t + send for t, send in zip(ts, ss, strict=True)]
+                   for ts, ss in zip(compute, links, strict=True)]
+        links = [[0.0] * len(chunks) for _ in range(world)]
+    sync = sum(stage_seconds(cost, tokens, tokens) for cost in stage_costs) + sum(
         link.seconds(b * tokens) for b in boundary_bytes_per_token[:-1]
     )
     pipelined_steps = max(steps - warmup_steps, 0)
-    span = pipeline_time.seconds([[t] * chunks for t in per_stage], pipelined_steps, ring=True,
-                                 send=[[t] * chunks for t in links])
+    span = pipeline_time.seconds(compute, pipelined_steps, ring=True, send=links)
     total = min(steps, warmup_steps) * sync + span + outside_s
-    busy = pipelined_steps * chunks * sum(per_stage)
+    per_stage = [sum(ts) for ts in compute]
+    busy = pipelined_steps * sum(per_stage)
     bubble = 1 - busy / (world * span) if span > 0 else 0.0
+    if len(set(chunks)) == 1:  # uniform chunks: one chunk's seconds, as before
+        per_stage = [ts[0] for ts in compute]
     return SimResult(serial, total, serial / total, per_stage, bubble)
 
 

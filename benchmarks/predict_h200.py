@@ -1,0 +1,128 @@
+"""Every released transformer predicted on 2, 4 and 8 H200s over NVLink, stale and causal.
+
+    python benchmarks/predict_h200.py                    # every config: a markdown table
+    python benchmarks/predict_h200.py flux1-dev --stages 2 4
+
+Each released config (tests/fixtures/released/, the shared config folder's files) is built
+at full size and depth on the meta device in bf16, traced once at its released input shape
+(batch 2 where the pipeline runs classifier-free guidance) and planned once per stage count
+(stale mode, chunks="auto" chosen at the H200's rates for the ring); causal mode reuses
+that plan's stages (costmodel/predict.py). Times are per image or video at the pipeline's
+default step count, the text encoders and the VAE decode included
+(costmodel/released_runs.py). Progress goes to stderr, the table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.fixtures import released  # noqa: E402
+from tokpipe_compiler.core.errors import TokpipeError  # noqa: E402
+from tokpipe_compiler.costmodel.hardware import LINKS, DeviceModel  # noqa: E402
+from tokpipe_compiler.costmodel.predict import (  # noqa: E402
+    Prediction,
+    fitted_share,
+    plan_for,
+    predict,
+    target_device,
+)
+from tokpipe_compiler.costmodel.released_runs import RUNS, outside_seconds  # noqa: E402
+from tokpipe_compiler.planning.capture import capture  # noqa: E402
+
+MODES = ("stale", "causal")
+HEADER = ("| model | GPUs | mode | chunks (tokens) | serial s | pipelined s | speedup | "
+          "imbalance | memory/GPU GiB: total (weights + K/V + boundary) |\n"
+          "|---|---:|---|---|---:|---:|---:|---:|---|")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def trace(name: str, batch: int) -> torch.fx.GraphModule:
+    """Dynamo's graph of the whole released model, bf16 on meta, at its released inputs."""
+    model = released.build(name, layers=None, device="meta").to(torch.bfloat16)
+    inputs = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point()
+              else v for k, v in released.inputs(name, batch=batch, device="meta").items()}
+    (graph,) = capture(model, (), inputs, fresh=True)
+    return graph.gm
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def chunks_text(tokens: list[int]) -> str:
+    if len(set(tokens[:-1])) <= 1 and tokens[-1] <= tokens[0]:
+        last = "" if tokens[-1] == tokens[0] else f" (last {tokens[-1]})"
+        return f"{len(tokens)} x {tokens[0]}{last}"
+    return f"{len(tokens)}: {tokens[0]}..{tokens[-1]}"
+
+
+def row(name: str, p: Prediction, device: DeviceModel) -> str:
+    m = p.peak_memory
+    over = " (!)" if device.memory and m.total > device.memory else ""
+    return (f"| {name} | {p.stages} | {p.mode} | {chunks_text(p.chunks)} | {p.serial_s:.2f} | "
+            f"{p.pipelined_s:.2f} | {p.speedup:.2f}x | {p.imbalance:.2f} | "
+            f"{gib(m.total)} ({gib(m.weights)} + {gib(m.kv)} + {gib(m.boundary)}){over} |")
+
+
+def model_rows(name: str, stages: list[int], device: DeviceModel) -> list[str]:
+    """The table rows of one config (one row per failure)."""
+    run = RUNS[name]
+    outside = outside_seconds(run, device.rates())
+    start = time.perf_counter()
+    try:
+        gm = trace(name, run.batch)
+    except TokpipeError as err:
+        return [f"| {name} | - | - | trace failed: {_first_line(err)} | | | | | |"]
+    log(f"{name}: traced in {time.perf_counter() - start:.0f} s (batch {run.batch}, "
+        f"{run.steps} steps, outside the transformer {outside:.3f} s)")
+    rows = []
+    for count in stages:
+        start = time.perf_counter()
+        try:
+            plan = plan_for(gm, count, device, ring_steps=run.steps - 1)
+        except TokpipeError as err:
+            rows.append(f"| {name} | {count} | - | plan failed: {_first_line(err)} | | | | | |")
+            log(f"  {count} stages: plan failed")
+            continue
+        for mode in MODES:
+            p = predict(plan, mode, device, LINKS["nvlink4"], run.steps, outside)
+            rows.append(row(name, p, device))
+            log(f"  {count} stages {mode}: {len(p.chunks)} chunks, {p.serial_s:.2f} s -> "
+                f"{p.pipelined_s:.2f} s ({p.speedup:.2f}x)")
+        log(f"  {count} stages planned and predicted in {time.perf_counter() - start:.0f} s")
+    return rows
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0].replace("|", "/")[:100]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"configs (default: all): {released.NAMES}")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
+    args = parser.parse_args(argv)
+    device = target_device("h200")
+    log(f"h200 at {fitted_share():.0%} of its 989 TFLOP/s peak (the A100's fitted share)")
+    start = time.perf_counter()
+    rows = [r for name in args.names or released.NAMES
+            for r in model_rows(name, args.stages, device)]
+    log(f"done in {time.perf_counter() - start:.0f} s")
+    print(HEADER)
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
