@@ -116,11 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     device = target_device("h200")
     log(f"h200 at {fitted_share():.0%} of its 989 TFLOP/s peak (the A100's fitted share)")
     start = time.perf_counter()
-    rows = [r for name in args.names or released.NAMES
-            for r in model_rows(name, args.stages, device)]
+    print(HEADER, flush=True)
+    for name in args.names or released.NAMES:  # each model's rows as soon as they are known
+        print("\n".join(model_rows(name, args.stages, device)), flush=True)
     log(f"done in {time.perf_counter() - start:.0f} s")
-    print(HEADER)
-    print("\n".join(rows))
     return 0
 
 
