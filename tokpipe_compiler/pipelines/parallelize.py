@@ -1,16 +1,20 @@
-"""`parallelize(pipe)`: an unmodified diffusers pipeline, its transformer pipelined.
+"""`parallelize(pipe)`: an unmodified diffusers pipeline, its denoising loop pipelined.
 
-    pipe = tp.pipelines.parallelize(DiTPipeline(...), stages=2, chunks=4)
-    images = pipe(class_labels=[207], num_inference_steps=20).images
+    pipe = tp.pipelines.parallelize(PixArtAlphaPipeline(...), stages=2, chunks=4)
+    images = pipe(prompt_embeds=..., num_inference_steps=20).images
 
-The denoiser (`pipe.transformer`) is compiled in place with the tokpipe backend, so the
-pipeline's own loop, prompt encoding, guidance, scheduler, callbacks and VAE run as they
-are, and each call of the transformer is one pipelined step (per-call mode: each step fills
-and drains the pipeline). A generation ends with the pipeline call: diffusers resets the
-stateful caches of its components when a call finishes (`maybe_free_model_hooks`), and the
-transformer's K/V caches go with them, so two calls with one seed give one image twice.
-Under torchrun (or the project's launcher) every rank calls the pipeline with the same
-arguments and gets the whole result.
+The pipeline's own `__call__` runs as written (prompt encoding, latents, guidance, the
+scheduler's timesteps, the VAE). Its denoising loop runs as one ring (`ring_call`): no
+pipeline bubble between steps, each chunk's updated latents going straight back to the
+first stage. A call the ring cannot take (a pipeline outside `table`, a scheduler without
+a token-wise step, a step-end callback, guidance rescaling...) runs per call instead, with
+a warning that says why: the transformer, compiled in place with the tokpipe backend, is
+then one pipelined step per call. Under torchrun (or the project's launcher) every rank
+calls the pipeline with the same arguments and gets the whole result.
+
+A generation ends with the pipeline call: diffusers resets the stateful caches of its
+components when a call finishes (`maybe_free_model_hooks`), and the transformer's K/V
+caches go with them, so two calls with one seed give one image twice.
 """
 
 from __future__ import annotations
@@ -20,31 +24,53 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.backend import TokpipeBackend
+from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines.ring_call import RingCalls
 
 DENOISERS = ("transformer",)  # the attribute that holds a pipeline's denoising transformer
 _RESET = "_reset_stateful_cache"  # what DiffusionPipeline calls on each component at the end
 
 
-def parallelize(pipe: Any, *, cfg: int = 1, **options: Any) -> Any:
-    """Compile `pipe`'s transformer with the tokpipe backend in place; returns `pipe`.
+def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -> Any:
+    """Pipeline `pipe`'s transformer in place; returns `pipe`.
 
-    options: those of the backend (stages, chunks, mode, warmup_steps, compiler, ...),
-    checked at once. cfg: ranks per guidance branch group; only 1 (both branches on every
-    rank, as the pipeline batches them) is available.
+    options: those of the backend (stages, chunks, mode, warmup_steps, compiler, timeout),
+    checked at once. ring: run each call's denoising loop as one ring where the pipeline
+    and scheduler allow (False: every step is a pipelined call). cfg: ranks per guidance
+    branch group; only 1 (both branches on every rank, as the pipeline batches them).
     """
     if cfg != 1:
         raise TokpipeError(f"cfg={cfg}: running the guidance branches on separate groups of "
                            "ranks is not available; use cfg=1 (the pipeline batches both "
                            "branches and every stage runs them together)")
+    Config.from_options(options)  # bad options fail here, not at the first step
     denoiser = find_denoiser(pipe)
-    backend = TokpipeBackend(**options)
     if getattr(denoiser, "_compiled_call_impl", None) is not None:
         raise TokpipeError(f"{type(pipe).__name__}.transformer is compiled already; "
                            "parallelize the pipeline before compiling its transformer")
-    denoiser.compile(backend=backend, dynamic=False)
+    denoiser.compile(backend=TokpipeBackend(**options), dynamic=False)
     _reset_with_the_pipeline(denoiser)
+    if ring:
+        _install_ring(pipe, denoiser, options)
     return pipe
+
+
+def _install_ring(pipe: Any, denoiser: torch.nn.Module, options: dict[str, Any]) -> None:
+    """Route the pipeline's call, its transformer and its scheduler through `RingCalls`."""
+    calls = RingCalls(pipe, denoiser, denoiser._compiled_call_impl, options)
+    object.__setattr__(denoiser, "_compiled_call_impl", calls.transformer)
+    cls = type(pipe)
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with calls.generation_of(kwargs):
+            return cls.__call__(self, *args, **kwargs)
+
+    # A subclass of the pipeline's own class: only the instance's calls go through the ring.
+    pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
+                                                 "__module__": cls.__module__,
+                                                 "__doc__": cls.__doc__})
+    pipe._tokpipe_ring = calls
 
 
 def find_denoiser(pipe: Any) -> torch.nn.Module:

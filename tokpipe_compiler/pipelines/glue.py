@@ -1,0 +1,202 @@
+"""What a pipeline does around its transformer in one denoising step, found by probing.
+
+Every covered diffusers pipeline wraps the transformer call in the same few token-wise
+forms: the latent passed once or twice (the guidance batch), the timestep `t` or `t / 1000`
+broadcast over the batch, classifier-free guidance `uncond + g * (cond - uncond)` over the
+two halves of the batch (or over two calls), and the learned-variance channels dropped.
+At the first step of a generation the transformer answers with random probes instead of
+computing; what reaches `scheduler.step` then says which form the pipeline used, and with
+which guidance scale. Nothing about a family is written here: its own loop is observed.
+
+`Glue` is the answer; `model_input`, `model_timesteps` and `guide` replay it inside the
+ring's step function, and `guide` also checks every later step against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
+
+DIVISORS = (1.0, 1000.0)  # pipelines pass t, or t / 1000 (flow-matching transformers)
+COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both")
+EXACT = 1e-6  # relative: a form matches when it reproduces the pipeline's own arithmetic
+
+
+class GlueNotFound(TokpipeError):
+    """The pipeline's step is not one of the token-wise forms ring mode can replay."""
+
+
+@dataclass(frozen=True)
+class Glue:
+    """One denoising step of a pipeline, as seen from the transformer.
+
+    latent_arg / timestep_arg: the transformer parameters that take the latent and timestep.
+    copies: the latent passed once, or twice (the guidance batch; two calls are batched).
+    divisor, divide_first: the timestep passed is `(t / divisor).to(dtype)`, or
+        `t.to(dtype) / divisor` when not divide_first, broadcast over the batch.
+    combine: the guidance form (see COMBINES); cond_first_both is DiT's, which keeps the
+        doubled latent and writes the guided prediction to both halves.
+    channels: output channels the scheduler gets (the learned variance dropped), or None.
+    guidance: the guidance scale g.
+    calls: transformer calls per step in the pipeline (2: one per guidance branch).
+    """
+
+    latent_arg: str
+    timestep_arg: str
+    copies: int
+    divisor: float
+    divide_first: bool
+    timestep_dtype: torch.dtype
+    combine: str
+    channels: int | None
+    guidance: float
+    calls: int
+
+
+def timestep_arg(arguments: dict[str, Any]) -> str:
+    """The transformer parameter that takes the timestep, or an error naming the inputs."""
+    for name in TIMESTEP_NAMES:
+        if isinstance(arguments.get(name), torch.Tensor):
+            return name
+    raise GlueNotFound(f"the transformer call has no timestep tensor among {TIMESTEP_NAMES}; "
+                       f"its inputs are {sorted(arguments)}")
+
+
+def identify(calls: Sequence[dict[str, Any]], probes: Sequence[torch.Tensor],
+             noise_pred: torch.Tensor, sample: torch.Tensor, t: Any, scale: float,
+             guidance_candidates: Sequence[float]) -> Glue:
+    """The Glue that turns `probes` (what each call returned) into `noise_pred` and
+    `sample` (what the pipeline passed to `scheduler.step` with timestep `t`) into the
+    calls' inputs. `scale`: the scheduler's input scale at this step."""
+    first = calls[0]
+    step_arg = timestep_arg(first)
+    latent_arg, copies = _latent(first, sample * scale, step_arg)
+    divisor, divide_first = _divisor(first[step_arg], t)
+    if len(calls) == 2:
+        _check_branch_calls(calls, latent_arg, step_arg)
+        copies, probe = 2, torch.cat(list(probes))
+    elif len(calls) == 1:
+        probe = probes[0]
+    else:
+        raise GlueNotFound(f"the pipeline called the transformer {len(calls)} times in one "
+                           "step; ring mode replays one call, or two (one per guidance branch)")
+    combine, channels, guidance = _guidance(probe, noise_pred, len(calls), guidance_candidates)
+    return Glue(latent_arg, step_arg, copies, divisor, divide_first,
+                first[step_arg].dtype, combine, channels, guidance, len(calls))
+
+
+def model_input(glue: Glue, sample: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The latent as the transformer takes it (in the step function)."""
+    x = sample * scale
+    return torch.cat([x] * glue.copies) if glue.copies > 1 else x
+
+
+def model_timesteps(glue: Glue, timesteps: torch.Tensor, batch: int) -> torch.Tensor:
+    """[steps, batch]: the timestep input of every step, as the pipeline computes it."""
+    if glue.divide_first:
+        values = (timesteps / glue.divisor).to(glue.timestep_dtype)
+    else:
+        values = timesteps.to(glue.timestep_dtype) / glue.divisor
+    return values[:, None].expand(len(timesteps), batch).contiguous()
+
+
+def guide(glue: Glue, out: torch.Tensor, guidance: torch.Tensor | float) -> torch.Tensor:
+    """The scheduler's model output from the transformer's output (the batched one when the
+    pipeline makes two calls), in the pipeline's own arithmetic."""
+    if glue.channels is not None:
+        out = out[:, : glue.channels]
+    return _combine(glue.combine, out, guidance, glue.calls)
+
+
+def _combine(combine: str, out: torch.Tensor, g: Any, calls: int) -> torch.Tensor:
+    if combine == "none":
+        return out
+    first, second = out.chunk(2)
+    if combine == "uncond_first":
+        return first + g * (second - first)
+    guided = second + g * (first - second)  # cond first: DiT, and the two-call pipelines
+    return torch.cat([guided, guided]) if combine == "cond_first_both" else guided
+
+
+def _latent(arguments: dict[str, Any], scaled: torch.Tensor, step_arg: str) -> tuple[str, int]:
+    """The argument that carries the sample, and whether it is passed once or twice."""
+    for name, value in arguments.items():
+        if name == step_arg or not isinstance(value, torch.Tensor):
+            continue
+        for copies in (1, 2):
+            expected = torch.cat([scaled] * copies) if copies > 1 else scaled
+            if value.shape == expected.shape and _close(value.to(expected.dtype), expected):
+                return name, copies
+    raise GlueNotFound("no transformer input is the latent the pipeline passes to "
+                       "scheduler.step (once, or twice for guidance): the pipeline changes "
+                       "the latent in a way ring mode does not replay")
+
+
+def _divisor(passed: torch.Tensor, t: Any) -> tuple[float, bool]:
+    t = torch.as_tensor(t)
+    for divisor in DIVISORS:
+        for divide_first in (True, False):
+            value = ((t / divisor).to(passed.dtype) if divide_first
+                     else t.to(passed.dtype) / divisor)
+            if passed.dim() == 1 and torch.equal(passed, value.expand(passed.shape)):
+                return divisor, divide_first
+    raise GlueNotFound(f"the transformer's timestep input {passed.flatten()[:4].tolist()} is "
+                       f"not the scheduler's t = {t.item()} (or t / 1000) over the batch")
+
+
+def _check_branch_calls(calls: Sequence[dict[str, Any]], latent_arg: str, step_arg: str):
+    first, second = calls
+    if first.keys() != second.keys():
+        raise GlueNotFound("the two transformer calls of a step take different inputs: "
+                           f"{sorted(first)} and {sorted(second)}")
+    for name in (latent_arg, step_arg):
+        if not torch.equal(first[name], second[name]):
+            raise GlueNotFound(f"the two transformer calls of a step pass different {name!r}; "
+                               "ring mode batches the guidance branches of one latent")
+
+
+def _guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
+              candidates: Sequence[float]) -> tuple[str, int | None, float]:
+    channels = None
+    if probe.dim() > 1 and noise_pred.dim() > 1 and probe.shape[1] != noise_pred.shape[1]:
+        channels = noise_pred.shape[1]
+        probe = probe[:, :channels]
+    forms = ("cond_first",) if calls == 2 else COMBINES
+    for combine in forms:
+        for g in _scales(combine, probe, noise_pred, calls, candidates):
+            guided = _combine(combine, probe, g, calls)
+            if guided.shape == noise_pred.shape and _close(guided, noise_pred):
+                return combine, channels, g
+    raise GlueNotFound("the prediction the pipeline passes to scheduler.step is not the "
+                       "transformer's output, nor classifier-free guidance over it "
+                       "(guidance rescaling takes statistics over all tokens)")
+
+
+def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
+            candidates: Sequence[float]) -> list[float]:
+    """Guidance scales to try: the pipeline's own values first, then the least-squares one."""
+    if combine == "none":
+        return [1.0]
+    first, second = probe.chunk(2)
+    base, other = (first, second) if combine == "uncond_first" else (second, first)
+    if combine == "cond_first_both" and noise_pred.shape[0] == probe.shape[0]:
+        target = noise_pred.chunk(2)[0]
+    elif noise_pred.shape[0] * 2 == probe.shape[0]:
+        target = noise_pred
+    else:
+        return []
+    diff = (other - base).double()
+    fitted = float(((target.double() - base.double()) * diff).sum() / (diff * diff).sum())
+    near = [float(c) for c in candidates if abs(float(c) - fitted) <= 1e-3 * max(1, abs(fitted))]
+    return [*near, fitted]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    scale = max(b.abs().max().item(), 1e-30)
+    return (a - b).abs().max().item() <= EXACT * scale

@@ -1,0 +1,403 @@
+"""A pipeline call whose denoising loop runs as one ring.
+
+The pipeline's own `__call__` runs as written: prompt encoding, latent preparation,
+`scheduler.set_timesteps`, the loop, the VAE. Three hooks turn its loop into a ring:
+
+- the transformer, at the first step, answers with random probes (shapes from a fake-tensor
+  run) and records how it was called;
+- `scheduler.step` at the first step sees what the pipeline made of the probes, which
+  identifies the step (`glue.identify`); it then runs every step of the generation in ring
+  mode from the latents it was given, and keeps the result;
+- later steps answer with probes again, each checked against the identified step (so a
+  pipeline that changes its step mid-generation raises instead of going wrong), and the
+  last `scheduler.step` returns the ring's latents. Everything after the loop is the
+  pipeline's own.
+
+A call the ring cannot take (see `table`, and the scheduler's step table) runs per call,
+with one warning that says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines.glue import (
+    Glue,
+    GlueNotFound,
+    guide,
+    identify,
+    model_input,
+    model_timesteps,
+)
+from tokpipe_compiler.pipelines.schedulers import StepTable, step_table, update_state
+from tokpipe_compiler.pipelines.table import per_call_reasons
+from tokpipe_compiler.ring import Ring
+
+PROBE_SEED = 0x70C  # every rank draws the same probes
+
+
+class _Tensor:
+    """Marks where a fixed input's tensor leaves go (a step-function input each)."""
+
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+TENSOR = _Tensor()
+
+
+@dataclass
+class Generation:
+    """One pipeline call in progress."""
+
+    reasons: list[str]  # why it runs per call (empty: ring)
+    guidance_candidates: list[float]
+    step: int = 0
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    probes: list[torch.Tensor] = field(default_factory=list)
+    table: StepTable | None = None
+    timesteps: torch.Tensor | None = None  # the pipeline's own, as its loop iterates them
+    glue: Glue | None = None
+    first_calls: list[dict[str, Any]] = field(default_factory=list)
+    result: torch.Tensor | None = None
+
+    @property
+    def ring(self) -> bool:
+        return not self.reasons
+
+
+class RingCalls:
+    """Installed on one pipeline by `parallelize`: its calls run as rings where they can."""
+
+    def __init__(self, pipe: Any, denoiser: torch.nn.Module, per_call: Callable[..., Any],
+                 options: dict[str, Any]):
+        self.pipe, self.denoiser, self.per_call = pipe, denoiser, per_call
+        self.options = options
+        self.generation: Generation | None = None
+        self.timestep_args: tuple = ((), {})
+        self.rings: dict[Any, Ring] = {}
+        self.shapes: dict[Any, Any] = {}  # call signature -> output structure (fake run)
+        self.warned: set[str] = set()
+
+    @contextlib.contextmanager
+    def generation_of(self, kwargs: dict[str, Any]) -> Iterator[None]:
+        """A pipeline call: a generation, per call or ring, for its duration."""
+        candidates = [float(v) for v in kwargs.values()
+                      if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        candidates.append(float(getattr(self.pipe, "_guidance_scale", 1.0) or 1.0))
+        self.generation = Generation(per_call_reasons(self.pipe, kwargs), candidates)
+        self._hook(self.pipe.scheduler)  # the pipeline's scheduler may have been replaced
+        try:
+            yield
+        finally:
+            self.generation = None
+
+    def _hook(self, scheduler: Any) -> None:
+        """Route `scheduler`'s set_timesteps and step through this object (once). A
+        subclass, not instance attributes: copies of the scheduler (step tables probe
+        copies) must run their own methods."""
+        if getattr(type(scheduler), "_tokpipe_calls", None) is self:
+            return
+        scheduler.__class__ = _routed_class(type(scheduler), self, weakref.ref(scheduler))
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def set_timesteps(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.timestep_args = (args, kwargs)
+        return original(*args, **kwargs)
+
+    def transformer(self, *args: Any, **kwargs: Any) -> Any:
+        gen = self.generation
+        if gen is None or not gen.ring:
+            return self.per_call(*args, **kwargs)
+        if gen.step == 0 and not gen.calls:
+            self._start(gen)
+            if not gen.ring:
+                return self.per_call(*args, **kwargs)
+        call = _bind(self.denoiser.forward, args, kwargs)
+        if gen.step > 0:
+            self._check_call(gen, call, len(gen.calls))
+        gen.calls.append(call)
+        structure = self._output_structure(call)
+        probe = _probe(structure, gen.step, len(gen.calls))
+        gen.probes.append(probe)
+        return _with_probe(structure, probe)
+
+    def step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        gen = self.generation
+        if gen is None or not gen.ring or not gen.calls:
+            return original(*args, **kwargs)
+        noise_pred, t, sample = _step_arguments(original, args, kwargs)
+        if gen.step == 0:
+            self._run_ring(gen, noise_pred, sample, t)
+        else:
+            self._check_prediction(gen, noise_pred)
+        output = original(*args, **kwargs)  # the scheduler's own bookkeeping, on probes
+        last = gen.step == len(gen.timesteps) - 1
+        gen.step, gen.calls, gen.probes = gen.step + 1, [], []
+        return _with_sample(output, gen.result) if last else output
+
+    # -- the generation ---------------------------------------------------------------------
+
+    def _start(self, gen: Generation) -> None:
+        """At the first transformer call: ring or per call, decided before any probe."""
+        scheduler = self.pipe.scheduler
+        args, kwargs = self.timestep_args
+        timesteps = torch.as_tensor(scheduler.timesteps)
+        try:
+            gen.table = step_table(scheduler, *args, **_table_kwargs(kwargs))
+        except (ValueError, TypeError) as err:
+            gen.reasons.append(str(err))
+        else:
+            if not torch.allclose(gen.table.timesteps, timesteps.float(), rtol=1e-6):
+                gen.reasons.append("the scheduler's timesteps differ from its step table's")
+        if len(timesteps) < 2:
+            gen.reasons.append(f"{len(timesteps)} step: nothing to overlap")
+        if getattr(scheduler, "begin_index", None) not in (None, 0):
+            gen.reasons.append("the loop starts inside the schedule (begin_index "
+                               f"{scheduler.begin_index}); the ring runs whole schedules")
+        gen.timesteps = timesteps
+        if gen.reasons:
+            self._warn(f"tokpipe: {type(self.pipe).__name__} runs per call (each step fills "
+                       f"and drains the pipeline), not as a ring: {'; '.join(gen.reasons)}")
+
+    def _run_ring(self, gen: Generation, noise_pred: torch.Tensor, sample: torch.Tensor,
+                  t: Any) -> None:
+        table = gen.table
+        try:
+            gen.glue = identify(gen.calls, gen.probes, noise_pred, sample, t,
+                                float(table.input_scale[0]), gen.guidance_candidates)
+        except GlueNotFound as err:
+            raise TokpipeError(f"ring mode could not replay {type(self.pipe).__name__}'s "
+                               f"denoising step: {err}; run it per call with "
+                               "parallelize(pipe, ring=False)") from err
+        gen.first_calls = gen.calls
+        fixed = _fixed_inputs(gen.glue, gen.calls, sample.shape[0])
+        leaves, spec = pytree.tree_flatten(fixed)
+        tensors = {f"input_{i}": v for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)}
+        constants = [TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+        ring = self._ring(gen.glue, spec, constants, table)
+        inputs = {"sample": sample, "guidance": torch.tensor(gen.glue.guidance), **tensors}
+        state_dtype = torch.promote_types(sample.dtype, torch.float32)
+        for i in range(table.state_size):  # zeros before the first step, as diffusers starts
+            inputs[f"state_{i}"] = torch.zeros_like(sample, dtype=state_dtype)
+        batch = sample.shape[0] * gen.glue.copies
+        per_step = {"timestep": model_timesteps(gen.glue, gen.timesteps, batch).to(sample.device),
+                    "scale": table.input_scale.to(sample.device),
+                    "coeffs": table.rows.to(sample.device)}
+        gen.result = ring.run(inputs, per_step)[0]
+
+    def _ring(self, glue: Glue, spec: Any, constants: list[Any], table: StepTable) -> Ring:
+        key = (glue, str(spec), repr(constants), table.state_size, table.pattern)
+        if key not in self.rings:
+            step = make_step(self.denoiser.forward, glue, spec, constants, table)
+            carry = ["sample", *(f"state_{i}" for i in range(table.state_size))]
+            self.rings[key] = Ring(step, carry=carry, **self.options)
+        return self.rings[key]
+
+    # -- checks of the later steps ----------------------------------------------------------
+
+    def _check_call(self, gen: Generation, call: dict[str, Any], index: int) -> None:
+        glue, first = gen.glue, gen.first_calls
+        if index >= len(first) or call.keys() != first[index].keys():
+            self._changed(gen, "the transformer calls")
+        expected = model_timesteps(glue, gen.timesteps[gen.step: gen.step + 1],
+                                   call[glue.timestep_arg].shape[0])[0]
+        if not torch.equal(call[glue.timestep_arg], expected.to(call[glue.timestep_arg])):
+            self._changed(gen, f"the timestep input {glue.timestep_arg!r}")
+        for name, value in call.items():
+            if name not in (glue.latent_arg, glue.timestep_arg) and \
+                    not _same(value, first[index][name]):
+                self._changed(gen, f"the transformer input {name!r}")
+
+    def _check_prediction(self, gen: Generation, noise_pred: torch.Tensor) -> None:
+        probe = torch.cat(gen.probes) if len(gen.probes) == 2 else gen.probes[0]
+        if len(gen.probes) != gen.glue.calls or \
+                not _same(guide(gen.glue, probe, gen.glue.guidance), noise_pred, 1e-6):
+            self._changed(gen, "the guidance")
+
+    def _changed(self, gen: Generation, what: str) -> None:
+        raise TokpipeError(f"{type(self.pipe).__name__} changed {what} at step {gen.step}; "
+                           "the ring computed every step ahead from the first step's form, so "
+                           "this generation cannot be trusted: run it per call with "
+                           "parallelize(pipe, ring=False)")
+
+    def _output_structure(self, call: dict[str, Any]) -> Any:
+        """The transformer's output for this call, as fake tensors (shapes and types)."""
+        key = tuple((k, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v))
+                    for k, v in call.items())
+        if key not in self.shapes:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, call)
+                out = self.denoiser.forward(**fake)
+            self.shapes[key] = pytree.tree_map_only(
+                torch.Tensor, lambda t: Spec(tuple(t.shape), t.dtype, t.device), out)
+        return self.shapes[key]
+
+    def _warn(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            warnings.warn(message, stacklevel=4)
+
+
+def _routed_class(base: type, calls: RingCalls, owner: weakref.ref) -> type:
+    """A subclass of the scheduler's class whose set_timesteps and step go through `calls`
+    for the one instance `owner`, with the base methods' signatures (pipelines inspect
+    them)."""
+
+    def routed(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+        method = getattr(base, name)
+
+        @functools.wraps(method)
+        def call(sched: Any, *args: Any, **kwargs: Any) -> Any:
+            original = method.__get__(sched)
+            return hook(original, *args, **kwargs) if sched is owner() else original(
+                *args, **kwargs)
+
+        return call
+
+    return type(base.__name__, (base,), {
+        "set_timesteps": routed("set_timesteps", calls.set_timesteps),
+        "step": routed("step", calls.step), "_tokpipe_calls": calls,
+        "__module__": base.__module__, "__doc__": base.__doc__})
+
+
+def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: list[Any],
+              table: StepTable) -> Callable[..., Any]:
+    """The ring's step function: the transformer call, guidance and scheduler update.
+    Inputs: the carried `sample` and `state_<i>`, per step `timestep`, `scale` and
+    `coeffs` (a row of the table), and the fixed `guidance` and `input_<i>`."""
+    pattern, states = table.pattern, [f"state_{i}" for i in range(table.state_size)]
+
+    def step(sample, timestep, scale, coeffs, guidance, **tensors):
+        leaves = [tensors[f"input_{i}"] if c is TENSOR else c for i, c in enumerate(constants)]
+        inputs = pytree.tree_unflatten(leaves, spec)
+        inputs[glue.latent_arg] = model_input(glue, sample, scale)
+        inputs[glue.timestep_arg] = timestep
+        out = _first_tensor(forward(**inputs))
+        state = [tensors[name] for name in states]
+        x, state = update_state(sample, guide(glue, out, guidance), state, coeffs, pattern)
+        return (x, *state)
+
+    return step
+
+
+def _fixed_inputs(glue: Glue, calls: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    """The transformer inputs that stay fixed over the generation; two calls (one per
+    guidance branch) become one batched call, cond first."""
+    names = [n for n in calls[0] if n not in (glue.latent_arg, glue.timestep_arg)]
+    if len(calls) == 1:
+        return {n: calls[0][n] for n in names}
+    fixed = {}
+    for name in names:
+        cond, uncond = calls[0][name], calls[1][name]
+        fixed[name] = pytree.tree_map(functools.partial(_batched, name, batch=batch), cond, uncond)
+    return fixed
+
+
+def _batched(name: str, cond: Any, uncond: Any, *, batch: int) -> Any:
+    if isinstance(cond, torch.Tensor) and cond.dim() and cond.shape[0] == batch:
+        return torch.cat([cond, uncond])
+    if _same(cond, uncond):
+        return cond
+    raise TokpipeError(f"the two guidance branches pass different {name!r} that is not "
+                       "batched along the latent's batch; ring mode cannot batch them: run it "
+                       "per call with parallelize(pipe, ring=False)")
+
+
+def _bind(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    bound = inspect.signature(forward).bind(*args, **kwargs)
+    arguments = dict(bound.arguments)
+    for name, param in inspect.signature(forward).parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
+            arguments.update(arguments.pop(name))
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL and arguments.get(name):
+            raise TokpipeError("the transformer's forward takes *args; ring mode needs "
+                               "named inputs")
+    return arguments
+
+
+def _step_arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
+    bound = inspect.signature(original).bind(*args, **kwargs).arguments
+    return bound["model_output"], bound["timestep"], bound["sample"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A tensor's shape, dtype and device (a pytree leaf)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
+def _probe(structure: Any, step: int, call: int) -> torch.Tensor:
+    spec = _first_tensor(structure, leaf=Spec)
+    gen = torch.Generator().manual_seed(PROBE_SEED + 1009 * step + call)
+    return torch.randn(spec.shape, generator=gen).to(dtype=spec.dtype, device=spec.device)
+
+
+def _with_probe(structure: Any, probe: torch.Tensor) -> Any:
+    """The output structure with the probe as its first tensor, zeros for the rest."""
+    leaves, spec = pytree.tree_flatten(structure)
+    first = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, Spec))
+    filled = [probe if i == first else leaf.zeros() if isinstance(leaf, Spec) else leaf
+              for i, leaf in enumerate(leaves)]
+    return pytree.tree_unflatten(filled, spec)
+
+
+def _first_tensor(output: Any, leaf: type = torch.Tensor) -> Any:
+    for value in pytree.tree_leaves(output):
+        if isinstance(value, leaf):
+            return value
+    raise TokpipeError("the transformer returned no tensor")
+
+
+def _with_sample(output: Any, sample: torch.Tensor) -> Any:
+    """The scheduler's step output with `sample` as its previous sample."""
+    if isinstance(output, tuple):
+        return (sample, *output[1:])
+    output = copy.copy(output)
+    output.prev_sample = sample
+    return output
+
+
+def _table_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k != "device"}
+
+
+def _same(a: Any, b: Any, rtol: float = 0.0) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if rtol == 0.0:
+            return bool(torch.equal(a, b))
+        scale = max(b.abs().max().item(), 1e-30)
+        return (a - b).abs().max().item() <= rtol * scale
+    if isinstance(a, (dict, list, tuple)) and type(a) is type(b):
+        la, sa = pytree.tree_flatten(a)
+        lb, sb = pytree.tree_flatten(b)
+        return sa == sb and all(_same(x, y, rtol) for x, y in zip(la, lb, strict=True))
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False

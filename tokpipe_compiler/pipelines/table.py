@@ -1,0 +1,60 @@
+"""The pipelines ring mode takes, and the call options that keep a generation per call.
+
+A family needs no code: its loop is observed (see `glue`). An entry only names the
+options of its `__call__` under which the step stops being token-wise or stops being the
+same every step, with the value that keeps it so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Call options no pipeline may set for ring mode: they read or change the latents between
+# steps, which the ring computes ahead.
+EVERY = {"callback_on_step_end": None, "callback": None}
+
+RING_PIPELINES: dict[str, dict[str, Any]] = {
+    "DiTPipeline": {},
+    "PixArtAlphaPipeline": {},
+    "PixArtSigmaPipeline": {},
+    "StableDiffusion3Pipeline": {"skip_guidance_layers": None},
+    "FluxPipeline": {},
+    "HunyuanDiTPipeline": {"guidance_rescale": 0.0},
+    "CogVideoXPipeline": {"use_dynamic_cfg": False},
+    "LattePipeline": {},
+    "WanPipeline": {},
+    "LTXPipeline": {"guidance_rescale": 0.0},
+    "AuraFlowPipeline": {},
+    "SanaPipeline": {},
+}
+
+# Components whose presence switches models inside the loop (Wan 2.2's second expert).
+SWITCHING = ("transformer_2",)
+
+WHY = {
+    "callback_on_step_end": "a step-end callback may read or change the latents between "
+                            "steps, which the ring computes ahead",
+    "callback": "a step callback may read the latents between steps, which the ring "
+                "computes ahead",
+    "skip_guidance_layers": "skip-layer guidance adds a third transformer call on some "
+                            "steps only",
+    "guidance_rescale": "guidance rescaling takes statistics over all tokens",
+    "use_dynamic_cfg": "dynamic guidance changes the guidance scale every step",
+}
+
+
+def per_call_reasons(pipe: Any, kwargs: dict[str, Any]) -> list[str]:
+    """Why this call of `pipe` cannot run as a ring (empty: it can)."""
+    name = type(pipe).__name__
+    if name not in RING_PIPELINES:
+        covered = ", ".join(sorted(RING_PIPELINES))
+        return [f"{name} is not in the ring table (covered: {covered})"]
+    reasons = []
+    for option, neutral in {**EVERY, **RING_PIPELINES[name]}.items():
+        if option in kwargs and kwargs[option] != neutral:
+            reasons.append(f"{option}={kwargs[option]!r}: {WHY[option]}")
+    for component in SWITCHING:
+        if getattr(pipe, component, None) is not None:
+            reasons.append(f"{name} has a {component}: it switches transformers within a "
+                           "generation")
+    return reasons
