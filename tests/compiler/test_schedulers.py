@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from diffusers import (
     DDIMScheduler,
+    DDPMScheduler,
+    DEISMultistepScheduler,
     DPMSolverMultistepScheduler,
+    DPMSolverSinglestepScheduler,
+    EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    HeunDiscreteScheduler,
     PNDMScheduler,
+    UniPCMultistepScheduler,
 )
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,48 +28,110 @@ from hypothesis import strategies as st
 from tokpipe_compiler.api import capture_graphs
 from tokpipe_compiler.core.meta import META_KEY
 from tokpipe_compiler.passes.annotate import annotate
-from tokpipe_compiler.pipelines.schedulers import K, step_table, update
+from tokpipe_compiler.pipelines.schedulers import K, step_table, update, update_state
 
 # diffusers' schedulers trip numpy 2's __array__ copy deprecation; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:diffusers")
 
 SHAPE = (1, 4, 8, 8)
-RTOL = 1e-5
+RTOL = 2e-6
 
-CONFIGS: dict[str, Callable[[], object]] = {
-    "flow": FlowMatchEulerDiscreteScheduler,
-    "flow-shift3": lambda: FlowMatchEulerDiscreteScheduler(shift=3.0),
+
+def flux_mu(tokens: int = 1024) -> float:
+    """Flux's `calculate_shift` with its scheduler's defaults: mu from the image's tokens."""
+    slope = (1.15 - 0.5) / (4096 - 256)
+    return tokens * slope + 0.5 - slope * 256
+
+
+def flux_sigmas(steps: int) -> list[float]:
+    return list(np.linspace(1.0, 1 / steps, steps))
+
+
+Kwargs = Callable[[int], dict[str, Any]]
+NONE: Kwargs = lambda steps: {}  # noqa: E731
+MU: Kwargs = lambda steps: {"mu": flux_mu()}  # noqa: E731
+
+# name -> (scheduler, the set_timesteps keyword arguments a pipeline adds for `steps` steps)
+CONFIGS: dict[str, tuple[Callable[[], Any], Kwargs]] = {
+    # UniPC: Wan's config (flow_shift 3.0 at 480p, 5.0 at 720p), the default epsilon one, and
+    # the options around them.
+    "unipc-wan": (lambda: UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0), NONE),
+    "unipc-wan-720p": (lambda: UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0), NONE),
+    "unipc-eps": (UniPCMultistepScheduler, NONE),
+    "unipc-v": (lambda: UniPCMultistepScheduler(prediction_type="v_prediction"), NONE),
+    "unipc-sample": (lambda: UniPCMultistepScheduler(prediction_type="sample"), NONE),
+    "unipc-sd": (lambda: UniPCMultistepScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        timestep_spacing="leading", steps_offset=1), NONE),
+    "unipc-order1": (lambda: UniPCMultistepScheduler(solver_order=1), NONE),
+    "unipc-order3": (lambda: UniPCMultistepScheduler(solver_order=3), NONE),
+    "unipc-no-lower-order-final": (lambda: UniPCMultistepScheduler(
+        lower_order_final=False, final_sigmas_type="sigma_min"), NONE),
+    "unipc-disable-corrector": (lambda: UniPCMultistepScheduler(disable_corrector=[0, 1, 2]),
+                                NONE),
+    "unipc-karras": (lambda: UniPCMultistepScheduler(use_karras_sigmas=True), NONE),
+    "unipc-trailing": (lambda: UniPCMultistepScheduler(timestep_spacing="trailing"), NONE),
+    # bh1, the noise predictor and a second-order last step divide by a final sigma of zero
+    # (NaN in diffusers itself)
+    "unipc-bh1": (lambda: UniPCMultistepScheduler(
+        solver_type="bh1", final_sigmas_type="sigma_min"), NONE),
+    "unipc-predict-eps": (lambda: UniPCMultistepScheduler(
+        predict_x0=False, final_sigmas_type="sigma_min"), NONE),
+    "unipc-flow-dynamic": (lambda: UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, use_dynamic_shifting=True),
+        MU),
+    # FlowMatch Euler: SD3 / AuraFlow (shift), Flux (dynamic shifting, custom sigmas), LTX
+    # (shift_terminal), Mochi (invert_sigmas), and the sigma conversions.
+    "flow": (FlowMatchEulerDiscreteScheduler, NONE),
+    "flow-shift3": (lambda: FlowMatchEulerDiscreteScheduler(shift=3.0), NONE),
+    "flow-flux": (lambda: FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15),
+        lambda steps: {"mu": flux_mu(), "sigmas": flux_sigmas(steps)}),
+    "flow-dynamic-linear": (lambda: FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, time_shift_type="linear"), MU),
+    "flow-ltx": (lambda: FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, shift_terminal=0.1), MU),
+    "flow-invert-sigmas": (lambda: FlowMatchEulerDiscreteScheduler(invert_sigmas=True), NONE),
+    "flow-karras": (lambda: FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True), NONE),
+    "flow-exponential": (lambda: FlowMatchEulerDiscreteScheduler(
+        use_exponential_sigmas=True), NONE),
+    "flow-beta": (lambda: FlowMatchEulerDiscreteScheduler(use_beta_sigmas=True), NONE),
     # DDIM's default clip_sample=True is not linear; Stable Diffusion configs turn it off.
-    "ddim-eps": lambda: DDIMScheduler(clip_sample=False),
-    "ddim-v": lambda: DDIMScheduler(clip_sample=False, prediction_type="v_prediction"),
-    "ddim-sample": lambda: DDIMScheduler(clip_sample=False, prediction_type="sample"),
-    "ddim-sd": lambda: DDIMScheduler(
+    "ddim-eps": (lambda: DDIMScheduler(clip_sample=False), NONE),
+    "ddim-v": (lambda: DDIMScheduler(clip_sample=False, prediction_type="v_prediction"), NONE),
+    "ddim-sample": (lambda: DDIMScheduler(clip_sample=False, prediction_type="sample"), NONE),
+    "ddim-sd": (lambda: DDIMScheduler(
         beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-        set_alpha_to_one=False, steps_offset=1),
-    "ddim-zsnr-trailing-v": lambda: DDIMScheduler(
+        set_alpha_to_one=False, steps_offset=1), NONE),
+    "ddim-zsnr-trailing-v": (lambda: DDIMScheduler(
         clip_sample=False, prediction_type="v_prediction", rescale_betas_zero_snr=True,
-        timestep_spacing="trailing"),
-    "euler-eps": EulerDiscreteScheduler,
-    "euler-v": lambda: EulerDiscreteScheduler(prediction_type="v_prediction"),
-    "euler-sample": lambda: EulerDiscreteScheduler(prediction_type="sample"),
-    "euler-karras-leading": lambda: EulerDiscreteScheduler(
-        use_karras_sigmas=True, timestep_spacing="leading", steps_offset=1),
-    "euler-sigma-min": lambda: EulerDiscreteScheduler(final_sigmas_type="sigma_min"),
-    "dpm-eps": DPMSolverMultistepScheduler,
-    "dpm-v": lambda: DPMSolverMultistepScheduler(prediction_type="v_prediction"),
-    "dpm-sample": lambda: DPMSolverMultistepScheduler(prediction_type="sample"),
-    "dpm-sigma-min": lambda: DPMSolverMultistepScheduler(final_sigmas_type="sigma_min"),
-    "dpm-sigma-min-no-lof": lambda: DPMSolverMultistepScheduler(
-        final_sigmas_type="sigma_min", lower_order_final=False),
-    "dpm-heun-karras": lambda: DPMSolverMultistepScheduler(
-        solver_type="heun", use_karras_sigmas=True),
-    "dpm-euler-at-final": lambda: DPMSolverMultistepScheduler(
-        final_sigmas_type="sigma_min", lower_order_final=False, euler_at_final=True),
-    "dpm-order1": lambda: DPMSolverMultistepScheduler(solver_order=1),
-    "dpm-flow": lambda: DPMSolverMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
+        timestep_spacing="trailing"), NONE),
+    "euler-eps": (EulerDiscreteScheduler, NONE),
+    "euler-v": (lambda: EulerDiscreteScheduler(prediction_type="v_prediction"), NONE),
+    "euler-karras-leading": (lambda: EulerDiscreteScheduler(
+        use_karras_sigmas=True, timestep_spacing="leading", steps_offset=1), NONE),
+    "dpm-eps": (DPMSolverMultistepScheduler, NONE),
+    "dpm-v": (lambda: DPMSolverMultistepScheduler(prediction_type="v_prediction"), NONE),
+    "dpm-sigma-min-no-lof": (lambda: DPMSolverMultistepScheduler(
+        final_sigmas_type="sigma_min", lower_order_final=False), NONE),
+    "dpm-heun-karras": (lambda: DPMSolverMultistepScheduler(
+        solver_type="heun", use_karras_sigmas=True), NONE),
+    "dpm-order1": (lambda: DPMSolverMultistepScheduler(solver_order=1), NONE),
+    "dpm-order3": (lambda: DPMSolverMultistepScheduler(solver_order=3), NONE),
+    # Sana's config
+    "dpm-flow": (lambda: DPMSolverMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0), NONE),
+    "dpm-singlestep": (DPMSolverSinglestepScheduler, NONE),
+    "deis": (DEISMultistepScheduler, NONE),
+    "heun": (HeunDiscreteScheduler, NONE),
+    "pndm": (PNDMScheduler, NONE),
 }
-STEPS = (4, 14, 15, 20)  # DPM's lower_order_final switches off at 15 steps
+STEPS = (4, 10, 14, 15, 50)  # DPM's lower_order_final switches off at 15 steps
+STATE_SIZES = {"unipc-wan": 3, "unipc-eps": 3, "unipc-order1": 2, "unipc-order3": 4,
+               "flow": 0, "flow-flux": 0, "ddim-eps": 0, "euler-eps": 0, "dpm-eps": 1,
+               "dpm-order1": 0, "dpm-order3": 2}
 
 
 def fake_model(x_in: torch.Tensor, k: int) -> torch.Tensor:
@@ -70,9 +140,14 @@ def fake_model(x_in: torch.Tensor, k: int) -> torch.Tensor:
     return 0.3 * x_in + noise
 
 
-def diffusers_loop(scheduler: object, steps: int, x: torch.Tensor) -> list[torch.Tensor]:
+def make(name: str, steps: int) -> tuple[Any, dict[str, Any]]:
+    factory, kwargs = CONFIGS[name]
+    return factory(), kwargs(steps)
+
+
+def diffusers_loop(scheduler: Any, steps: int, kwargs: dict, x: torch.Tensor) -> list:
     sched = copy.deepcopy(scheduler)
-    sched.set_timesteps(steps)
+    sched.set_timesteps(steps, **kwargs)
     # Flow matching has no scale_model_input: its model input is the latents.
     scale = getattr(sched, "scale_model_input", lambda sample, t: sample)
     xs = []
@@ -83,8 +158,20 @@ def diffusers_loop(scheduler: object, steps: int, x: torch.Tensor) -> list[torch
     return xs
 
 
-def adapter_loop(scheduler: object, steps: int, x: torch.Tensor) -> list[torch.Tensor]:
-    table = step_table(scheduler, steps)
+def table_loop(scheduler: Any, steps: int, kwargs: dict, x: torch.Tensor) -> list:
+    table = step_table(scheduler, steps, **kwargs)
+    state = tuple(torch.zeros_like(x) for _ in range(table.state_size))
+    xs = []
+    for k in range(len(table.timesteps)):
+        out = fake_model(x * table.input_scale[k], k)
+        x, state = update_state(x, out, state, table.rows[k], table.pattern)
+        xs.append(x)
+    return xs
+
+
+def fixed_layout_loop(scheduler: Any, steps: int, kwargs: dict, x: torch.Tensor) -> list:
+    """The older API (`coeffs`, `history`, `update`), as demo.py and the benchmarks call it."""
+    table = step_table(scheduler, steps, **kwargs)
     history = torch.zeros_like(x) if table.history else None
     xs = []
     for k in range(len(table.timesteps)):
@@ -98,72 +185,131 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.mark.parametrize("steps", STEPS)
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_matches_diffusers_every_step(name: str, steps: int) -> None:
-    scheduler = CONFIGS[name]()
-    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(steps))
-    want = diffusers_loop(scheduler, steps, x)
-    got = adapter_loop(scheduler, steps, x)
+def assert_matches(got: list, want: list) -> None:
     assert len(got) == len(want)
     errors = [relative_error(g, w) for g, w in zip(got, want, strict=True)]
     # all(), not max(): a NaN error must fail the test
     assert all(e <= RTOL for e in errors), f"per-step relative errors {errors}"
 
 
+@pytest.mark.parametrize("steps", STEPS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_diffusers_every_step(name: str, steps: int) -> None:
+    scheduler, kwargs = make(name, steps)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(steps))
+    assert_matches(table_loop(scheduler, steps, kwargs, x),
+                   diffusers_loop(scheduler, steps, kwargs, x))
+
+
+@pytest.mark.parametrize("name", ["ddim-eps", "euler-v", "flow-flux", "dpm-eps", "dpm-flow"])
+def test_fixed_layout_matches_diffusers(name: str) -> None:
+    scheduler, kwargs = make(name, 20)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
+    assert_matches(fixed_layout_loop(scheduler, 20, kwargs, x),
+                   diffusers_loop(scheduler, 20, kwargs, x))
+
+
+def test_custom_sigmas_without_a_step_count() -> None:
+    """Flux's pipeline passes sigmas and mu, and no step count."""
+    scheduler, kwargs = make("flow-flux", 12)
+    table = step_table(scheduler, None, **kwargs)
+    reference = copy.deepcopy(scheduler)
+    reference.set_timesteps(**kwargs)
+    assert torch.equal(table.timesteps, reference.timesteps.float())
+    x = torch.randn(SHAPE)
+    assert_matches(table_loop(scheduler, None, kwargs, x),
+                   diffusers_loop(scheduler, None, kwargs, x))
+
+
+def test_dynamic_shifting_follows_mu() -> None:
+    scheduler, _ = make("flow-flux", 10)
+    small, large = (step_table(scheduler, 10, mu=flux_mu(tokens)) for tokens in (256, 4096))
+    assert (large.timesteps[1:] > small.timesteps[1:]).all()  # more tokens, more shift
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_table_layout(name: str) -> None:
-    scheduler = CONFIGS[name]()
-    table = step_table(scheduler, 7)
+    scheduler, kwargs = make(name, 7)
+    table = step_table(scheduler, 7, **kwargs)
     reference = copy.deepcopy(scheduler)
-    reference.set_timesteps(7)
-    n = len(reference.timesteps)
+    reference.set_timesteps(7, **kwargs)
+    n, m = len(reference.timesteps), table.state_size
     assert torch.equal(table.timesteps, reference.timesteps.float())
-    assert table.input_scale.shape == (n,) and table.coeffs.shape == (n, K)
-    assert table.coeffs.dtype == torch.float32
-    assert table.history == (name.startswith("dpm") and name != "dpm-order1")
-    if not table.history:
-        assert not table.coeffs[:, 2:].any()
-    else:
-        assert not table.coeffs[0, 2]  # no previous data prediction on the first step
+    assert table.input_scale.shape == (n,) and table.rows.shape == (n, (1 + m) * (2 + m))
+    assert table.rows.dtype == torch.float32
+    assert m == STATE_SIZES.get(name, m)
+    assert len(table.pattern) == 1 + m
+    matrices = table.rows.view(n, 1 + m, 2 + m)
+    assert not matrices[0, :, 2:].any()  # the state is zeros before the first step
+    for i, columns in enumerate(table.pattern):  # the terms left out are zero at every step
+        unused = [j for j in range(2 + m) if j not in columns]
+        assert not matrices[:, i, unused].any()
+    if m <= 1 and not name.startswith("unipc"):
+        assert table.coeffs.shape == (n, K) and table.history == (m == 1)
+
+
+def test_many_states_have_no_fixed_layout() -> None:
+    table = step_table(UniPCMultistepScheduler(), 10)
+    assert table.history
+    with pytest.raises(ValueError, match="update_state"):
+        _ = table.coeffs
+
+
+class RollingScheduler(FlowMatchEulerDiscreteScheduler):
+    """A linear step that moves values between tokens: not token-wise."""
+
+    def step(self, model_output, timestep, sample, **kwargs):
+        out = super().step(model_output, timestep, sample, **kwargs)
+        out.prev_sample = out.prev_sample.roll(1, dims=-2)
+        return out
 
 
 UNSUPPORTED = [
     (DDIMScheduler, "clip_sample"),
     (lambda: DDIMScheduler(clip_sample=False, thresholding=True), "thresholding"),
-    (lambda: EulerDiscreteScheduler(prediction_type="original_sample"), "prediction_type"),
-    (lambda: DPMSolverMultistepScheduler(solver_order=3), "solver_order"),
     (lambda: DPMSolverMultistepScheduler(algorithm_type="sde-dpmsolver++"), "algorithm_type"),
     (lambda: DPMSolverMultistepScheduler(variance_type="learned_range"), "variance_type"),
     (lambda: DPMSolverMultistepScheduler(thresholding=True), "thresholding"),
+    (lambda: UniPCMultistepScheduler(thresholding=True), "thresholding"),
+    (lambda: UniPCMultistepScheduler(solver_p=DDIMScheduler()), "solver_p"),
     (lambda: FlowMatchEulerDiscreteScheduler(stochastic_sampling=True), "stochastic_sampling"),
     (lambda: FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), "use_dynamic_shifting"),
-    (PNDMScheduler, "PNDMScheduler"),
+    # steps that draw noise, found by the replay
+    (EulerAncestralDiscreteScheduler, "EulerAncestralDiscreteScheduler.*not linear"),
+    (DDPMScheduler, "DDPMScheduler.*not linear"),
+    (RollingScheduler, "RollingScheduler.*not linear per token"),
+    # diffusers' own step divides by the final sigma of zero
+    (lambda: UniPCMultistepScheduler(solver_type="bh1"), "UniPCMultistepScheduler.*NaN"),
+    (object, "object: it is not a diffusers scheduler"),
 ]
 
 
-@pytest.mark.parametrize(("make", "option"), UNSUPPORTED)
-def test_unsupported_configs_name_the_option(make: Callable[[], object], option: str) -> None:
-    with pytest.raises(ValueError, match=option) as info:
-        step_table(make(), 10)
-    assert "supported" in str(info.value)
+@pytest.mark.parametrize(("make_scheduler", "match"), UNSUPPORTED)
+def test_unsupported_configs_name_the_option(make_scheduler: Callable[[], object],
+                                             match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        step_table(make_scheduler(), 10)
+    message = str(info.value)
+    assert "supported" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("name", ["euler-eps", "dpm-eps", "ddim-eps", "flow"])
-def test_user_scheduler_not_mutated(name: str) -> None:
-    scheduler = CONFIGS[name]()
+@pytest.mark.parametrize("name", ["euler-eps", "dpm-eps", "unipc-eps", "flow"])
+def test_user_scheduler_and_rng_not_touched(name: str) -> None:
+    scheduler, _ = make(name, 30)
     scheduler.set_timesteps(30)
     t = scheduler.timesteps[0]
     x = torch.randn(SHAPE)
     scheduler.step(fake_model(x, 0), t, x)
     before = copy.deepcopy(vars(scheduler))
+    rng = torch.get_rng_state()
     step_table(scheduler, 5)
+    assert torch.equal(torch.get_rng_state(), rng)
     after = vars(scheduler)
     assert before.keys() == after.keys()
     for key, value in before.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, after[key]), key
-        elif isinstance(value, list):  # DPM's model_outputs: tensors or None
+        elif isinstance(value, list):  # model_outputs: tensors or None
             assert all(a is b or torch.equal(a, b) for a, b in zip(value, after[key],
                                                                    strict=True)), key
         else:
@@ -193,6 +339,31 @@ def test_update_is_token_wise(rows: int, cut: st.DataObject, coeffs: list[float]
         assert part[1] is None and whole[1] is None
 
 
+@given(rows=st.integers(2, 24), cut=st.data(), m=st.integers(0, 4), seed=st.integers(0, 99))
+def test_update_state_is_token_wise(rows: int, cut: st.DataObject, m: int, seed: int) -> None:
+    lo = cut.draw(st.integers(0, rows - 1))
+    hi = cut.draw(st.integers(lo + 1, rows))
+    gen = torch.Generator().manual_seed(seed)
+    x, out, *state = (torch.randn(2, rows, 6, generator=gen) for _ in range(2 + m))
+    row = torch.randn((1 + m) * (2 + m), generator=gen)
+    whole = update_state(x, out, state, row)
+    part = update_state(x[:, lo:hi], out[:, lo:hi], [s[:, lo:hi] for s in state], row)
+    assert torch.equal(part[0], whole[0][:, lo:hi])
+    assert len(part[1]) == len(whole[1]) == m
+    for p, w in zip(part[1], whole[1], strict=True):
+        assert torch.equal(p, w[:, lo:hi])
+
+
+def test_pattern_only_drops_zero_terms() -> None:
+    table = step_table(UniPCMultistepScheduler(), 12)
+    gen = torch.Generator().manual_seed(0)
+    x, out, *state = (torch.randn(1, 16, 8, generator=gen) for _ in range(2 + table.state_size))
+    for row in table.rows:
+        sparse = update_state(x, out, state, row, table.pattern)
+        dense = update_state(x, out, state, row)
+        torch.testing.assert_close(sparse, dense, rtol=1e-6, atol=1e-6)
+
+
 def test_update_keeps_dtype_and_computes_in_float32() -> None:
     """bfloat16 in, bfloat16 out, float32 inside: the only error is the final rounding."""
     gen = torch.Generator().manual_seed(0)
@@ -204,6 +375,18 @@ def test_update_keeps_dtype_and_computes_in_float32() -> None:
     assert got.dtype == torch.bfloat16 and got_hist.dtype == torch.float32
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()  # one rounding
     torch.testing.assert_close(got_hist, want_hist, rtol=1e-6, atol=1e-6)
+
+
+def test_update_state_keeps_dtype_and_computes_in_float32() -> None:
+    table = step_table(UniPCMultistepScheduler(), 10)
+    gen = torch.Generator().manual_seed(0)
+    x, out = (torch.randn(1, 8, 4, generator=gen).bfloat16() for _ in range(2))
+    state = [torch.randn(1, 8, 4, generator=gen) for _ in range(table.state_size)]
+    want, want_state = update_state(x.float(), out.float(), state, table.rows[3], table.pattern)
+    got, got_state = update_state(x, out, state, table.rows[3], table.pattern)
+    assert got.dtype == torch.bfloat16 and all(s.dtype == torch.float32 for s in got_state)
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
+    torch.testing.assert_close(got_state, want_state, rtol=1e-6, atol=1e-6)
 
 
 def test_update_traces_to_token_wise_graph() -> None:
@@ -219,3 +402,20 @@ def test_update_traces_to_token_wise_graph() -> None:
     assert not annotation.unsupported
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert all(n.meta[META_KEY].carries_tokens for n in outputs)
+
+
+def test_update_state_traces_to_token_wise_graph() -> None:
+    """The same for `update_state` with UniPC's three state tensors."""
+    table = step_table(UniPCMultistepScheduler(prediction_type="flow_prediction",
+                                               use_flow_sigmas=True, flow_shift=3.0), 10)
+
+    def last_stage_step(latents, model_output, s0, s1, s2, row):
+        x, state = update_state(latents, model_output, (s0, s1, s2), row, table.pattern)
+        return (x, *state)
+
+    x, out, *state = (torch.randn(1, 16, 8) for _ in range(5))
+    (gm,) = capture_graphs(last_stage_step, (x, out, *state, table.rows[4]), None)
+    annotation = annotate(gm, "latents")
+    assert not annotation.unsupported
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert len(outputs) == 4 and all(n.meta[META_KEY].carries_tokens for n in outputs)

@@ -134,6 +134,62 @@ def test_ring_equals_per_call_loop_for_each_scheduler(name):
     assert torch.equal(got, state[0])
 
 
+def unipc_step():
+    """A DiT step with UniPC's token-wise update (Wan's config): three state tensors carried
+    by name, passed through **state."""
+    from diffusers import UniPCMultistepScheduler
+
+    from tokpipe_compiler.pipelines.schedulers import step_table, update_state
+
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction",
+                                        use_flow_sigmas=True, flow_shift=3.0)
+    table = step_table(scheduler, STEPS)
+    names = [f"state_{i}" for i in range(table.state_size)]
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+
+    def step(latents, timestep, input_scale, row, labels, **state):
+        out = model(latents * input_scale, timestep[None], labels)
+        x, new_state = update_state(latents, out, [state[n] for n in names], row,
+                                    table.pattern)
+        return (x, *new_state)
+
+    latents, _, labels = dit_inputs(model, 8)
+    per_step = {"timestep": table.timesteps.round().long(), "input_scale": table.input_scale,
+                "row": table.rows}
+    state = {n: torch.zeros_like(latents) for n in names}
+
+    def diffusers_loop():
+        scheduler.set_timesteps(STEPS)
+        x = latents
+        with torch.no_grad():
+            for t in scheduler.timesteps:
+                x = scheduler.step(model(x, t[None], labels), t, x).prev_sample
+        return x
+
+    return step, latents, labels, per_step, state, diffusers_loop
+
+
+def test_ring_runs_a_unipc_table_like_the_per_call_loop():
+    torch._dynamo.reset()
+    step, latents, labels, per_step, state, diffusers_loop = unipc_step()
+    assert len(state) == 3
+    ring = tp.Ring(step, carry=["latents", *state], **OPTIONS)
+    got = ring.run({"latents": latents, "labels": labels, **state}, per_step=per_step)
+    compiled = torch.compile(step, backend=tp.backend(**OPTIONS), dynamic=False)
+    values = [latents, *state.values()]
+    with torch.no_grad():
+        for k in range(STEPS):
+            values = list(compiled(values[0], *(per_step[n][k] for n in per_step), labels,
+                                   **dict(zip(state, values[1:], strict=True))))
+    assert all(torch.equal(g, w) for g, w in zip(got, values, strict=True))
+    # all steps synchronous: the scheduler's own loop with the same model
+    (x, *_) = tp.Ring(step, carry=["latents", *state], **{**OPTIONS, "warmup_steps": STEPS}).run(
+        {"latents": latents, "labels": labels, **state}, per_step=per_step)
+    expected = diffusers_loop()
+    assert (x - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 @pytest.mark.slow
 def test_ring_with_inductor_stages_equals_eager_stages():
     """Chunks cut from the input and chunks carried from the last stage differ in strides;
