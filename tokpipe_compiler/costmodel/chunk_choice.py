@@ -22,6 +22,10 @@ MAX_CUT_POINTS = 64  # the slicing DP is quadratic in cut points (cubic with a c
 # in per-chunk runtime overhead, which the cost model does not see, than the model says they
 # save (measured in BENCHMARKS.md).
 MAX_AUTO_CAUSAL_CHUNKS = 16
+# chunks="auto" in stale mode tries at most this many chunks: each count is a replayed
+# schedule, and a token-sequence grid (Flux's packed latents, LTX) has thousands of units,
+# which took minutes per plan; past 64 chunks per-chunk overhead dominates anyway.
+MAX_AUTO_STALE_CHUNKS = 64
 
 
 def step_time(slowest: Sequence[float], stages: int, ring_steps: int | None = None) -> float:
@@ -64,7 +68,9 @@ def choose_stale(units: int, tokens: int, stage_times: Sequence[StageTime],
         slowest = slowest_times(chunk_table(units, m), stage_times, units, tokens, False)
         return step_time(slowest, stages, ring_steps)
 
-    return chunk_table(units, choose_chunks(units, len(stage_times), predict))
+    low = min(stages, units)
+    candidates = range(low, max(low, min(units, MAX_AUTO_STALE_CHUNKS)) + 1)
+    return chunk_table(units, choose_chunks(units, stages, predict, candidates))
 
 
 def choose_causal(
