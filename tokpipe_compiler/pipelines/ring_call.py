@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -99,6 +100,8 @@ class RingCalls:
         candidates.append(float(getattr(self.pipe, "_guidance_scale", 1.0) or 1.0))
         self.generation = Generation(per_call_reasons(self.pipe, kwargs), candidates)
         self._hook(self.pipe.scheduler)  # the pipeline's scheduler may have been replaced
+        if self.generation.reasons:
+            self._warn_per_call(self.generation.reasons)
         try:
             yield
         finally:
@@ -170,8 +173,7 @@ class RingCalls:
                                f"{scheduler.begin_index}); the ring runs whole schedules")
         gen.timesteps = timesteps
         if gen.reasons:
-            self._warn(f"tokpipe: {type(self.pipe).__name__} runs per call (each step fills "
-                       f"and drains the pipeline), not as a ring: {'; '.join(gen.reasons)}")
+            self._warn_per_call(gen.reasons)
 
     def _run_ring(self, gen: Generation, noise_pred: torch.Tensor, sample: torch.Tensor,
                   t: Any) -> None:
@@ -200,6 +202,7 @@ class RingCalls:
         gen.result = ring.run(inputs, per_step)[0]
 
     def _ring(self, glue: Glue, spec: Any, constants: list[Any], table: StepTable) -> Ring:
+        glue = dataclasses.replace(glue, guidance=0.0)  # an input of the step, not a constant
         key = (glue, str(spec), repr(constants), table.state_size, table.pattern)
         if key not in self.rings:
             step = make_step(self.denoiser.forward, glue, spec, constants, table)
@@ -247,6 +250,10 @@ class RingCalls:
             self.shapes[key] = pytree.tree_map_only(
                 torch.Tensor, lambda t: Spec(tuple(t.shape), t.dtype, t.device), out)
         return self.shapes[key]
+
+    def _warn_per_call(self, reasons: list[str]) -> None:
+        self._warn(f"tokpipe: {type(self.pipe).__name__} runs per call (each step fills and "
+                   f"drains the pipeline), not as a ring: {'; '.join(reasons)}")
 
     def _warn(self, message: str) -> None:
         if message not in self.warned:

@@ -1,0 +1,105 @@
+"""parallelize(pipe): every covered diffusers pipeline's loop as one ring, in one process.
+
+Tolerances (float32): sync equals the serial pipeline, and the ring equals per-call mode
+with the same options, within 1e-5 of the output's largest value.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.pipelines import FAMILIES, generate, hunyuan, pixart_alpha, sd3
+from tokpipe_compiler.pipelines import table
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
+CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "latte")  # one of each kind of step
+
+
+def _families():
+    return [name if name in CI_FAMILIES else pytest.param(name, marks=pytest.mark.full)
+            for name in FAMILIES]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item() / b.abs().max().item()
+
+
+def _ring(make, **options):
+    """A pipelined pipeline and its call arguments; fails on any tokpipe warning (a
+    covered pipeline must not fall back to per call)."""
+    pipe, kwargs = make()
+    tp.pipelines.parallelize(pipe, **OPTIONS, **options)
+    return pipe, kwargs
+
+
+@pytest.mark.parametrize("family", _families())
+def test_ring_equals_serial_in_sync_and_per_call_in_stale(family):
+    make = FAMILIES[family]
+    serial = generate(*make())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe")
+        synced = generate(*_ring(make, mode="sync"))
+        pipe, kwargs = _ring(make, mode="stale", warmup_steps=1)
+        stale = generate(pipe, kwargs)
+        again = generate(pipe, kwargs)
+    assert _relative(synced, serial) <= 1e-5
+    per_call = generate(*_ring(make, mode="stale", warmup_steps=1, ring=False))
+    assert _relative(stale, per_call) <= 1e-5  # every K/V as fresh as per call
+    assert _relative(stale, serial) > 1e-5  # and stale: the chunks did not see it all
+    assert torch.equal(stale, again)  # the second call is a generation of its own
+
+
+def test_each_ring_is_planned_once_and_reused():
+    pipe, kwargs = _ring(pixart_alpha, mode="stale")
+    first = generate(pipe, kwargs, seed=1)
+    (ring,) = pipe._tokpipe_ring.rings.values()
+    program = ring.program
+    generate(pipe, {**kwargs, "guidance_scale": 7.0}, seed=2)  # guidance is an input
+    assert list(pipe._tokpipe_ring.rings.values()) == [ring] and ring.program is program
+    assert torch.equal(generate(pipe, kwargs, seed=1), first)
+
+
+def test_a_scheduler_without_a_token_wise_step_runs_per_call_and_says_why():
+    serial = generate(*hunyuan(), steps=3)
+    pipe, kwargs = _ring(hunyuan, mode="sync")
+    with pytest.warns(UserWarning, match=r"runs per call .*DDPMScheduler"):
+        out = generate(pipe, kwargs, steps=3)
+    assert _relative(out, serial) <= 1e-5
+
+
+def test_a_step_end_callback_runs_per_call_and_says_why():
+    seen = []
+
+    def callback(pipe, step, t, tensors):
+        seen.append(step)
+        return tensors
+
+    pipe, kwargs = _ring(sd3, mode="sync")
+    with pytest.warns(UserWarning, match="callback_on_step_end"):
+        generate(pipe, {**kwargs, "callback_on_step_end": callback}, steps=3)
+    assert seen == [0, 1, 2]
+
+
+def test_a_pipeline_outside_the_table_runs_per_call(monkeypatch):
+    monkeypatch.delitem(table.RING_PIPELINES, "PixArtAlphaPipeline")
+    pipe, kwargs = _ring(pixart_alpha, mode="sync")
+    with pytest.warns(UserWarning, match="PixArtAlphaPipeline is not in the ring table"):
+        generate(pipe, kwargs, steps=2)
+
+
+def test_a_step_that_changes_within_a_generation_raises():
+    """The ring computes every step from the first step's form; later steps are checked
+    against it. A guidance scale that changes per step (as CogVideoX's dynamic guidance
+    does; here SD3's `guidance_scale` property, read once per step) must raise."""
+    pipe, kwargs = _ring(sd3, mode="sync")
+    scales = iter([5.0])
+    type(pipe).guidance_scale = property(lambda self: next(scales, 2.0))
+    with pytest.raises(tp.TokpipeError, match="changed the guidance at step 1"):
+        generate(pipe, kwargs, steps=4)
