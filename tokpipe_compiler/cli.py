@@ -93,6 +93,8 @@ def _add_generate(commands) -> None:
     gen.add_argument("--mode", choices=MODES, default="stale")
     gen.add_argument("--warmup-steps", type=_count(0), default=1)
     gen.add_argument("--cfg", type=_count(1), default=1)
+    gen.add_argument("--per-call", action="store_true",
+                     help="every step a pipelined call (default: the loop as one ring)")
     gen.add_argument("--compiler", choices=COMPILERS, default="inductor")
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     gen.add_argument("--ranks", type=_count(1), default=1,

@@ -37,7 +37,7 @@ def tiny_dit_pipeline() -> Any:
         num_layers=4, sample_size=32, patch_size=2, num_embeds_ada_norm=1000,
         norm_type="ada_norm_zero").eval()
     return diffusers.DiTPipeline(transformer=transformer, vae=vae,
-                                 scheduler=diffusers.DDIMScheduler(),
+                                 scheduler=diffusers.DDIMScheduler(clip_sample=False),
                                  id2label={i: str(i) for i in range(10)})
 
 
@@ -83,7 +83,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         _timed(pipe, {**kwargs, "num_inference_steps": 1}, args.seed)  # first-call costs
         result["serial_s"], serial = _timed(pipe, kwargs, args.seed)
     parallelize(pipe, stages=args.stages, chunks=args.chunks, mode=args.mode,
-                warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg)
+                warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg,
+                ring=not args.per_call)
     _timed(pipe, {**kwargs, "num_inference_steps": min(2, args.steps)}, args.seed)  # compile
     if args.profile:
         result["trace"] = _profiled(pipe, kwargs, args, rank)
@@ -97,10 +98,10 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _memory(pipe: Any) -> str:
-    from tokpipe_compiler.api import programs
     from tokpipe_compiler.inspection.memory import format_memory, memory_report
+    from tokpipe_compiler.pipelines import programs
 
-    return "\n".join(format_memory(memory_report(p)) for p in programs(pipe.transformer))
+    return "\n".join(format_memory(memory_report(p)) for p in programs(pipe))
 
 
 def _timed(pipe: Any, kwargs: dict, seed: int) -> tuple[float, list]:

@@ -77,6 +77,10 @@ class Ring:
             outputs = program.run_ring(step_args, carried, progress=progress, first=warmup)
         return tuple(outputs[: len(self.carry)])
 
+    def programs(self) -> list:
+        """Every program this ring has planned (one per input signature)."""
+        return [program for _, program in self._programs.values()]
+
     def _program(self, values: dict[str, Any], ring_steps: int):
         """The program for these inputs' shapes and dtypes, traced and planned once."""
         signature = _signature(values)

@@ -1,6 +1,6 @@
 """Diffusers pipelines, pipelined: `parallelize(pipe, **options)`; the token-wise scheduler
 updates that ring mode uses (`schedulers`)."""
 
-from tokpipe_compiler.pipelines.parallelize import parallelize
+from tokpipe_compiler.pipelines.parallelize import parallelize, programs
 
-__all__ = ["parallelize"]
+__all__ = ["parallelize", "programs"]

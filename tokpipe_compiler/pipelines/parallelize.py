@@ -19,6 +19,7 @@ caches go with them, so two calls with one seed give one image twice.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -71,6 +72,22 @@ def _install_ring(pipe: Any, denoiser: torch.nn.Module, options: dict[str, Any])
                                                  "__module__": cls.__module__,
                                                  "__doc__": cls.__doc__})
     pipe._tokpipe_ring = calls
+
+
+def programs(pipe: Any) -> list:
+    """The pipelined programs behind a parallelized pipeline: its rings' (one per form of
+    step and input shapes) and its transformer's per-call ones."""
+    from tokpipe_compiler.api import programs as call_programs
+
+    calls = getattr(pipe, "_tokpipe_ring", None)
+    found = [] if calls is None else [p for ring in calls.rings.values()
+                                      for p in ring.programs()]
+    with contextlib.suppress(TokpipeError):  # none: never called per call
+        found += call_programs(find_denoiser(pipe))
+    if not found:
+        raise TokpipeError(f"{type(pipe).__name__} has no tokpipe program yet: parallelize "
+                           "it and call it first")
+    return found
 
 
 def find_denoiser(pipe: Any) -> torch.nn.Module:
