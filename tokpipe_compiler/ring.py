@@ -60,9 +60,7 @@ class Ring:
         if steps == 0:  # no step taken: the carried values stay as they came
             return tuple(inputs[name] for name in self.carry)
         values = {**inputs, **{k: v[0] for k, v in per_step.items()}}
-        # what "auto" chunking plans for: the whole generation the per-step values describe
-        generation = min((len(v) for v in per_step.values()), default=steps)
-        program = self._program(values, generation - self.config.warmup_steps)
+        program = self.prepare(inputs, per_step, steps)
         program.reset()
         carried = self._carried_outputs(program)
         warmup = min(self.config.warmup_steps, steps)
@@ -76,6 +74,15 @@ class Ring:
             step_args = [self._args(values, per_step, k) for k in range(warmup, steps)]
             outputs = program.run_ring(step_args, carried, progress=progress, first=warmup)
         return tuple(outputs[: len(self.carry)])
+
+    def prepare(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor],
+                steps: int | None = None):
+        """The program `run` would use for these inputs, traced and planned now (a model
+        the compiler cannot pipeline raises here, before anything runs)."""
+        values = {**inputs, **{k: v[0] for k, v in per_step.items()}}
+        # what "auto" chunking plans for: the whole generation the per-step values describe
+        generation = min((len(v) for v in per_step.values()), default=steps or 1)
+        return self._program(values, generation - self.config.warmup_steps)
 
     def programs(self) -> list:
         """Every program this ring has planned (one per input signature)."""

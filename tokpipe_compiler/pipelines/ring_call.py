@@ -59,6 +59,11 @@ class _Tensor:
 TENSOR = _Tensor()
 
 
+class UnpipelinedStep(TokpipeError):
+    """The compiler cannot pipeline the ring's step function; with option fallback=True
+    the generation goes on per call (where the backend runs such graphs unpipelined)."""
+
+
 @dataclass
 class Generation:
     """One pipeline call in progress."""
@@ -144,7 +149,10 @@ class RingCalls:
             return original(*args, **kwargs)
         noise_pred, t, sample = _step_arguments(original, args, kwargs)
         if gen.step == 0:
-            self._run_ring(gen, noise_pred, sample, t)
+            try:
+                self._run_ring(gen, noise_pred, sample, t)
+            except UnpipelinedStep as err:
+                return self._per_call_from_here(gen, original, args, kwargs, err)
         else:
             self._check_prediction(gen, noise_pred)
         output = original(*args, **kwargs)  # the scheduler's own bookkeeping, on probes
@@ -199,7 +207,27 @@ class RingCalls:
         per_step = {"timestep": model_timesteps(gen.glue, gen.timesteps, batch).to(sample.device),
                     "scale": table.input_scale.to(sample.device),
                     "coeffs": table.rows.to(sample.device)}
+        try:
+            ring.prepare(inputs, per_step)
+        except TokpipeError as err:  # the compiler cannot pipeline this step
+            if not self.options.get("fallback"):
+                raise
+            raise UnpipelinedStep(str(err)) from err
         gen.result = ring.run(inputs, per_step)[0]
+
+    def _per_call_from_here(self, gen: Generation, original: Callable[..., Any], args: tuple,
+                            kwargs: dict, err: Exception) -> Any:
+        """The first step as the pipeline meant it (the transformer called for real, the
+        identified guidance applied), and the rest of the generation per call."""
+        gen.reasons.append(f"the ring's step cannot be pipelined: {err}")
+        self._warn_per_call(gen.reasons)
+        outs = [_first_tensor(self.per_call(**call)) for call in gen.calls]
+        noise_pred = guide(gen.glue, torch.cat(outs) if len(outs) == 2 else outs[0],
+                           gen.glue.guidance)
+        bound = inspect.signature(original).bind(*args, **kwargs)
+        bound.arguments["model_output"] = noise_pred
+        gen.step, gen.calls, gen.probes = 1, [], []
+        return original(*bound.args, **bound.kwargs)
 
     def _ring(self, glue: Glue, spec: Any, constants: list[Any], table: StepTable) -> Ring:
         glue = dataclasses.replace(glue, guidance=0.0)  # an input of the step, not a constant
