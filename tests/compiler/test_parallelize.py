@@ -124,3 +124,28 @@ def test_a_step_that_changes_within_a_generation_raises():
     type(pipe).guidance_scale = property(lambda self: next(scales, 2.0))
     with pytest.raises(tp.TokpipeError, match="changed the guidance at step 1"):
         generate(pipe, kwargs, steps=4)
+
+
+@pytest.mark.parametrize("family", ["dit", "wan"])
+def test_cfg_parallel_in_one_process_equals_serial(family):
+    """cfg=2, stages=1: each guidance branch runs alone (one batch half, or one of the two
+    calls), then guidance and the update combine them; in one process the branches run in
+    turn."""
+    make = FAMILIES[family]
+    serial = generate(*make())
+    pipe, kwargs = make()
+    tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
+    assert _relative(generate(pipe, kwargs), serial) <= 1e-5
+
+
+def test_cfg_parallel_checks_its_degrees():
+    with pytest.raises(tp.TokpipeError, match="hybrid"):
+        tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=2, stages=2)
+    with pytest.raises(tp.TokpipeError, match="two branches"):
+        tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=3, stages=1)
+    with pytest.raises(tp.TokpipeError, match="ring=False"):
+        tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=2, stages=1, ring=False)
+    pipe, kwargs = FAMILIES["flux"](true_cfg=False)
+    tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
+    with pytest.raises(tp.TokpipeError, match="no classifier-free guidance"):
+        generate(pipe, kwargs, steps=2)

@@ -38,3 +38,35 @@ def test_two_ranks_equal_one_process(family):
     ranks = launch(_rank, 2, args=(family,), timeout=600)
     for result in ranks:
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+
+
+def _cfg(family: str) -> torch.Tensor:
+    pipe, kwargs = FAMILIES[family]()
+    tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
+    return generate(pipe, kwargs, steps=4)
+
+
+def _cfg_rank(rank: int, world: int, family: str) -> torch.Tensor:
+    return _cfg(family)
+
+
+@pytest.mark.parametrize("family", ["dit", pytest.param("wan", marks=pytest.mark.full)])
+def test_cfg_parallel_on_two_ranks_equals_one_process(family):
+    """cfg=2: rank 0 runs the conditional branch, rank 1 the unconditional one (DiT: the
+    halves of one batch; Wan: its two calls), one all-gather per step."""
+    alone = _cfg(family)
+    for result in launch(_cfg_rank, 2, args=(family,), timeout=600):
+        assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+
+
+def _wrong_world(rank: int, world: int) -> str:
+    try:
+        tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=1, stages=1)
+    except tp.TokpipeError as err:
+        return str(err)
+    return ""
+
+
+def test_cfg_parallel_checks_the_world_size():
+    for message in launch(_wrong_world, 2, timeout=120):
+        assert "cfg=1 x stages=1 needs 1 rank(s); the process group has 2" in message

@@ -27,6 +27,7 @@ import torch
 from tokpipe_compiler.backend import TokpipeBackend
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines.cfg_parallel import check_world
 from tokpipe_compiler.pipelines.ring_call import RingCalls
 
 DENOISERS = ("transformer",)  # the attribute that holds a pipeline's denoising transformer
@@ -38,14 +39,15 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
 
     options: those of the backend (stages, chunks, mode, warmup_steps, compiler, timeout),
     checked at once. ring: run each call's denoising loop as one ring where the pipeline
-    and scheduler allow (False: every step is a pipelined call). cfg: ranks per guidance
-    branch group; only 1 (both branches on every rank, as the pipeline batches them).
+    and scheduler allow (False: every step is a pipelined call). cfg: 1 (every stage runs
+    both guidance branches, as the pipeline batches them) or 2 (each branch on its own
+    rank, with stages=1: `cfg_parallel`).
     """
-    if cfg != 1:
-        raise TokpipeError(f"cfg={cfg}: running the guidance branches on separate groups of "
-                           "ranks is not available; use cfg=1 (the pipeline batches both "
-                           "branches and every stage runs them together)")
-    Config.from_options(options)  # bad options fail here, not at the first step
+    config = Config.from_options(options)  # bad options fail here, not at the first step
+    check_world(cfg, config.stages)
+    if cfg == 2 and not ring:
+        raise TokpipeError("cfg=2 runs the denoising loop itself; it cannot be combined with "
+                           "ring=False")
     denoiser = find_denoiser(pipe)
     if getattr(denoiser, "_compiled_call_impl", None) is not None:
         raise TokpipeError(f"{type(pipe).__name__}.transformer is compiled already; "
@@ -53,13 +55,14 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     denoiser.compile(backend=TokpipeBackend(**options), dynamic=False)
     _reset_with_the_pipeline(denoiser)
     if ring:
-        _install_ring(pipe, denoiser, options)
+        _install_ring(pipe, denoiser, options, cfg)
     return pipe
 
 
-def _install_ring(pipe: Any, denoiser: torch.nn.Module, options: dict[str, Any]) -> None:
+def _install_ring(pipe: Any, denoiser: torch.nn.Module, options: dict[str, Any],
+                  cfg: int) -> None:
     """Route the pipeline's call, its transformer and its scheduler through `RingCalls`."""
-    calls = RingCalls(pipe, denoiser, denoiser._compiled_call_impl, options)
+    calls = RingCalls(pipe, denoiser, denoiser._compiled_call_impl, options, cfg)
     object.__setattr__(denoiser, "_compiled_call_impl", calls.transformer)
     cls = type(pipe)
 

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines import cfg_parallel
 from tokpipe_compiler.pipelines.glue import (
     Glue,
     GlueNotFound,
@@ -88,9 +90,10 @@ class RingCalls:
     """Installed on one pipeline by `parallelize`: its calls run as rings where they can."""
 
     def __init__(self, pipe: Any, denoiser: torch.nn.Module, per_call: Callable[..., Any],
-                 options: dict[str, Any]):
+                 options: dict[str, Any], cfg: int = 1):
         self.pipe, self.denoiser, self.per_call = pipe, denoiser, per_call
-        self.options = options
+        self.options, self.cfg = options, cfg
+        self._branch_forward: Callable[..., Any] | None = None
         self.generation: Generation | None = None
         self.timestep_args: tuple = ((), {})
         self.rings: dict[Any, Ring] = {}
@@ -195,6 +198,11 @@ class RingCalls:
                                "parallelize(pipe, ring=False)") from err
         gen.first_calls = gen.calls
         fixed = _fixed_inputs(gen.glue, gen.calls, sample.shape[0])
+        if self.cfg == 2:
+            gen.result = cfg_parallel.run(self._forward_per_branch(), gen.glue, table, sample,
+                                          fixed, gen.timesteps, Config.from_options(
+                                              self.options).timeout)
+            return
         leaves, spec = pytree.tree_flatten(fixed)
         tensors = {f"input_{i}": v for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)}
         constants = [TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
@@ -214,6 +222,16 @@ class RingCalls:
                 raise
             raise UnpipelinedStep(str(err)) from err
         gen.result = ring.run(inputs, per_step)[0]
+
+    def _forward_per_branch(self) -> Callable[..., Any]:
+        """The whole transformer for one guidance branch (cfg=2): eager, or compiled by
+        Inductor as the `compiler` option says."""
+        if self._branch_forward is None:
+            forward = self.denoiser.forward
+            if Config.from_options(self.options).compiler == "inductor":
+                forward = torch.compile(forward, dynamic=False)
+            self._branch_forward = forward
+        return self._branch_forward
 
     def _per_call_from_here(self, gen: Generation, original: Callable[..., Any], args: tuple,
                             kwargs: dict, err: Exception) -> Any:
@@ -280,6 +298,9 @@ class RingCalls:
         return self.shapes[key]
 
     def _warn_per_call(self, reasons: list[str]) -> None:
+        if self.cfg == 2:
+            raise TokpipeError(f"cfg=2: {type(self.pipe).__name__} cannot run its guidance "
+                               f"branches in parallel: {'; '.join(reasons)}")
         self._warn(f"tokpipe: {type(self.pipe).__name__} runs per call (each step fills and "
                    f"drains the pipeline), not as a ring: {'; '.join(reasons)}")
 

@@ -1,0 +1,95 @@
+"""Classifier-free guidance in parallel: each guidance branch on its own rank.
+
+A guided pipeline runs its transformer on a batch of two halves (or in two calls), one per
+branch, and combines them where the guidance formula needs both. With `cfg=2` and one
+stage per branch, rank r runs the whole transformer on half r of every batched input, the
+two ranks exchange their predictions (one all-gather of the model output per step), and
+both apply guidance and the scheduler's token-wise update to the same latents. Without a
+process group both halves run in the calling process, one after the other (the same
+numbers, for tests and checks).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines.glue import Glue, guide, model_input, model_timesteps
+from tokpipe_compiler.pipelines.schedulers import StepTable, update_state
+
+
+def check_world(cfg: int, stages: int) -> None:
+    """The degrees against the ranks there are, at parallelize time."""
+    if cfg not in (1, 2):
+        raise TokpipeError(f"cfg={cfg}: guidance has two branches; use cfg=1 or cfg=2")
+    if cfg == 2 and stages != 1:
+        raise TokpipeError(f"cfg=2 with stages={stages}: guidance branches on separate groups "
+                           "of pipeline stages (hybrid) are not available; use cfg=2 with "
+                           "stages=1, or cfg=1")
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world != cfg * stages:
+            raise TokpipeError(f"cfg={cfg} x stages={stages} needs {cfg * stages} rank(s); the "
+                               f"process group has {world}")
+
+
+def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch.Tensor,
+        fixed: dict[str, Any], timesteps: torch.Tensor, timeout: float) -> torch.Tensor:
+    """Every step of a generation from `sample`, the branches split over two ranks (or run
+    in turn in this process); returns the last latents, on every rank."""
+    if glue.combine == "none":
+        raise TokpipeError("cfg=2: this call runs no classifier-free guidance (one branch); "
+                           "use cfg=1")
+    batch = sample.shape[0] * glue.copies
+    per_step = model_timesteps(glue, timesteps, batch).to(sample.device)
+    distributed = dist.is_available() and dist.is_initialized()
+    state_dtype = torch.promote_types(sample.dtype, torch.float32)
+    state = [torch.zeros_like(sample, dtype=state_dtype) for _ in range(table.state_size)]
+    for k in range(len(timesteps)):
+        inputs = {**fixed, glue.latent_arg: model_input(glue, sample, table.input_scale[k]),
+                  glue.timestep_arg: per_step[k]}
+        if distributed:
+            out = _gathered(forward(**_half(inputs, dist.get_rank(), batch)), timeout, k)
+        else:
+            out = torch.cat([_first_tensor(forward(**_half(inputs, r, batch))) for r in (0, 1)])
+        noise = guide(glue, out, glue.guidance)
+        sample, state = update_state(sample, noise, state, table.rows[k], table.pattern)
+        state = list(state)
+    return sample
+
+
+def _half(inputs: dict[str, Any], branch: int, batch: int) -> dict[str, Any]:
+    """Half `branch` of every input batched over both guidance branches."""
+
+    def take(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+            return value.chunk(2)[branch]
+        return value
+
+    return pytree.tree_map(take, inputs)
+
+
+def _gathered(output: Any, timeout: float, step: int) -> torch.Tensor:
+    """Both ranks' halves of the model output, in branch order."""
+    mine = _first_tensor(output).contiguous()
+    halves = [torch.empty_like(mine) for _ in range(2)]
+    work = dist.all_gather(halves, mine, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as err:
+        raise TokpipeError(f"cfg=2: rank {dist.get_rank()} waiting for the other guidance "
+                           f"branch's prediction at step {step}: {err}") from err
+    return torch.cat(halves)
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    for value in pytree.tree_leaves(output):
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TokpipeError("the transformer returned no tensor")
