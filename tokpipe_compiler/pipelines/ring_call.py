@@ -221,7 +221,25 @@ class RingCalls:
             if not self.options.get("fallback"):
                 raise
             raise UnpipelinedStep(str(err)) from err
-        gen.result = ring.run(inputs, per_step)[0]
+        gen.result = ring.run(inputs, per_step, progress=self._progress(len(gen.timesteps)))[0]
+
+    def _progress(self, steps: int) -> Callable[[int], None] | None:
+        """A bar for the ring's steps (the pipeline's own bar waits at its first step while
+        the ring runs them all), shown where the pipeline shows its own, on one rank."""
+        config = getattr(self.pipe, "_progress_bar_config", {}) or {}
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if config.get("disable") or rank != 0:
+            return None
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc="tokpipe ring", unit="step", leave=False)
+
+        def report(step: int) -> None:
+            bar.update(step + 1 - bar.n)
+            if bar.n >= steps:
+                bar.close()
+
+        return report
 
     def _forward_per_branch(self) -> Callable[..., Any]:
         """The whole transformer for one guidance branch (cfg=2): eager, or compiled by
