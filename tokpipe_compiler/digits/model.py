@@ -42,7 +42,8 @@ def load(path: Path | str = WEIGHTS) -> tuple[Any, Any]:
     """(model in eval mode, float32; DDIM scheduler) from a folder `save` wrote."""
     from diffusers import DDIMScheduler, DiTTransformer2DModel
 
-    model = DiTTransformer2DModel.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = DiTTransformer2DModel.from_pretrained(path, torch_dtype=torch.float32,
+                                                  low_cpu_mem_usage=False).eval()
     return model, DDIMScheduler.from_pretrained(path)
 
 
