@@ -20,7 +20,13 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.pipelines.glue import Glue, guide, model_input, model_timesteps
+from tokpipe_compiler.pipelines.glue import (
+    Glue,
+    first_tensor,
+    guide,
+    model_input,
+    model_timesteps,
+)
 from tokpipe_compiler.pipelines.schedulers import StepTable, update_state
 
 
@@ -57,7 +63,7 @@ def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch
         if distributed:
             out = _gathered(forward(**_half(inputs, dist.get_rank(), batch)), timeout, k)
         else:
-            out = torch.cat([_first_tensor(forward(**_half(inputs, r, batch))) for r in (0, 1)])
+            out = torch.cat([first_tensor(forward(**_half(inputs, r, batch))) for r in (0, 1)])
         noise = guide(glue, out, glue.guidance)
         sample, state = update_state(sample, noise, state, table.rows[k], table.pattern)
         state = list(state)
@@ -77,7 +83,7 @@ def _half(inputs: dict[str, Any], branch: int, batch: int) -> dict[str, Any]:
 
 def _gathered(output: Any, timeout: float, step: int) -> torch.Tensor:
     """Both ranks' halves of the model output, in branch order."""
-    mine = _first_tensor(output).contiguous()
+    mine = first_tensor(output).contiguous()
     halves = [torch.empty_like(mine) for _ in range(2)]
     work = dist.all_gather(halves, mine, async_op=True)
     try:
@@ -87,9 +93,3 @@ def _gathered(output: Any, timeout: float, step: int) -> torch.Tensor:
                            f"branch's prediction at step {step}: {err}") from err
     return torch.cat(halves)
 
-
-def _first_tensor(output: Any) -> torch.Tensor:
-    for value in pytree.tree_leaves(output):
-        if isinstance(value, torch.Tensor):
-            return value
-    raise TokpipeError("the transformer returned no tensor")

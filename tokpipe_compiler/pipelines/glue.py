@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
@@ -112,6 +113,15 @@ def guide(glue: Glue, out: torch.Tensor, guidance: torch.Tensor | float) -> torc
     if glue.channels is not None:
         out = out[:, : glue.channels]
     return _combine(glue.combine, out, guidance, glue.calls)
+
+
+def first_tensor(output: Any, leaf: type = torch.Tensor) -> Any:
+    """The first `leaf` in a model's output (a tuple, a diffusers output class, a tensor):
+    the prediction."""
+    for value in pytree.tree_leaves(output):
+        if isinstance(value, leaf):
+            return value
+    raise TokpipeError("the transformer returned no tensor")
 
 
 def _combine(combine: str, out: torch.Tensor, g: Any, calls: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ from tokpipe_compiler.pipelines import cfg_parallel
 from tokpipe_compiler.pipelines.glue import (
     Glue,
     GlueNotFound,
+    first_tensor,
     guide,
     identify,
     model_input,
@@ -257,7 +258,7 @@ class RingCalls:
         identified guidance applied), and the rest of the generation per call."""
         gen.reasons.append(f"the ring's step cannot be pipelined: {err}")
         self._warn_per_call(gen.reasons)
-        outs = [_first_tensor(self.per_call(**call)) for call in gen.calls]
+        outs = [first_tensor(self.per_call(**call)) for call in gen.calls]
         noise_pred = guide(gen.glue, torch.cat(outs) if len(outs) == 2 else outs[0],
                            gen.glue.guidance)
         bound = inspect.signature(original).bind(*args, **kwargs)
@@ -362,7 +363,7 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
         inputs = pytree.tree_unflatten(leaves, spec)
         inputs[glue.latent_arg] = model_input(glue, sample, scale)
         inputs[glue.timestep_arg] = timestep
-        out = _first_tensor(forward(**inputs))
+        out = first_tensor(forward(**inputs))
         state = [tensors[name] for name in states]
         x, state = update_state(sample, guide(glue, out, guidance), state, coeffs, pattern)
         return (x, *state)
@@ -423,7 +424,7 @@ class Spec:
 
 
 def _probe(structure: Any, step: int, call: int) -> torch.Tensor:
-    spec = _first_tensor(structure, leaf=Spec)
+    spec = first_tensor(structure, leaf=Spec)
     gen = torch.Generator().manual_seed(PROBE_SEED + 1009 * step + call)
     return torch.randn(spec.shape, generator=gen).to(dtype=spec.dtype, device=spec.device)
 
@@ -435,13 +436,6 @@ def _with_probe(structure: Any, probe: torch.Tensor) -> Any:
     filled = [probe if i == first else leaf.zeros() if isinstance(leaf, Spec) else leaf
               for i, leaf in enumerate(leaves)]
     return pytree.tree_unflatten(filled, spec)
-
-
-def _first_tensor(output: Any, leaf: type = torch.Tensor) -> Any:
-    for value in pytree.tree_leaves(output):
-        if isinstance(value, leaf):
-            return value
-    raise TokpipeError("the transformer returned no tensor")
 
 
 def _with_sample(output: Any, sample: torch.Tensor) -> Any:
