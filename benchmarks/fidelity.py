@@ -107,8 +107,8 @@ def table(rows: dict[str, dict], serial_fd: float) -> str:
              "| SSIM mean / worst 5% | time (s) |", "|---|---:|---:|---:|---|---|---:|"]
     for name, r in rows.items():
         delta = f"{100 * (r['frechet'] / serial_fd - 1):+.1f}%" if "psnr_mean" in r else ""
-        quality = (f"{r['psnr_mean']:.1f} / {r['psnr_p5']:.1f} | {r['ssim_mean']:.4f} / "
-                   f"{r['ssim_p5']:.4f}") if "psnr_mean" in r else " | "
+        quality = (f"{r['psnr_mean']:.1f} / {r['psnr_p5']:.1f} | {r['ssim_mean']:.5f} / "
+                   f"{r['ssim_p5']:.5f}") if "psnr_mean" in r else " | "
         lines.append(f"| {name} | {100 * r['accuracy']:.1f}% | {r['frechet']:.2f} | {delta} | "
                      f"{quality} | {r.get('seconds', 0):.0f} |")
     return "\n".join(lines)
