@@ -30,10 +30,12 @@ from tokpipe_compiler.core.fx import (
     target_name,
 )
 from tokpipe_compiler.core.meta import (
+    ATTENTION,
     INVARIANT_INFO,
     META_KEY,
     SLICES_KEY,
     TOKEN,
+    TOKEN_SUM,
     UNSUPPORTED,
     TokenInfo,
 )
@@ -131,7 +133,17 @@ def _apply_rule(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     if not (is_tensor_node(node) or isinstance(example_value(node), (tuple, list))
             or node.target in IN_PLACE):
         return unsupported(f"'{target_name(node)}' of a token tensor gives a non-tensor value")
-    return call_rule("token", rule, node, ctx)  # a crash is a bug in the rule: it raises
+    info = call_rule("token", rule, node, ctx)  # a crash is a bug in the rule: it raises
+    return _passed_through(node, info, ctx)
+
+
+def _passed_through(node: torch.fx.Node, info: TokenInfo, ctx: RuleContext) -> TokenInfo:
+    """A rule that hands on its input's info unchanged (a linear after a group_norm) hands
+    on its layout, not the input's kind: only the op that mixes tokens is rewritten."""
+    if info.kind in (ATTENTION, TOKEN_SUM) and any(ctx.infos[a] == info
+                                                   for a in node.all_input_nodes):
+        return replace(info, kind=TOKEN)
+    return info
 
 
 def _aligned_with(node: torch.fx.Node, seed: torch.fx.Node) -> bool:

@@ -23,6 +23,7 @@ from tokpipe_compiler.passes.rule_base import (
     registrar,
     slice_operand,
     source,
+    summed,
     unsupported,
 )
 from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis
@@ -170,8 +171,10 @@ def reduction(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         return unsupported(f"{node.target} over all elements mixes tokens")
     dims = [d % ndim for d in (dims if isinstance(dims, (tuple, list)) else [dims])]
     if info.axis in dims:
-        return unsupported(f"{node.target} over the token axis mixes tokens (sums over tokens, "
-                           "as in linear attention, are not chunked yet)")
+        if target_name(node).split(".")[-1] in ("sum", "mean"):
+            return summed(node, info, target_name(node))
+        return unsupported(f"{node.target} over the token axis mixes tokens (only sums and "
+                           "means over tokens are kept as partial sums)")
     keepdim = arg(node, 2, "keepdim", False) is True
     shift = 0 if keepdim else sum(1 for d in dims if d < info.axis)
     return info.moved(info.axis - shift)

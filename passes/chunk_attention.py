@@ -28,7 +28,7 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
                  if n.meta.get(META_KEY, INVARIANT_INFO).kind == ATTENTION]
     if not attention:
         return []
-    chunk = _add_input(gm, CHUNK_INPUT, torch.zeros(3, dtype=torch.long))
+    chunk = add_input(gm, CHUNK_INPUT, torch.zeros(3, dtype=torch.long))
     specs = []
     for layer, node in enumerate(attention):
         args = _sdpa_args(node)
@@ -47,8 +47,8 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
         k, v = example_value(args["key"]), example_value(args["value"])
         spec = CacheSpec(layer, f"kv_cache_{layer}_k", f"kv_cache_{layer}_v", tuple(k.shape),
                          tuple(v.shape), k.dtype, node.meta[META_KEY].per_unit)
-        k_cache = _add_input(gm, spec.k_name, k)
-        v_cache = _add_input(gm, spec.v_name, v)
+        k_cache = add_input(gm, spec.k_name, k)
+        v_cache = add_input(gm, spec.v_name, v)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(
                 torch.ops.tokpipe.kv_attention.default,
@@ -71,7 +71,7 @@ def _sdpa_args(node: torch.fx.Node) -> dict:
     return bound
 
 
-def _add_input(gm: torch.fx.GraphModule, name: str, like: torch.Tensor) -> torch.fx.Node:
+def add_input(gm: torch.fx.GraphModule, name: str, like: torch.Tensor) -> torch.fx.Node:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     with gm.graph.inserting_after(placeholders[-1]):
         node = gm.graph.placeholder(name)

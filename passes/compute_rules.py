@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tokpipe_compiler.core.args import SDPA, arg, bound_args, varargs
 from tokpipe_compiler.core.fx import node_shape
-from tokpipe_compiler.core.meta import ATTENTION, TOKEN, TokenInfo
+from tokpipe_compiler.core.meta import ATTENTION, TOKEN, TOKEN_SUM, TokenInfo
 from tokpipe_compiler.passes.rule_base import (
     Rule,
     RuleContext,
@@ -21,6 +21,8 @@ from tokpipe_compiler.passes.rule_base import (
     registrar,
     slice_operand,
     source,
+    sum_refusal,
+    summed,
     unsupported,
 )
 
@@ -43,21 +45,34 @@ def linear(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 @register(operator.matmul, torch.matmul, "method:matmul", torch.bmm, "method:bmm")
 def matmul(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     a, b = source(node), arg(node, 1, "other")
-    ia, ib = ctx.info(a), ctx.info(b)
+    ia, ib = _chunked(ctx.info(a)), _chunked(ctx.info(b))
+    if ia is None and ib is None:  # per-chunk values without a chunked range on both sides
+        ia, ib = (i if i is not None and i.carries_tokens else None
+                  for i in (ctx.info(a), ctx.info(b)))
     out_ndim = len(node_shape(node))
-    hint = ("a sum over tokens such as linear attention is not chunked yet; write attention "
-            "with F.scaled_dot_product_attention so tokpipe can chunk it")
-    if ib is not None and ib.carries_tokens:
-        nb = len(node_shape(b))
-        if ib.axis == nb - 2 or (ia is not None and ia.carries_tokens):
-            return unsupported(f"matmul contracts over the token axis (mixes tokens); {hint}")
+    na, nb = len(node_shape(a)), len(node_shape(b))
+    if ia is not None and ib is not None:
+        if ia.axis == na - 1 and ib.axis == nb - 2 and ia.per_unit == ib.per_unit:
+            return summed(node, ia, "matmul")  # linear attention's K^T V
+        return unsupported("matmul of two token tensors that does not contract over their "
+                           "common token axis (mixes tokens)")
+    if ib is not None:
+        if ib.axis == nb - 2:
+            return unsupported("matmul contracts over the token axis of an operand whose "
+                               "other operand does not carry tokens (mixes tokens)")
         if ib.axis == nb - 1:
             return ib.moved(out_ndim - 1)
         return ib.moved(ib.axis + out_ndim - nb)
-    na = len(node_shape(a))
     if ia.axis == na - 1:
-        return unsupported(f"matmul contracts over the token axis (mixes tokens); {hint}")
+        return unsupported("matmul contracts over the token axis of an operand whose other "
+                           "operand does not carry tokens (mixes tokens)")
     return ia.moved(ia.axis + out_ndim - na)
+
+
+def _chunked(info: TokenInfo | None) -> TokenInfo | None:
+    """`info` when it has a chunked range; a per-chunk value with none (a sum over tokens,
+    a text segment) multiplies like a constant."""
+    return info if info is not None and info.carries_tokens and info.per_unit else None
 
 
 @register(torch.einsum, torch.functional.einsum)
@@ -95,8 +110,21 @@ def layer_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     return info
 
 
-@register(F.group_norm, torch.group_norm, F.instance_norm, F.batch_norm)
+@register(F.group_norm, torch.group_norm)
 def group_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    if src is not source(node):
+        return unsupported("a norm's weight depends on the tokens")
+    if info.axis < 2:
+        return unsupported("group_norm over groups of the token axis (mixes tokens)")
+    why = sum_refusal(info)
+    if why:
+        return unsupported(f"group_norm's statistics over the token axis mix tokens: {why}")
+    return replace(info, kind=TOKEN_SUM)  # statistics from partial sums, values per token
+
+
+@register(F.instance_norm, F.batch_norm)
+def instance_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     return unsupported(f"{node.target.__name__} normalises over all positions (mixes tokens)")
 
 

@@ -16,8 +16,9 @@ from typing import Any
 import torch.fx
 
 from tokpipe_compiler.core.args import arg
-from tokpipe_compiler.core.fx import node_shape
-from tokpipe_compiler.core.meta import SLICES_KEY, UNSUPPORTED, TokenInfo
+from tokpipe_compiler.core.fx import example_value, node_shape
+from tokpipe_compiler.core.meta import SLICES_KEY, TOKEN_SUM, UNSUPPORTED, TokenInfo
+from tokpipe_compiler.passes import segments
 
 Rule = Callable[[torch.fx.Node, "RuleContext"], TokenInfo]
 Register = Callable[..., Callable[[Rule], Rule]]
@@ -56,6 +57,28 @@ def registrar(table: dict[Any, Rule]) -> Register:
 
 def unsupported(reason: str) -> TokenInfo:
     return TokenInfo(UNSUPPORTED, reason=reason)
+
+
+def summed(node: torch.fx.Node, info: TokenInfo, what: str) -> TokenInfo:
+    """A sum over the token axis of `info` that chunk_sums pipelines with a partial-sum
+    cache: the result holds no chunked range, so every chunk has all of it (per_unit 0)."""
+    why = sum_refusal(info)
+    if why:
+        return unsupported(f"{what} over the token axis mixes tokens; it can be pipelined "
+                           f"with partial sums, but not here: {why}")
+    value = example_value(node)
+    if not isinstance(value, torch.Tensor) or not value.dim():
+        return unsupported(f"{what} over the token axis down to a scalar mixes tokens")
+    return replace(segments.whole(value), kind=TOKEN_SUM)
+
+
+def sum_refusal(info: TokenInfo) -> str:
+    """Why a sum over this token layout cannot keep per-unit partial sums, or ''."""
+    if info.segmented or not info.per_unit:
+        return "the token axis holds whole text segments"
+    if info.outer > 1:
+        return "the token axis repeats in outer blocks (batch rows merged with frames)"
+    return ""
 
 
 def first_token(node: torch.fx.Node, ctx: RuleContext) -> tuple[torch.fx.Node, TokenInfo]:

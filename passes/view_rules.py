@@ -56,7 +56,7 @@ _ELEMENTWISE_METHODS = [
 def elementwise(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     out_ndim = len(node_shape(node))
     out = None
-    for operand in ctx.token_args(node):
+    for operand in _meeting_tokens(node, ctx, out_ndim):
         info = ctx.infos[operand]
         at = info.moved(info.axis + out_ndim - len(node_shape(operand)))
         if out is None:
@@ -73,6 +73,25 @@ def elementwise(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
             if why:
                 return unsupported(why)
     return out
+
+
+def _meeting_tokens(node: torch.fx.Node, ctx: RuleContext, out_ndim: int) -> list[torch.fx.Node]:
+    """The token operands whose layouts must agree. A per-chunk value with no chunked range
+    (a sum over tokens) that broadcasts along a chunked operand's token axis acts on it
+    like a constant."""
+    operands = ctx.token_args(node)
+    chunked = [o for o in operands if ctx.infos[o].per_unit]
+    if not chunked:
+        return operands
+    info = ctx.infos[chunked[0]]
+    axis = info.axis + out_ndim - len(node_shape(chunked[0]))
+
+    def broadcasts(operand: torch.fx.Node) -> bool:
+        shape = node_shape(operand)
+        at = axis - (out_ndim - len(shape))
+        return at < 0 or shape[at] == 1
+
+    return [o for o in operands if ctx.infos[o].per_unit or not broadcasts(o)]
 
 
 @register(torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,

@@ -1,4 +1,6 @@
-"""Per attention layer K/V buffers: allocated on first use, reset per generation."""
+"""Per layer persistent buffers: the K/V of each attention layer and the per-unit partial
+sums of each sum over tokens (`runtime/token_sums.py`); allocated on first use, reset per
+generation."""
 
 from __future__ import annotations
 
@@ -25,17 +27,46 @@ class CacheSpec:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return itemsize * (prod(self.k_shape) + prod(self.v_shape))
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.k_name, self.v_name)
 
+    def buffers(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return [(self.k_name, self.k_shape, self.dtype), (self.v_name, self.v_shape, self.dtype)]
+
+
+@dataclass(frozen=True)
+class SumCacheSpec:
+    """One sum over tokens' persistent partial sums: [units, *one unit's partial]."""
+
+    layer: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size() * prod(self.shape)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def buffers(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return [(self.name, self.shape, self.dtype)]
+
+
+AnyCacheSpec = CacheSpec | SumCacheSpec
 
 
 class KVCaches:
-    """The K/V caches of the attention layers one process runs.
+    """The K/V caches (and partial-sum caches) of the layers one process runs.
 
     `filled` says whether every position holds K/V from an earlier call of this generation;
     until then a chunk may only look at positions this call has already written.
     """
 
-    def __init__(self, specs: list[CacheSpec]):
+    def __init__(self, specs: list[AnyCacheSpec]):
         self.specs = specs
         self.buffers: dict[str, torch.Tensor] = {}
         self.filled = False
@@ -43,10 +74,9 @@ class KVCaches:
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
         if not self.buffers:
             for spec in self.specs:
-                self.buffers[spec.k_name] = torch.zeros(spec.k_shape, dtype=spec.dtype,
-                                                        device=device)
-                self.buffers[spec.v_name] = torch.zeros(spec.v_shape, dtype=spec.dtype,
-                                                        device=device)
+                for name, shape, dtype in spec.buffers():
+                    # zeros: a partial sum never written this generation adds nothing
+                    self.buffers[name] = torch.zeros(shape, dtype=dtype, device=device)
         return self.buffers
 
     def reset(self) -> None:

@@ -70,11 +70,14 @@ frame; chunks are contiguous frame ranges of the frames-first flattened token gr
 positional tables are cut to the same ranges. Attention that runs per frame (Latte's
 spatial blocks) carries the frames on its batch axis and is chunked without a cache.
 
-**Sums over tokens** (linear attention: Sana, SanaVideo; group norm over the token grid):
-not chunked yet. In `sync` they run whole (nothing is chunked there); in `stale` and
-`causal` the compiler stops with an error naming the op and the line. The plan for them:
-a per-unit partial sum kept in a cache like K/V, fresh for earlier chunks and stale for
-later ones (per layer (D+1)/(2 * tokens per unit) the size of a K/V cache).
+**Sums over tokens** (a sum or mean over the token axis, group_norm over the token grid,
+linear attention's K^T V as in Sana): pipelined like K/V (`passes/chunk_sums.py`). Each
+keeps one partial sum per grid unit in a cache; chunk p sees this step's partials of the
+units up to its own and the previous step's after them (`stale`), the whole sum in `sync`
+and on warmup steps (exact). `causal` refuses them (it is exact, and a sum needs the tokens
+after the chunk). A linear attention cache is (D+1)/(2 * tokens per unit) the size of a K/V
+cache. Sana's feed-forward still stops `stale`: its 3x3 depthwise convolution mixes
+neighbouring token rows, a separate blocker; a max over tokens stays unsupported.
 """
 
 

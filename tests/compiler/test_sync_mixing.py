@@ -61,7 +61,19 @@ def test_small_token_mixers_in_sync_mode_equal_eager(model, argument, shape, sta
         assert_rel_close(p(*t.args(**{argument: x}))[0], model(x))
 
 
-def test_mean_over_tokens_in_stale_mode_names_the_op():
-    t = trace(MeanOverTokens().eval(), torch.randn(1, 8, 16))
-    with pytest.raises(TokpipeError, match="mean over the token axis mixes tokens"):
+def test_a_max_over_tokens_in_stale_mode_names_the_op():
+    t = trace(MaxOverTokens().eval(), torch.randn(1, 8, 16))
+    with pytest.raises(TokpipeError, match="amax over the token axis mixes tokens"):
         t.program(mode="stale", stages=1, chunks=2)
+
+
+class MaxOverTokens(torch.nn.Module):
+    """A max over tokens: not a sum, so no partial sums can stand in for it."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)  # the hidden axis cannot be the token axis
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h - h.amax(dim=1, keepdim=True)

@@ -17,6 +17,7 @@ from tokpipe_compiler.core.meta import (
     INVARIANT_INFO,
     SLICES_KEY,
     TOKEN,
+    TOKEN_SUM,
     UNSUPPORTED,
     TokenInfo,
 )
@@ -172,10 +173,12 @@ def test_self_attention_is_marked_attention_cross_attention_is_not():
     assert g.infer(g.call(F.scaled_dot_product_attention, q, ctx_k, ctx_v)) == tok(2)
 
 
-def test_mean_over_the_token_axis_is_unsupported_over_hidden_it_is_kept():
+def test_mean_over_the_token_axis_is_a_partial_sum_over_hidden_it_is_kept():
     g = Graph()
     x = g.input("x", (1, 16, 8), tok(1))
     info = g.infer(g.method("mean", x, 1))
+    assert info.kind == TOKEN_SUM and info.per_unit == 0  # every chunk holds all of it
+    info = g.infer(g.method("amax", x, 1))
     assert info.kind == UNSUPPORTED and "over the token axis mixes tokens" in info.reason
     assert g.infer(g.call(torch.mean, x, dim=-1)) == tok(1)
     assert g.infer(g.method("mean", x, 0)) == tok(0)

@@ -27,9 +27,10 @@ class Kind(str, enum.Enum):
     INVARIANT = "invariant"
     ATTENTION = "attention"
     UNSUPPORTED = "unsupported"
+    TOKEN_SUM = "token_sum"
 
 
-TOKEN, INVARIANT, ATTENTION, UNSUPPORTED = Kind
+TOKEN, INVARIANT, ATTENTION, UNSUPPORTED, TOKEN_SUM = Kind
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,10 @@ class TokenInfo:
 
     kind: TOKEN (rows of `axis` follow the token grid), INVARIANT (no token dependence:
     timestep and text conditioning, parameters), ATTENTION (an attention node that mixes
-    tokens only through K/V; its output is token-carrying along `axis`) or UNSUPPORTED.
+    tokens only through K/V; its output is token-carrying along `axis`), TOKEN_SUM (a sum
+    over the token axis that mixes tokens only through a cache of per-unit partial sums;
+    its output changes with the chunk: per_unit 0 when the token axis is summed away) or
+    UNSUPPORTED.
     axis: the token axis of the value (TOKEN and ATTENTION).
     per_unit: elements along `axis` per grid unit. A unit is one row of the token grid
     (one patch row of an image latent), so a chunk of units [u0, u1) is the slice
@@ -64,7 +68,7 @@ class TokenInfo:
 
     @property
     def carries_tokens(self) -> bool:
-        return self.kind in (TOKEN, ATTENTION)
+        return self.kind in (TOKEN, ATTENTION, TOKEN_SUM)
 
     @property
     def segmented(self) -> bool:

@@ -45,7 +45,7 @@ def memory_report(program) -> MemoryReport:
     rows = []
     for index in mine:
         stage = plan.stages[index]
-        names = {n for spec in stage.caches for n in (spec.k_name, spec.v_name)}
+        names = {n for spec in stage.caches for n in spec.names}
         held = sum(t.numel() * t.element_size() for caches in branches
                    for name, t in caches.buffers.items() if name in names)
         rows.append(StageMemory(index, stage.param_bytes, stage.kv_cache_bytes, held,

@@ -1,6 +1,6 @@
 """The compiler driver: every pass, in order, in one place.
 
-    annotate -> partition -> chunk_attention -> split        (here, once per graph)
+    annotate -> partition -> chunk_attention -> chunk_sums -> split   (here, once per graph)
     specialize -> compile                                     (later, per stage and chunk
                                                                length, on the rank that runs it)
 
@@ -14,6 +14,7 @@ model for the chunk table and the stage weights. The meta keys each pass reads a
 | annotate        | SOURCE_KEY             | META_KEY on every node                  |
 | partition       | META_KEY               | STAGE_KEY on every node a stage computes|
 | chunk_attention | META_KEY               | kv_attention nodes (META_KEY copied)    |
+| chunk_sums      | META_KEY               | partial-sum op nodes (META_KEY copied)  |
 | split           | META_KEY, STAGE_KEY    | the stage graphs and the prelude        |
 | specialize      | META_KEY               | a stage graph at one chunk length       |
 """
@@ -31,6 +32,7 @@ from tokpipe_compiler.costmodel import planning_costs
 from tokpipe_compiler.costmodel.chunk_choice import choose_causal, choose_stale
 from tokpipe_compiler.passes.annotate import Annotation, annotate, raise_unsupported
 from tokpipe_compiler.passes.chunk_attention import chunk_attention
+from tokpipe_compiler.passes.chunk_sums import chunk_sums
 from tokpipe_compiler.passes.partition import Partition, partition
 from tokpipe_compiler.passes.split import check_chunked_outputs, split
 from tokpipe_compiler.planning.pass_runner import (
@@ -40,6 +42,7 @@ from tokpipe_compiler.planning.pass_runner import (
     nothing,
     run_pass,
     staged,
+    sums_chunked,
 )
 from tokpipe_compiler.planning.plan import Plan, describe_stages
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table, table_from_tokens
@@ -48,6 +51,7 @@ from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 ANNOTATE = PassSpec("annotate", (SOURCE_KEY,), (META_KEY,), annotated)
 PARTITION = PassSpec("partition", (META_KEY,), (STAGE_KEY,), staged)
 CHUNK_ATTENTION = PassSpec("chunk_attention", (META_KEY,), (META_KEY,), attention_chunked)
+CHUNK_SUMS = PassSpec("chunk_sums", (META_KEY,), (META_KEY,), sums_chunked)
 SPLIT = PassSpec("split", (META_KEY, STAGE_KEY), (), nothing,
                  made=lambda graphs, gm: [(f"stage_{s.index}", s.gm) for s in graphs.stages])
 
@@ -64,7 +68,8 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
                    planning_costs.send_cost(annotation.token_input))
     costs = planning_costs.stage_costs(cut, config.stages, tokens)  # before sdpa is rewritten
     caches = run_pass(CHUNK_ATTENTION, chunk_attention, gm, config.mode)
-    runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in (c.k_name, c.v_name)}
+    caches = caches + run_pass(CHUNK_SUMS, chunk_sums, gm, config.mode)
+    runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in c.names}
     if config.mode != "sync":
         check_chunked_outputs(gm)
     graphs = run_pass(SPLIT, split, gm, config.stages, runtime_inputs)

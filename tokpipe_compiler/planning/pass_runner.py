@@ -24,6 +24,7 @@ from tokpipe_compiler.core.meta import (
     META_KEY,
     SLICES_KEY,
     STAGE_KEY,
+    TOKEN_SUM,
     UNSUPPORTED,
     TokenInfo,
 )
@@ -87,6 +88,15 @@ def attention_chunked(gm: torch.fx.GraphModule) -> None:
         if node.meta[META_KEY].kind == ATTENTION and \
                 node.target is not torch.ops.tokpipe.kv_attention.default:
             raise CompilerBug("chunk_attention", node, "is attention left unchunked")
+
+
+def sums_chunked(gm: torch.fx.GraphModule) -> None:
+    """No sum over tokens is left but the partial-sum ops (none at all in sync mode)."""
+    ops = {torch.ops.tokpipe.token_sum.default, torch.ops.tokpipe.token_matmul.default,
+           torch.ops.tokpipe.token_group_norm.default}
+    for node in _computed(gm):
+        if node.meta[META_KEY].kind == TOKEN_SUM and node.target not in ops:
+            raise CompilerBug("chunk_sums", node, "is a sum over tokens left unchunked")
 
 
 def nothing(gm: torch.fx.GraphModule) -> None:

@@ -20,7 +20,7 @@ from tokpipe_compiler.costmodel.cost import Cost, graph_cost
 from tokpipe_compiler.passes.partition import Partition
 from tokpipe_compiler.planning import params
 from tokpipe_compiler.planning.layers import compress_layers, layer_of
-from tokpipe_compiler.runtime.caches import CacheSpec
+from tokpipe_compiler.runtime.caches import AnyCacheSpec
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.runtime.schedule import Schedule, build_schedule
 
@@ -39,7 +39,7 @@ class StagePlan:
     prelude_param_bytes: int  # of param_bytes: the prelude's (modulation, conditioning)
     cost: Cost  # one chunk of N tokens over C tokens of context (passes/cost.py)
     send_bytes_per_unit: int  # bytes to later stages per token-grid unit
-    caches: list[CacheSpec] = field(default_factory=list)
+    caches: list[AnyCacheSpec] = field(default_factory=list)
     layer_flops: list[tuple[str, float]] = field(default_factory=list)  # partition's weights
 
     @property
@@ -65,7 +65,7 @@ class Plan:
     chunks: list[Chunk]
     units: int  # rows of the token grid
     token_input: str
-    caches: list[CacheSpec]
+    caches: list[AnyCacheSpec]
     consumers: dict[int, set[int]]
     tokens: int = 0  # image (video) tokens of one sample, text segments not counted
     imbalance: float = 1.0  # the slowest stage's cost over an even share (the partition's)
@@ -209,9 +209,9 @@ def summary(plan: Plan) -> dict[str, Any]:
 
 
 def describe_stages(
-    graphs: SplitGraphs, caches: list[CacheSpec], cut: Partition, costs: list[Cost]
+    graphs: SplitGraphs, caches: list[AnyCacheSpec], cut: Partition, costs: list[Cost]
 ) -> list[StagePlan]:
-    by_cache = {name: c for c in caches for name in (c.k_name, c.v_name)}
+    by_cache = {name: c for c in caches for name in c.names}
     plans = []
     for stage, held in zip(graphs.stages, params.held_by_stage(graphs), strict=True):
         nodes = [n for n in stage.gm.graph.nodes if n.op not in ("placeholder", "output")]

@@ -1,0 +1,122 @@
+"""chunk_sums: each sum over the token axis becomes one partial-sum op with a cache.
+
+    m = x.mean(dim=1)                       ->  m = tokpipe.token_sum(x, sum_cache_0, tokpipe_chunk,
+                                                                      1, per_unit, [1], False, True)
+    s = torch.matmul(v, k)   (over tokens)  ->  s = tokpipe.token_matmul(v, k, sum_cache_1, ...)
+    y = F.group_norm(x, 32, w, b)           ->  y = tokpipe.token_group_norm(x, 32, w, b, eps,
+                                                                             sum_cache_2, ...)
+
+Each cache holds one partial sum per grid unit (`runtime/token_sums.py`): a chunk sees
+this step's partials of the units up to its own and the previous step's after it (stale),
+the whole sum when it is the whole sequence (sync, warmup). In sync mode the one chunk is
+the whole sequence, so the ops stay as they are. Causal mode is exact, and a sum over
+tokens needs tokens after the chunk: it is refused.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from tokpipe_compiler.core.args import arg, bound_args
+from tokpipe_compiler.core.errors import TokpipeError, describe
+from tokpipe_compiler.core.fx import example_value, target_name
+from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TOKEN, TOKEN_SUM
+from tokpipe_compiler.passes.chunk_attention import add_input
+from tokpipe_compiler.runtime import token_sums  # noqa: F401  (defines the ops)
+from tokpipe_compiler.runtime.caches import SumCacheSpec
+from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
+
+GROUP_NORM = ("input", "num_groups", "weight", "bias", "eps", "cudnn_enabled")
+_MATMULS = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm"}
+_FIRST_LAYER = 1000  # sum caches number after attention layers, so names never clash
+
+
+def chunk_sums(gm: torch.fx.GraphModule, mode: str) -> list[SumCacheSpec]:
+    sums = [n for n in gm.graph.nodes if n.meta.get(META_KEY, INVARIANT_INFO).kind == TOKEN_SUM]
+    if not sums:
+        return []
+    if mode == "sync":  # the one chunk is the whole sequence: the op runs as written
+        for node in sums:
+            node.meta[META_KEY] = node.meta[META_KEY].moved(node.meta[META_KEY].axis, TOKEN)
+        return []
+    if mode == "causal":
+        raise TokpipeError(
+            f"mode='causal' is exact, but {describe(sums[0])} sums over every token, those "
+            "after the chunk too; use mode='stale' (partial sums, stale for later chunks) "
+            "or 'sync'")
+    chunk = _chunk_input(gm)
+    specs = [_rewrite(gm, node, chunk, _FIRST_LAYER + i) for i, node in enumerate(sums)]
+    gm.recompile()
+    return specs
+
+
+def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, chunk: torch.fx.Node,
+             layer: int) -> SumCacheSpec:
+    """Replaces `node` by its partial-sum op; returns the op's cache."""
+    name = f"sum_cache_{layer - _FIRST_LAYER}"
+    if node.target in (torch.nn.functional.group_norm, torch.group_norm):
+        op, args, shape = _group_norm(node)
+    elif node.target in _MATMULS:
+        op, args, shape = _matmul(node)
+    else:
+        op, args, shape = _reduction(node)
+    dtype = torch.promote_types(example_value(node).dtype, torch.float32)
+    spec = SumCacheSpec(layer, name, shape, dtype)
+    cache = add_input(gm, name, torch.zeros(shape, dtype=dtype))
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(op, (*args[:1 + _SPLIT[op]], cache, chunk,
+                                          *args[1 + _SPLIT[op]:]))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return spec
+
+
+def _reduction(node: torch.fx.Node) -> tuple:
+    x = arg(node, 0, "input")
+    info, value = x.meta[META_KEY], example_value(x)
+    dims = arg(node, 1, "dim")
+    dims = sorted(d % value.dim() for d in (dims if isinstance(dims, (tuple, list)) else [dims]))
+    keepdim = arg(node, 2, "keepdim", False) is True
+    mean = target_name(node) == "mean"
+    rest = [d for d in dims if d != info.axis]
+    partial = value.sum(rest, keepdim=True) if rest else value
+    shape = [*partial.shape[:info.axis], *partial.shape[info.axis + 1:]]
+    units = value.shape[info.axis] // info.per_unit
+    op = torch.ops.tokpipe.token_sum.default
+    return op, (x, info.axis, info.per_unit, dims, keepdim, mean), (units, *shape)
+
+
+def _matmul(node: torch.fx.Node) -> tuple:
+    a, b = arg(node, 0, "input"), arg(node, 1, "other")
+    info = a.meta[META_KEY]
+    units = example_value(a).shape[-1] // info.per_unit
+    op = torch.ops.tokpipe.token_matmul.default
+    return op, (a, b, info.per_unit), (units, *example_value(node).shape)
+
+
+def _group_norm(node: torch.fx.Node) -> tuple:
+    bound = bound_args(node, GROUP_NORM)
+    x, groups = bound["input"], bound["num_groups"]
+    info, value = x.meta[META_KEY], example_value(x)
+    units = value.shape[info.axis] // info.per_unit
+    op = torch.ops.tokpipe.token_group_norm.default
+    args = (x, groups, bound.get("weight"), bound.get("bias"), bound.get("eps", 1e-5),
+            info.axis, info.per_unit)
+    return op, args, (units, 2, value.shape[0], groups)
+
+
+# Operands before the cache and chunk arguments, per op (the rest follow them).
+_SPLIT = {torch.ops.tokpipe.token_sum.default: 0, torch.ops.tokpipe.token_matmul.default: 1,
+          torch.ops.tokpipe.token_group_norm.default: 4}
+
+
+def _chunk_input(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    """The chunk descriptor input (chunk_attention's, when it added one)."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.target == CHUNK_INPUT:
+            return node
+    return add_input(gm, CHUNK_INPUT, torch.zeros(3, dtype=torch.long))

@@ -1,0 +1,175 @@
+"""Sums over the token axis (a mean over tokens, group_norm statistics, linear attention's
+K^T V) pipelined with per-unit partial sums: exact in sync mode and on warmup calls; in
+stale mode chunk p sees this call's partial sums up to its own rows and the previous
+call's after them.
+
+Tolerance: float32, max |pipelined - reference| <= 1e-5 * max |reference|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import MeanOverTokens
+from tests.fixtures.tracing import assert_rel_close, trace
+from tokpipe_compiler.core.errors import TokpipeError
+
+ROWS, CHUNKS = 8, 2
+BOUNDS = [(0, 4), (4, 8)]  # the chunks' rows: 8 rows in 2 chunks
+
+
+class GroupNormBlock(nn.Module):
+    """conv 1x1 -> GroupNorm over channels x all rows -> conv 1x1 (rows are the tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.norm, self.out = nn.Conv2d(4, 8, 1), nn.GroupNorm(2, 8), nn.Conv2d(8, 4, 1)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.out(F.silu(self.norm(self.inp(latents))))
+
+
+class LinearAttention(nn.Module):
+    """Sana's linear attention in one head: relu(q) (relu(v)^T relu(k)) summed over tokens."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = F.relu(self.q(x)), F.relu(self.k(x)), self.v(x)
+        kv = torch.matmul(v.transpose(1, 2), k)  # [B, D, D]: contracts over the tokens
+        return torch.matmul(q, kv.transpose(1, 2)) / (1 + k.sum(dim=1, keepdim=True).abs())
+
+
+def stale_mean(m: MeanOverTokens, before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+    h0, h1 = m.lin(before), m.lin(now)
+    return torch.cat([h1[:, a:b] - torch.cat([h1[:, :b], h0[:, b:]], 1).mean(1, keepdim=True)
+                      for a, b in BOUNDS], 1)
+
+
+def stale_group_norm(m: GroupNormBlock, before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+    x0, x1 = m.inp(before), m.inp(now)
+    pieces = []
+    for a, b in BOUNDS:
+        seen = torch.cat([x1[:, :, :b], x0[:, :, b:]], 2).reshape(1, 2, -1)
+        mean, var = seen.mean(-1), seen.var(-1, unbiased=False)
+        x = x1[:, :, a:b].reshape(1, 2, -1)
+        normed = ((x - mean[..., None]) / torch.sqrt(var[..., None] + m.norm.eps))
+        normed = normed.reshape(1, 8, b - a, ROWS) * m.norm.weight[:, None, None] \
+            + m.norm.bias[:, None, None]
+        pieces.append(m.out(F.silu(normed)))
+    return torch.cat(pieces, 2)
+
+
+def stale_linear_attention(m: LinearAttention, before: torch.Tensor,
+                           now: torch.Tensor) -> torch.Tensor:
+    k0, v0 = F.relu(m.k(before)), m.v(before)
+    q1, k1, v1 = F.relu(m.q(now)), F.relu(m.k(now)), m.v(now)
+    pieces = []
+    for a, b in BOUNDS:
+        k, v = torch.cat([k1[:, :b], k0[:, b:]], 1), torch.cat([v1[:, :b], v0[:, b:]], 1)
+        kv = torch.matmul(v.transpose(1, 2), k)
+        pieces.append(torch.matmul(q1[:, a:b], kv.transpose(1, 2))
+                      / (1 + k.sum(dim=1, keepdim=True).abs()))
+    return torch.cat(pieces, 1)
+
+
+CASES = {  # model, its input's name and shape, the stale reference
+    "mean": (MeanOverTokens, "x", (1, ROWS, 16), stale_mean),
+    "group_norm": (GroupNormBlock, "latents", (1, 4, ROWS, ROWS), stale_group_norm),
+    "linear_attention": (LinearAttention, "x", (1, ROWS, 16), stale_linear_attention),
+}
+
+
+def setup(case: str, **options):
+    torch.manual_seed(0)
+    model_class, name, shape, reference = CASES[case]
+    model = model_class().eval()
+    t = trace(model, torch.randn(shape))
+    program = t.program(chunks=CHUNKS, **options)
+    return model, (lambda x: program(*t.args(**{name: x}))[0]), program, shape, reference
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("stages", [1, 2])
+def test_sync_equals_eager(case, stages):
+    model, run, p, shape, _ = setup(case, mode="sync", stages=stages)
+    for _ in range(2):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            assert_rel_close(run(x), model(x))
+    assert p.plan.caches == []  # sync runs the sums whole: no partial sums kept
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_stale_sees_the_previous_calls_partial_sums_after_the_chunk(case):
+    model, run, _, shape, reference = setup(case, mode="stale", stages=2, warmup_steps=1)
+    xs = [torch.randn(shape) for _ in range(3)]
+    with torch.no_grad():
+        outs = [run(x) for x in xs]
+        assert_rel_close(outs[0], model(xs[0]))  # the warmup call is exact
+        for k in (1, 2):
+            expected = reference(model, xs[k - 1], xs[k])
+            assert_rel_close(outs[k], expected)
+            assert (outs[k] - model(xs[k])).abs().max() > 1e-3  # the stale rows count
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_causal_mode_refuses_sums_over_tokens(case):
+    with pytest.raises(TokpipeError, match="sums over every token"):
+        setup(case, mode="causal", stages=1)
+
+
+def test_reset_drops_the_partial_sums():
+    model, run, p, shape, _ = setup("group_norm", mode="stale", stages=2, warmup_steps=1)
+    x0, x1 = torch.randn(shape), torch.randn(shape)
+    with torch.no_grad():
+        run(x0)
+        assert any(name.startswith("sum_cache") for name in p.caches.buffers)
+        p.reset()
+        assert not p.branches
+        assert_rel_close(run(x1), model(x1))  # a warmup call again
+
+
+def test_ring_equals_per_call_loop():
+    torch.manual_seed(0)
+    model = GroupNormBlock().eval()
+    options = {"stages": 2, "chunks": CHUNKS, "mode": "stale", "warmup_steps": 1,
+               "compiler": "eager"}
+
+    def step(latents, c):
+        return (latents - c * model(latents),)
+
+    latents, cs = torch.randn(1, 4, ROWS, ROWS), torch.linspace(0.3, 0.1, 4)
+    (ring,) = tp.Ring(step, carry=["latents"], **options).run({"latents": latents},
+                                                               per_step={"c": cs})
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=tp.backend(**options), dynamic=False)
+    x = latents
+    with torch.no_grad():
+        for c in cs:
+            (x,) = compiled(x, c)
+    assert_rel_close(ring, x)
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_diffusers_transformer_2d_with_group_norm(mode):
+    """Continuous-input Transformer2DModel: a GroupNorm over channels x every latent row
+    before its blocks. Stale on a repeated input is exact: the stale partials are fresh."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.Transformer2DModel(num_attention_heads=2, attention_head_dim=8,
+                                         in_channels=4, norm_num_groups=2, num_layers=1).eval()
+    x = torch.randn(1, 4, ROWS, ROWS)
+    t = trace(model, x)
+    p = t.program(mode=mode, stages=2, chunks=4, warmup_steps=1)
+    assert len(p.plan.caches) == (2 if mode == "stale" else 1)  # self-attention K/V, the norm
+    with torch.no_grad():
+        expected = model(x)[0]
+        for _ in range(2):
+            assert_rel_close(p(*t.args(hidden_states=x))[0], expected)
