@@ -98,7 +98,7 @@ def waits(text: str) -> dict[int, tuple[str, float]]:
 def run_fault(fn, world: int, faulty: int, fault: str) -> tuple[dict, float]:
     start = time.monotonic()
     with pytest.raises(tp.TokpipeError) as info:
-        launch(fn, world, args=(faulty, fault), timeout=120)
+        launch(fn, world, args=(faulty, fault), timeout=300)  # starting ranks on a busy machine
     return waits(str(info.value)), time.monotonic() - start
 
 
@@ -128,7 +128,7 @@ def test_last_stage_fault_per_call_raises_on_the_others(fault):
     assert OUTPUT.search(message), message
     reason = "timed out after 3 s" if fault == "stalls" else "the peer has likely died"
     assert reason in message
-    assert elapsed < 90  # mostly starting the ranks
+    assert elapsed < 240  # mostly starting the ranks (each rank's wait is bounded above)
 
 
 @pytest.mark.parametrize("fault", ["stalls", "dies"])
@@ -136,7 +136,7 @@ def test_last_stage_fault_at_the_last_ring_step(fault):
     errors, elapsed = run_fault(ring_rank, 2, 1, fault)
     check_bounded(errors, 1, 2, fault)
     assert OUTPUT.search(errors[0][0]), errors[0][0]
-    assert elapsed < 90  # mostly starting the ranks
+    assert elapsed < 240  # mostly starting the ranks (each rank's wait is bounded above)
 
 
 @pytest.mark.parametrize(("faulty", "fault"), [(0, "stalls"), (1, "dies"), (1, "stalls"),
@@ -147,14 +147,14 @@ def test_any_stage_of_three_fails_every_other_rank_in_time(faulty, fault):
     if faulty == 2:
         for rank in (0, 1):
             assert OUTPUT.search(errors[rank][0]), errors[rank][0]
-    assert elapsed < 90  # mostly starting the ranks
+    assert elapsed < 240  # mostly starting the ranks (each rank's wait is bounded above)
 
 
 @pytest.mark.parametrize("faulty", [0, 1])
 def test_first_or_middle_stage_dies_in_a_ring_of_three(faulty):
     errors, elapsed = run_fault(ring_rank, 3, faulty, "dies")
     check_bounded(errors, faulty, 3, "dies")
-    assert elapsed < 90  # mostly starting the ranks
+    assert elapsed < 240  # mostly starting the ranks (each rank's wait is bounded above)
 
 
 # Ranks that disagree.
