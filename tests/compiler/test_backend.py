@@ -11,7 +11,7 @@ import torch
 import tokpipe_compiler as tp
 from tests.fixtures.models import (
     ConvAcrossRows,
-    MeanOverTokens,
+    MaxOverTokens,
     SortOverTokens,
     TinyDiT,
     dit_inputs,
@@ -95,14 +95,14 @@ def test_new_input_shape_starts_a_new_generation():
 
 
 def test_unsupported_op_names_op_shape_and_source_line():
-    model = MeanOverTokens().eval()
+    model = MaxOverTokens().eval()
     compiled = torch.compile(model, backend="tokpipe", options={"compiler": "eager"},
                              dynamic=False)
     with pytest.raises(tp.TokpipeError) as err:
         compiled(torch.randn(1, 8, 16))
     text = str(err.value)
-    assert "mean" in text and "(1, 8, 16)" in text
-    assert "models.py" in text and "h.mean(dim=1, keepdim=True)" in text
+    assert "amax" in text and "(1, 8, 16)" in text
+    assert "models.py" in text and "h.amax(dim=1, keepdim=True)" in text
     assert "fallback" in text  # says what the user can do
 
 
@@ -118,7 +118,7 @@ def test_other_token_mixers_are_rejected(model, shape, words):
 
 
 def test_fallback_runs_unpipelined_and_warns():
-    model = MeanOverTokens().eval()
+    model = MaxOverTokens().eval()
     compiled = torch.compile(model, backend="tokpipe",
                              options={"compiler": "eager", "fallback": True}, dynamic=False)
     x = torch.randn(1, 8, 16)
