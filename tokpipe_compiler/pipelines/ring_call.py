@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
@@ -42,24 +41,13 @@ from tokpipe_compiler.pipelines.glue import (
     first_tensor,
     guide,
     identify,
-    model_input,
     model_timesteps,
 )
-from tokpipe_compiler.pipelines.schedulers import StepTable, step_table, update_state
+from tokpipe_compiler.pipelines.probes import bind_call, output_structure, probe, with_probe
+from tokpipe_compiler.pipelines.ring_step import fixed_inputs, make_step, same, split_fixed
+from tokpipe_compiler.pipelines.schedulers import StepTable, step_table
 from tokpipe_compiler.pipelines.table import per_call_reasons
 from tokpipe_compiler.ring import Ring
-
-PROBE_SEED = 0x70C  # every rank draws the same probes
-
-
-class _Tensor:
-    """Marks where a fixed input's tensor leaves go (a step-function input each)."""
-
-    def __repr__(self) -> str:
-        return "<tensor>"
-
-
-TENSOR = _Tensor()
 
 
 class UnpipelinedStep(TokpipeError):
@@ -138,14 +126,14 @@ class RingCalls:
             self._start(gen)
             if not gen.ring:
                 return self.per_call(*args, **kwargs)
-        call = _bind(self.denoiser.forward, args, kwargs)
+        call = bind_call(self.denoiser.forward, args, kwargs)
         if gen.step > 0:
             self._check_call(gen, call, len(gen.calls))
         gen.calls.append(call)
         structure = self._output_structure(call)
-        probe = _probe(structure, gen.step, len(gen.calls))
-        gen.probes.append(probe)
-        return _with_probe(structure, probe)
+        answer = probe(structure, gen.step, len(gen.calls))
+        gen.probes.append(answer)
+        return with_probe(structure, answer)
 
     def step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         gen = self.generation
@@ -198,15 +186,13 @@ class RingCalls:
                                f"denoising step: {err}; run it per call with "
                                "parallelize(pipe, ring=False)") from err
         gen.first_calls = gen.calls
-        fixed = _fixed_inputs(gen.glue, gen.calls, sample.shape[0])
+        fixed = fixed_inputs(gen.glue, gen.calls, sample.shape[0])
         if self.cfg == 2:
             gen.result = cfg_parallel.run(self._forward_per_branch(), gen.glue, table, sample,
                                           fixed, gen.timesteps, Config.from_options(
                                               self.options).timeout)
             return
-        leaves, spec = pytree.tree_flatten(fixed)
-        tensors = {f"input_{i}": v for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)}
-        constants = [TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+        tensors, spec, constants = split_fixed(fixed)
         ring = self._ring(gen.glue, spec, constants, table)
         inputs = {"sample": sample, "guidance": torch.tensor(gen.glue.guidance), **tensors}
         state_dtype = torch.promote_types(sample.dtype, torch.float32)
@@ -287,13 +273,13 @@ class RingCalls:
             self._changed(gen, f"the timestep input {glue.timestep_arg!r}")
         for name, value in call.items():
             if name not in (glue.latent_arg, glue.timestep_arg) and \
-                    not _same(value, first[index][name]):
+                    not same(value, first[index][name]):
                 self._changed(gen, f"the transformer input {name!r}")
 
     def _check_prediction(self, gen: Generation, noise_pred: torch.Tensor) -> None:
         probe = torch.cat(gen.probes) if len(gen.probes) == 2 else gen.probes[0]
         if len(gen.probes) != gen.glue.calls or \
-                not _same(guide(gen.glue, probe, gen.glue.guidance), noise_pred, 1e-6):
+                not same(guide(gen.glue, probe, gen.glue.guidance), noise_pred, 1e-6):
             self._changed(gen, "the guidance")
 
     def _changed(self, gen: Generation, what: str) -> None:
@@ -303,17 +289,11 @@ class RingCalls:
                            "parallelize(pipe, ring=False)")
 
     def _output_structure(self, call: dict[str, Any]) -> Any:
-        """The transformer's output for this call, as fake tensors (shapes and types)."""
+        """The transformer's output for this call, as Specs (cached per signature)."""
         key = tuple((k, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v))
                     for k, v in call.items())
         if key not in self.shapes:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, call)
-                out = self.denoiser.forward(**fake)
-            self.shapes[key] = pytree.tree_map_only(
-                torch.Tensor, lambda t: Spec(tuple(t.shape), t.dtype, t.device), out)
+            self.shapes[key] = output_structure(self.denoiser.forward, call)
         return self.shapes[key]
 
     def _warn_per_call(self, reasons: list[str]) -> None:
@@ -351,91 +331,9 @@ def _routed_class(base: type, calls: RingCalls, owner: weakref.ref) -> type:
         "__module__": base.__module__, "__doc__": base.__doc__})
 
 
-def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: list[Any],
-              table: StepTable) -> Callable[..., Any]:
-    """The ring's step function: the transformer call, guidance and scheduler update.
-    Inputs: the carried `sample` and `state_<i>`, per step `timestep`, `scale` and
-    `coeffs` (a row of the table), and the fixed `guidance` and `input_<i>`."""
-    pattern, states = table.pattern, [f"state_{i}" for i in range(table.state_size)]
-
-    def step(sample, timestep, scale, coeffs, guidance, **tensors):
-        leaves = [tensors[f"input_{i}"] if c is TENSOR else c for i, c in enumerate(constants)]
-        inputs = pytree.tree_unflatten(leaves, spec)
-        inputs[glue.latent_arg] = model_input(glue, sample, scale)
-        inputs[glue.timestep_arg] = timestep
-        out = first_tensor(forward(**inputs))
-        state = [tensors[name] for name in states]
-        x, state = update_state(sample, guide(glue, out, guidance), state, coeffs, pattern)
-        return (x, *state)
-
-    return step
-
-
-def _fixed_inputs(glue: Glue, calls: list[dict[str, Any]], batch: int) -> dict[str, Any]:
-    """The transformer inputs that stay fixed over the generation; two calls (one per
-    guidance branch) become one batched call, cond first."""
-    names = [n for n in calls[0] if n not in (glue.latent_arg, glue.timestep_arg)]
-    if len(calls) == 1:
-        return {n: calls[0][n] for n in names}
-    fixed = {}
-    for name in names:
-        cond, uncond = calls[0][name], calls[1][name]
-        fixed[name] = pytree.tree_map(functools.partial(_batched, name, batch=batch), cond, uncond)
-    return fixed
-
-
-def _batched(name: str, cond: Any, uncond: Any, *, batch: int) -> Any:
-    if isinstance(cond, torch.Tensor) and cond.dim() and cond.shape[0] == batch:
-        return torch.cat([cond, uncond])
-    if _same(cond, uncond):
-        return cond
-    raise TokpipeError(f"the two guidance branches pass different {name!r} that is not "
-                       "batched along the latent's batch; ring mode cannot batch them: run it "
-                       "per call with parallelize(pipe, ring=False)")
-
-
-def _bind(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    bound = inspect.signature(forward).bind(*args, **kwargs)
-    arguments = dict(bound.arguments)
-    for name, param in inspect.signature(forward).parameters.items():
-        if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
-            arguments.update(arguments.pop(name))
-        elif param.kind is inspect.Parameter.VAR_POSITIONAL and arguments.get(name):
-            raise TokpipeError("the transformer's forward takes *args; ring mode needs "
-                               "named inputs")
-    return arguments
-
-
 def _step_arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
     bound = inspect.signature(original).bind(*args, **kwargs).arguments
     return bound["model_output"], bound["timestep"], bound["sample"]
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A tensor's shape, dtype and device (a pytree leaf)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-    def zeros(self) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-
-
-def _probe(structure: Any, step: int, call: int) -> torch.Tensor:
-    spec = first_tensor(structure, leaf=Spec)
-    gen = torch.Generator().manual_seed(PROBE_SEED + 1009 * step + call)
-    return torch.randn(spec.shape, generator=gen).to(dtype=spec.dtype, device=spec.device)
-
-
-def _with_probe(structure: Any, probe: torch.Tensor) -> Any:
-    """The output structure with the probe as its first tensor, zeros for the rest."""
-    leaves, spec = pytree.tree_flatten(structure)
-    first = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, Spec))
-    filled = [probe if i == first else leaf.zeros() if isinstance(leaf, Spec) else leaf
-              for i, leaf in enumerate(leaves)]
-    return pytree.tree_unflatten(filled, spec)
 
 
 def _with_sample(output: Any, sample: torch.Tensor) -> Any:
@@ -451,21 +349,3 @@ def _table_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k != "device"}
 
 
-def _same(a: Any, b: Any, rtol: float = 0.0) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        if rtol == 0.0:
-            return bool(torch.equal(a, b))
-        scale = max(b.abs().max().item(), 1e-30)
-        return (a - b).abs().max().item() <= rtol * scale
-    if isinstance(a, (dict, list, tuple)) and type(a) is type(b):
-        la, sa = pytree.tree_flatten(a)
-        lb, sb = pytree.tree_flatten(b)
-        return sa == sb and all(_same(x, y, rtol) for x, y in zip(la, lb, strict=True))
-    try:
-        return bool(a == b)
-    except (RuntimeError, TypeError, ValueError):
-        return False

@@ -1,0 +1,72 @@
+"""The transformer's side of a probed step: how it was called, and what it answers.
+
+At a probed step the transformer does not compute: it returns a random probe shaped like
+its real output (found once per call signature by a fake-tensor run), drawn from a seed
+every rank shares, and zeros for any other output tensor.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines.glue import first_tensor
+
+PROBE_SEED = 0x70C  # every rank draws the same probes
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A tensor's shape, dtype and device (a pytree leaf)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
+def probe(structure: Any, step: int, call: int) -> torch.Tensor:
+    spec = first_tensor(structure, leaf=Spec)
+    gen = torch.Generator().manual_seed(PROBE_SEED + 1009 * step + call)
+    return torch.randn(spec.shape, generator=gen).to(dtype=spec.dtype, device=spec.device)
+
+
+def with_probe(structure: Any, answer: torch.Tensor) -> Any:
+    """The output structure with the probe as its first tensor, zeros for the rest."""
+    leaves, spec = pytree.tree_flatten(structure)
+    first = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, Spec))
+    filled = [answer if i == first else leaf.zeros() if isinstance(leaf, Spec) else leaf
+              for i, leaf in enumerate(leaves)]
+    return pytree.tree_unflatten(filled, spec)
+
+
+def output_structure(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
+    """`forward(**call)`'s output with each tensor as a Spec, from a fake-tensor run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, call)
+        out = forward(**fake)
+    return pytree.tree_map_only(torch.Tensor,
+                                lambda t: Spec(tuple(t.shape), t.dtype, t.device), out)
+
+
+def bind_call(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by parameter name (**kwargs spread out)."""
+    bound = inspect.signature(forward).bind(*args, **kwargs)
+    arguments = dict(bound.arguments)
+    for name, param in inspect.signature(forward).parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
+            arguments.update(arguments.pop(name))
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL and arguments.get(name):
+            raise TokpipeError("the transformer's forward takes *args; ring mode needs "
+                               "named inputs")
+    return arguments
