@@ -1,0 +1,47 @@
+"""parallelize(pipe) as users run it: released-width transformers (one block, a small grid)
+inside their diffusers pipelines, with the released text lengths, guided (batch 2 or two
+calls), 4 steps. Sync equals serial, and on two gloo ranks the stale ring returns what one
+process computes (within 1e-5 relative, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.pipelines import RELEASED, generate
+from tokpipe_compiler.runtime.launch import launch
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("transformers")
+
+OPTIONS = {"stages": 2, "chunks": 2, "warmup_steps": 1, "compiler": "eager"}
+STEPS = 4
+
+
+def _ring(name: str, mode: str) -> torch.Tensor:
+    pipe, kwargs = RELEASED[name]()
+    tp.pipelines.parallelize(pipe, mode=mode, **OPTIONS)
+    return generate(pipe, kwargs, steps=STEPS)
+
+
+def _rank(rank: int, world: int, name: str) -> torch.Tensor:
+    return _ring(name, "stale")
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item() / b.abs().max().item()
+
+
+@pytest.mark.parametrize("name", [
+    "pixart-alpha",
+    pytest.param("wan2.1-1.3b", marks=pytest.mark.full),
+    pytest.param("sd3-medium", marks=pytest.mark.full),
+])
+def test_released_widths_in_their_pipeline_on_two_ranks(name):
+    serial = generate(*RELEASED[name](), steps=STEPS)
+    assert _relative(_ring(name, "sync"), serial) <= 1e-5
+    alone = _ring(name, "stale")
+    assert not torch.equal(alone, serial)  # stale K/V after the warmup step
+    for result in launch(_rank, 2, args=(name,), timeout=900):
+        assert _relative(result, alone) <= 1e-5
