@@ -27,6 +27,7 @@ from tokpipe_compiler.passes.rule_base import (
     unsupported,
 )
 from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis
+from tokpipe_compiler.runtime import branch_exchange  # noqa: F401  (defines tokpipe::cfg_gather)
 
 AXIS_RULES: dict[Any, Rule] = {}
 register = registrar(AXIS_RULES)
@@ -214,3 +215,14 @@ def stack(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         return unsupported("stacks tensors that carry tokens differently (or not at all)")
     info = infos.pop()
     return info.moved(info.axis + (dim <= info.axis))
+
+
+@register(torch.ops.tokpipe.cfg_gather.default)
+def cfg_gather(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """The guidance branches joined along the batch: the token layout is unchanged, unless
+    the batch shares the token axis (then each branch's tokens would be interleaved)."""
+    info = ctx.info(source(node))
+    if info.axis == 0 or info.outer > 1:
+        return unsupported("the guidance branches' exchange joins along the batch axis, which "
+                           "here carries the tokens too")
+    return info.moved(info.axis)

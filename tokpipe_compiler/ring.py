@@ -31,12 +31,15 @@ class Ring:
     """A step function compiled once and run for whole generations.
 
     carry: names of the inputs that the step's outputs become, in output order.
+    group: the torch.distributed group whose ranks run the stages (default: the world).
     options: the backend's options (stages, chunks, mode, warmup_steps, compiler, timeout).
     """
 
-    def __init__(self, step_fn: Callable[..., Any], carry: Sequence[str], **options: Any):
+    def __init__(self, step_fn: Callable[..., Any], carry: Sequence[str], group: Any = None,
+                 **options: Any):
         self.step_fn = step_fn
         self.carry = _carry_names(carry)
+        self.group = group
         self.config = Config.from_options({"token_input": self.carry[0], **options})
         if self.config.mode == "stale" and self.config.warmup_steps < 1:
             raise ValueError("ring mode in 'stale' needs option 'warmup_steps' >= 1, got 0: "
@@ -94,7 +97,7 @@ class Ring:
         if signature not in self._programs:
             traced = trace_step(self.step_fn, values)
             plan = build_plan(traced.gm, self.config, ring_steps=max(ring_steps, 1))
-            self._programs[signature] = (traced, make_program(plan, None))
+            self._programs[signature] = (traced, make_program(plan, None, group=self.group))
         self._traced, self.program = self._programs[signature]
         return self.program
 
@@ -129,7 +132,7 @@ class Ring:
 def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
     """The graph of one call of the step function, its example inputs and placeholders."""
     try:
-        return capture(step_fn, kwargs=values, fullgraph=True)[-1]
+        return capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1]
     except torch._dynamo.exc.Unsupported as err:
         raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
                            f"it: {str(err).splitlines()[0]}") from err

@@ -138,9 +138,17 @@ def test_cfg_parallel_in_one_process_equals_serial(family):
     assert _relative(generate(pipe, kwargs), serial) <= 1e-5
 
 
+def test_hybrid_cfg_in_one_process_equals_serial():
+    """cfg=2 x stages=2 without a process group: both branches batched in one ring, the
+    generation the four ranks compute (tests/slow/test_parallelize_ranks.py)."""
+    make = FAMILIES["dit"]
+    serial = generate(*make())
+    pipe, kwargs = make()
+    tp.pipelines.parallelize(pipe, cfg=2, stages=2, chunks=2, mode="sync", compiler="eager")
+    assert _relative(generate(pipe, kwargs), serial) <= 1e-5
+
+
 def test_cfg_parallel_checks_its_degrees():
-    with pytest.raises(tp.TokpipeError, match="hybrid"):
-        tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=2, stages=2)
     with pytest.raises(tp.TokpipeError, match="two branches"):
         tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=3, stages=1)
     with pytest.raises(tp.TokpipeError, match="ring=False"):

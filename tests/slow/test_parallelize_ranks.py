@@ -59,6 +59,30 @@ def test_cfg_parallel_on_two_ranks_equals_one_process(family):
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
 
 
+HYBRID = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
+
+
+def _hybrid(family: str, cfg: int) -> torch.Tensor:
+    pipe, kwargs = FAMILIES[family]()
+    tp.pipelines.parallelize(pipe, cfg=cfg, **HYBRID)
+    return generate(pipe, kwargs, steps=4)
+
+
+def _hybrid_rank(rank: int, world: int, family: str) -> torch.Tensor:
+    return _hybrid(family, cfg=2)
+
+
+@pytest.mark.parametrize("family", ["dit", pytest.param("wan", marks=pytest.mark.full)])
+def test_hybrid_cfg_on_four_ranks_equals_one_process(family):
+    """cfg=2 x stages=2: ranks 0-1 run the conditional branch's ring, ranks 2-3 the
+    unconditional one's, and the last stages swap each chunk's prediction. Every rank
+    returns what one process computes with both branches batched in one ring (stale K/V
+    of the same freshness: each branch keeps its own)."""
+    alone = _hybrid(family, cfg=1)
+    for result in launch(_hybrid_rank, 4, args=(family,), timeout=900):
+        assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+
+
 def _wrong_world(rank: int, world: int) -> str:
     try:
         tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=1, stages=1)

@@ -1,18 +1,23 @@
-"""Classifier-free guidance in parallel: each guidance branch on its own rank.
+"""Classifier-free guidance in parallel: each guidance branch on its own ranks.
 
 A guided pipeline runs its transformer on a batch of two halves (or in two calls), one per
 branch, and combines them where the guidance formula needs both. With `cfg=2` and one
-stage per branch, rank r runs the whole transformer on half r of every batched input, the
-two ranks exchange their predictions (one all-gather of the model output per step), and
-both apply guidance and the scheduler's token-wise update to the same latents. Without a
-process group both halves run in the calling process, one after the other (the same
-numbers, for tests and checks).
+stage per branch (`run`), rank r runs the whole transformer on half r of every batched
+input, the two ranks exchange their predictions (one all-gather of the model output per
+step), and both apply guidance and the scheduler's token-wise update to the same latents.
+Without a process group both halves run in the calling process, one after the other (the
+same numbers, for tests and checks).
+
+With `cfg=2` and S > 1 stages (hybrid, 2 x S ranks: `Branches`), each branch runs its own
+ring over S ranks, and the two rings' last stages swap each chunk's prediction
+(`runtime.branch_exchange`) before guidance and the update; see `ring_call`.
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,10 +39,6 @@ def check_world(cfg: int, stages: int) -> None:
     """The degrees against the ranks there are, at parallelize time."""
     if cfg not in (1, 2):
         raise TokpipeError(f"cfg={cfg}: guidance has two branches; use cfg=1 or cfg=2")
-    if cfg == 2 and stages != 1:
-        raise TokpipeError(f"cfg=2 with stages={stages}: guidance branches on separate groups "
-                           "of pipeline stages (hybrid) are not available; use cfg=2 with "
-                           "stages=1, or cfg=1")
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
         if world != cfg * stages:
@@ -45,13 +46,42 @@ def check_world(cfg: int, stages: int) -> None:
                                f"process group has {world}")
 
 
+@dataclass(frozen=True)
+class Branches:
+    """Where this rank sits in cfg=2 x `stages` ranks: rank r runs stage r % stages of
+    guidance branch r // stages."""
+
+    branch: int
+    stage_group: Any  # this branch's ranks, one per stage: its ring runs over them
+    peer_group: Any  # this stage's rank in either branch: they swap predictions
+
+
+def branch_groups(stages: int) -> Branches | None:
+    """The process groups of a hybrid cfg=2 run (stages > 1), made on every rank in one
+    order (torch.distributed requires it); None without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank = dist.get_rank()
+    stage_groups = [dist.new_group(list(range(b * stages, (b + 1) * stages))) for b in (0, 1)]
+    peer_groups = [dist.new_group([s, stages + s]) for s in range(stages)]
+    return Branches(rank // stages, stage_groups[rank // stages], peer_groups[rank % stages])
+
+
+def half(inputs: dict[str, Any], branch: int, batch: int) -> dict[str, Any]:
+    """Half `branch` of every input batched over both guidance branches."""
+
+    def take(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+            return value.chunk(2)[branch]
+        return value
+
+    return pytree.tree_map(take, inputs)
+
+
 def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch.Tensor,
         fixed: dict[str, Any], timesteps: torch.Tensor, timeout: float) -> torch.Tensor:
     """Every step of a generation from `sample`, the branches split over two ranks (or run
     in turn in this process); returns the last latents, on every rank."""
-    if glue.combine == "none":
-        raise TokpipeError("cfg=2: this call runs no classifier-free guidance (one branch); "
-                           "use cfg=1")
     batch = sample.shape[0] * glue.copies
     per_step = model_timesteps(glue, timesteps, batch).to(sample.device)
     distributed = dist.is_available() and dist.is_initialized()
@@ -61,24 +91,13 @@ def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch
         inputs = {**fixed, glue.latent_arg: model_input(glue, sample, table.input_scale[k]),
                   glue.timestep_arg: per_step[k]}
         if distributed:
-            out = _gathered(forward(**_half(inputs, dist.get_rank(), batch)), timeout, k)
+            out = _gathered(forward(**half(inputs, dist.get_rank(), batch)), timeout, k)
         else:
-            out = torch.cat([first_tensor(forward(**_half(inputs, r, batch))) for r in (0, 1)])
+            out = torch.cat([first_tensor(forward(**half(inputs, r, batch))) for r in (0, 1)])
         noise = guide(glue, out, glue.guidance)
         sample, state = update_state(sample, noise, state, table.rows[k], table.pattern)
         state = list(state)
     return sample
-
-
-def _half(inputs: dict[str, Any], branch: int, batch: int) -> dict[str, Any]:
-    """Half `branch` of every input batched over both guidance branches."""
-
-    def take(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
-            return value.chunk(2)[branch]
-        return value
-
-    return pytree.tree_map(take, inputs)
 
 
 def _gathered(output: Any, timeout: float, step: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from tokpipe_compiler.backend import TokpipeBackend
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.pipelines.cfg_parallel import check_world
+from tokpipe_compiler.pipelines.cfg_parallel import branch_groups, check_world
 from tokpipe_compiler.pipelines.ring_call import RingCalls
 
 DENOISERS = ("transformer",)  # the attribute that holds a pipeline's denoising transformer
@@ -41,7 +41,9 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     checked at once. ring: run each call's denoising loop as one ring where the pipeline
     and scheduler allow (False: every step is a pipelined call). cfg: 1 (every stage runs
     both guidance branches, as the pipeline batches them) or 2 (each branch on its own
-    rank, with stages=1: `cfg_parallel`).
+    ranks: `cfg_parallel`; world = cfg x stages). Without a process group, cfg=2 computes
+    the same generation in this process: the branches in turn (stages=1), or one ring over
+    both branches batched (stages > 1).
     """
     config = Config.from_options(options)  # bad options fail here, not at the first step
     check_world(cfg, config.stages)
@@ -62,7 +64,9 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
 def _install_ring(pipe: Any, denoiser: torch.nn.Module, options: dict[str, Any],
                   cfg: int) -> None:
     """Route the pipeline's call, its transformer and its scheduler through `RingCalls`."""
-    calls = RingCalls(pipe, denoiser, denoiser._compiled_call_impl, options, cfg)
+    stages = Config.from_options(options).stages
+    branches = branch_groups(stages) if cfg == 2 and stages > 1 else None
+    calls = RingCalls(pipe, denoiser, denoiser._compiled_call_impl, options, cfg, branches)
     object.__setattr__(denoiser, "_compiled_call_impl", calls.transformer)
     cls = type(pipe)
 

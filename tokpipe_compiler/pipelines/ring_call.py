@@ -48,6 +48,7 @@ from tokpipe_compiler.pipelines.ring_step import fixed_inputs, make_step, same, 
 from tokpipe_compiler.pipelines.schedulers import StepTable, step_table
 from tokpipe_compiler.pipelines.table import per_call_reasons
 from tokpipe_compiler.ring import Ring
+from tokpipe_compiler.runtime.branch_exchange import exchanging
 
 
 class UnpipelinedStep(TokpipeError):
@@ -79,9 +80,11 @@ class RingCalls:
     """Installed on one pipeline by `parallelize`: its calls run as rings where they can."""
 
     def __init__(self, pipe: Any, denoiser: torch.nn.Module, per_call: Callable[..., Any],
-                 options: dict[str, Any], cfg: int = 1):
+                 options: dict[str, Any], cfg: int = 1,
+                 branches: cfg_parallel.Branches | None = None):
         self.pipe, self.denoiser, self.per_call = pipe, denoiser, per_call
-        self.options, self.cfg = options, cfg
+        self.options, self.cfg, self.branches = options, cfg, branches
+        self.config = Config.from_options(options)
         self._branch_forward: Callable[..., Any] | None = None
         self.generation: Generation | None = None
         self.timestep_args: tuple = ((), {})
@@ -187,18 +190,23 @@ class RingCalls:
                                "parallelize(pipe, ring=False)") from err
         gen.first_calls = gen.calls
         fixed = fixed_inputs(gen.glue, gen.calls, sample.shape[0])
-        if self.cfg == 2:
+        batch = sample.shape[0] * gen.glue.copies
+        if self.cfg == 2 and gen.glue.combine == "none":
+            raise TokpipeError("cfg=2: this call runs no classifier-free guidance (one "
+                               "branch); use cfg=1")
+        if self.cfg == 2 and self.config.stages == 1:
             gen.result = cfg_parallel.run(self._forward_per_branch(), gen.glue, table, sample,
-                                          fixed, gen.timesteps, Config.from_options(
-                                              self.options).timeout)
+                                          fixed, gen.timesteps, self.config.timeout)
             return
+        branch = None if self.branches is None else self.branches.branch
+        if branch is not None:
+            fixed = cfg_parallel.half(fixed, branch, batch)
         tensors, spec, constants = split_fixed(fixed)
-        ring = self._ring(gen.glue, spec, constants, table)
+        ring = self._ring(gen.glue, spec, constants, table, branch)
         inputs = {"sample": sample, "guidance": torch.tensor(gen.glue.guidance), **tensors}
         state_dtype = torch.promote_types(sample.dtype, torch.float32)
         for i in range(table.state_size):  # zeros before the first step, as diffusers starts
             inputs[f"state_{i}"] = torch.zeros_like(sample, dtype=state_dtype)
-        batch = sample.shape[0] * gen.glue.copies
         per_step = {"timestep": model_timesteps(gen.glue, gen.timesteps, batch).to(sample.device),
                     "scale": table.input_scale.to(sample.device),
                     "coeffs": table.rows.to(sample.device)}
@@ -208,7 +216,15 @@ class RingCalls:
             if not self.options.get("fallback"):
                 raise
             raise UnpipelinedStep(str(err)) from err
-        gen.result = ring.run(inputs, per_step, progress=self._progress(len(gen.timesteps)))[0]
+        with self._exchange():
+            gen.result = ring.run(inputs, per_step,
+                                  progress=self._progress(len(gen.timesteps)))[0]
+
+    def _exchange(self) -> contextlib.AbstractContextManager:
+        """Hybrid cfg=2: the rings' last stages swap predictions over the peer group."""
+        if self.branches is None:
+            return contextlib.nullcontext()
+        return exchanging(self.branches.peer_group, self.config.timeout)
 
     def _progress(self, steps: int) -> Callable[[int], None] | None:
         """A bar for the ring's steps (the pipeline's own bar waits at its first step while
@@ -233,7 +249,7 @@ class RingCalls:
         Inductor as the `compiler` option says."""
         if self._branch_forward is None:
             forward = self.denoiser.forward
-            if Config.from_options(self.options).compiler == "inductor":
+            if self.config.compiler == "inductor":
                 forward = torch.compile(forward, dynamic=False)
             self._branch_forward = forward
         return self._branch_forward
@@ -252,13 +268,17 @@ class RingCalls:
         gen.step, gen.calls, gen.probes = 1, [], []
         return original(*bound.args, **bound.kwargs)
 
-    def _ring(self, glue: Glue, spec: Any, constants: list[Any], table: StepTable) -> Ring:
+    def _ring(self, glue: Glue, spec: Any, constants: list[Any], table: StepTable,
+              branch: int | None) -> Ring:
+        """The ring for this form of step (hybrid cfg=2: of this rank's guidance branch,
+        over its branch's ranks)."""
         glue = dataclasses.replace(glue, guidance=0.0)  # an input of the step, not a constant
-        key = (glue, str(spec), repr(constants), table.state_size, table.pattern)
+        key = (glue, str(spec), repr(constants), table.state_size, table.pattern, branch)
         if key not in self.rings:
-            step = make_step(self.denoiser.forward, glue, spec, constants, table)
+            step = make_step(self.denoiser.forward, glue, spec, constants, table, branch)
             carry = ["sample", *(f"state_{i}" for i in range(table.state_size))]
-            self.rings[key] = Ring(step, carry=carry, **self.options)
+            group = None if self.branches is None else self.branches.stage_group
+            self.rings[key] = Ring(step, carry=carry, group=group, **self.options)
         return self.rings[key]
 
     # -- checks of the later steps ----------------------------------------------------------

@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.glue import Glue, first_tensor, guide, model_input
 from tokpipe_compiler.pipelines.schedulers import StepTable, update_state
+from tokpipe_compiler.runtime.branch_exchange import cfg_gather
 
 
 class _Tensor:
@@ -30,10 +31,13 @@ TENSOR = _Tensor()
 
 
 def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: list[Any],
-              table: StepTable) -> Callable[..., Any]:
+              table: StepTable, branch: int | None = None) -> Callable[..., Any]:
     """The ring's step function: the transformer call, guidance and scheduler update.
     Inputs: the carried `sample` and `state_<i>`, per step `timestep`, `scale` and
-    `coeffs` (a row of the table), and the fixed `guidance` and `input_<i>`."""
+    `coeffs` (a row of the table), and the fixed `guidance` and `input_<i>`.
+    branch: this ring's guidance branch (hybrid cfg=2): the transformer runs on that half
+    of the batch (the fixed inputs come halved) and the other half's prediction comes from
+    the other branch's ring (`cfg_gather`)."""
     pattern, states = table.pattern, [f"state_{i}" for i in range(table.state_size)]
 
     def step(sample, timestep, scale, coeffs, guidance, **tensors):
@@ -41,7 +45,12 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
         inputs = pytree.tree_unflatten(leaves, spec)
         inputs[glue.latent_arg] = model_input(glue, sample, scale)
         inputs[glue.timestep_arg] = timestep
-        out = first_tensor(forward(**inputs))
+        if branch is None:
+            out = first_tensor(forward(**inputs))
+        else:
+            for name in (glue.latent_arg, glue.timestep_arg):
+                inputs[name] = inputs[name].chunk(2)[branch]
+            out = cfg_gather(first_tensor(forward(**inputs)))
         state = [tensors[name] for name in states]
         x, state = update_state(sample, guide(glue, out, guidance), state, coeffs, pattern)
         return (x, *state)

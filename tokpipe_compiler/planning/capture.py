@@ -55,14 +55,16 @@ class Captured:
 
 
 def capture(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *,
-            fullgraph: bool = False, fresh: bool = False) -> list[Captured]:
+            fullgraph: bool = False, fresh: bool = False, run: bool = True) -> list[Captured]:
     """Dynamo's graphs of `fn(*args, **kwargs)` (several when it has graph breaks), in the
     order Dynamo made them. `fresh`: reset Dynamo first (tests trace many models of one
-    class). Raises TokpipeError when Dynamo traced nothing."""
+    class). `run=False` (with `fullgraph`): trace the graph without running it, for a
+    function whose run has effects (a ring's step that talks to other ranks). Raises
+    TokpipeError when Dynamo traced nothing."""
     if fresh:
         torch.compiler.reset()
     for attempt in range(2):
-        graphs = _record_once(fn, args, kwargs or {}, fullgraph)
+        graphs = _record_once(fn, args, kwargs or {}, fullgraph, run or not fullgraph)
         if graphs:
             return graphs
         if attempt == 0:
@@ -75,15 +77,15 @@ def capture(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None
                        "tensor inputs? (TORCH_LOGS=graph_breaks shows why)")
 
 
-def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict,
-                 fullgraph: bool) -> list[Captured]:
+def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict, fullgraph: bool,
+                 run: bool) -> list[Captured]:
     """The graphs of one compiled call; [] when Dynamo hit its recompile limit."""
     graphs: list[Captured] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         graphs.append(Captured(record_sources(gm), list(example_inputs), names))
-        return gm.forward
+        return gm.forward if run else _stop_here
 
     try:
         # A hard failure at the limit, not a partly traced call that looks complete.
@@ -92,7 +94,17 @@ def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict,
                 *args, **kwargs)
     except FailOnRecompileLimitHit:
         return []
+    except _Traced:
+        pass
     return graphs
+
+
+class _Traced(Exception):
+    """Raised instead of running a whole graph that is only traced."""
+
+
+def _stop_here(*_: Any) -> None:
+    raise _Traced
 
 
 def frame_parameters() -> frozenset[str] | None:

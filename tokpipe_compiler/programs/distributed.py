@@ -44,25 +44,27 @@ from tokpipe_compiler.runtime.transport import (
 FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
 
 
-def distributed_world() -> tuple[int, int] | None:
-    """(rank, world size) when torch.distributed runs more than one process, else None.
-    Under torchrun (WORLD_SIZE > 1 in the environment) the process group is started here
-    if the script did not: NCCL when CUDA is available, gloo otherwise."""
+def distributed_world(group: Any = None) -> tuple[int, int] | None:
+    """(rank, size) in `group` (default: the world) when it has more than one process, else
+    None. Under torchrun (WORLD_SIZE > 1 in the environment) the process group is started
+    here if the script did not: NCCL when CUDA is available, gloo otherwise."""
     if not dist.is_available():
         return None
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_process_group_from_env()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_rank(), dist.get_world_size()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        return dist.get_rank(group), dist.get_world_size(group)
     return None
 
 
 class DistributedProgram(PipelinedProgram):
-    """The per-call program on one rank of a `stages`-process group."""
+    """The per-call program on one rank of a `stages`-process group (`group`: the world by
+    default; a subgroup runs one pipeline of several, e.g. one per guidance branch)."""
 
-    def __init__(self, plan: Plan, session: Session | None = None, owner: int | None = None):
+    def __init__(self, plan: Plan, session: Session | None = None, owner: int | None = None,
+                 group: Any = None):
         super().__init__(plan, session, owner)
-        self.rank, world = distributed_world()
+        self.rank, world = distributed_world(group)
         stages = len(plan.stages)
         if world != stages:
             raise TokpipeError(
@@ -71,7 +73,7 @@ class DistributedProgram(PipelinedProgram):
             )
         self.world = world
         self.cache_specs = plan.stages[self.rank].caches  # this rank's layers only
-        self.transport = DistributedTransport(timeout=plan.config.timeout)
+        self.transport = DistributedTransport(timeout=plan.config.timeout, group=group)
         graph = plan.graphs.stages[self.rank]
         self.prelude = prelude_for(plan.graphs, {self.rank})
         self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
@@ -288,9 +290,11 @@ def _decode(data: torch.Tensor) -> dict[str, Any]:
     return json.loads(bytes(data.cpu().numpy()).decode())
 
 
-def make_program(plan: Plan, session: Session | None, owner: int | None = None) -> Any:
-    """The in-process program, or this rank's part when torch.distributed is running.
-    `owner`: the id of the weight that tells which model the program runs."""
-    if distributed_world() is not None:
-        return DistributedProgram(plan, session, owner)
+def make_program(plan: Plan, session: Session | None, owner: int | None = None,
+                 group: Any = None) -> Any:
+    """The in-process program, or this rank's part when torch.distributed is running (over
+    `group`, default the world). `owner`: the id of the weight that tells which model the
+    program runs."""
+    if distributed_world(group) is not None:
+        return DistributedProgram(plan, session, owner, group)
     return PipelinedProgram(plan, session, owner)

@@ -1,0 +1,72 @@
+"""The guidance branches' exchange inside a ring: `tokpipe::cfg_gather`.
+
+With classifier-free guidance split over two groups of pipeline stages (cfg=2 with
+stages > 1), each group runs the transformer on its own guidance branch, and guidance needs
+both branches' predictions token by token. The step function calls `cfg_gather` on its
+branch's prediction; the compiler keeps it token-wise, so it lands in the last stage and
+runs once per chunk. There the two groups' last stages, which run the same schedule, swap
+their chunk of the prediction: both get the chunk of both branches, in branch order, and
+both apply the same guidance and scheduler update (the same bits on both groups).
+
+The peers are set by `exchanging(group, timeout)` around the ring's run; a call outside it
+is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tokpipe_compiler.core.errors import TokpipeError
+
+
+@dataclass(frozen=True)
+class _Peers:
+    group: Any  # a process group of two ranks: this stage in either guidance branch
+    timeout: float
+
+
+_active: list[_Peers] = []
+
+
+@contextlib.contextmanager
+def exchanging(group: Any, timeout: float) -> Iterator[None]:
+    """`cfg_gather` calls inside swap predictions over `group` (two ranks, branch order)."""
+    if dist.get_world_size(group) != 2:
+        raise TokpipeError("the guidance branches' exchange needs a group of two ranks (one "
+                           f"per branch), got {dist.get_world_size(group)}")
+    _active.append(_Peers(group, timeout))
+    try:
+        yield
+    finally:
+        _active.pop()
+
+
+@torch.library.custom_op("tokpipe::cfg_gather", mutates_args=())
+def cfg_gather(x: torch.Tensor) -> torch.Tensor:
+    """Both guidance branches' `x` along the batch (dim 0), branch 0 first."""
+    if not _active:
+        raise TokpipeError("cfg_gather ran outside a guidance exchange: the step function of "
+                           "a hybrid cfg=2 ring runs only inside tp.pipelines.parallelize")
+    peers = _active[-1]
+    mine = x.contiguous()
+    both = [torch.empty_like(mine) for _ in range(2)]
+    work = dist.all_gather(both, mine, group=peers.group, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=peers.timeout))
+    except RuntimeError as err:
+        raise TokpipeError(f"cfg=2: rank {dist.get_rank()} waiting for the other guidance "
+                           f"branch's prediction (a chunk of shape {tuple(x.shape)}): "
+                           f"{err}") from err
+    return torch.cat(both)
+
+
+@cfg_gather.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((2 * x.shape[0], *x.shape[1:]))
