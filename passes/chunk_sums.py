@@ -5,12 +5,14 @@
     s = torch.matmul(v, k)   (over tokens)  ->  s = tokpipe.token_matmul(v, k, sum_cache_1, ...)
     y = F.group_norm(x, 32, w, b)           ->  y = tokpipe.token_group_norm(x, 32, w, b, eps,
                                                                              sum_cache_2, ...)
+    y = F.conv2d(x, w, b, padding=1)        ->  y = tokpipe.halo_conv(x, w, b, sum_cache_3, ...)
 
-Each cache holds one partial sum per grid unit (`runtime/token_sums.py`): a chunk sees
-this step's partials of the units up to its own and the previous step's after it (stale),
-the whole sum when it is the whole sequence (sync, warmup). In sync mode the one chunk is
-the whole sequence, so the ops stay as they are. Causal mode is exact, and a sum over
-tokens needs tokens after the chunk: it is refused.
+Each cache holds one slot per grid unit: partial sums (`runtime/token_sums.py`), or the
+convolution's input rows (`runtime/halo_conv.py`). A chunk sees this step's values of the
+units up to its own and the previous step's after it (stale), the whole sequence when it
+is the whole sequence (sync, warmup). In sync mode the one chunk is the whole sequence, so
+the ops stay as they are. Causal mode is exact, and these ops need tokens after the chunk:
+it refuses them.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.fx import example_value, target_name
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TOKEN, TOKEN_SUM
 from tokpipe_compiler.passes.chunk_attention import add_input
-from tokpipe_compiler.runtime import token_sums  # noqa: F401  (defines the ops)
+from tokpipe_compiler.runtime import halo_conv, token_sums  # noqa: F401  (define the ops)
 from tokpipe_compiler.runtime.caches import SumCacheSpec
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 
 GROUP_NORM = ("input", "num_groups", "weight", "bias", "eps", "cudnn_enabled")
+CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONVS = {torch.conv1d, torch.conv2d, torch.conv3d, torch.nn.functional.conv1d,
+          torch.nn.functional.conv2d, torch.nn.functional.conv3d}
 _MATMULS = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm"}
 _FIRST_LAYER = 1000  # sum caches number after attention layers, so names never clash
 
@@ -43,10 +48,11 @@ def chunk_sums(gm: torch.fx.GraphModule, mode: str) -> list[SumCacheSpec]:
             node.meta[META_KEY] = node.meta[META_KEY].moved(node.meta[META_KEY].axis, TOKEN)
         return []
     if mode == "causal":
+        what = "convolves rows after the chunk" if sums[0].target in _CONVS else \
+            "sums over every token, those after the chunk too"
         raise TokpipeError(
-            f"mode='causal' is exact, but {describe(sums[0])} sums over every token, those "
-            "after the chunk too; use mode='stale' (partial sums, stale for later chunks) "
-            "or 'sync'")
+            f"mode='causal' is exact, but {describe(sums[0])} {what}; use mode='stale' "
+            "(a cache per grid unit, stale for later chunks) or 'sync'")
     chunk = _chunk_input(gm)
     specs = [_rewrite(gm, node, chunk, _FIRST_LAYER + i) for i, node in enumerate(sums)]
     gm.recompile()
@@ -57,13 +63,16 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, chunk: torch.fx.Node
              layer: int) -> SumCacheSpec:
     """Replaces `node` by its partial-sum op; returns the op's cache."""
     name = f"sum_cache_{layer - _FIRST_LAYER}"
+    dtype = torch.promote_types(example_value(node).dtype, torch.float32)
     if node.target in (torch.nn.functional.group_norm, torch.group_norm):
         op, args, shape = _group_norm(node)
     elif node.target in _MATMULS:
         op, args, shape = _matmul(node)
+    elif node.target in _CONVS:
+        op, args, shape = _conv(node)
+        dtype = example_value(node).dtype  # input rows, not sums: kept as they are
     else:
         op, args, shape = _reduction(node)
-    dtype = torch.promote_types(example_value(node).dtype, torch.float32)
     spec = SumCacheSpec(layer, name, shape, dtype)
     cache = add_input(gm, name, torch.zeros(shape, dtype=dtype))
     with gm.graph.inserting_before(node):
@@ -109,9 +118,25 @@ def _group_norm(node: torch.fx.Node) -> tuple:
     return op, args, (units, 2, value.shape[0], groups)
 
 
+def _conv(node: torch.fx.Node) -> tuple:
+    bound = bound_args(node, CONV)
+    x = bound["input"]
+    info, value = x.meta[META_KEY], example_value(x)
+    spatial = value.dim() - 2
+    padding = bound.get("padding", 0)
+    padding = list(padding) if isinstance(padding, (tuple, list)) else [padding] * spatial
+    per_unit = int(info.per_unit)
+    units = value.shape[info.axis] // per_unit
+    shape = (units, *value.shape[:info.axis], per_unit, *value.shape[info.axis + 1:])
+    op = torch.ops.tokpipe.halo_conv.default
+    args = (x, bound["weight"], bound.get("bias"), info.axis, per_unit, padding,
+            bound.get("groups", 1))
+    return op, args, shape
+
+
 # Operands before the cache and chunk arguments, per op (the rest follow them).
 _SPLIT = {torch.ops.tokpipe.token_sum.default: 0, torch.ops.tokpipe.token_matmul.default: 1,
-          torch.ops.tokpipe.token_group_norm.default: 4}
+          torch.ops.tokpipe.token_group_norm.default: 4, torch.ops.tokpipe.halo_conv.default: 2}
 
 
 def _chunk_input(gm: torch.fx.GraphModule) -> torch.fx.Node:

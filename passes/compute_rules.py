@@ -145,13 +145,16 @@ def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     kernel = weight[2 + spatial]
     stride, padding, dilation = (_conv_param(node, i, name, len(weight) - 2)[spatial]
                                  for i, name in ((3, "stride"), (4, "padding"), (5, "dilation")))
-    if kernel != stride or padding != 0 or dilation != 1:
-        return unsupported(
-            f"convolution with kernel {kernel}, stride {stride}, padding {padding} along the "
-            "token axis reaches across chunk rows (only patchify convolutions, kernel == "
-            "stride, padding 0, can be chunked)"
-        )
-    return replace(info, kind=TOKEN, per_unit=info.per_unit / stride)
+    if kernel == stride and padding == 0 and dilation == 1:  # a patchify convolution
+        return replace(info, kind=TOKEN, per_unit=info.per_unit / stride)
+    if stride == 1 and dilation == 1 and kernel == 2 * padding + 1 and info.outer == 1 \
+            and info.per_unit >= 1 and info.per_unit == int(info.per_unit):
+        # rows from either side of a chunk: a halo from a cache of the input (chunk_sums)
+        return replace(info, kind=TOKEN_SUM)
+    return unsupported(
+        f"convolution with kernel {kernel}, stride {stride}, padding {padding}, dilation "
+        f"{dilation} along the token axis reaches across chunk rows (chunked: patchify "
+        "convolutions, kernel == stride, and 'same' ones, kernel 2p+1 with padding p)")
 
 
 def _conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list[int]:

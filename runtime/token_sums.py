@@ -28,7 +28,7 @@ def token_sum(x: torch.Tensor, cache: torch.Tensor, chunk: torch.Tensor, axis: i
     rest = [d for d in dims if d != axis]
     partial = x.sum(rest, keepdim=True) if rest else x
     partial = partial.unflatten(axis, (-1, per_unit)).sum(axis + 1).movedim(axis, 0)
-    whole = _write(cache, chunk, partial)
+    whole = write_units(cache, chunk, partial)
     if whole:
         return (x.mean if mean else x.sum)(dims, keepdim=keepdim)
     total = cache.sum(0).unsqueeze(axis)
@@ -50,7 +50,7 @@ def token_matmul(a: torch.Tensor, b: torch.Tensor, cache: torch.Tensor, chunk: t
     a_units = a.unflatten(-1, (-1, per_unit)).movedim(-2, -3)  # [..., u, M, p]
     b_units = b.unflatten(-2, (-1, per_unit))  # [..., u, p, K]
     partial = torch.matmul(a_units, b_units).movedim(-3, 0)
-    if _write(cache, chunk, partial.to(cache.dtype)):
+    if write_units(cache, chunk, partial.to(cache.dtype)):
         return torch.matmul(a, b)
     return cache.sum(0).to(torch.promote_types(a.dtype, b.dtype))
 
@@ -70,7 +70,7 @@ def token_group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None,
     grouped = x.movedim(axis, -1).reshape(x.shape[0], groups, -1, x.shape[axis]).to(acc)
     per = grouped.unflatten(-1, (-1, per_unit))  # [B, G, R, u, p]
     sums = torch.stack([per.sum((2, 4)), (per * per).sum((2, 4))])  # [2, B, G, u]
-    if _write(cache, chunk, sums.movedim(-1, 0)):
+    if write_units(cache, chunk, sums.movedim(-1, 0)):
         return F.group_norm(x, groups, weight, bias, eps)
     total = cache.sum(0)  # [2, B, G]
     count = grouped.shape[2] * cache.shape[0] * per_unit
@@ -91,7 +91,7 @@ def _(x, groups, weight, bias, eps, cache, chunk, axis, per_unit):
     return torch.empty_like(x)
 
 
-def _write(cache: torch.Tensor, chunk: torch.Tensor, partial: torch.Tensor) -> bool:
+def write_units(cache: torch.Tensor, chunk: torch.Tensor, partial: torch.Tensor) -> bool:
     """Writes the chunk's per-unit partials into the cache; True when the chunk is the
     whole sequence (then the op computes its value exactly, not from the cache)."""
     start, units = int(chunk[CHUNK_START]), int(chunk[CHUNK_UNITS])

@@ -76,8 +76,14 @@ keeps one partial sum per grid unit in a cache; chunk p sees this step's partial
 units up to its own and the previous step's after them (`stale`), the whole sum in `sync`
 and on warmup steps (exact). `causal` refuses them (it is exact, and a sum needs the tokens
 after the chunk). A linear attention cache is (D+1)/(2 * tokens per unit) the size of a K/V
-cache. Sana's feed-forward still stops `stale`: its 3x3 depthwise convolution mixes
-neighbouring token rows, a separate blocker; a max over tokens stays unsupported.
+cache.
+
+**Convolutions across token rows** ("same" convolutions, kernel 2p+1 with padding p, such
+as Sana's 3x3 depthwise convolution in its feed-forward): the input is cached per grid
+unit, and a chunk convolves its rows with a halo of p rows read from the cache, this
+step's before it and the previous step's after it (`stale`, DistriFusion's stale halos;
+`runtime/halo_conv.py`). Exact in `sync` and on warmup steps; `causal` refuses them. A max
+over tokens stays unsupported.
 """
 
 

@@ -22,10 +22,6 @@ OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
 CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan")  # one of each kind of step
 
 
-# Sana's linear attention sums over tokens: sync only (see the per-call fallback test).
-SYNC_ONLY = ("sana",)
-
-
 def _families():
     return [name if name in CI_FAMILIES else pytest.param(name, marks=pytest.mark.full)
             for name in FAMILIES]
@@ -49,9 +45,6 @@ def test_ring_equals_serial_in_sync_and_per_call_in_stale(family):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="tokpipe: .* runs per call")
         synced = generate(*_ring(make, mode="sync"))
-        if family in SYNC_ONLY:
-            assert _relative(synced, serial) <= 1e-5
-            return
         pipe, kwargs = _ring(make, mode="stale", warmup_steps=1)
         stale = generate(pipe, kwargs)
         again = generate(pipe, kwargs)
@@ -81,15 +74,15 @@ def test_a_scheduler_without_a_token_wise_step_runs_per_call_and_says_why():
 
 
 def test_a_step_the_compiler_cannot_chunk_raises_or_falls_back_when_asked():
-    """Sana in stale mode (linear attention sums over tokens): the ring's plan fails after
-    the first step's probes. The compiler's error, as per call; with fallback=True that
-    step is computed for real and the generation goes on per call, where the backend runs
-    the graph unpipelined (both say so)."""
+    """Sana in causal mode (linear attention sums over every token, those after the chunk
+    too): the ring's plan fails after the first step's probes. The compiler's error, as
+    per call; with fallback=True that step is computed for real and the generation goes on
+    per call, where the backend runs the graph unpipelined (both say so)."""
     make = FAMILIES["sana"]
     serial = generate(*make(), steps=3)
-    with pytest.raises(tp.TokpipeError, match="cannot split this graph"):
-        generate(*_ring(make, mode="stale"), steps=3)
-    pipe, kwargs = _ring(make, mode="stale", fallback=True)
+    with pytest.raises(tp.TokpipeError, match="sums over every token"):
+        generate(*_ring(make, mode="causal"), steps=3)
+    pipe, kwargs = _ring(make, mode="causal", fallback=True)
     with pytest.warns(UserWarning, match="runs per call .*cannot be pipelined"):
         out = generate(pipe, kwargs, steps=3)
     assert _relative(out, serial) <= 1e-5

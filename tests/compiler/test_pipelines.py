@@ -66,8 +66,8 @@ def test_parallelize_ends_each_generation_with_the_pipeline_call():
 
 
 def test_parallelize_errors_name_the_problem():
-    with pytest.raises(tp.TokpipeError, match="cfg=2"):
-        tp.pipelines.parallelize(dit_pipeline(), cfg=2)
+    with pytest.raises(tp.TokpipeError, match="cfg=3: guidance has two branches"):
+        tp.pipelines.parallelize(dit_pipeline(), cfg=3)
     with pytest.raises(ValueError, match="chunks"):
         tp.pipelines.parallelize(dit_pipeline(), chunks=0)
     unet_like = diffusers.DDIMPipeline(unet=torch.nn.Identity(),

@@ -29,11 +29,7 @@ FAST = ("dit-xl-2-256", "hunyuandit-v1.2", "flux1-schnell")
 
 # Configs whose plans fail in passes this file does not own: strict xfails, so a fix
 # shows up as a failure here until the entry is removed.
-BROKEN: dict[str, str] = {
-    "sana-1600m-1024px": "linear attention (a matmul over the token axis, SanaLinearAttn"
-                         "Processor) and the 3x3 depthwise convolution of its Mix-FFN mix "
-                         "tokens: not chunkable yet (docs/models.md, sums over tokens)",
-}
+BROKEN: dict[str, str] = {}
 
 PLAN_SECONDS = 120  # one build_plan of a full-size model (Dynamo's trace not counted)
 

@@ -1,7 +1,7 @@
 """Sums over the token axis (a mean over tokens, group_norm statistics, linear attention's
-K^T V) pipelined with per-unit partial sums: exact in sync mode and on warmup calls; in
-stale mode chunk p sees this call's partial sums up to its own rows and the previous
-call's after them.
+K^T V) pipelined with per-unit partial sums, and 3x3 convolutions across rows with a halo
+of cached rows: exact in sync mode and on warmup calls; in stale mode chunk p sees this
+call's values up to its own rows and the previous call's after them.
 
 Tolerance: float32, max |pipelined - reference| <= 1e-5 * max |reference|.
 """
@@ -46,6 +46,18 @@ class LinearAttention(nn.Module):
         return torch.matmul(q, kv.transpose(1, 2)) / (1 + k.sum(dim=1, keepdim=True).abs())
 
 
+class RowConv(nn.Module):
+    """Sana's feed-forward: conv 1x1 -> depthwise 3x3 across rows and columns -> conv 1x1."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Conv2d(4, 8, 1), nn.Conv2d(8, 4, 1)
+        self.depth = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.out(F.silu(self.depth(self.inp(latents))))
+
+
 def stale_mean(m: MeanOverTokens, before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
     h0, h1 = m.lin(before), m.lin(now)
     return torch.cat([h1[:, a:b] - torch.cat([h1[:, :b], h0[:, b:]], 1).mean(1, keepdim=True)
@@ -79,10 +91,20 @@ def stale_linear_attention(m: LinearAttention, before: torch.Tensor,
     return torch.cat(pieces, 1)
 
 
+def stale_row_conv(m: RowConv, before: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+    x0, x1 = m.inp(before), m.inp(now)
+    pieces = []
+    for a, b in BOUNDS:
+        seen = torch.cat([x1[:, :, :b], x0[:, :, b:]], 2)  # this call's rows up to the chunk's
+        pieces.append(m.out(F.silu(m.depth(seen)[:, :, a:b])))
+    return torch.cat(pieces, 2)
+
+
 CASES = {  # model, its input's name and shape, the stale reference
     "mean": (MeanOverTokens, "x", (1, ROWS, 16), stale_mean),
     "group_norm": (GroupNormBlock, "latents", (1, 4, ROWS, ROWS), stale_group_norm),
     "linear_attention": (LinearAttention, "x", (1, ROWS, 16), stale_linear_attention),
+    "row_conv": (RowConv, "latents", (1, 4, ROWS, ROWS), stale_row_conv),
 }
 
 
@@ -121,7 +143,8 @@ def test_stale_sees_the_previous_calls_partial_sums_after_the_chunk(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_causal_mode_refuses_sums_over_tokens(case):
-    with pytest.raises(TokpipeError, match="sums over every token"):
+    what = "convolves rows after the chunk" if case == "row_conv" else "sums over every token"
+    with pytest.raises(TokpipeError, match=what):
         setup(case, mode="causal", stages=1)
 
 

@@ -25,8 +25,6 @@ FAMILIES = {"pixart-sigma-xl-2-1024-ms": 2, "dit-xl-2-256": 2, "sd3-medium": 2,
             "wan2.1-t2v-1.3b": 2, "ltx-video": 2, "auraflow": 1, "sana-1600m-1024px": 2}
 GRIDS = {"image": (16, 16), "packed": (16, 16), "video": (2, 16, 16),
          "frames_first": (2, 16, 16), "tokens": (2, 16, 16)}
-# Linear attention sums over every token: exact only without chunks.
-MODES = {"sana-1600m-1024px": ("sync",)}
 
 
 def grid(name: str) -> tuple[int, ...]:
@@ -68,7 +66,7 @@ def check(name: str, mode: str, outputs: list[torch.Tensor], expected: torch.Ten
 # One mode per family (a forward at released widths takes seconds here): stale's first call
 # runs the whole sequence stage after stage (what sync runs), its second the chunked
 # pipeline; sync itself on the two cheapest families.
-RANK_CASES = [(name, MODES.get(name, ("stale",))[-1]) for name in FAMILIES]
+RANK_CASES = [(name, "stale") for name in FAMILIES]
 CASES = [*RANK_CASES, ("dit-xl-2-256", "sync"), ("sd3-medium", "sync")]
 # Two ranks in CI: text by cross-attention (PixArt), joint attention of two block kinds
 # (Flux), guided video with batch and frames merged (Latte), joint video (CogVideoX). Every
@@ -99,7 +97,9 @@ def test_two_ranks(name, mode):
     assert torch.equal(per_rank[0][0][1], per_rank[1][0][1])  # every rank returns it all
 
 
-def test_sana_in_stale_mode_names_what_mixes_tokens():
+def test_sana_in_causal_mode_names_what_reads_later_tokens():
+    """Linear attention sums over every token and the feed-forward's 3x3 convolution reads
+    the next rows: stale mode keeps them in per-row caches; causal mode, exact, refuses."""
     model, inputs = model_and_inputs("sana-1600m-1024px")
-    with pytest.raises(tp.TokpipeError, match="mix tokens"):
-        tp.explain(model, (), inputs, stages=2, chunks=2, mode="stale", compiler="eager")
+    with pytest.raises(tp.TokpipeError, match="after the chunk"):
+        tp.explain(model, (), inputs, stages=2, chunks=2, mode="causal", compiler="eager")

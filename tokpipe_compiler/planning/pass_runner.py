@@ -93,7 +93,7 @@ def attention_chunked(gm: torch.fx.GraphModule) -> None:
 def sums_chunked(gm: torch.fx.GraphModule) -> None:
     """No sum over tokens is left but the partial-sum ops (none at all in sync mode)."""
     ops = {torch.ops.tokpipe.token_sum.default, torch.ops.tokpipe.token_matmul.default,
-           torch.ops.tokpipe.token_group_norm.default}
+           torch.ops.tokpipe.token_group_norm.default, torch.ops.tokpipe.halo_conv.default}
     for node in _computed(gm):
         if node.meta[META_KEY].kind == TOKEN_SUM and node.target not in ops:
             raise CompilerBug("chunk_sums", node, "is a sum over tokens left unchunked")
