@@ -4,6 +4,7 @@
     python scripts/coverage.py --check    # fails if a class that worked stops working
     python scripts/coverage.py SD3Transformer2DModel   # print some rows only
     python scripts/coverage.py --ranks    # also on two gloo ranks: the "2 ranks" column
+    python scripts/coverage.py --ranks --update SanaTransformer2DModel   # redo rows in place
 
 Small configs and inputs come from tests/fixtures/zoo.py; a class without an entry gets a row that
 says so. Each mode is compared with the Dynamo graph run as is (eager) on the same inputs.
@@ -222,6 +223,23 @@ def cover_ranks(rows: list[Row]) -> None:
             row.ranks = "matches" if cells == {"matches"} else sorted(cells - {"matches"})[0]
 
 
+def committed_rows(text: str) -> list[Row]:
+    """The rows of a rendered table, as Rows (cells kept whole)."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != len(MODES) + 4 or cells[0] == "class" or cells[0].startswith("-"):
+            continue
+        modes = {m: c for m, c in zip(MODES, cells[2:], strict=False) if c}
+        rows.append(Row(cells[0], cells[1], modes, drift=cells[-1], ranks=cells[-2]))
+    return rows
+
+
+def committed_seconds(text: str) -> float:
+    found = re.search(r"Run time (\d+) s", text)
+    return float(found.group(1)) if found else 0.0
+
+
 def render(rows: list[Row], seconds: float) -> str:
     traced = [r for r in rows if r.traced == "yes"]
     working = [r for r in traced if all(r.modes[m] == "matches" for m in ("sync", "stale"))]
@@ -289,6 +307,8 @@ def main() -> int:
                         help="compare with the committed table; fail on regressions")
     parser.add_argument("--ranks", action="store_true",
                         help=f"also run the matching classes on {STAGES} gloo ranks")
+    parser.add_argument("--update", action="store_true",
+                        help="run the given classes and replace their rows in docs/models.md")
     parser.add_argument("classes", nargs="*",
                         help="only these classes, printed (default: all, into docs/models.md)")
     args = parser.parse_args()
@@ -309,7 +329,13 @@ def main() -> int:
         for line in lost:
             print(f"regression: {line}", file=sys.stderr)
         return 1 if lost else 0
-    if args.classes:  # a partial run prints its rows and leaves the table alone
+    if args.update and args.classes:  # these rows anew, the others as committed
+        committed = DOC.read_text()
+        fresh = {r.name: r for r in rows}
+        rows = [fresh.pop(r.name, r) for r in committed_rows(committed)] + list(fresh.values())
+        seconds = committed_seconds(committed) + time.perf_counter() - start
+        text = render(sorted(rows, key=lambda r: r.name), seconds)
+    elif args.classes:  # a partial run prints its rows and leaves the table alone
         print(text)
         return 0
     DOC.parent.mkdir(exist_ok=True)

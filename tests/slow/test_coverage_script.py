@@ -35,3 +35,17 @@ def test_the_committed_table_lists_every_class_it_covers():
     table = cov.statuses(cov.DOC.read_text())
     assert ("DiTTransformer2DModel", "sync") in table
     assert table[("FluxTransformer2DModel", "stale")] == "matches"
+
+
+def test_the_committed_table_reads_back_row_for_row():
+    """`--update` replaces some rows and keeps the others as committed: reading the table
+    back gives the same rows, the run time included."""
+    cov = _load()
+    rows = [cov.Row("AModel", "yes", {"sync": "matches", "stale": "fails: a, b",
+                                      "causal": "n/a (no causal attention)"}, "1.0e-03",
+                    "matches"),
+            cov.Row("BModel", "unbuilt: no small config", {})]
+    text = cov.render(rows, 42)
+    assert cov.committed_rows(text) == rows
+    assert cov.committed_seconds(text) == 42
+    assert cov.committed_rows(cov.DOC.read_text())[0].name.endswith("Model")
