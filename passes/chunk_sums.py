@@ -27,6 +27,7 @@ from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.fx import example_value, target_name
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TOKEN, TOKEN_SUM
 from tokpipe_compiler.passes.chunk_attention import add_input
+from tokpipe_compiler.passes.compute_rules import conv_param
 from tokpipe_compiler.runtime import halo_conv, token_sums  # noqa: F401  (define the ops)
 from tokpipe_compiler.runtime.caches import SumCacheSpec
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
@@ -122,9 +123,7 @@ def _conv(node: torch.fx.Node) -> tuple:
     bound = bound_args(node, CONV)
     x = bound["input"]
     info, value = x.meta[META_KEY], example_value(x)
-    spatial = value.dim() - 2
-    padding = bound.get("padding", 0)
-    padding = list(padding) if isinstance(padding, (tuple, list)) else [padding] * spatial
+    padding = conv_param(node, 4, "padding", value.dim() - 2)
     per_unit = int(info.per_unit)
     units = value.shape[info.axis] // per_unit
     shape = (units, *value.shape[:info.axis], per_unit, *value.shape[info.axis + 1:])

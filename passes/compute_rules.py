@@ -143,7 +143,7 @@ def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         return unsupported("convolution over the token axis as channels")
     weight = node_shape(arg(node, 1, "weight"))
     kernel = weight[2 + spatial]
-    stride, padding, dilation = (_conv_param(node, i, name, len(weight) - 2)[spatial]
+    stride, padding, dilation = (conv_param(node, i, name, len(weight) - 2)[spatial]
                                  for i, name in ((3, "stride"), (4, "padding"), (5, "dilation")))
     if kernel == stride and padding == 0 and dilation == 1:  # a patchify convolution
         return replace(info, kind=TOKEN, per_unit=info.per_unit / stride)
@@ -157,7 +157,7 @@ def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         "convolutions, kernel == stride, and 'same' ones, kernel 2p+1 with padding p)")
 
 
-def _conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list[int]:
+def conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list[int]:
     default = 0 if name == "padding" else 1
     value = arg(node, position, name, default)
     if isinstance(value, str):

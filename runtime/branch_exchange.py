@@ -55,15 +55,20 @@ def cfg_gather(x: torch.Tensor) -> torch.Tensor:
         raise TokpipeError("cfg_gather ran outside a guidance exchange: the step function of "
                            "a hybrid cfg=2 ring runs only inside tp.pipelines.parallelize")
     peers = _active[-1]
+    return gather_branches(x, peers.group, peers.timeout, f"a chunk of shape {tuple(x.shape)}")
+
+
+def gather_branches(x: torch.Tensor, group: Any, timeout: float, what: str) -> torch.Tensor:
+    """Both ranks' `x` of a two-rank `group` (default: the world) along dim 0, in rank
+    order, waiting at most `timeout` seconds; `what` names the value in the error."""
     mine = x.contiguous()
     both = [torch.empty_like(mine) for _ in range(2)]
-    work = dist.all_gather(both, mine, group=peers.group, async_op=True)
+    work = dist.all_gather(both, mine, group=group, async_op=True)
     try:
-        work.wait(timeout=datetime.timedelta(seconds=peers.timeout))
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as err:
         raise TokpipeError(f"cfg=2: rank {dist.get_rank()} waiting for the other guidance "
-                           f"branch's prediction (a chunk of shape {tuple(x.shape)}): "
-                           f"{err}") from err
+                           f"branch's prediction ({what}): {err}") from err
     return torch.cat(both)
 
 

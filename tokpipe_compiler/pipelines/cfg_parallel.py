@@ -15,7 +15,6 @@ ring over S ranks, and the two rings' last stages swap each chunk's prediction
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from tokpipe_compiler.pipelines.glue import (
     model_timesteps,
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable, update_state
+from tokpipe_compiler.runtime.branch_exchange import gather_branches
 
 
 def check_world(cfg: int, stages: int) -> None:
@@ -91,24 +91,11 @@ def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch
         inputs = {**fixed, glue.latent_arg: model_input(glue, sample, table.input_scale[k]),
                   glue.timestep_arg: per_step[k]}
         if distributed:
-            out = _gathered(forward(**half(inputs, dist.get_rank(), batch)), timeout, k)
+            mine = first_tensor(forward(**half(inputs, dist.get_rank(), batch)))
+            out = gather_branches(mine, None, timeout, f"step {k}")
         else:
             out = torch.cat([first_tensor(forward(**half(inputs, r, batch))) for r in (0, 1)])
         noise = guide(glue, out, glue.guidance)
         sample, state = update_state(sample, noise, state, table.rows[k], table.pattern)
         state = list(state)
     return sample
-
-
-def _gathered(output: Any, timeout: float, step: int) -> torch.Tensor:
-    """Both ranks' halves of the model output, in branch order."""
-    mine = first_tensor(output).contiguous()
-    halves = [torch.empty_like(mine) for _ in range(2)]
-    work = dist.all_gather(halves, mine, async_op=True)
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as err:
-        raise TokpipeError(f"cfg=2: rank {dist.get_rank()} waiting for the other guidance "
-                           f"branch's prediction at step {step}: {err}") from err
-    return torch.cat(halves)
-

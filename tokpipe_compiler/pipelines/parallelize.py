@@ -27,7 +27,7 @@ import torch
 from tokpipe_compiler.backend import TokpipeBackend
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.pipelines.cfg_parallel import branch_groups, check_world
+from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
 from tokpipe_compiler.pipelines.ring_call import RingCalls
 
 DENOISERS = ("transformer",)  # the attribute that holds a pipeline's denoising transformer
@@ -57,15 +57,15 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     denoiser.compile(backend=TokpipeBackend(**options), dynamic=False)
     _reset_with_the_pipeline(denoiser)
     if ring:
-        _install_ring(pipe, denoiser, options, cfg)
+        hybrid = cfg == 2 and config.stages > 1
+        _install_ring(pipe, denoiser, options, cfg,
+                      branch_groups(config.stages) if hybrid else None)
     return pipe
 
 
-def _install_ring(pipe: Any, denoiser: torch.nn.Module, options: dict[str, Any],
-                  cfg: int) -> None:
+def _install_ring(pipe: Any, denoiser: torch.nn.Module, options: dict[str, Any], cfg: int,
+                  branches: Branches | None) -> None:
     """Route the pipeline's call, its transformer and its scheduler through `RingCalls`."""
-    stages = Config.from_options(options).stages
-    branches = branch_groups(stages) if cfg == 2 and stages > 1 else None
     calls = RingCalls(pipe, denoiser, denoiser._compiled_call_impl, options, cfg, branches)
     object.__setattr__(denoiser, "_compiled_call_impl", calls.transformer)
     cls = type(pipe)
