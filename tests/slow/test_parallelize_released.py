@@ -1,7 +1,8 @@
 """parallelize(pipe) as users run it: released-width transformers (one block, a small grid)
 inside their diffusers pipelines, with the released text lengths, guided (batch 2 or two
 calls), 4 steps. Sync equals serial, and on two gloo ranks the stale ring returns what one
-process computes (within 1e-5 relative, float32)."""
+process computes (within 1e-5 relative, float32); so does the hybrid cfg=2 x stages=2 on
+four."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     "pixart-alpha",
     pytest.param("wan2.1-1.3b", marks=pytest.mark.full),
     pytest.param("sd3-medium", marks=pytest.mark.full),
+    pytest.param("sana-1600m", marks=pytest.mark.full),
 ])
 def test_released_widths_in_their_pipeline_on_two_ranks(name):
     serial = generate(*RELEASED[name](), steps=STEPS)
@@ -44,4 +46,23 @@ def test_released_widths_in_their_pipeline_on_two_ranks(name):
     alone = _ring(name, "stale")
     assert not torch.equal(alone, serial)  # stale K/V after the warmup step
     for result in launch(_rank, 2, args=(name,), timeout=900):
+        assert _relative(result, alone) <= 1e-5
+
+
+def _hybrid(name: str, cfg: int) -> torch.Tensor:
+    pipe, kwargs = RELEASED[name]()
+    tp.pipelines.parallelize(pipe, mode="stale", cfg=cfg, **OPTIONS)
+    return generate(pipe, kwargs, steps=STEPS)
+
+
+def _hybrid_rank(rank: int, world: int, name: str) -> torch.Tensor:
+    return _hybrid(name, cfg=2)
+
+
+@pytest.mark.full
+def test_released_widths_hybrid_cfg_on_four_ranks():
+    """cfg=2 x stages=2 at released widths (PixArt-alpha 1024-MS, T5 120 x 4096): each
+    guidance branch's ring on two ranks, equal to one process with the branches batched."""
+    alone = _hybrid("pixart-alpha", cfg=1)
+    for result in launch(_hybrid_rank, 4, args=("pixart-alpha",), timeout=1200):
         assert _relative(result, alone) <= 1e-5
