@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.runtime import transport
 from tokpipe_compiler.runtime.launch import launch
+from tokpipe_compiler.runtime.local_transport import LocalTransport
 from tokpipe_compiler.runtime.transport import (
     DistributedTransport,
-    LocalTransport,
     MessageKey,
     TensorSpec,
     as_bytes,
