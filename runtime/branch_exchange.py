@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.runtime.op_library import define_op
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,7 @@ def exchanging(group: Any, timeout: float) -> Iterator[None]:
         _active.pop()
 
 
-@torch.library.custom_op("tokpipe::cfg_gather", mutates_args=())
-def cfg_gather(x: torch.Tensor) -> torch.Tensor:
+def _cfg_gather(x: torch.Tensor) -> torch.Tensor:
     """Both guidance branches' `x` along the batch (dim 0), branch 0 first."""
     if not _active:
         raise TokpipeError("cfg_gather ran outside a guidance exchange: the step function of "
@@ -72,6 +72,8 @@ def gather_branches(x: torch.Tensor, group: Any, timeout: float, what: str) -> t
     return torch.cat(both)
 
 
-@cfg_gather.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
+def _cfg_gather_fake(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((2 * x.shape[0], *x.shape[1:]))
+
+
+cfg_gather = define_op("cfg_gather", _cfg_gather, _cfg_gather_fake)

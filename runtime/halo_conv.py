@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from tokpipe_compiler.runtime.kv_attention import CHUNK_START, CHUNK_UNITS
+from tokpipe_compiler.runtime.op_library import define_op
 from tokpipe_compiler.runtime.token_sums import write_units
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-@torch.library.custom_op("tokpipe::halo_conv", mutates_args=("cache",))
-def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               cache: torch.Tensor, chunk: torch.Tensor, axis: int, per_unit: int,
               padding: list[int], groups: int) -> torch.Tensor:
     """convNd(x, weight, bias, stride 1, `padding`, groups) as over the whole sequence;
@@ -48,6 +48,8 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return conv(window, weight, bias, 1, along, 1, groups)
 
 
-@halo_conv.register_fake
-def _(x, weight, bias, cache, chunk, axis, per_unit, padding, groups):
+def _halo_conv_fake(x, weight, bias, cache, chunk, axis, per_unit, padding, groups):
     return _CONV[x.dim() - 2](x, weight, bias, 1, padding, 1, groups)
+
+
+halo_conv = define_op("halo_conv", _halo_conv, _halo_conv_fake, mutates=("cache",))

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import _profiler_enabled
 
+from tokpipe_compiler.runtime.op_library import define_op
+
 CHUNK_INPUT = "tokpipe_chunk"  # the graph input that carries the chunk descriptor
 # chunk tensor layout: [first unit of the chunk, units in the chunk, units of the cache to
 # attend to]. A tensor (not ints) so one compiled stage serves every chunk of a length.
@@ -21,8 +23,7 @@ CACHE_WRITE_RANGE = "tokpipe/kv_cache_write"  # the profiler range of the cache 
 _NO_RANGE = nullcontext()
 
 
-@torch.library.custom_op("tokpipe::kv_attention", mutates_args=("k_cache", "v_cache"))
-def kv_attention(
+def _kv_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -66,10 +67,13 @@ def kv_attention(
     ).contiguous()
 
 
-@kv_attention.register_fake
-def _(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None, mask=None, lead=0,
-      trail=0):
+def _kv_attention_fake(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None,
+                       mask=None, lead=0, trail=0):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+kv_attention = define_op("kv_attention", _kv_attention, _kv_attention_fake,
+                         mutates=("k_cache", "v_cache"))
 
 
 def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, trail):

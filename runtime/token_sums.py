@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from tokpipe_compiler.runtime.kv_attention import CHUNK_START, CHUNK_UNITS
+from tokpipe_compiler.runtime.op_library import define_op
 
 
-@torch.library.custom_op("tokpipe::token_sum", mutates_args=("cache",))
-def token_sum(x: torch.Tensor, cache: torch.Tensor, chunk: torch.Tensor, axis: int,
+def _token_sum(x: torch.Tensor, cache: torch.Tensor, chunk: torch.Tensor, axis: int,
               per_unit: int, dims: list[int], keepdim: bool, mean: bool) -> torch.Tensor:
     """x.sum(dims) (or .mean) as over the whole sequence; `axis` (in `dims`) is the token
     axis of x, `per_unit` its elements per grid unit."""
@@ -37,13 +37,14 @@ def token_sum(x: torch.Tensor, cache: torch.Tensor, chunk: torch.Tensor, axis: i
     return (total if keepdim else total.squeeze(dims)).to(x.dtype)
 
 
-@token_sum.register_fake
-def _(x, cache, chunk, axis, per_unit, dims, keepdim, mean):
+def _token_sum_fake(x, cache, chunk, axis, per_unit, dims, keepdim, mean):
     return x.sum(dims, keepdim=keepdim)
 
 
-@torch.library.custom_op("tokpipe::token_matmul", mutates_args=("cache",))
-def token_matmul(a: torch.Tensor, b: torch.Tensor, cache: torch.Tensor, chunk: torch.Tensor,
+token_sum = define_op("token_sum", _token_sum, _token_sum_fake, mutates=("cache",))
+
+
+def _token_matmul(a: torch.Tensor, b: torch.Tensor, cache: torch.Tensor, chunk: torch.Tensor,
                  per_unit: int) -> torch.Tensor:
     """a @ b contracted over the token axis (a [..., M, n], b [..., n, K]), as over the
     whole sequence: linear attention's K^T V."""
@@ -55,13 +56,14 @@ def token_matmul(a: torch.Tensor, b: torch.Tensor, cache: torch.Tensor, chunk: t
     return cache.sum(0).to(torch.promote_types(a.dtype, b.dtype))
 
 
-@token_matmul.register_fake
-def _(a, b, cache, chunk, per_unit):
+def _token_matmul_fake(a, b, cache, chunk, per_unit):
     return torch.matmul(a, b)
 
 
-@torch.library.custom_op("tokpipe::token_group_norm", mutates_args=("cache",))
-def token_group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None,
+token_matmul = define_op("token_matmul", _token_matmul, _token_matmul_fake, mutates=("cache",))
+
+
+def _token_group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None,
                      bias: torch.Tensor | None, eps: float, cache: torch.Tensor,
                      chunk: torch.Tensor, axis: int, per_unit: int) -> torch.Tensor:
     """F.group_norm of x [B, C, ...] with statistics over the whole sequence (token axis
@@ -86,9 +88,12 @@ def token_group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None,
     return out.to(x.dtype)
 
 
-@token_group_norm.register_fake
-def _(x, groups, weight, bias, eps, cache, chunk, axis, per_unit):
+def _token_group_norm_fake(x, groups, weight, bias, eps, cache, chunk, axis, per_unit):
     return torch.empty_like(x)
+
+
+token_group_norm = define_op("token_group_norm", _token_group_norm, _token_group_norm_fake,
+                             mutates=("cache",))
 
 
 def write_units(cache: torch.Tensor, chunk: torch.Tensor, partial: torch.Tensor) -> bool:

@@ -1,0 +1,30 @@
+"""Registers the runtime's custom ops (`tokpipe::*`) on the dispatcher with plain kernels.
+
+`torch.library.custom_op` wraps every call in an autograd layer and a version-bump layer
+that rebuilds the argument list: about 0.1 ms a call on the CPU, and a stage calls its ops
+once per layer and chunk, so that cost grows with the chunk count (see
+benchmarks/overhead.py). These ops serve inference only: nothing differentiates through
+the K/V or partial-sum caches. So each op is defined here with its Python function as the
+kernel for every backend, and its fake implementation for tracing and the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+_LIBRARY = torch.library.Library("tokpipe", "DEF")
+
+
+def define_op(
+    name: str, kernel: Callable, fake: Callable, mutates: Sequence[str] = ()
+) -> torch._ops.OpOverloadPacket:
+    """Defines `tokpipe::name` with the schema of `kernel`'s type hints (`mutates` names the
+    arguments it writes in place) and returns the op, callable as `kernel` is."""
+    schema = torch.library.infer_schema(kernel, mutates_args=tuple(mutates))
+    _LIBRARY.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    # One kernel for every backend; the fake one wins on Meta and under fake tensors.
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tokpipe::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.tokpipe, name)
