@@ -1,5 +1,6 @@
-"""Token rules for ops that select, split, join or reduce along one axis: indexing and
-writes, split/chunk, cat/stack, softmax, reductions. AXIS_RULES, merged in `rules.py`."""
+"""Token rules for ops that select, split, repeat, join or reduce along one axis: indexing
+and writes, split/chunk, repeat/tile, cat/stack/pad_sequence, softmax, reductions.
+AXIS_RULES, merged in `rules.py`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tokpipe_compiler.core.args import arg
+from tokpipe_compiler.core.args import arg, varargs
 from tokpipe_compiler.core.fx import example_value, node_shape, target_name
 from tokpipe_compiler.core.meta import TokenInfo
 from tokpipe_compiler.core.ops import op_key
@@ -145,6 +146,31 @@ def repeat_interleave(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
                    trail=info.trail * repeats)
 
 
+# The keyword of each tiling's sizes argument.
+_TILES = {"method:repeat": "repeats", "method:tile": "dims", torch.tile: "dims"}
+
+
+@register(*_TILES)
+def repeat(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """x.repeat(*sizes) and tile: the token axis is kept where its factor is 1 (the K/V
+    heads of grouped-query attention are repeated, even by 1, on another axis)."""
+    src, info = first_token(node, ctx)
+    sizes = varargs(node, 1) or arg(node, 1, _TILES[op_key(node)])
+    if src is not source(node) or not isinstance(sizes, (tuple, list)) or not all(
+            isinstance(s, int) for s in sizes):
+        return unsupported(f"{target_name(node)} with sizes computed in the graph")
+    # Sizes align with the trailing dims: fewer than the dims (tile) leave the leading ones
+    # alone, more add leading dims.
+    ndim = len(node_shape(src))
+    out_ndim = max(ndim, len(sizes))
+    sizes = (1,) * (out_ndim - len(sizes)) + tuple(sizes)
+    axis = info.axis + out_ndim - ndim
+    if sizes[axis] != 1:
+        return unsupported(f"{target_name(node)} x{sizes[axis]} along the token axis copies the "
+                           "whole sequence after itself (a chunk's rows would not be one range)")
+    return info.moved(axis)
+
+
 # -- along one dim: softmax, cumsum, reductions ------------------------------------------------
 
 
@@ -215,6 +241,24 @@ def stack(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         return unsupported("stacks tensors that carry tokens differently (or not at all)")
     info = infos.pop()
     return info.moved(info.axis + (dim <= info.axis))
+
+
+@register(torch._C._nn.pad_sequence, torch.nn.utils.rnn.pad_sequence)
+def pad_sequence(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """Sequences [L_i, ...] padded to the longest along their first axis and stacked on a
+    new batch axis (0 with batch_first, else 1): a stack where the lengths are equal."""
+    sequences = arg(node, 0, "sequences")
+    if not isinstance(sequences, (list, tuple)):
+        return unsupported("pad_sequence of one tensor instead of a list of sequences")
+    infos = {ctx.infos[s] for s in sequences}
+    if len(infos) != 1:
+        return unsupported("pad_sequence of sequences that carry tokens differently (or not "
+                           "at all)")
+    info = infos.pop()
+    if info.axis == 0 and len({node_shape(s)[0] for s in sequences}) > 1:
+        return unsupported("pad_sequence pads the token axis to the longest sequence")
+    batch = 0 if arg(node, 1, "batch_first", False) else 1  # [B, L, ...] or [L, B, ...]
+    return info.moved(info.axis + (batch <= info.axis))
 
 
 @register(torch.ops.tokpipe.cfg_gather.default)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tokpipe_compiler.core.args import SDPA, arg, bound_args, varargs
 from tokpipe_compiler.core.fx import node_shape
-from tokpipe_compiler.core.meta import ATTENTION, TOKEN, TOKEN_SUM, TokenInfo
+from tokpipe_compiler.core.meta import ATTENTION, TOKEN, TOKEN_SUM, UNSUPPORTED, TokenInfo
 from tokpipe_compiler.passes.rule_base import (
     Rule,
     RuleContext,
@@ -179,6 +179,14 @@ def embedding(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 @register(F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 def attention(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     args = bound_args(node, SDPA)
+    info = _attention(node, args, ctx)
+    if info.kind == UNSUPPORTED:
+        return info
+    why = _mask_refusal(node, args.get("attn_mask"), info, ctx)
+    return unsupported(why) if why else info
+
+
+def _attention(node: torch.fx.Node, args: dict[str, Any], ctx: RuleContext) -> TokenInfo:
     q, k, v = args["query"], args["key"], args["value"]
     iq, ik, iv = ctx.info(q), ctx.info(k), ctx.info(v)
     nd = len(node_shape(q))
@@ -195,16 +203,23 @@ def attention(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
                            "rows (the token axis is an inner factor of the merged sequence)")
     if ik != iv or iq not in (ik, replace(ik, lead=0, trail=0)):
         return unsupported("queries and keys of different token granularity or segments")
-    mask = args.get("attn_mask")
-    if isinstance(mask, torch.fx.Node):
-        if ctx.info(mask).carries_tokens:
-            return unsupported("an attention mask computed from the tokens")
-        shape = node_shape(mask)
-        if len(shape) >= 2 and shape[-2] != 1:
-            why = slice_operand(node, mask, len(shape) - 2, iq)
-            if why:
-                return unsupported(why)
     return iq.moved(nd - 2, ATTENTION)
+
+
+def _mask_refusal(node: torch.fx.Node, mask: Any, info: TokenInfo, ctx: RuleContext) -> str:
+    """Cuts an invariant mask with a row per query (or per batch item, where the tokens are
+    on the batch axis) to the chunk's; why it cannot be, or ''. `info`: the attention's.
+    Cross-attention masks too: Lumina-Next expands its text mask to every query."""
+    if not isinstance(mask, torch.fx.Node):
+        return ""
+    if ctx.info(mask).carries_tokens:
+        # Chunked with the queries; but K/V from other chunks would need its other columns.
+        return "an attention mask computed from the tokens" if info.kind == ATTENTION else ""
+    shape = node_shape(mask)
+    axis = info.axis - (len(node_shape(node)) - len(shape))  # it broadcasts from the right
+    if axis < 0 or shape[axis] == 1:
+        return ""
+    return slice_operand(node, mask, axis, info)
 
 
 def _cross_attention(node: torch.fx.Node, iq: TokenInfo, keys: tuple) -> TokenInfo:

@@ -5,7 +5,7 @@ an op with a rule in two tables fails at import. Supporting an op adds a rule to
 them, not a branch in the pass. Nodes without token inputs are INVARIANT and need no rule.
 
     view_rules      elementwise ops, views, reshapes, permutations, padding
-    axis_rules      indexing, split/chunk, cat/stack, softmax, reductions
+    axis_rules      indexing, split/chunk, repeats, cat/stack/pad_sequence, softmax, reductions
     compute_rules   contractions, norms, convolution, embeddings, attention
 """
 

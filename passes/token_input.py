@@ -110,9 +110,13 @@ def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
 def seed_axes(node: torch.fx.Node) -> list[int]:
     """Candidate token axes, in order: rows of an image latent [B, C, H, W]; the sequence of
     tokens [B, L, D] (or [B, C, L]) or ids [B, L]; frames of a video [B, C, F, H, W] (or
-    [B, F, C, H, W])."""
-    ndim = len(node_shape(node))
-    return {2: [1], 3: [1, 2], 4: [2], 5: [2, 1]}.get(ndim, [1])
+    [B, F, C, H, W]). A video of one frame (an image in a video model's layout, Z-Image's
+    [B, C, 1, H, W]) is cut along its rows, axis 3 in both layouts: one frame is one grid
+    row, which no chunking can cut."""
+    shape = node_shape(node)
+    if len(shape) == 5:
+        return list(dict.fromkeys(3 if shape[a] == 1 else a for a in (2, 1)))
+    return {2: [1], 3: [1, 2], 4: [2]}.get(len(shape), [1])
 
 
 def _shown(node: torch.fx.Node) -> str | int:

@@ -15,7 +15,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from tokpipe_compiler.core.args import arg, varargs
-from tokpipe_compiler.core.fx import node_shape
+from tokpipe_compiler.core.fx import node_shape, target_name
 from tokpipe_compiler.core.meta import INVARIANT_INFO, TOKEN, TokenInfo
 from tokpipe_compiler.passes.rule_base import (
     Rule,
@@ -198,5 +198,8 @@ def expand(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
     if src is not source(node):
         return unsupported("the token tensor gives the target shape of an expand")
-    shift = len(node_shape(node)) - len(node_shape(src))
-    return info.moved(info.axis + shift)
+    axis = info.axis + len(node_shape(node)) - len(node_shape(src))
+    if node_shape(node)[axis] != node_shape(src)[info.axis]:
+        # Every row would be a copy of the one row of a chunk: a repeat, not a view.
+        return unsupported(f"{target_name(node)} broadcasts the token axis from size 1")
+    return info.moved(axis)

@@ -16,7 +16,7 @@ from tests.fixtures.tracing import assert_rel_close, trace
 from tests.fixtures.zoo import ZOO, build
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
 from tokpipe_compiler.core.fx import argument_of, is_user_input, node_shape
-from tokpipe_compiler.passes.token_input import find_token_input
+from tokpipe_compiler.passes.token_input import find_token_input, seed_axes
 from tokpipe_compiler.planning.capture import capture
 
 
@@ -138,3 +138,15 @@ def test_graph_without_the_named_input_runs_unpipelined_when_another_reads_it():
     assert tp.explain(model, args, token_input="latents").token_input == "l_latents_"
     with pytest.raises(TokpipeError, match="names no input of this model"):
         tp.explain(model, args, token_input="latent")
+
+
+@pytest.mark.parametrize(("shape", "axes"), [
+    ((1, 4, 3, 8, 8), [2, 1]),  # frames, then the [B, F, C, H, W] layout's frames
+    ((1, 4, 1, 8, 16), [3, 1]),  # an image as one frame (Z-Image): its rows
+    ((1, 1, 4, 8, 16), [2, 3]),  # one frame first: rows stand in for the frames
+    ((1, 16, 8), [1, 2]),
+])
+def test_a_video_of_one_frame_is_seeded_along_its_rows(shape, axes):
+    node = torch.fx.Graph().placeholder("x")
+    node.meta["example_value"] = torch.empty(shape)
+    assert seed_axes(node) == axes

@@ -4,6 +4,7 @@ with real example values, gives the inputs a TokenInfo and asks the merged table
 from __future__ import annotations
 
 import operator
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -80,6 +81,16 @@ def test_view_merging_rows_moves_the_token_axis_and_scales_per_unit():
     assert g.infer(g.method("unsqueeze", y, 0)) == tok(2)
 
 
+def test_size_one_factors_in_a_view_leave_the_token_axis_on_the_real_rows():
+    """Z-Image's patchify of one frame: [C, F=1, H, W] -> [C, F, pF=1, H/2, 2, W/2, 2]."""
+    g = Graph()
+    image = g.input("image", (4, 1, 8, 16), tok(2))  # rows: a one-frame video seeds on H
+    info = g.infer(g.method("view", image, 4, 1, 1, 4, 2, 8, 2))
+    assert info == TokenInfo(TOKEN, 3, Fraction(1, 2))
+    frame = g.input("frame", (4, 1, 8, 16), tok(1))  # the frame axis: one row, no chunks
+    assert "collapses to size 1" in g.infer(g.method("view", frame, 4, 1, 1, 4, 2, 8, 2)).reason
+
+
 def test_merging_the_batch_outside_the_tokens_records_outer_blocks():
     g = Graph()
     x = g.input("x", (2, 8, 16), tok(1))
@@ -141,6 +152,65 @@ def test_transpose_and_permute_follow_the_token_axis():
     assert g.infer(g.call(torch.permute, x, dims=(1, 0, 2))) == tok(0)
 
 
+def test_repeat_keeps_the_token_axis_where_its_factor_is_one():
+    """Grouped-query K/V heads (Lumina-Next): k.unsqueeze(3).repeat(1, 1, 1, n_rep, 1)."""
+    g = Graph()
+    k = g.input("k", (1, 16, 1, 1, 8), tok(1))
+    assert g.infer(g.method("repeat", k, 1, 1, 1, 2, 1)) == tok(1)
+    assert g.infer(g.method("repeat", k, (1, 1, 1, 1, 1))) == tok(1)  # n_rep 1
+    assert g.infer(g.method("repeat", k, 3, 1, 1, 1, 2, 1)) == tok(2)  # a new leading dim
+    assert g.infer(g.call(torch.tile, k, (2, 1))) == tok(1)  # sizes of the last dims only
+    assert g.infer(g.method("repeat_interleave", k, 2, dim=3)) == tok(1)
+    assert g.infer(g.method("repeat_interleave", k, 2, dim=1)) == tok(1, 2)  # in place
+
+
+def test_repeat_along_the_token_axis_is_refused_naming_the_op():
+    g = Graph()
+    x = g.input("x", (1, 16, 8), tok(1))
+    info = g.infer(g.method("repeat", x, 1, 2, 1))
+    assert info.kind == UNSUPPORTED and info.reason.startswith("repeat x2 along the token axis")
+    info = g.infer(g.call(torch.tile, x, (3, 1)))  # (3, 1) tiles the last two dims
+    assert info.kind == UNSUPPORTED and info.reason.startswith("tile x3 along the token axis")
+    n_rep = g.graph.placeholder("n_rep")  # a size Dynamo keeps symbolic
+    n_rep.meta["example_value"], g.infos[n_rep] = 1, INVARIANT_INFO
+    info = g.infer(g.method("repeat", x, 1, n_rep, 1))
+    assert info.kind == UNSUPPORTED and "sizes computed in the graph" in info.reason
+
+
+def test_expand_keeps_the_token_axis_and_refuses_to_broadcast_it():
+    g = Graph()
+    x = g.input("x", (1, 16, 1, 8), tok(1))
+    assert g.infer(g.method("expand", x, 2, 2, 16, 3, 8)) == tok(2)
+    assert g.infer(g.method("expand", x, -1, -1, 4, -1)) == tok(1)
+    whole = g.input("w", (1, 8), TokenInfo(TOKEN, 0, 0, lead=1))  # sync's whole value
+    info = g.infer(g.method("expand", whole, 2, 8))
+    assert info.kind == UNSUPPORTED and "broadcasts the token axis" in info.reason
+
+
+def test_pad_sequence_of_equal_lengths_stacks_the_token_layout():
+    """Z-Image pads its one sequence per batch item into a batch: a stack."""
+    g = Graph()
+    a, b = g.input("a", (16, 8), tok(0)), g.input("b", (16, 8), tok(0))
+    pad = torch.nn.utils.rnn.pad_sequence
+    assert g.infer(g.call(pad, [a], batch_first=True)) == tok(1)
+    assert g.infer(g.call(pad, [a, b])) == tok(0)  # [L, B, D]
+    assert g.infer(g.call(torch._C._nn.pad_sequence, [a, b], True, 0.0)) == tok(1)
+    h = g.input("h", (3, 16), tok(1))  # padded along axis 0, which is not the token axis
+    h5 = g.input("h5", (5, 16), tok(1))
+    assert g.infer(g.call(pad, [h, h5], batch_first=True)) == tok(2)
+
+
+def test_pad_sequence_refuses_to_pad_the_token_axis_or_mix_layouts():
+    g = Graph()
+    pad = torch.nn.utils.rnn.pad_sequence
+    a, text = g.input("a", (16, 8), tok(0)), g.input("text", (16, 8))
+    info = g.infer(g.call(pad, [a, text], batch_first=True))
+    assert info.kind == UNSUPPORTED and "differently (or not at all)" in info.reason
+    short, long = g.input("s", (12, 8), tok(0)), g.input("l", (16, 8), tok(0))
+    info = g.infer(g.call(pad, [short, long], batch_first=True))
+    assert info.kind == UNSUPPORTED and "pads the token axis" in info.reason
+
+
 # -- compute -----------------------------------------------------------------------------------
 
 
@@ -171,6 +241,19 @@ def test_self_attention_is_marked_attention_cross_attention_is_not():
     assert g.infer(out) == TokenInfo(ATTENTION, 2, 1)
     ctx_k, ctx_v = g.input("ck", (1, 2, 5, 8)), g.input("cv", (1, 2, 5, 8))
     assert g.infer(g.call(F.scaled_dot_product_attention, q, ctx_k, ctx_v)) == tok(2)
+
+
+def test_a_cross_attention_mask_with_a_row_per_query_is_cut_to_the_chunk():
+    """Lumina-Next expands its text mask over every query: [B, heads, L, text]."""
+    g = Graph()
+    q = g.input("q", (1, 2, 16, 8), tok(2))
+    ck, cv = g.input("ck", (1, 2, 5, 8)), g.input("cv", (1, 2, 5, 8))
+    mask = g.input("mask", (1, 2, 16, 5))
+    node = g.call(F.scaled_dot_product_attention, q, ck, cv, attn_mask=mask)
+    assert g.infer(node) == tok(2)
+    assert node.meta[SLICES_KEY] == [(mask, 2, tok(2))]
+    per_key = g.call(F.scaled_dot_product_attention, q, ck, cv, attn_mask=g.input("m", (1, 5)))
+    assert g.infer(per_key) == tok(2) and SLICES_KEY not in per_key.meta  # one row for all
 
 
 def test_mean_over_the_token_axis_is_a_partial_sum_over_hidden_it_is_kept():

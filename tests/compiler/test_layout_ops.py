@@ -1,0 +1,127 @@
+"""Layouts the model zoo found untracked, on tiny hand-written models: grouped-query K/V heads
+repeated to the query heads and a text mask with a row per query (Lumina-Next); an image in
+a video layout of one frame, padded into a batch by pad_sequence (Z-Image).
+
+Tolerance: float32, max |pipelined - eager| <= 1e-5 * max |eager|.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+
+from tests.fixtures.tracing import Traced, assert_rel_close, trace
+from tokpipe_compiler.core.errors import TokpipeError
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """[B, L, heads, d] in, [B, L, heads * d] out."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         **kwargs)
+    return out.transpose(1, 2).flatten(2)
+
+
+class GroupedQuery(nn.Module):
+    """Self-attention whose K/V heads are repeated to the query heads as Lumina-Next does
+    (even by 1), then cross-attention on text with its mask expanded over every query."""
+
+    def __init__(self, kv_heads: int, width: int = 16, heads: int = 2, text: int = 12):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.q, self.kv = nn.Linear(width, width), nn.Linear(width, 2 * kv_heads * self.head_dim)
+        self.cq, self.ckv = nn.Linear(width, width), nn.Linear(text, 2 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, text_mask: torch.Tensor):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.head_dim)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.head_dim).unbind(2)
+        n_rep = self.heads // self.kv_heads
+        k, v = (t.unsqueeze(3).repeat(1, 1, 1, n_rep, 1).flatten(2, 3) for t in (k, v))
+        x = x + attend(q, k, v)
+        mask = text_mask.bool().view(b, 1, 1, -1).expand(-1, self.heads, n, -1)
+        ck, cv = self.ckv(text).view(b, -1, 2, self.heads, self.head_dim).unbind(2)
+        cq = self.cq(x).view(b, n, self.heads, self.head_dim)
+        return self.out(x + attend(cq, ck, cv, attn_mask=mask))
+
+
+class TokenRepeat(nn.Module):
+    """Attention over the token sequence tiled twice: no chunk is one range of it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kv = x.repeat(1, 2, 1).unsqueeze(2)
+        return attend(x.unsqueeze(2), kv, kv)
+
+
+class OneFrame(nn.Module):
+    """Z-Image's layout: latents [B, C, F, H, W] with F = 1, each item patchified by a view
+    whose frame factor is 1, the sequences padded into a batch, self-attention, unpatchify."""
+
+    def __init__(self, channels: int = 4, width: int = 16, heads: int = 2, patch: int = 2):
+        super().__init__()
+        self.heads, self.patch = heads, patch
+        self.embed = nn.Linear(patch * patch * channels, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.final = nn.Linear(width, patch * patch * channels)
+
+    def patchify(self, image: torch.Tensor) -> torch.Tensor:
+        c, f, h, w = image.shape
+        p = self.patch
+        image = image.view(c, f, 1, h // p, p, w // p, p)
+        return image.permute(1, 3, 5, 2, 4, 6, 0).reshape(f * h // p * w // p, p * p * c)
+
+    def unpatchify(self, tokens: torch.Tensor, c: int, f: int, h: int, w: int) -> torch.Tensor:
+        p = self.patch
+        tokens = tokens.view(f, h // p, w // p, 1, p, p, c)
+        return tokens.permute(6, 0, 3, 1, 4, 2, 5).reshape(c, f, h, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = pad_sequence([self.embed(self.patchify(item)) for item in x], batch_first=True)
+        b, n, width = tokens.shape
+        q, k, v = self.qkv(tokens).view(b, n, 3, self.heads, width // self.heads).unbind(2)
+        out = self.final(tokens + attend(q, k, v))
+        return torch.stack([self.unpatchify(item, *x.shape[1:]) for item in out])
+
+
+def assert_modes_equal_eager(model: nn.Module, traced: Traced, *inputs: torch.Tensor,
+                             chunks: int) -> None:
+    """sync, and stale on a repeated input (stale K/V are then the fresh ones), equal eager
+    on the inputs the model was traced with."""
+    with torch.no_grad():
+        expected = model(*inputs)
+    for mode in ("sync", "stale"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
+            program = traced.program(mode=mode, stages=2, chunks=chunks, warmup_steps=1)
+        program(*traced.args())
+        assert_rel_close(program(*traced.args())[0], expected)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])  # K/V heads repeated by 2 and by 1
+def test_grouped_query_heads_and_a_per_query_text_mask_equal_eager(kv_heads):
+    torch.manual_seed(kv_heads)
+    model = GroupedQuery(kv_heads).eval()
+    x, text = torch.randn(1, 16, 16), torch.randn(1, 5, 12)
+    mask = torch.tensor([[1, 1, 1, 0, 0]])
+    assert_modes_equal_eager(model, trace(model, x, text, mask), x, text, mask, chunks=4)
+
+
+def test_repeating_the_token_axis_is_refused_naming_the_op():
+    traced = trace(TokenRepeat(), torch.randn(1, 16, 8))
+    with pytest.raises(TokpipeError, match=r"- repeat\(.*\n    why: repeat x2 along the token "
+                                           r"axis copies the whole sequence"):
+        traced.program(mode="stale", stages=1, chunks=4)
+
+
+def test_an_image_as_one_video_frame_is_cut_along_its_rows_and_equals_eager():
+    torch.manual_seed(0)
+    model = OneFrame().eval()
+    x = torch.randn(1, 4, 1, 8, 16)
+    traced = trace(model, x)
+    assert traced.program(mode="stale", stages=1, chunks=4).plan.units == 4  # patch rows
+    assert_modes_equal_eager(model, traced, x, chunks=4)
