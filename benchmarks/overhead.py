@@ -13,6 +13,9 @@ timed median):
   compute    inside the stage functions, the attention op excluded
   attention  the `tokpipe::kv_attention` op: its cache writes and the attention itself
   writes     the part of `attention` spent writing chunks into the K/V caches
+  dispatch   the part of `attention` spent dispatching the op to its kernel: the op's
+             calls in the step times the cost of one call beyond its kernel's, measured
+             on a one-token call
   executor   everything outside the stage functions: the prelude (run once per step),
              scheduling, slicing inputs to chunks, assembling the output
   sends      boundary values handed between stages (none here: one stage, one process)
@@ -30,6 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tokpipe_compiler as tp
+from tokpipe_compiler.runtime.kv_attention import _kv_attention as kv_attention_kernel
 
 HIDDEN_HEADS, HEAD_DIM = 6, 64
 KV_OP = "tokpipe::kv_attention"
@@ -67,15 +71,25 @@ def synced(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
-def median_ms(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
-    times = []
+def timed_ms(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def paired_ms(call: Callable[[], object], reset: Callable[[], None], reps: int,
+              sync: Callable[[], None]) -> tuple[float, float]:
+    """Median whole and chunked step times, measured in alternation (a whole step right
+    after a reset, then a chunked step on the caches it filled) so that drift in the
+    machine's speed falls on both alike."""
+    whole, chunked = [], []
     for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
+        reset()
+        whole.append(timed_ms(call, sync))
+        chunked.append(timed_ms(call, sync))
+    return statistics.median(whole), statistics.median(chunked)
 
 
 def measure(tokens: int, chunks: int, args) -> Row:
@@ -94,17 +108,10 @@ def measure(tokens: int, chunks: int, args) -> Row:
     def call():
         return compiled(latents, timestep=t, class_labels=label)
 
-    def whole():  # each call after a reset is a warmup step over every token
-        tp.reset(compiled)
-        call()
-
     with torch.no_grad():
         call()
         call()  # compiles both lengths
-        whole_ms = median_ms(whole, args.reps, sync)
-        tp.reset(compiled)
-        call()  # warmup: fills the caches; the calls below are chunked steps
-        chunked_ms = median_ms(call, args.reps, sync)
+        whole_ms, chunked_ms = paired_ms(call, lambda: tp.reset(compiled), args.reps, sync)
         parts = breakdown(compiled, call, sync, chunked_ms)
     return Row(tokens, chunks, whole_ms, chunked_ms, parts)
 
@@ -132,23 +139,42 @@ def breakdown(compiled, call: Callable[[], object], sync, chunked_ms: float) -> 
     profiled_stage = 1e3 * sum(e.duration for e in events if e.kind == "compute")
     attention = sum(e.cpu_time_total for e in ops if e.name == KV_OP) / 1e3
     writes = sum(e.cpu_time_total for e in ops if e.name == CACHE_WRITE) / 1e3
+    calls = sum(1 for e in ops if e.name == KV_OP)
     share = stage / profiled_stage if profiled_stage else 0.0  # profiled ms -> real ms
     scale = chunked_ms / wall if wall else 0.0
     return {"compute": scale * max(stage - share * attention, 0.0),
             "attention": scale * share * attention, "writes": scale * share * writes,
+            "dispatch": calls * dispatch_ms(),
             "executor": scale * max(wall - stage - sends, 0.0), "sends": scale * sends}
+
+
+def dispatch_ms(reps: int = 2000) -> float:
+    """What one `tokpipe::kv_attention` call costs beyond its kernel: a one-token call
+    through the dispatcher against the kernel called directly, in alternation."""
+    q, kv = torch.randn(1, 1, 1, 8), torch.zeros(1, 1, 4, 8)
+    args = (q, q, q, kv, kv.clone(), torch.tensor([0, 1, 1]), 1, False)
+    op, kernel = torch.ops.tokpipe.kv_attention, kv_attention_kernel
+    through, direct = [], []
+    for _ in range(5):
+        for fn, times in ((op, through), (kernel, direct)):
+            start = time.perf_counter()
+            for _ in range(reps // 5):
+                fn(*args)
+            times.append(time.perf_counter() - start)
+    return max(min(through) - min(direct), 0.0) * 1e3 / (reps // 5)
 
 
 def report(rows: list[Row], args) -> None:
     print(f"\nDiT-S width, {args.layers} blocks, 1 stage, stale, {args.device} {args.dtype}, "
           f"stages compiled with {args.compiler}; times in ms (median of {args.reps})")
     print(f"{'tokens':>6} {'M':>3} {'whole':>8} {'chunked':>8} {'ratio':>6} | "
-          f"{'compute':>8} {'attn':>7} {'writes':>7} {'executor':>8} {'sends':>6}")
+          f"{'compute':>8} {'attn':>7} {'writes':>7} {'dispatch':>8} {'executor':>8} "
+          f"{'sends':>6}")
     for row in rows:
         p = row.parts
         print(f"{row.tokens:>6} {row.chunks:>3} {row.whole_ms:>8.2f} {row.chunked_ms:>8.2f} "
               f"{row.ratio:>6.3f} | {p['compute']:>8.2f} {p['attention']:>7.2f} "
-              f"{p['writes']:>7.2f} {p['executor']:>8.2f} {p['sends']:>6.2f}")
+              f"{p['writes']:>7.2f} {p['dispatch']:>8.2f} {p['executor']:>8.2f} {p['sends']:>6.2f}")
 
 
 def main() -> None:
@@ -156,7 +182,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
