@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from tokpipe_compiler.inspection.report import human_bytes
 
@@ -30,7 +31,7 @@ class StageMemory:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    rank: int
+    rank: int  # the process's rank in the world
     stages: list[StageMemory]
     peak: int  # bytes, the process's (see peak_bytes)
     peak_source: str
@@ -51,7 +52,15 @@ def memory_report(program) -> MemoryReport:
         rows.append(StageMemory(index, stage.param_bytes, stage.kv_cache_bytes, held,
                                 len(branches)))
     peak, source = peak_bytes(_device(program))
-    return MemoryReport(program.rank, rows, peak, source)
+    return MemoryReport(_process_rank(program), rows, peak, source)
+
+
+def _process_rank(program) -> int:
+    """The process's rank in the world: a hybrid cfg=2 ring's program counts its rank in
+    its guidance branch's group, which names two processes alike."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return program.rank
 
 
 def peak_bytes(device: torch.device) -> tuple[int, str]:
