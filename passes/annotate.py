@@ -43,6 +43,7 @@ from tokpipe_compiler.core.ops import call_rule, op_key
 from tokpipe_compiler.passes import segments
 from tokpipe_compiler.passes.rule_base import RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
+from tokpipe_compiler.passes.slice_updates import functional_slice_adds
 from tokpipe_compiler.passes.token_input import find_token_input, seed_axes
 from tokpipe_compiler.runtime.chunking import chunk_slice
 
@@ -60,6 +61,7 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
              mode: str = "stale") -> Annotation:
     """`mode`: in "sync" the one chunk is the whole sequence, so a value that mixes tokens
     (and everything computed from it) runs whole instead of being unsupported."""
+    functional_slice_adds(gm)  # first: the added values then reach the output in FX
     seed = find_token_input(gm, token_input)
     _static_dtypes(gm)
     axis, infos = _first_supported(gm, seed)

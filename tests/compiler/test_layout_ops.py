@@ -1,12 +1,14 @@
 """Layouts the model zoo found untracked, on tiny hand-written models: grouped-query K/V heads
 repeated to the query heads and a text mask with a row per query (Lumina-Next); an image in
-a video layout of one frame, padded into a batch by pad_sequence (Z-Image).
+a video layout of one frame, padded into a batch by pad_sequence (Z-Image); features added
+in place to every frame but the first (WanAnimate's pose).
 
 Tolerance: float32, max |pipelined - eager| <= 1e-5 * max |eager|.
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import pytest
@@ -17,6 +19,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from tests.fixtures.tracing import Traced, assert_rel_close, trace
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.passes.slice_updates import functional_slice_adds
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -88,6 +91,30 @@ class OneFrame(nn.Module):
         return torch.stack([self.unpatchify(item, *x.shape[1:]) for item in out])
 
 
+class PoseOnLaterFrames(nn.Module):
+    """WanAnimate's layout: patch-embedded video latents [B, D, F, H, W] get pose features
+    added in place to frames 1.. (`x[:, :, 1:] = x[:, :, 1:] + pose`), then self-attention
+    over every frame's patches. `peek`: also return the slice read before the update, a
+    view that observes it."""
+
+    def __init__(self, channels: int = 4, width: int = 16, heads: int = 2, peek: bool = False):
+        super().__init__()
+        self.heads, self.peek = heads, peek
+        self.embed = nn.Conv3d(channels, width, (1, 2, 2), (1, 2, 2))
+        self.pose = nn.Conv3d(channels, width, (1, 2, 2), (1, 2, 2))
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor, pose: torch.Tensor):
+        h = self.embed(x)
+        later = h[:, :, 1:]
+        h[:, :, 1:] = h[:, :, 1:] + self.pose(pose)
+        tokens = h.flatten(2).transpose(1, 2)
+        b, n, width = tokens.shape
+        q, k, v = self.qkv(tokens).view(b, n, 3, self.heads, width // self.heads).unbind(2)
+        out = tokens + attend(q, k, v)
+        return (out, later * 2) if self.peek else out
+
+
 def assert_modes_equal_eager(model: nn.Module, traced: Traced, *inputs: torch.Tensor,
                              chunks: int) -> None:
     """sync, and stale on a repeated input (stale K/V are then the fresh ones), equal eager
@@ -125,3 +152,38 @@ def test_an_image_as_one_video_frame_is_cut_along_its_rows_and_equals_eager():
     traced = trace(model, x)
     assert traced.program(mode="stale", stages=1, chunks=4).plan.units == 4  # patch rows
     assert_modes_equal_eager(model, traced, x, chunks=4)
+
+
+def test_features_added_in_place_to_later_frames_equal_eager():
+    torch.manual_seed(0)
+    model = PoseOnLaterFrames().eval()
+    x, pose = torch.randn(1, 4, 4, 4, 4), torch.randn(1, 4, 3, 4, 4)
+    traced = trace(model, x, pose)
+    program = traced.program(mode="stale", stages=1, chunks=4)
+    assert program.plan.units == 4  # one frame per unit: the update at frames 1.. is cut too
+    assert_modes_equal_eager(model, traced, x, pose, chunks=4)
+
+
+def test_an_update_a_view_observes_stays_in_place_and_is_refused():
+    """Rewritten out of place, `later` (read before the update, returned after it) would
+    miss the pose: the compiler keeps the setitem and refuses the slice instead."""
+    model = PoseOnLaterFrames(peek=True).eval()
+    traced = trace(model, torch.randn(1, 4, 4, 4, 4), torch.randn(1, 4, 3, 4, 4))
+    with pytest.raises(TokpipeError, match="cuts through the chunks"):
+        traced.program(mode="stale", stages=1, chunks=4)
+
+
+class SwappedSliceAdd(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        h[1:3, :, 2:] = y + h[1:3, :, 2:]  # the addend first, two sliced axes
+        return h.sin()
+
+
+def test_a_slice_add_is_rewritten_out_of_place_with_the_same_values():
+    x, y = torch.randn(4, 3, 5), torch.randn(2, 3, 3)
+    traced = trace(SwappedSliceAdd(), x, y)
+    functional_slice_adds(traced.gm)
+    targets = [n.target for n in traced.gm.graph.nodes]
+    assert operator.setitem not in targets and F.pad in targets
+    assert torch.equal(traced.gm(*traced.args())[0], SwappedSliceAdd()(x, y))
