@@ -12,6 +12,7 @@ import operator
 
 import torch
 import torch.fx
+from torch._functorch import predispatch
 
 from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, STAGE_KEY
@@ -33,13 +34,54 @@ def is_chunk_source(node: torch.fx.Node) -> bool:
     return node.op == "placeholder" or node.target is chunk_slice
 
 
+# torch.vmap traced into the graph (flex_attention's block masks are built this way): its
+# nesting levels are global state that must rise and fall within one run of one graph.
+_VMAP_IN = (predispatch._vmap_increment_nesting, torch._C._functorch._vmap_increment_nesting)
+_VMAP_OUT = (predispatch._vmap_decrement_nesting, torch._C._functorch._vmap_decrement_nesting)
+
+
+def _vmap_regions(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
+    """The nodes of each outermost traced vmap, from its first nesting call to its last."""
+    regions: list[list[torch.fx.Node]] = []
+    depth = 0
+    for node in gm.graph.nodes:
+        if node.target in _VMAP_IN:
+            if not depth:
+                regions.append([])
+            depth += 1
+        if depth:
+            regions[-1].append(node)
+        if node.target in _VMAP_OUT:
+            depth -= 1
+    return regions
+
+
+def _check_vmap_regions(regions: list[list[torch.fx.Node]]) -> None:
+    """A vmapped region runs whole in the prelude; one that touches tokens cannot."""
+    for region in regions:
+        staged = next((n for n in region if n.meta.get(STAGE_KEY) is not None), None)
+        if staged is not None:
+            raise TokpipeError(
+                f"tokpipe cannot split {describe(staged)}: it is computed inside a traced "
+                "torch.vmap (flex_attention's create_block_mask, say) from the tokens, and "
+                "a vmapped region must run in one piece. Build the mask outside the "
+                "compiled call, use another attention backend, or pass "
+                "options={'fallback': True} to run this graph unpipelined.")
+
+
+def _is_impure(node: torch.fx.Node) -> bool:
+    return node.is_impure() or node.target in _VMAP_IN + _VMAP_OUT
+
+
 def split(gm: torch.fx.GraphModule, stages: int, runtime_inputs: set[str]) -> SplitGraphs:
     """`runtime_inputs`: placeholders the runtime provides itself (K/V caches, the chunk)."""
+    regions = _vmap_regions(gm)
+    _check_vmap_regions(regions)
     graph_outputs = _output_nodes(gm)
     stage_graphs = [_stage_graph(gm, s, graph_outputs) for s in range(stages)]
     needed = {i.source for g in stage_graphs for i in g.inputs if i.kind != BOUNDARY}
     needed |= {n.name for n in graph_outputs if not _info(n).carries_tokens}
-    prelude, prelude_outputs = _prelude(gm, needed - runtime_inputs, runtime_inputs)
+    prelude, prelude_outputs = _prelude(gm, needed - runtime_inputs, runtime_inputs, regions)
     return SplitGraphs(
         prelude=prelude,
         prelude_outputs=prelude_outputs,
@@ -67,6 +109,10 @@ def _stage_graph(gm: torch.fx.GraphModule, stage: int, graph_outputs: list) -> S
     inputs: list[StageInput] = []
 
     def bring(arg: torch.fx.Node) -> torch.fx.Node:
+        if arg not in env and arg.op == "get_attr":
+            # A module attribute (a higher-order op's subgraph, such as flex_attention's
+            # score_mod) is the stage's own, not a value to pass in.
+            env[arg] = graph.node_copy(arg)
         if arg not in env:
             inputs.append(_stage_input(arg))
             env[arg] = graph.placeholder(inputs[-1].name)
@@ -100,13 +146,18 @@ def _stage_input(arg: torch.fx.Node) -> StageInput:
 
 
 def _prelude(
-    gm: torch.fx.GraphModule, needed: set[str], runtime_inputs: set[str]
+    gm: torch.fx.GraphModule, needed: set[str], runtime_inputs: set[str],
+    vmap_regions: list[list[torch.fx.Node]],
 ) -> tuple[torch.fx.GraphModule, list[str]]:
-    """A graph from the original inputs to every invariant value the stages read."""
+    """A graph from the original inputs to every invariant value the stages read; a traced
+    vmap it reads from comes whole (its last nesting call has no users)."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     by_name = {n.name: n for n in gm.graph.nodes}
     wanted = _with_writes(gm, _ancestors([by_name[name] for name in needed]))
+    for region in vmap_regions:
+        if wanted.intersection(region):
+            wanted |= _ancestors(region)
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name not in runtime_inputs:
             env[node] = graph.placeholder(node.name)
@@ -186,5 +237,5 @@ def prelude_for(graphs: SplitGraphs, stages: set[int]) -> tuple[torch.fx.GraphMo
     output = graph.graph_copy(graphs.prelude.graph, {})
     values = dict(zip(graphs.prelude_outputs, output, strict=True))
     graph.output(tuple(values[name] for name in keep))
-    graph.eliminate_dead_code()  # in-place writes count as side effects and stay
+    graph.eliminate_dead_code(_is_impure)  # in-place writes and vmap levels stay
     return torch.fx.GraphModule(graphs.prelude, graph, class_name="prelude"), keep
