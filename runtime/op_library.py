@@ -19,12 +19,14 @@ _LIBRARY = torch.library.Library("tokpipe", "DEF")
 
 def define_op(
     name: str, kernel: Callable, fake: Callable, mutates: Sequence[str] = ()
-) -> torch._ops.OpOverloadPacket:
+) -> torch._ops.OpOverload:
     """Defines `tokpipe::name` with the schema of `kernel`'s type hints (`mutates` names the
-    arguments it writes in place) and returns the op, callable as `kernel` is."""
+    arguments it writes in place) and returns the op's one overload, callable as `kernel`
+    is. The overload, not the packet: traced calls then record the target that the
+    compiler's rule tables are keyed by."""
     schema = torch.library.infer_schema(kernel, mutates_args=tuple(mutates))
     _LIBRARY.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
     # One kernel for every backend; the fake one wins on Meta and under fake tensors.
     _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"tokpipe::{name}", fake, lib=_LIBRARY)
-    return getattr(torch.ops.tokpipe, name)
+    return getattr(torch.ops.tokpipe, name).default
