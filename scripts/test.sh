@@ -9,4 +9,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
-exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider -m "not full" "$@"
+# --durations: the slowest tests, listed at the end, show where the suite's time goes.
+exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider --durations=15 -m "not full" "$@"
