@@ -3,6 +3,7 @@ serial Inductor, on one device.
 
     python benchmarks/gpu_pipeline.py [--model pixart-alpha-xl-2-1024-ms] [--layers 4]
         [--grid 128 128] [--chunks 2 4 8] [--stages 2] [--device cuda] [--dtype bfloat16]
+        [--cuda-graphs]
 
 The model is the family's diffusers class at its released widths and text length (the
 config in tests/fixtures/released/), with --layers blocks and random weights, called as its
@@ -10,7 +11,9 @@ pipeline calls it with guidance (batch 2). One device runs every stage in turn, 
 pipelined step cannot beat the serial one: the ratio shows what chunking and the runtime
 cost at this size (a pipeline of S devices can at best reach S / ratio). Each tokpipe row
 is stale mode, warmup 1, stages compiled with Inductor; it also prints how far the
-warmup (exact) step is from eager, relative to the output's norm.
+warmup (exact) step is from eager, relative to the output's norm. With --cuda-graphs every
+chunk count runs twice, without and with the `cuda_graphs` option, and the graphed row
+says how far its last step is from the same step without graphs.
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ def timesteps(steps: int) -> list[float]:
     return [999.0 - 40.0 * k for k in range(steps)]
 
 
-def run_steps(fn: Callable, inputs: dict, steps: int, sync: Callable) -> tuple[float, Any]:
-    """Median ms per step over `steps` calls with falling timesteps, and the first output."""
-    times, first = [], None
+def run_steps(fn: Callable, inputs: dict, steps: int, sync: Callable
+              ) -> tuple[float, Any, Any]:
+    """Median ms per step over `steps` calls with falling timesteps, the first output and
+    the last."""
+    times, first, out = [], None, None
     for t in timesteps(steps):
         call_inputs = dict(inputs, timestep=torch.full_like(inputs["timestep"], t))
         sync()
@@ -56,7 +61,7 @@ def run_steps(fn: Callable, inputs: dict, steps: int, sync: Callable) -> tuple[f
         sync()
         times.append(1e3 * (time.perf_counter() - start))
         first = out[0] if first is None else first
-    return statistics.median(times[1:]), first
+    return statistics.median(times[1:]), first, out[0]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -74,6 +79,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="each chunk count also with the cuda_graphs option")
     args = parser.parse_args()
     dtype, grid = getattr(torch, args.dtype), tuple(args.grid)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -85,37 +92,45 @@ def main() -> None:
           f"tokens), batch 2, {args.device} {args.dtype}", flush=True)
     rows: list[tuple[str, float, str]] = []
     with torch.no_grad():
-        eager_ms, reference = run_steps(model, inputs, args.steps, sync)
+        eager_ms, reference, _ = run_steps(model, inputs, args.steps, sync)
         rows.append(("serial eager", eager_ms, ""))
         print(f"serial eager: {eager_ms:.2f} ms/step", flush=True)
         start = time.perf_counter()
         inductor = torch.compile(model, dynamic=False)
         inductor(**inputs)
         compile_s = time.perf_counter() - start
-        ms, out = run_steps(inductor, inputs, args.steps, sync)
+        ms, out, _ = run_steps(inductor, inputs, args.steps, sync)
         rows.append(("serial inductor", ms, f"compile {compile_s:.0f} s, "
                                             f"vs eager {relative(out, reference):.1e}"))
         print(f"serial inductor: {ms:.2f} ms/step", flush=True)
         for chunks in args.chunks:
-            rows.append(pipelined(model, inputs, args, chunks, sync, reference))
+            row, last = pipelined(model, inputs, args, chunks, sync, reference)
+            rows.append(row)
             print(f"{rows[-1][0]}: {rows[-1][1]:.2f} ms/step", flush=True)
+            if args.cuda_graphs:
+                row, graphed = pipelined(model, inputs, args, chunks, sync, reference, True)
+                rows.append((row[0], row[1], f"{row[2]}, last step vs no graphs "
+                                             f"{relative(graphed, last):.1e}"))
+                print(f"{rows[-1][0]}: {rows[-1][1]:.2f} ms/step", flush=True)
     print(f"\n{'run':<34} {'ms/step':>9} {'vs eager':>9} {'vs inductor':>11}  notes")
     for label, ms, note in rows:
         print(f"{label:<34} {ms:>9.2f} {eager_ms / ms:>8.2f}x {rows[1][1] / ms:>10.2f}x  {note}")
 
 
-def pipelined(model, inputs: dict, args, chunks: int, sync, reference) -> tuple[str, float, str]:
+def pipelined(model, inputs: dict, args, chunks: int, sync, reference,
+              cuda_graphs: bool = False) -> tuple[tuple[str, float, str], Any]:
+    """A tokpipe row and the last step's output."""
     options = {"stages": args.stages, "chunks": chunks, "mode": "stale", "warmup_steps": 1,
-               "compiler": args.compiler}
+               "compiler": args.compiler, "cuda_graphs": cuda_graphs}
     compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
     start = time.perf_counter()
-    run_steps(compiled, inputs, 3, sync)  # plans, compiles both chunk lengths
+    run_steps(compiled, inputs, 3, sync)  # plans, compiles both chunk lengths (and captures)
     compile_s = time.perf_counter() - start
     tp.reset(compiled)
-    ms, warm = run_steps(compiled, inputs, args.steps + 1, sync)
-    label = f"tokpipe {args.stages} stages x {chunks} chunks"
+    ms, warm, last = run_steps(compiled, inputs, args.steps + 1, sync)
+    label = f"tokpipe {args.stages} stages x {chunks} chunks{', graphs' if cuda_graphs else ''}"
     drift = relative(warm, reference)
-    return label, ms, f"plan+compile {compile_s:.0f} s, warmup vs eager {drift:.1e}"
+    return (label, ms, f"plan+compile {compile_s:.0f} s, warmup vs eager {drift:.1e}"), last
 
 
 def _tokens(inputs: dict, model) -> int:

@@ -1,12 +1,15 @@
 """What chunking costs: M chunk passes of a stage against one whole pass of the same stage.
 
     python benchmarks/overhead.py [--tokens 256 1024] [--chunks 1 2 4 8 16] [--device cuda]
+        [--cuda-graphs]
 
 One process, one thread (on the CPU), one pipeline stage holding a DiT-S sized model (hidden
 384, 6 heads, patch 2, --layers blocks), stale mode. The whole pass is the program's warmup
 step (the same stage graph over every token); a chunked step runs the stage once per chunk
 against the K/V caches. The ratio (chunked step / whole step) is the price of chunking on
-one device: a pipeline of S stages can at best reach S / ratio.
+one device: a pipeline of S stages can at best reach S / ratio. With --cuda-graphs both the
+whole and the chunked step replay CUDA graphs (the `cuda_graphs` option); the breakdown
+then shows host time only (a replay runs no Python op).
 
 Breakdown of a chunked step (the runtime's timeline and a profiled step, scaled to the
 timed median):
@@ -101,7 +104,7 @@ def measure(tokens: int, chunks: int, args) -> Row:
     latents = torch.randn(1, 4, side, side, generator=gen).to(args.device, dtype)
     t, label = torch.tensor([500], device=args.device), torch.tensor([1], device=args.device)
     options = {"stages": 1, "chunks": chunks, "mode": "stale", "warmup_steps": 1,
-               "compiler": args.compiler}
+               "compiler": args.compiler, "cuda_graphs": args.cuda_graphs}
     compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
     sync = synced(args.device)
 
@@ -109,8 +112,10 @@ def measure(tokens: int, chunks: int, args) -> Row:
         return compiled(latents, timestep=t, class_labels=label)
 
     with torch.no_grad():
-        call()
-        call()  # compiles both lengths
+        for _ in range(2):  # compiles both lengths; with graphs, captures both
+            call()
+            call()
+            tp.reset(compiled)
         whole_ms, chunked_ms = paired_ms(call, lambda: tp.reset(compiled), args.reps, sync)
         parts = breakdown(compiled, call, sync, chunked_ms)
     return Row(tokens, chunks, whole_ms, chunked_ms, parts)
@@ -166,7 +171,8 @@ def dispatch_ms(reps: int = 2000) -> float:
 
 def report(rows: list[Row], args) -> None:
     print(f"\nDiT-S width, {args.layers} blocks, 1 stage, stale, {args.device} {args.dtype}, "
-          f"stages compiled with {args.compiler}; times in ms (median of {args.reps})")
+          f"stages compiled with {args.compiler}"
+          f"{', CUDA graphs' if args.cuda_graphs else ''}; times in ms (median of {args.reps})")
     print(f"{'tokens':>6} {'M':>3} {'whole':>8} {'chunked':>8} {'ratio':>6} | "
           f"{'compute':>8} {'attn':>7} {'writes':>7} {'dispatch':>8} {'executor':>8} "
           f"{'sends':>6}")
@@ -187,6 +193,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="the cuda_graphs option")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []

@@ -84,6 +84,13 @@ class KVCaches:
         self.buffers.clear()
         self.filled = False
 
+    def restart(self) -> None:
+        """A new generation in the same buffers, zeroed (for CUDA graphs, which read and
+        write them where they were captured)."""
+        for buffer in self.buffers.values():
+            buffer.zero_()
+        self.filled = False
+
     @property
     def bytes(self) -> int:
         return sum(spec.bytes for spec in self.specs)

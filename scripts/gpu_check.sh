@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA GPU, in one run of under 8 minutes on one GPU:
-#   1. the fused K/V-cache attention kernel's tests, compiled (not interpreted), fp16/bf16
-#   2. the kernel benchmark (fused against unfused and the library's attention)
-#   3. a PixArt-alpha-wide transformer through the in-process pipeline, Inductor stages,
-#      against serial eager and serial Inductor
-#   4. the chunking overhead benchmark on the GPU
+# Everything that needs a CUDA GPU, in one run of at most 8 minutes on one GPU (each part
+# has its own time limit; they add up to 480 s):
+#   1. a PixArt-alpha-wide transformer through the in-process pipeline, Inductor stages,
+#      against serial eager and serial Inductor, each chunk count without and with CUDA
+#      graphs (the cuda_graphs option)
+#   2. the chunking overhead benchmark with CUDA graphs, then without
+#   3. the fused K/V-cache attention kernel's tests, compiled (not interpreted), fp16/bf16
+#   4. the kernel benchmark (fused against unfused and the library's attention)
+# The parts that measure what is newest come first: a run cut short still reports them.
 # Writes one report, $REPORT_DIR/gpu_report.md (default: ./gpu_report), with each part's
 # output; a part that fails or runs past its time is marked so and the rest still run.
 #
@@ -12,7 +15,7 @@
 #
 # Python packages missing on the machine (diffusers on a bare image) may be put as wheels
 # in .whl/ at the repository root: they are installed first, without the network.
-# GPU_CHECK_PARTS="kernels bench pipeline overhead" (the default) chooses the parts.
+# GPU_CHECK_PARTS="pipeline graphs overhead kernels bench" (the default) chooses the parts.
 set -u
 cd "$(dirname "$0")/.."
 REPORT_DIR=${REPORT_DIR:-gpu_report}
@@ -63,13 +66,15 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output into the rep
     } >>"$REPORT"
 }
 
-want() { [[ " ${GPU_CHECK_PARTS:-kernels bench pipeline overhead} " == *" $1 "* ]]; }
+want() { [[ " ${GPU_CHECK_PARTS:-pipeline graphs overhead kernels bench} " == *" $1 "* ]]; }
 
-want kernels && part "Kernel tests (compiled)" 170 python3 -m pytest -v -x -p no:cacheprovider \
-    --durations=5 tests/unit/test_triton_attention.py
-want bench && part "Kernel benchmark" 110 python3 benchmarks/gpu_kernels.py
-want pipeline && part "PixArt-alpha widths, in-process pipeline" 210 python3 benchmarks/gpu_pipeline.py \
-    --layers 4 --grid 128 128 --chunks 2 4 8 --steps 6
-want overhead && part "Chunking overhead" 90 python3 benchmarks/overhead.py --device cuda --dtype bfloat16 \
+want pipeline && part "PixArt-alpha widths, in-process pipeline" 180 python3 benchmarks/gpu_pipeline.py \
+    --layers 4 --grid 128 128 --chunks 2 8 --steps 6 --cuda-graphs
+want graphs && part "Chunking overhead, CUDA graphs" 60 python3 benchmarks/overhead.py --device cuda \
+    --dtype bfloat16 --tokens 1024 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10 --cuda-graphs
+want overhead && part "Chunking overhead" 60 python3 benchmarks/overhead.py --device cuda --dtype bfloat16 \
     --tokens 1024 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10
+want kernels && part "Kernel tests (compiled)" 100 python3 -m pytest -v -x -p no:cacheprovider \
+    --durations=5 tests/unit/test_triton_attention.py
+want bench && part "Kernel benchmark" 80 python3 benchmarks/gpu_kernels.py
 echo "report: $REPORT" >&2

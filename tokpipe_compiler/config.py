@@ -26,6 +26,8 @@ class Config:
     token_input: name or position of the input that carries the tokens (None: auto-detect).
     fallback: on a graph the pass cannot pipeline, run it unpipelined with a warning.
     timeout: seconds a rank waits for another before it raises, naming what it waited for.
+    cuda_graphs: replay each chunk of a stage from a CUDA graph (GPU runs), so a chunk's
+        kernel launches cost one replay; stages that cannot be captured warn and run as is.
     """
 
     stages: int = 2
@@ -36,6 +38,7 @@ class Config:
     token_input: str | int | None = None
     fallback: bool = False
     timeout: float = 300.0
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _check_int("stages", self.stages, 1)
@@ -52,8 +55,10 @@ class Config:
                 f"got {self.token_input!r}"
             )
         _check_timeout(self.timeout)
-        if not isinstance(self.fallback, bool):
-            raise ValueError(f"option 'fallback' must be True or False, got {self.fallback!r}")
+        for name in ("fallback", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"option '{name}' must be True or False, "
+                                 f"got {getattr(self, name)!r}")
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> Config:

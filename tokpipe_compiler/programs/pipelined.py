@@ -64,7 +64,10 @@ class PipelinedProgram:
         self.plan = plan
         self.session = session
         self.owner = owner  # id of the weight that tells the model this program runs
-        self.stage_programs = [StageProgram(g, plan.config.compiler) for g in plan.graphs.stages]
+        self.stage_programs = [
+            StageProgram(g, plan.config.compiler, plan.config.cuda_graphs, persistent_inputs(plan))
+            for g in plan.graphs.stages
+        ]
         self.cache_specs = plan.caches
         self.branches: dict[int, KVCaches] = {}  # guidance branch -> its K/V caches
         self.branch = 0
@@ -88,9 +91,18 @@ class PipelinedProgram:
 
     def reset(self) -> None:
         """A new generation: every branch's K/V dropped, warmup runs again."""
-        self.branches.clear()
+        self._new_generation()
         self.branch = 0
         self.clock.reset()
+
+    def _new_generation(self) -> None:
+        """Every branch's K/V forgotten. Under CUDA graphs the buffers stay (zeroed): the
+        graphs use them in place, and new buffers would make every chunk capture again."""
+        if self.plan.config.cuda_graphs:
+            for caches in self.branches.values():
+                caches.restart()
+        else:
+            self.branches.clear()
 
     def __call__(self, *args: torch.Tensor) -> Any:
         """One step: warmup (whole sequence) or chunked, by the mode and the step."""
@@ -98,7 +110,7 @@ class PipelinedProgram:
             self.session.claim(self, self.owner)
         tick = self.clock.tick(args)
         if tick.new_generation:
-            self.branches.clear()
+            self._new_generation()
         self.branch = tick.branch
         with torch.no_grad():
             call_env = self._call_env(args)
@@ -222,6 +234,14 @@ def _device_of(args: tuple) -> torch.device:
         if isinstance(arg, torch.Tensor):
             return arg.device
     return torch.device("cpu")
+
+
+def persistent_inputs(plan: Plan) -> frozenset[str]:
+    """Stage inputs that stay in place from call to call: the weights (graph inputs that
+    are no forward argument) and the caches."""
+    weights = {name for name, argument in zip(plan.graphs.input_names, input_arguments(plan),
+                                              strict=True) if argument is None}
+    return frozenset(weights | {name for spec in plan.caches for name in spec.names})
 
 
 def input_arguments(plan: Plan) -> list[str | int | None]:

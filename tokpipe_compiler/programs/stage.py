@@ -1,7 +1,9 @@
-"""A stage as the runtime calls it: specialised and compiled per chunk length, on demand."""
+"""A stage as the runtime calls it: specialised and compiled per chunk length, on demand,
+and with `cuda_graphs` replayed from one CUDA graph per chunk (`runtime/cuda_graphs.py`)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -9,14 +11,24 @@ import torch
 from tokpipe_compiler.core.stage_graph import StageGraph
 from tokpipe_compiler.passes.specialize import specialize
 from tokpipe_compiler.programs.compile import StageFn, compile_stage
+from tokpipe_compiler.runtime.branch_exchange import cfg_gather
+from tokpipe_compiler.runtime.cuda_graphs import COPIED, HOST, PERSISTENT, GraphedStage
+from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 
 
 class StageProgram:
-    """Stage `graph` at every chunk length it is asked for (typically one or two per mode)."""
+    """Stage `graph` at every chunk length it is asked for (typically one or two per mode).
 
-    def __init__(self, graph: StageGraph, compiler: str):
+    `persistent`: names of the inputs that stay where they are from call to call (weights,
+    caches): a CUDA graph reads them in place instead of copying them in.
+    """
+
+    def __init__(self, graph: StageGraph, compiler: str, cuda_graphs: bool = False,
+                 persistent: frozenset[str] = frozenset()):
         self.graph = graph
         self.compiler = compiler
+        self.cuda_graphs = cuda_graphs
+        self.persistent = persistent
         self.specialised: dict[int, torch.fx.GraphModule] = {}
         self.compiled: dict[int, StageFn] = {}
 
@@ -32,6 +44,29 @@ class StageProgram:
             # so they are passed as themselves and written in place.)
             inputs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in inputs]
         if units not in self.compiled:
-            self.compiled[units] = compile_stage(self.graph_for(units), inputs, self.compiler)
+            fn = compile_stage(self.graph_for(units), inputs, self.compiler)
+            self.compiled[units] = self._graphed(fn, inputs) if self.cuda_graphs else fn
         with torch.no_grad():
             return self.compiled[units](*inputs)
+
+    def _graphed(self, fn: StageFn, inputs: list) -> StageFn:
+        """`fn` behind CUDA graphs, or `fn` itself (with a warning) where they cannot run."""
+        name = str(self.graph.index)
+        device = next((x.device for x in inputs if isinstance(x, torch.Tensor)
+                       and x.device.type != "cpu"), None)
+        if device is None or device.type != "cuda":
+            reason = "its inputs are not on a CUDA device"
+        elif any(n.target is cfg_gather for n in self.graph.gm.graph.nodes):
+            reason = "it exchanges guidance branches with another rank inside the stage"
+        else:
+            return GraphedStage(fn, self.input_kinds(), name)
+        warnings.warn(f"tokpipe: cuda_graphs: stage {name} runs without CUDA graphs "
+                      f"({reason})", stacklevel=4)
+        return fn
+
+    def input_kinds(self) -> list[str]:
+        """How each input reaches a graph: the chunk descriptor as host values, weights
+        and caches in place, everything else copied in."""
+        return [HOST if spec.name == CHUNK_INPUT else
+                PERSISTENT if spec.name in self.persistent else COPIED
+                for spec in self.graph.inputs]

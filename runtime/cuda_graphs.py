@@ -1,0 +1,170 @@
+"""CUDA graphs per chunk: a stage's kernels for one chunk launched by one graph replay.
+
+At DiT widths a stage on a GPU is bound by launching its kernels from Python: a chunk
+pass costs about what a whole pass costs (BENCHMARKS.md, "Chunking overhead on the GPU"),
+so chunking multiplies the launch cost. A graph captured once per chunk replays all of a
+chunk's launches for the cost of one.
+
+A replay runs the captured kernels on the captured addresses, so the wrapper keeps every
+input where the graph reads it:
+- persistent inputs (weights, K/V and partial-sum caches) are read and written in place.
+  Their addresses are checked at each replay; one that moved (the caches of a new
+  generation) makes the chunk capture again.
+- per-call inputs (the chunk's tokens, boundary values, conditioning) are copied into the
+  graph's own input buffers before each replay.
+- host inputs (the chunk descriptor, read on the host by the runtime ops) are baked into
+  the capture: their values are part of the key, so a stage has one graph per chunk (the
+  descriptor holds the chunk's start and the cache it may see).
+- outputs live in the graph's buffers, which its next replay overwrites: each replay
+  returns copies (a value sent to another rank may still be in flight, and the executor
+  keeps two steps of values).
+
+A key's first call runs eagerly (lazy initialisation and Triton autotuning cannot be
+captured; its result is real and returned), the second captures and replays, later calls
+replay. All graphs of one stage share a memory pool: they replay one at a time and only
+their (kept) output buffers outlive a replay.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# A host tensor of more values than this is data, not a descriptor: not graphed.
+MAX_HOST_VALUES = 64
+
+StageFn = Callable[..., Sequence[torch.Tensor]]
+Replay = Callable[[], None]
+# capture(fn, args, pool) -> (replay, output buffers); the outputs hold the results only
+# after replay() (a CUDA capture records kernels without running them).
+Capture = Callable[[StageFn, list, Any], tuple[Replay, list[torch.Tensor]]]
+
+
+class NotGraphable(Exception):
+    """A call this wrapper cannot capture; the message says why."""
+
+
+def cuda_capture(fn: StageFn, args: list, pool: Any) -> tuple[Replay, list[torch.Tensor]]:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = list(fn(*args))
+    return graph.replay, outputs
+
+
+def new_cuda_pool() -> Any:
+    return torch.cuda.graph_pool_handle()
+
+
+HOST, PERSISTENT, COPIED = "host", "persistent", "copied"  # how a graph sees an input
+
+
+@dataclass
+class _Graph:
+    replay: Replay
+    args: list  # what the capture read: own buffers (copied), persistent tensors, host values
+    outputs: list[torch.Tensor]
+    bound: dict[int, tuple]  # persistent position -> (address, shape, stride) at capture
+
+
+class GraphedStage:
+    """Calls `fn` (one stage at one chunk length) through one graph per key.
+
+    `kinds[i]` says how input i reaches the graph: HOST (a small host tensor the ops read
+    on the host, baked into the capture and part of the key), PERSISTENT (read and written
+    in place: weights, caches) or COPIED (into the graph's own buffer before each replay).
+    `device` is where the graph runs; `name` names the stage in warnings. On any capture
+    failure the stage warns once and runs eagerly from then on.
+    """
+
+    def __init__(self, fn: StageFn, kinds: Sequence[str], name: str, device: str = "cuda",
+                 capture: Capture = cuda_capture, new_pool: Callable[[], Any] = new_cuda_pool):
+        self.fn = fn
+        self.kinds = list(kinds)
+        self.name = name
+        self.device = device
+        self.capture = capture
+        self.new_pool = new_pool
+        self.pool: Any = None
+        self.graphs: dict[tuple, _Graph] = {}
+        self.seen: set[tuple] = set()  # keys whose eager first call has run
+        self.enabled = True
+        self.captures = 0  # graphs captured, recaptures included (for tests and reports)
+
+    def __call__(self, *inputs: Any) -> Sequence[torch.Tensor]:
+        if not self.enabled:
+            return self.fn(*inputs)
+        try:
+            key = self.key(inputs)
+        except NotGraphable as e:
+            return self._give_up(str(e), inputs)
+        graph = self.graphs.get(key)
+        if graph is not None and _still_bound(graph, inputs):
+            return self._replay(graph, inputs)
+        if key not in self.seen:
+            self.seen.add(key)
+            return self.fn(*inputs)
+        try:
+            graph = self._capture(inputs)
+        except Exception as e:  # whatever the capture trips on, the stage still runs
+            return self._give_up(f"capture failed: {type(e).__name__}: {e}", inputs)
+        self.graphs[key] = graph
+        return self._replay(graph, inputs)
+
+    def key(self, inputs: Sequence[Any]) -> tuple:
+        """What a graph is specific to: the shapes and dtypes of tensors, host values."""
+        key = []
+        for i, (kind, x) in enumerate(zip(self.kinds, inputs, strict=True)):
+            if not isinstance(x, torch.Tensor):
+                key.append(("value", x))
+            elif kind == HOST:
+                if x.device.type != "cpu" or x.numel() > MAX_HOST_VALUES:
+                    raise NotGraphable(f"input {i} (shape {tuple(x.shape)} on {x.device}) is "
+                                       "read on the host: its values would be baked in")
+                key.append(("host", x.dtype, tuple(x.shape), tuple(x.flatten().tolist())))
+            elif x.device.type != self.device:
+                raise NotGraphable(f"input {i} is on {x.device}, not {self.device}")
+            else:
+                key.append((tuple(x.shape), x.dtype))
+        return tuple(key)
+
+    def _capture(self, inputs: Sequence[Any]) -> _Graph:
+        if self.pool is None:
+            self.pool = self.new_pool()
+        args, bound = [], {}
+        for i, (kind, x) in enumerate(zip(self.kinds, inputs, strict=True)):
+            if not isinstance(x, torch.Tensor):
+                args.append(x)
+            elif kind == PERSISTENT:
+                args.append(x)
+                bound[i] = _address(x)
+            else:  # host values are cloned too: the capture's, whatever the caller reuses
+                args.append(x.clone())
+        replay, outputs = self.capture(self.fn, args, self.pool)
+        self.captures += 1
+        return _Graph(replay, args, outputs, bound)
+
+    def _replay(self, graph: _Graph, inputs: Sequence[Any]) -> list[torch.Tensor]:
+        for own, x, kind in zip(graph.args, inputs, self.kinds, strict=True):
+            if kind == COPIED and isinstance(x, torch.Tensor):
+                own.copy_(x)
+        graph.replay()
+        return [out.clone() for out in graph.outputs]
+
+    def _give_up(self, reason: str, inputs: Sequence[Any]) -> Sequence[torch.Tensor]:
+        warnings.warn(f"tokpipe: cuda_graphs: stage {self.name} runs without CUDA graphs "
+                      f"({reason})", stacklevel=3)
+        self.enabled = False
+        self.graphs.clear()
+        return self.fn(*inputs)
+
+
+def _still_bound(graph: _Graph, inputs: Sequence[Any]) -> bool:
+    return all(_address(inputs[i]) == where for i, where in graph.bound.items())
+
+
+def _address(x: torch.Tensor) -> tuple:
+    return x.data_ptr(), tuple(x.shape), x.stride()

@@ -1,0 +1,170 @@
+"""CUDA graphs per chunk (`runtime/cuda_graphs.py`), checked on the CPU with an emulated
+capture that has a graph's semantics: a replay reads what the capture read (the graph's own
+input buffers and the persistent tensors, wherever the caller's inputs are now), runs
+nothing at capture that a replay would not redo, and writes its results into the same
+output buffers every time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fixtures.models import TinyCausalLM, TinyDiT, dit_inputs
+from tokpipe_compiler.programs import stage as stage_module
+from tokpipe_compiler.runtime.cuda_graphs import COPIED, HOST, PERSISTENT, GraphedStage
+
+OPTIONS = {"stages": 2, "chunks": 4, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
+
+
+def emulated_capture(fn, args, pool):
+    """A graph of `fn` over `args`: outputs are buffers that only a replay fills."""
+    outputs = [out.clone().fill_(float("nan")) for out in fn(*args)]
+
+    def replay() -> None:
+        for buffer, value in zip(outputs, fn(*args), strict=True):
+            buffer.copy_(value)
+
+    return replay, outputs
+
+
+def graphed(fn, kinds, capture=emulated_capture) -> GraphedStage:
+    return GraphedStage(fn, kinds, "0", device="cpu", capture=capture, new_pool=lambda: None)
+
+
+def chunk_fn(x, w, cache, descriptor):
+    """A stage in miniature: writes its chunk's row of the cache, reads the whole cache."""
+    row = int(descriptor[0])
+    cache[row] = x.sum(0)
+    return [x @ w + cache.sum(0), x.mean()]
+
+
+KINDS = [COPIED, PERSISTENT, PERSISTENT, HOST]
+
+
+def calls(steps: int = 4, rows: int = 3):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(5, 4, generator=g), torch.tensor([row])) for _ in range(steps)
+            for row in range(rows)]
+
+
+def test_replays_compute_what_the_function_computes_with_one_graph_per_host_key():
+    w = torch.randn(4, 4)
+    eager_cache, graph_cache = torch.zeros(3, 4), torch.zeros(3, 4)
+    stage = graphed(chunk_fn, KINDS)
+    for x, descriptor in calls():
+        expected = chunk_fn(x, w, eager_cache, descriptor)
+        got = stage(x, w, graph_cache, descriptor)
+        for e, g in zip(expected, got, strict=True):
+            assert torch.equal(e, g)
+        assert torch.equal(eager_cache, graph_cache)
+    assert stage.captures == 3 and len(stage.graphs) == 3  # one per chunk row, never again
+
+
+def test_returned_outputs_are_copies_that_later_replays_leave_alone():
+    w, cache = torch.randn(4, 4), torch.zeros(3, 4)
+    stage = graphed(chunk_fn, KINDS)
+    results = [stage(x, w, cache, d)[0] for x, d in calls(steps=3, rows=1)]
+    kept = [r.clone() for r in results]
+    stage(torch.randn(5, 4), w, cache, torch.tensor([0]))
+    assert all(torch.equal(r, k) for r, k in zip(results, kept, strict=True))
+    assert results[1].data_ptr() != results[2].data_ptr()
+
+
+def test_a_persistent_input_that_moved_is_captured_again():
+    w = torch.randn(4, 4)
+    stage = graphed(chunk_fn, KINDS)
+    x, d = torch.randn(5, 4), torch.tensor([1])
+    for _ in range(3):
+        stage(x, w, torch.zeros(3, 4), d)  # stays alive through the call only
+    first_cache = torch.zeros(3, 4)
+    stage(x, w, first_cache, d)
+    captures = stage.captures
+    new_cache = torch.zeros(3, 4)  # a new generation's caches
+    out = stage(x, w, new_cache, d)
+    assert stage.captures == captures + 1
+    assert torch.equal(new_cache[1], x.sum(0)) and torch.equal(first_cache[1], x.sum(0))
+    assert torch.equal(out[0], x @ w + new_cache.sum(0))
+
+
+def test_a_failing_capture_warns_and_the_stage_runs_as_is():
+    def broken(fn, args, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    w, cache = torch.randn(4, 4), torch.zeros(3, 4)
+    stage = graphed(chunk_fn, KINDS, capture=broken)
+    x, d = torch.randn(5, 4), torch.tensor([0])
+    stage(x, w, cache, d)
+    with pytest.warns(UserWarning, match="stage 0 runs without CUDA graphs.*capture failed.*"
+                                         "stream is capturing"):
+        out = stage(x, w, cache, d)
+    assert torch.equal(out[0], x @ w + cache.sum(0)) and not stage.enabled
+
+
+def test_a_large_host_input_is_not_baked_into_a_graph():
+    def fn(x, table):
+        return [x + table.sum()]
+
+    stage = graphed(fn, [COPIED, HOST])
+    with pytest.warns(UserWarning, match=r"input 1 \(shape \(100,\) on cpu\) is read on the host"):
+        out = stage(torch.ones(2), torch.ones(100))
+    assert torch.equal(out[0], torch.full((2,), 101.0))
+
+
+def dit_calls(steps: int = 5) -> list[tuple]:
+    """Two generations of `steps` calls with a falling timestep (inputs vary per call)."""
+    latents, _, labels = dit_inputs(TinyDiT(grid=8), 8)
+    return [(latents + 0.1 * g + 0.01 * i, t.round().long()[None], labels)
+            for g in range(2) for i, t in enumerate(torch.linspace(900, 100, steps))]
+
+
+def lm_calls(calls: int = 4) -> list[tuple]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(1, 16, 32, generator=g),) for _ in range(calls)]
+
+
+def outputs(make_model, calls: list[tuple], **options) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = make_model().eval()
+    compiled = torch.compile(model, backend="tokpipe", options={**OPTIONS, **options},
+                             dynamic=False)
+    with torch.no_grad():
+        return [compiled(*args) for args in calls]
+
+
+@pytest.mark.parametrize("make_model, calls, mode", [
+    (lambda: TinyDiT(depth=2, width=32, heads=2, grid=8), dit_calls(), "stale"),
+    (lambda: TinyCausalLM(depth=2, width=32, heads=2), lm_calls(), "causal"),
+], ids=["dit-stale", "lm-causal"])
+def test_a_pipeline_with_graphed_stages_gives_the_same_bits(monkeypatch, make_model, calls,
+                                                           mode):
+    """Every stage of a two-stage pipeline graphed (weights and caches in place, chunk
+    descriptors as host keys), over several calls: the same bits as without graphs."""
+    made: list[GraphedStage] = []
+
+    def emulated(self, fn, inputs):
+        made.append(GraphedStage(fn, self.input_kinds(), str(self.graph.index), device="cpu",
+                                 capture=emulated_capture, new_pool=lambda: None))
+        return made[-1]
+
+    monkeypatch.setattr(stage_module.StageProgram, "_graphed", emulated)
+    expected = outputs(make_model, calls, mode=mode)
+    got = outputs(make_model, calls, mode=mode, cuda_graphs=True)
+    assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
+    chunked = [s for s in made if len(s.graphs) > 1]
+    assert len(chunked) == 2  # both stages at the chunk length, one graph per chunk
+    assert all(len(s.graphs) == 4 for s in chunked)
+    # a new generation zeroes the caches in place: no chunk is captured twice
+    assert all(s.captures == len(s.graphs) for s in made)
+    kinds = chunked[0].kinds
+    assert kinds.count(HOST) == 1 and PERSISTENT in kinds and COPIED in kinds
+
+
+def test_cuda_graphs_on_cpu_inputs_warn_and_run_without():
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "cuda_graphs": True})
+    latents, t, labels = dit_inputs(model, 8)
+    with pytest.warns(UserWarning, match="runs without CUDA graphs.*not on a CUDA device"):
+        out = compiled(latents, t, labels)
+    torch.testing.assert_close(out, model(latents, t, labels), rtol=1e-5, atol=1e-6)
