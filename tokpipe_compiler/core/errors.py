@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import re
+
+import torch
 import torch.fx
+
+# Frames inside torch itself (functorch's vmap, nn.functional wrappers, ...) are never the
+# line the user wrote; an error names the innermost frame outside it.
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FRAME_FILE = re.compile(r'File "([^"]+)"')
 
 
 class TokpipeError(RuntimeError):
@@ -23,14 +32,20 @@ class NoTokenInput(TokpipeError):
 
 
 def user_line(node: torch.fx.Node) -> str:
-    """The innermost user-code frame of a node's stack trace, or '<unknown>'."""
+    """The innermost frame of a node's stack trace outside torch (the model's own line),
+    else the innermost frame, or '<unknown source line>'."""
     trace = node.meta.get("stack_trace") or ""
-    frames = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
     # Frames come in pairs: 'File "...", line N, in f' then the source line.
-    for i in range(len(frames) - 2, -1, -1):
-        if frames[i].startswith("File "):
-            return f"{frames[i]}: {frames[i + 1]}"
-    return "<unknown source line>"
+    frames = [f"{lines[i]}: {lines[i + 1]}" for i in range(len(lines) - 1)
+              if lines[i].startswith("File ")]
+    outside = [f for f in frames if not _in_torch(f)]
+    return (outside or frames or ["<unknown source line>"])[-1]
+
+
+def _in_torch(frame: str) -> bool:
+    match = _FRAME_FILE.match(frame)
+    return bool(match) and os.path.abspath(match.group(1)).startswith(_TORCH_DIR)
 
 
 def describe(node: torch.fx.Node) -> str:

@@ -1,0 +1,37 @@
+"""Errors name the model's own source line, not a frame inside torch."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.fx
+
+from tokpipe_compiler.core.errors import user_line
+
+TORCH_FILE = os.path.join(os.path.dirname(torch.__file__), "_functorch", "vmap.py")
+
+
+def node_with_trace(trace: str) -> torch.fx.Node:
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["stack_trace"] = trace
+    return node
+
+
+def test_the_innermost_frame_outside_torch_is_named():
+    trace = (f'  File "/models/dit.py", line 12, in forward\n    y = self.block(x)\n'
+             f'  File "/models/block.py", line 40, in forward\n    a = torch.vmap(f)(x)\n'
+             f'  File "{TORCH_FILE}", line 203, in _add_batch_dim\n    return op(x)\n')
+    assert user_line(node_with_trace(trace)) == (
+        'File "/models/block.py", line 40, in forward: a = torch.vmap(f)(x)')
+
+
+def test_a_trace_only_inside_torch_names_its_innermost_frame():
+    trace = f'  File "{TORCH_FILE}", line 203, in _add_batch_dim\n    return op(x)\n'
+    assert user_line(node_with_trace(trace)) == (
+        f'File "{TORCH_FILE}", line 203, in _add_batch_dim: return op(x)')
+
+
+def test_no_trace():
+    assert user_line(node_with_trace("")) == "<unknown source line>"
