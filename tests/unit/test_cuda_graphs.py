@@ -159,12 +159,15 @@ def test_a_pipeline_with_graphed_stages_gives_the_same_bits(monkeypatch, make_mo
     assert kinds.count(HOST) == 1 and PERSISTENT in kinds and COPIED in kinds
 
 
-def test_cuda_graphs_on_cpu_inputs_warn_and_run_without():
+def test_cuda_graphs_on_cpu_inputs_warn_once_per_stage_and_run_without():
     torch.manual_seed(0)
     model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
     compiled = torch.compile(model, backend="tokpipe", dynamic=False,
                              options={**OPTIONS, "cuda_graphs": True})
     latents, t, labels = dit_inputs(model, 8)
-    with pytest.warns(UserWarning, match="runs without CUDA graphs.*not on a CUDA device"):
-        out = compiled(latents, t, labels)
+    with pytest.warns(UserWarning) as caught:
+        out = compiled(latents, t, labels)  # the whole sequence (warmup)
+        compiled(latents, t - 1, labels)  # chunked: another chunk length, no new warning
+    refused = [str(w.message) for w in caught if "without CUDA graphs" in str(w.message)]
+    assert len(refused) == 2 and all("not on a CUDA device" in m for m in refused)
     torch.testing.assert_close(out, model(latents, t, labels), rtol=1e-5, atol=1e-6)

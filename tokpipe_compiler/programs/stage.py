@@ -29,6 +29,7 @@ class StageProgram:
         self.compiler = compiler
         self.cuda_graphs = cuda_graphs
         self.persistent = persistent
+        self.graphs_refused = False  # warned once that this stage runs without graphs
         self.specialised: dict[int, torch.fx.GraphModule] = {}
         self.compiled: dict[int, StageFn] = {}
 
@@ -60,8 +61,10 @@ class StageProgram:
             reason = "it exchanges guidance branches with another rank inside the stage"
         else:
             return GraphedStage(fn, self.input_kinds(), name)
-        warnings.warn(f"tokpipe: cuda_graphs: stage {name} runs without CUDA graphs "
-                      f"({reason})", stacklevel=4)
+        if not self.graphs_refused:
+            warnings.warn(f"tokpipe: cuda_graphs: stage {name} runs without CUDA graphs "
+                          f"({reason})", stacklevel=4)
+        self.graphs_refused = True
         return fn
 
     def input_kinds(self) -> list[str]:
