@@ -8,8 +8,9 @@ chunk's launches for the cost of one.
 A replay runs the captured kernels on the captured addresses, so the wrapper keeps every
 input where the graph reads it:
 - persistent inputs (weights, K/V and partial-sum caches) are read and written in place.
-  Their addresses are checked at each replay; one that moved (the caches of a new
-  generation) makes the chunk capture again.
+  Their addresses are part of the key: each guidance branch's caches get their own graphs,
+  and caches that moved get new ones (the least recently used graphs beyond MAX_GRAPHS
+  are dropped).
 - per-call inputs (the chunk's tokens, boundary values, conditioning) are copied into the
   graph's own input buffers before each replay.
 - host inputs (the chunk descriptor, read on the host by the runtime ops) are baked into
@@ -23,11 +24,17 @@ A key's first call runs eagerly (lazy initialisation and Triton autotuning canno
 captured; its result is real and returned), the second captures and replays, later calls
 replay. All graphs of one stage share a memory pool: they replay one at a time and only
 their (kept) output buffers outlive a replay.
+
+The capture runs on a side stream with thread-local capture mode and no device-wide
+synchronisation: NCCL's receives, posted ahead of need, may still be pending on other
+streams (a device sync would wait for a peer that is itself waiting), and its watchdog
+thread queries events while a capture runs.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +43,8 @@ import torch
 
 # A host tensor of more values than this is data, not a descriptor: not graphed.
 MAX_HOST_VALUES = 64
+# Graphs kept per stage and chunk length: chunks x guidance branches, with room to spare.
+MAX_GRAPHS = 128
 
 StageFn = Callable[..., Sequence[torch.Tensor]]
 Replay = Callable[[], None]
@@ -50,8 +59,15 @@ class NotGraphable(Exception):
 
 def cuda_capture(fn: StageFn, args: list, pool: Any) -> tuple[Replay, list[torch.Tensor]]:
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = list(fn(*args))
+    caller, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(caller)  # the inputs copied for the capture are ready
+    with torch.cuda.stream(side):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            outputs = list(fn(*args))
+        finally:
+            graph.capture_end()
+    caller.wait_stream(side)
     return graph.replay, outputs
 
 
@@ -67,7 +83,6 @@ class _Graph:
     replay: Replay
     args: list  # what the capture read: own buffers (copied), persistent tensors, host values
     outputs: list[torch.Tensor]
-    bound: dict[int, tuple]  # persistent position -> (address, shape, stride) at capture
 
 
 class GraphedStage:
@@ -89,7 +104,7 @@ class GraphedStage:
         self.capture = capture
         self.new_pool = new_pool
         self.pool: Any = None
-        self.graphs: dict[tuple, _Graph] = {}
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
         self.seen: set[tuple] = set()  # keys whose eager first call has run
         self.enabled = True
         self.captures = 0  # graphs captured, recaptures included (for tests and reports)
@@ -102,9 +117,12 @@ class GraphedStage:
         except NotGraphable as e:
             return self._give_up(str(e), inputs)
         graph = self.graphs.get(key)
-        if graph is not None and _still_bound(graph, inputs):
+        if graph is not None:
+            self.graphs.move_to_end(key)
             return self._replay(graph, inputs)
         if key not in self.seen:
+            if len(self.seen) >= 4 * MAX_GRAPHS:
+                self.seen.clear()
             self.seen.add(key)
             return self.fn(*inputs)
         try:
@@ -112,10 +130,13 @@ class GraphedStage:
         except Exception as e:  # whatever the capture trips on, the stage still runs
             return self._give_up(f"capture failed: {type(e).__name__}: {e}", inputs)
         self.graphs[key] = graph
+        if len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)
         return self._replay(graph, inputs)
 
     def key(self, inputs: Sequence[Any]) -> tuple:
-        """What a graph is specific to: the shapes and dtypes of tensors, host values."""
+        """What a graph is specific to: the shapes and dtypes of tensors, host values and
+        where the persistent inputs are."""
         key = []
         for i, (kind, x) in enumerate(zip(self.kinds, inputs, strict=True)):
             if not isinstance(x, torch.Tensor):
@@ -127,6 +148,8 @@ class GraphedStage:
                 key.append(("host", x.dtype, tuple(x.shape), tuple(x.flatten().tolist())))
             elif x.device.type != self.device:
                 raise NotGraphable(f"input {i} is on {x.device}, not {self.device}")
+            elif kind == PERSISTENT:
+                key.append((x.data_ptr(), tuple(x.shape), x.stride(), x.dtype))
             else:
                 key.append((tuple(x.shape), x.dtype))
         return tuple(key)
@@ -134,18 +157,11 @@ class GraphedStage:
     def _capture(self, inputs: Sequence[Any]) -> _Graph:
         if self.pool is None:
             self.pool = self.new_pool()
-        args, bound = [], {}
-        for i, (kind, x) in enumerate(zip(self.kinds, inputs, strict=True)):
-            if not isinstance(x, torch.Tensor):
-                args.append(x)
-            elif kind == PERSISTENT:
-                args.append(x)
-                bound[i] = _address(x)
-            else:  # host values are cloned too: the capture's, whatever the caller reuses
-                args.append(x.clone())
+        args = [x.clone() if isinstance(x, torch.Tensor) and kind != PERSISTENT else x
+                for kind, x in zip(self.kinds, inputs, strict=True)]
         replay, outputs = self.capture(self.fn, args, self.pool)
         self.captures += 1
-        return _Graph(replay, args, outputs, bound)
+        return _Graph(replay, args, outputs)
 
     def _replay(self, graph: _Graph, inputs: Sequence[Any]) -> list[torch.Tensor]:
         for own, x, kind in zip(graph.args, inputs, self.kinds, strict=True):
@@ -160,11 +176,3 @@ class GraphedStage:
         self.enabled = False
         self.graphs.clear()
         return self.fn(*inputs)
-
-
-def _still_bound(graph: _Graph, inputs: Sequence[Any]) -> bool:
-    return all(_address(inputs[i]) == where for i, where in graph.bound.items())
-
-
-def _address(x: torch.Tensor) -> tuple:
-    return x.data_ptr(), tuple(x.shape), x.stride()

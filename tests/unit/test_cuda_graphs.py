@@ -70,20 +70,36 @@ def test_returned_outputs_are_copies_that_later_replays_leave_alone():
     assert results[1].data_ptr() != results[2].data_ptr()
 
 
-def test_a_persistent_input_that_moved_is_captured_again():
+def test_each_set_of_persistent_inputs_gets_its_own_graph():
+    """Two guidance branches, each with its own caches, called in turn: one graph each,
+    captured once, each writing its own cache."""
     w = torch.randn(4, 4)
     stage = graphed(chunk_fn, KINDS)
-    x, d = torch.randn(5, 4), torch.tensor([1])
-    for _ in range(3):
-        stage(x, w, torch.zeros(3, 4), d)  # stays alive through the call only
+    caches = [torch.zeros(3, 4), torch.zeros(3, 4)]
+    eager = [torch.zeros(3, 4), torch.zeros(3, 4)]
+    d = torch.tensor([1])
+    for x, _ in calls(steps=4, rows=1):
+        for branch in (0, 1):
+            got = stage(x + branch, w, caches[branch], d)
+            expected = chunk_fn(x + branch, w, eager[branch], d)
+            assert torch.equal(got[0], expected[0])
+    assert stage.captures == 2 and len(stage.graphs) == 2
+    assert torch.equal(caches[0], eager[0]) and torch.equal(caches[1], eager[1])
+
+
+def test_a_persistent_input_that_moved_runs_eagerly_then_is_captured():
+    w, d = torch.randn(4, 4), torch.tensor([1])
+    stage = graphed(chunk_fn, KINDS)
     first_cache = torch.zeros(3, 4)
-    stage(x, w, first_cache, d)
-    captures = stage.captures
-    new_cache = torch.zeros(3, 4)  # a new generation's caches
-    out = stage(x, w, new_cache, d)
-    assert stage.captures == captures + 1
-    assert torch.equal(new_cache[1], x.sum(0)) and torch.equal(first_cache[1], x.sum(0))
-    assert torch.equal(out[0], x @ w + new_cache.sum(0))
+    for x, _ in calls(steps=2, rows=1):
+        stage(x, w, first_cache, d)
+    assert stage.captures == 1
+    new_cache = torch.zeros(3, 4)  # caches allocated anew
+    for x, _ in calls(steps=3, rows=1):
+        out = stage(x, w, new_cache, d)
+        assert torch.equal(new_cache[1], x.sum(0))
+        assert torch.equal(out[0], x @ w + new_cache.sum(0))
+    assert stage.captures == 2
 
 
 def test_a_failing_capture_warns_and_the_stage_runs_as_is():
@@ -110,11 +126,13 @@ def test_a_large_host_input_is_not_baked_into_a_graph():
     assert torch.equal(out[0], torch.full((2,), 101.0))
 
 
-def dit_calls(steps: int = 5) -> list[tuple]:
-    """Two generations of `steps` calls with a falling timestep (inputs vary per call)."""
+def dit_calls(steps: int = 4) -> list[tuple]:
+    """Two generations of `steps` steps with a falling timestep, each step two calls
+    (guidance: two branches, each with its own caches); inputs vary per call."""
     latents, _, labels = dit_inputs(TinyDiT(grid=8), 8)
-    return [(latents + 0.1 * g + 0.01 * i, t.round().long()[None], labels)
-            for g in range(2) for i, t in enumerate(torch.linspace(900, 100, steps))]
+    return [(latents + 0.1 * g + 0.01 * i + branch, t.round().long()[None], labels + branch)
+            for g in range(2) for i, t in enumerate(torch.linspace(900, 100, steps))
+            for branch in (0, 1)]
 
 
 def lm_calls(calls: int = 4) -> list[tuple]:
@@ -131,12 +149,14 @@ def outputs(make_model, calls: list[tuple], **options) -> list[torch.Tensor]:
         return [compiled(*args) for args in calls]
 
 
-@pytest.mark.parametrize("make_model, calls, mode", [
-    (lambda: TinyDiT(depth=2, width=32, heads=2, grid=8), dit_calls(), "stale"),
-    (lambda: TinyCausalLM(depth=2, width=32, heads=2), lm_calls(), "causal"),
-], ids=["dit-stale", "lm-causal"])
+@pytest.mark.parametrize("make_model, calls, mode, graphs", [
+    # per stage: the whole sequence (second generation's warmup) and 4 chunks, 2 branches
+    (lambda: TinyDiT(depth=2, width=32, heads=2, grid=8), dit_calls(), "stale", [2, 2, 8, 8]),
+    # causal mode has no warmup: 4 chunks per stage
+    (lambda: TinyCausalLM(depth=2, width=32, heads=2), lm_calls(), "causal", [4, 4]),
+], ids=["dit-stale-guidance", "lm-causal"])
 def test_a_pipeline_with_graphed_stages_gives_the_same_bits(monkeypatch, make_model, calls,
-                                                           mode):
+                                                           mode, graphs):
     """Every stage of a two-stage pipeline graphed (weights and caches in place, chunk
     descriptors as host keys), over several calls: the same bits as without graphs."""
     made: list[GraphedStage] = []
@@ -150,12 +170,10 @@ def test_a_pipeline_with_graphed_stages_gives_the_same_bits(monkeypatch, make_mo
     expected = outputs(make_model, calls, mode=mode)
     got = outputs(make_model, calls, mode=mode, cuda_graphs=True)
     assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
-    chunked = [s for s in made if len(s.graphs) > 1]
-    assert len(chunked) == 2  # both stages at the chunk length, one graph per chunk
-    assert all(len(s.graphs) == 4 for s in chunked)
+    assert sorted(len(s.graphs) for s in made) == graphs
     # a new generation zeroes the caches in place: no chunk is captured twice
     assert all(s.captures == len(s.graphs) for s in made)
-    kinds = chunked[0].kinds
+    kinds = made[-1].kinds
     assert kinds.count(HOST) == 1 and PERSISTENT in kinds and COPIED in kinds
 
 
