@@ -11,7 +11,8 @@ transformer's output is the latent it was given, in its layout (same shape; othe
 for a learned variance, [B, C', F, H, W] for video) or packed (Flux's [B, tokens, C]); a
 conditioning stream (text, pooled embeddings) reaches the output only through attention
 keys and values or modulation, never in its own shape. So, best first:
-  1. inputs the output depends on at all (FX ancestry);
+  1. inputs the output depends on at all (FX ancestry; an attention mask, even a float
+     [B, 1, L, L] one larger than the tokens, only weighs scores: not through it);
   2. by how the input's shape matches an output's: equal shape; equal but for one axis
      (channels); equal element count (a packed layout); no match;
   3. the larger input, then the earlier one.
@@ -21,9 +22,13 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
+from tokpipe_compiler.core.args import SDPA, bound_args
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
 from tokpipe_compiler.core.fx import argument_of, example_value, is_user_input, node_shape
+
+_ATTENTION = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
 
 class UnknownTokenInput(TokpipeError):
@@ -75,7 +80,7 @@ def _positional(inputs: list[torch.fx.Node], choice: int) -> torch.fx.Node:
 def _ranking(gm: torch.fx.GraphModule, candidates: list[torch.fx.Node]):
     """Sort key of a candidate: (reaches the output, shape match, size, earlier)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    reached = _ancestors(output)
+    reached = _value_ancestors(output)
     outputs = [node_shape(n) for n in output.all_input_nodes if node_shape(n) is not None]
     order = {node: i for i, node in enumerate(candidates)}
 
@@ -96,15 +101,24 @@ def _shape_match(shape: torch.Size, out: torch.Size) -> int:
     return 1 if shape.numel() == out.numel() else 0
 
 
-def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+def _value_ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The nodes `node` is computed from, not following attention masks."""
     seen: set[torch.fx.Node] = set()
     stack = list(node.all_input_nodes)
     while stack:
         current = stack.pop()
         if current not in seen:
             seen.add(current)
-            stack.extend(current.all_input_nodes)
+            stack.extend(_value_inputs(current))
     return seen
+
+
+def _value_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """A node's inputs, but for the mask of a scaled_dot_product_attention."""
+    if node.op != "call_function" or node.target not in _ATTENTION:
+        return node.all_input_nodes
+    mask = bound_args(node, SDPA).get("attn_mask")
+    return [n for n in node.all_input_nodes if n is not mask]
 
 
 def seed_axes(node: torch.fx.Node) -> list[int]:

@@ -61,6 +61,29 @@ def test_joint_model_with_more_text_than_image_tokens_pipelines_the_image():
         assert_rel_close(program(*traced.inputs)[0], model(x, text))
 
 
+class MaskedAttention(torch.nn.Module):
+    """Self-attention with an additive float mask [B, 1, L, L], larger than the tokens, and
+    an output in no input's shape (OmniGen: text tokens lead the image's, cut off at the end
+    before the unpatchify)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(1, -1, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        image = self.out(a.transpose(1, 2).reshape(1, -1, 8))[:, 8:]
+        return image.reshape(1, 4, 4, 8).permute(0, 3, 1, 2)
+
+
+def test_an_attention_mask_larger_than_the_tokens_is_not_the_token_input():
+    x, mask = torch.randn(1, 24, 8), torch.zeros(1, 1, 24, 24)
+    traced = trace(MaskedAttention().eval(), x, mask)
+    assert largest_input(traced.gm) == "mask"
+    assert find_token_input(traced.gm, None).name == traced.placeholder("x")
+
+
 def test_keyword_passed_token_input_is_pipelined():
     """SD3's forward takes **kwargs (diffusers' decorator): Dynamo names the input
     l_kwargs_hidden_states_; token_input="hidden_states" still names it."""
