@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tokpipe_compiler.costmodel import published
+from tokpipe_compiler.costmodel import published, released_runs
 from tokpipe_compiler.costmodel import simulator as simulate_module
 from tokpipe_compiler.costmodel.hardware import DEVICES, LINKS
 from tokpipe_compiler.costmodel.published import pixart_stage_costs
@@ -53,6 +53,18 @@ def test_the_vae_figures_are_what_the_decoder_counts():
     flops, nbytes = published.count_vae_decoder()
     assert flops == pytest.approx(published.VAE_DECODE_FLOPS, rel=1e-3)
     assert nbytes == pytest.approx(published.VAE_DECODE_OUTPUT_BYTES, rel=1e-3)
+
+
+@pytest.mark.full  # 10-20 s of FLOP counting per decoder
+@pytest.mark.parametrize(("name", "cls_name", "latent"), [
+    ("ltx", "AutoencoderKLLTXVideo", (1, 128, 21, 16, 22)),
+    ("cogvideox", "AutoencoderKLCogVideoX", (1, 16, 13, 60, 90)),
+    ("wan", "AutoencoderKLWan", (1, 16, 21, 60, 104)),
+])
+def test_the_video_vae_figures_are_what_their_decoders_count(name, cls_name, latent):
+    flops, nbytes = released_runs.count_decoder(cls_name, latent)
+    assert flops == pytest.approx(released_runs.VIDEO_VAE[name][0], rel=1e-3)
+    assert nbytes == pytest.approx(released_runs.VIDEO_VAE[name][1], rel=1e-3)
 
 
 def test_outside_work_sends_and_launches_only_add_time():
