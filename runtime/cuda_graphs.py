@@ -99,6 +99,8 @@ class GraphedStage:
                  capture: Capture = cuda_capture, new_pool: Callable[[], Any] = new_cuda_pool):
         self.fn = fn
         self.kinds = list(kinds)
+        self._persistent, self._copied, self._host = (
+            [i for i, k in enumerate(kinds) if k == kind] for kind in (PERSISTENT, COPIED, HOST))
         self.name = name
         self.device = device
         self.capture = capture
@@ -112,10 +114,7 @@ class GraphedStage:
     def __call__(self, *inputs: Any) -> Sequence[torch.Tensor]:
         if not self.enabled:
             return self.fn(*inputs)
-        try:
-            key = self.key(inputs)
-        except NotGraphable as e:
-            return self._give_up(str(e), inputs)
+        key = self.key(inputs)
         graph = self.graphs.get(key)
         if graph is not None:
             self.graphs.move_to_end(key)
@@ -126,7 +125,10 @@ class GraphedStage:
             self.seen.add(key)
             return self.fn(*inputs)
         try:
+            self._check(inputs)
             graph = self._capture(inputs)
+        except NotGraphable as e:
+            return self._give_up(str(e), inputs)
         except Exception as e:  # whatever the capture trips on, the stage still runs
             return self._give_up(f"capture failed: {type(e).__name__}: {e}", inputs)
         self.graphs[key] = graph
@@ -135,24 +137,23 @@ class GraphedStage:
         return self._replay(graph, inputs)
 
     def key(self, inputs: Sequence[Any]) -> tuple:
-        """What a graph is specific to: the shapes and dtypes of tensors, host values and
-        where the persistent inputs are."""
-        key = []
+        """What a graph is specific to: which persistent tensors it reads (by identity: a
+        graph holds them, so an identity is never reused while it lives), the shapes and
+        dtypes of copied inputs, and host values. Cheap: a stage has hundreds of weights."""
+        return (tuple(id(inputs[i]) for i in self._persistent),
+                tuple(_copied_key(inputs[i]) for i in self._copied),
+                tuple(_host_key(inputs[i]) for i in self._host))
+
+    def _check(self, inputs: Sequence[Any]) -> None:
+        """Raises NotGraphable for inputs a graph cannot take (checked once per capture)."""
         for i, (kind, x) in enumerate(zip(self.kinds, inputs, strict=True)):
             if not isinstance(x, torch.Tensor):
-                key.append(("value", x))
-            elif kind == HOST:
-                if x.device.type != "cpu" or x.numel() > MAX_HOST_VALUES:
-                    raise NotGraphable(f"input {i} (shape {tuple(x.shape)} on {x.device}) is "
-                                       "read on the host: its values would be baked in")
-                key.append(("host", x.dtype, tuple(x.shape), tuple(x.flatten().tolist())))
-            elif x.device.type != self.device:
+                continue
+            if kind == HOST and (x.device.type != "cpu" or x.numel() > MAX_HOST_VALUES):
+                raise NotGraphable(f"input {i} (shape {tuple(x.shape)} on {x.device}) is "
+                                   "read on the host: its values would be baked in")
+            if kind != HOST and x.device.type != self.device:
                 raise NotGraphable(f"input {i} is on {x.device}, not {self.device}")
-            elif kind == PERSISTENT:
-                key.append((x.data_ptr(), tuple(x.shape), x.stride(), x.dtype))
-            else:
-                key.append((tuple(x.shape), x.dtype))
-        return tuple(key)
 
     def _capture(self, inputs: Sequence[Any]) -> _Graph:
         if self.pool is None:
@@ -176,3 +177,15 @@ class GraphedStage:
         self.enabled = False
         self.graphs.clear()
         return self.fn(*inputs)
+
+
+def _copied_key(x: Any) -> tuple:
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape), x.dtype
+    return ("value", x)
+
+
+def _host_key(x: Any) -> tuple:
+    if isinstance(x, torch.Tensor) and x.numel() <= MAX_HOST_VALUES:
+        return x.dtype, tuple(x.shape), tuple(x.flatten().tolist())
+    return ("value", x) if not isinstance(x, torch.Tensor) else (id(x),)
