@@ -59,7 +59,7 @@ class NotGraphable(Exception):
 
 def cuda_capture(fn: StageFn, args: list, pool: Any) -> tuple[Replay, list[torch.Tensor]]:
     graph = torch.cuda.CUDAGraph()
-    caller, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    caller, side = torch.cuda.current_stream(), _capture_stream(torch.cuda.current_device())
     side.wait_stream(caller)  # the inputs copied for the capture are ready
     with torch.cuda.stream(side):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -69,6 +69,17 @@ def cuda_capture(fn: StageFn, args: list, pool: Any) -> tuple[Replay, list[torch
             graph.capture_end()
     caller.wait_stream(side)
     return graph.replay, outputs
+
+
+_capture_streams: dict[int, Any] = {}
+
+
+def _capture_stream(device: int) -> Any:
+    """One side stream per device for every capture: whatever a library initialises per
+    stream on first use (cuBLAS workspaces) is then set up once, at the first capture."""
+    if device not in _capture_streams:
+        _capture_streams[device] = torch.cuda.Stream(device)
+    return _capture_streams[device]
 
 
 def new_cuda_pool() -> Any:
