@@ -191,3 +191,55 @@ def test_cuda_graphs_on_cpu_inputs_warn_once_per_stage_and_run_without():
     refused = [str(w.message) for w in caught if "without CUDA graphs" in str(w.message)]
     assert len(refused) == 2 and all("not on a CUDA device" in m for m in refused)
     torch.testing.assert_close(out, model(latents, t, labels), rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_capture_records_on_a_side_stream_without_a_device_sync(monkeypatch):
+    """The capture sequence, against a recording stand-in for torch.cuda (no GPU here):
+    the side stream waits for the caller, captures in thread-local mode into the pool, and
+    the caller waits for the side stream; nothing synchronises the device."""
+    from contextlib import contextmanager
+
+    from tokpipe_compiler.runtime import cuda_graphs
+
+    log = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+    class Graph:
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            log.append(f"begin pool={pool} mode={capture_error_mode}")
+
+        def capture_end(self):
+            log.append("end")
+
+        def replay(self):
+            log.append("replay")
+
+    @contextmanager
+    def on(stream):
+        log.append(f"on {stream.name}")
+        yield
+
+    caller = Stream("caller")
+    fake = type("FakeCuda", (), {
+        "CUDAGraph": Graph, "Stream": lambda device: Stream(), "stream": on,
+        "current_stream": lambda: caller, "current_device": lambda: 0,
+        "synchronize": lambda: log.append("SYNC"),
+    })
+    monkeypatch.setattr(cuda_graphs.torch, "cuda", fake)
+    monkeypatch.setattr(cuda_graphs, "_capture_streams", {})
+
+    def fn(x):
+        log.append("fn")
+        return [x + 1]
+
+    replay, outputs = cuda_graphs.cuda_capture(fn, [torch.zeros(2)], pool="P")
+    replay()
+    assert log == ["side waits caller", "on side", "begin pool=P mode=thread_local", "fn",
+                   "end", "caller waits side", "replay"]
+    assert torch.equal(outputs[0], torch.ones(2))
