@@ -107,7 +107,8 @@ def _first_supported(
 def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, axis: int,
                whole_mixing: bool = False) -> dict[torch.fx.Node, TokenInfo]:
     """TokenInfos from the seed's axis. `whole_mixing`: a node that mixes tokens, and every
-    node computed from it, holds a whole value (segments.whole) instead of UNSUPPORTED."""
+    node computed from it, holds a whole value (segments.whole) instead of UNSUPPORTED; but
+    not a write into a tensor without tokens (its readers would be taken for invariant)."""
     infos: dict[torch.fx.Node, TokenInfo] = {}
     ctx = RuleContext(infos)
     mixed: set[torch.fx.Node] = set()
@@ -122,10 +123,22 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, axis: int,
         elif mixed.isdisjoint(node.all_input_nodes):
             infos[node] = _apply_rule(node, ctx)
         if whole_mixing and (node not in infos or infos[node].kind == UNSUPPORTED):
+            if _writes_into_invariant(node, infos):
+                infos.setdefault(node, unsupported("a value that mixes tokens is written "
+                                                   "into a tensor without tokens"))
+                continue
             infos[node] = segments.whole(example_value(node))
             node.meta.pop(SLICES_KEY, None)  # the whole node reads its tables whole
             mixed.add(node)
     return infos
+
+
+def _writes_into_invariant(node: torch.fx.Node, infos: dict[torch.fx.Node, TokenInfo]) -> bool:
+    """An in-place write into a tensor without tokens."""
+    if node.target not in IN_PLACE or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    target = infos.get(node.args[0])
+    return target is None or not target.carries_tokens
 
 
 def _apply_rule(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:

@@ -14,6 +14,7 @@ from tests.fixtures.models import (
     MaxOverTokens,
     SortOverTokens,
     TinyDiT,
+    TokensIntoBuffer,
     dit_inputs,
 )
 from tests.fixtures.tracing import assert_rel_close
@@ -115,6 +116,18 @@ def test_other_token_mixers_are_rejected(model, shape, words):
                              dynamic=False)
     with pytest.raises(tp.TokpipeError, match=words):
         compiled(torch.randn(shape))
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_tokens_written_into_a_tensor_without_tokens_are_rejected(mode):
+    """Sync mode runs a token-mixing value whole, but not one written in place into a
+    tensor made without tokens (Lumina2's joint sequence): that tensor's readers would be
+    taken for token-free."""
+    compiled = torch.compile(TokensIntoBuffer().eval(), backend="tokpipe", dynamic=False,
+                             options={"compiler": "eager", "mode": mode})
+    with pytest.raises(tp.TokpipeError, match="setitem") as err:
+        compiled(torch.randn(1, 8, 16))
+    assert "joint[:, 3:] = h" in str(err.value)
 
 
 def test_fallback_runs_unpipelined_and_warns():
