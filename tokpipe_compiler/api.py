@@ -9,10 +9,11 @@ import torch
 
 from tokpipe_compiler.backend import LazyProgram, TokpipeBackend, session_for_options
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
+from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.capture import capture
 from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.pieces import Origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.owners import programs_of as owned_programs
 from tokpipe_compiler.programs.pipelined import PipelinedProgram
@@ -84,20 +85,24 @@ def explain(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
             **options: Any) -> Plan:
     """The Plan the backend would run for `model(*args, **kwargs)`, without running the
     pipeline (the model runs once, unpipelined, while Dynamo traces it): the plan of its
-    first graph with the token input."""
+    first graph with the token input (with graph breaks: that holds attention over it)."""
     config = Config.from_options(options)
     inputs: list[str | int] = []  # of the graphs without the named token input
-    for gm in capture_graphs(model, args, kwargs):
+    graphs = capture_graphs(model, args, kwargs)
+    for gm in graphs:
         try:
+            if len(graphs) > 1:
+                return plan_piece(gm, config, Origin(piece=True))
             return build_plan(gm, config)
         except UnknownTokenInput as err:  # an error only when no graph reads it
             inputs += [name for name in err.inputs if name not in inputs]
-        except NoTokenInput:
+        except (NoTokenInput, NothingToPipeline):
             continue
     if inputs:
         raise TokpipeError(f"token_input={config.token_input!r} names no input of this "
                            f"model; its inputs are {inputs}")
-    raise TokpipeError("no traced graph of this model has a token input to pipeline")
+    raise TokpipeError("no traced graph of this model has a token input to pipeline (with "
+                       "graph breaks: and attention over it)")
 
 
 def capture_graphs(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> list:

@@ -17,11 +17,12 @@ import torch
 import torch.fx
 
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
+from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
 from tokpipe_compiler.core.fx import is_parameter, record_sources
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.capture import frame_parameters
 from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.pieces import origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.static import StaticGraph, has_symbolic_shapes, shape_key
 from tokpipe_compiler.programs.distributed import make_program
@@ -83,9 +84,12 @@ def _traced_parameters(session: Session) -> set[str]:
 class LazyProgram:
     """What Dynamo gets back: plans on the first call, then runs the pipeline. A graph with
     symbolic shapes gets one plan per concrete input shape; each model whose weights the
-    graph is called with gets its own program (caches, generation) from the shared plan."""
+    graph is called with gets its own program (caches, generation) from the shared plan.
+    A piece of a model split by graph breaks is pipelined only when it holds attention
+    over its tokens (`planning.pieces`)."""
 
     def __init__(self, gm: torch.fx.GraphModule, config_fn, session: Session):
+        self.origin = origin(gm)  # while Dynamo traces: whether the model has graph breaks
         self.gm = record_sources(gm)
         self.config_fn = config_fn
         self.session = session
@@ -128,6 +132,8 @@ class LazyProgram:
             static = StaticGraph(self.gm, args)
             gm, select = static.gm, static.select
         try:
+            if self.origin.piece:
+                return plan_piece(gm, config, self.origin), select
             return build_plan(gm, config), select
         except UnknownTokenInput as err:
             # Misspelt, unless the name is a parameter of a function Dynamo traced for this
@@ -135,7 +141,7 @@ class LazyProgram:
             if not self._may_read(err.choice) and not config.fallback:
                 raise
             warnings.warn(f"tokpipe: running this graph unpipelined: {err}", stacklevel=4)
-        except NoTokenInput as err:
+        except (NoTokenInput, NothingToPipeline) as err:
             warnings.warn(f"tokpipe: running this graph unpipelined: {err}", stacklevel=4)
         except TokpipeError as err:
             if not config.fallback:

@@ -31,6 +31,11 @@ class NoTokenInput(TokpipeError):
     """A graph (one piece of a model split by graph breaks, say) without the token input."""
 
 
+class NothingToPipeline(TokpipeError):
+    """A piece of a model split by graph breaks with no attention over its tokens: it runs
+    as traced (the backend warns), like a graph without the token input."""
+
+
 def user_line(node: torch.fx.Node) -> str:
     """The innermost frame of a node's stack trace outside torch (the model's own line),
     else the innermost frame, or '<unknown source line>'."""

@@ -1,0 +1,125 @@
+"""Models Dynamo traces as several graphs (graph breaks): the graph with attention over the
+tokens is pipelined, the others run as traced with a warning, and the whole matches eager."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import MeanOverTokens, SplitDiT, dit_inputs
+from tests.fixtures.tracing import assert_rel_close
+from tests.fixtures.zoo import ZOO, build
+from tokpipe_compiler.runtime.caches import CacheSpec
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch.compiler.reset()
+
+
+def run(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None, calls: int = 1,
+        **options) -> tuple[torch.Tensor, object, list[str]]:
+    """(output of the last call, the compiled model, tokpipe's warnings)."""
+    options = {"compiler": "eager", "stages": 2, "chunks": 2, **options}
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=options)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(calls):
+            out = compiled(*args, **(kwargs or {}))
+    return out, compiled, [str(w.message) for w in caught if "tokpipe" in str(w.message)]
+
+
+def unpipelined(messages: list[str]) -> list[str]:
+    return [m for m in messages if "running this graph unpipelined" in m]
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_the_block_graph_is_pipelined_and_the_small_graphs_run_as_traced(mode):
+    torch.manual_seed(0)
+    model = SplitDiT(depth=2, width=32, heads=2, grid=8).eval()
+    inputs = dit_inputs(model, 8)
+    out, compiled, messages = run(model, inputs, calls=2, mode=mode)
+    with torch.no_grad():
+        assert_rel_close(out, model(*inputs))  # stale: a repeated input is exact
+    conditioning, embedding = unpipelined(messages)
+    assert "graph breaks" in conditioning and "no input that looks like a token" in conditioning
+    assert "holds no attention over its token input 'l_latents_'" in embedding
+    assert "ends at a graph break" in embedding
+    (program,) = tp.programs(compiled)  # the blocks' graph, pipelined
+    assert sum(isinstance(c, CacheSpec) for c in program.plan.caches) == 2  # one per block
+    assert len(program.plan.graphs.stages) == 2
+    assert len(program.plan.chunks) == (1 if mode == "sync" else 2)
+    assert program.calls == 2
+
+
+class MaxInBlocks(SplitDiT):
+    """The blocks' graph ends with a max over the tokens: no chunking for it."""
+
+    def unpatchify(self, x, shape):
+        out = super().unpatchify(x, shape)
+        return out - out.amax(dim=2, keepdim=True)
+
+
+def test_a_block_graph_that_cannot_be_chunked_raises():
+    torch.manual_seed(0)
+    model = MaxInBlocks(depth=2, width=32, heads=2, grid=8).eval()
+    with pytest.raises(tp.TokpipeError, match="amax") as err:
+        run(model, dit_inputs(model, 8), mode="stale")
+    assert "fallback" in str(err.value)
+
+
+class MaxInEmbedding(SplitDiT):
+    """The patch embedding's graph (no attention) takes a max over the tokens."""
+
+    def tokens(self, latents):
+        return super().tokens(latents - latents.amax(dim=2, keepdim=True))
+
+
+def test_a_small_graph_that_cannot_be_chunked_runs_as_traced():
+    torch.manual_seed(0)
+    model = MaxInEmbedding(depth=2, width=32, heads=2, grid=8).eval()
+    inputs = dit_inputs(model, 8)
+    out, compiled, messages = run(model, inputs, calls=2, mode="stale")
+    with torch.no_grad():
+        assert_rel_close(out, model(*inputs))
+    assert len(unpipelined(messages)) == 2
+    assert len(tp.programs(compiled)) == 1
+
+
+def test_one_graph_without_attention_is_still_pipelined():
+    """No graph breaks: a model without attention is pipelined as before (its mean over
+    tokens from partial sums), without a warning."""
+    model = MeanOverTokens().eval()
+    x = torch.randn(1, 8, 16)
+    out, compiled, messages = run(model, (x,), mode="sync")
+    with torch.no_grad():
+        assert_rel_close(out, model(x))
+    assert not unpipelined(messages)
+    assert len(tp.programs(compiled)) == 1
+
+
+def test_explain_plans_the_block_graph():
+    torch.manual_seed(0)
+    model = SplitDiT(depth=2, width=32, heads=2, grid=8).eval()
+    plan = tp.explain(model, dit_inputs(model, 8), compiler="eager", chunks=2)
+    assert plan.token_input == "l_x_"
+    assert sum(isinstance(c, CacheSpec) for c in plan.caches) == 2
+
+
+@pytest.mark.parametrize(("name", "pipelined"), [
+    ("OmniGenTransformer2DModel", 1),  # blocks after its rope's data-dependent branch
+    ("MochiTransformer3DModel", 0),  # its attention runs between graphs (nonzero)
+])
+def test_diffusers_models_with_graph_breaks_match_eager_in_sync(name, pipelined):
+    model = build(name)
+    inputs = ZOO[name].inputs(1)
+    out, compiled, messages = run(model, kwargs=inputs, mode="sync", chunks=ZOO[name].chunks)
+    with torch.no_grad():
+        assert_rel_close(out.sample, model(**inputs).sample)
+    programs = tp.programs(compiled)
+    assert len(programs) == pipelined
+    assert all(any(isinstance(c, CacheSpec) for c in p.plan.caches) for p in programs)
+    assert unpipelined(messages)
