@@ -18,7 +18,7 @@ import torch.fx
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
-from tokpipe_compiler.core.fx import is_parameter, record_sources
+from tokpipe_compiler.core.fx import argument_of, is_parameter, record_sources
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.capture import frame_parameters
 from tokpipe_compiler.planning.driver import build_plan
@@ -26,6 +26,7 @@ from tokpipe_compiler.planning.pieces import origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.static import StaticGraph, has_symbolic_shapes, shape_key
 from tokpipe_compiler.programs.distributed import make_program
+from tokpipe_compiler.programs.generations import timestep_index
 from tokpipe_compiler.programs.owners import PerOwner, owner_of, register
 from tokpipe_compiler.programs.pipelined import Session
 
@@ -99,11 +100,17 @@ class LazyProgram:
                                 None)
         self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> plan, select
         self.programs = PerOwner()  # per model: input shapes -> callable
+        # A piece's timestep argument, for its model's pieces that read none.
+        self.timestep_at = timestep_index([argument_of(n) for n in placeholders(self.gm)]) \
+            if self.origin.piece else None
         self.pipelined: weakref.WeakSet = weakref.WeakSet()  # the pipelined programs made
 
     def __call__(self, *args: Any) -> Any:
         key = shape_key(args) if self.dynamic else None
         owner = owner_of(args, self.owner_index)
+        if self.timestep_at is not None:
+            publisher = (id(self), None if owner is None else id(owner))
+            self.session.timesteps.publish(publisher, args[self.timestep_at])
         table = self.programs.table(owner)
         if key not in table:
             table[key] = self._program(key, args, owner)
@@ -116,6 +123,8 @@ class LazyProgram:
         if plan is None:
             return self.gm.forward
         program = make_program(plan, self.session, None if owner is None else id(owner))
+        if self.origin.piece and program.clock.timestep_index is None:
+            program.clock.source = self.session.timesteps.follow()
         register(owner, program)
         self.pipelined.add(program)
         return program if select is None else lambda *a: program(*select(a))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
-from tests.fixtures.models import MeanOverTokens, SplitDiT, dit_inputs
+from tests.fixtures.models import MeanOverTokens, SplitDiT, TinyDiT, dit_inputs
 from tests.fixtures.tracing import assert_rel_close
 from tests.fixtures.zoo import ZOO, build
 from tokpipe_compiler.runtime.caches import CacheSpec
@@ -123,3 +123,28 @@ def test_diffusers_models_with_graph_breaks_match_eager_in_sync(name, pipelined)
     assert len(programs) == pipelined
     assert all(any(isinstance(c, CacheSpec) for c in p.plan.caches) for p in programs)
     assert unpipelined(messages)
+
+
+def test_the_block_graph_follows_generations_and_guidance_branches():
+    """The blocks' graph reads no timestep: it follows the conditioning graph's, so a call
+    sequence (two guidance branches per step, a second generation) gives what the same
+    model without graph breaks gives, call for call, in stale mode."""
+    torch.manual_seed(0)
+    split = SplitDiT(depth=2, width=32, heads=2, grid=8).eval()
+    whole = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    whole.load_state_dict(split.state_dict())
+    options = {"compiler": "eager", "stages": 2, "chunks": 2, "mode": "stale",
+               "warmup_steps": 1}
+    compiled = [torch.compile(m, backend="tokpipe", dynamic=False, options=dict(options))
+                for m in (split, whole)]
+    calls = [(dit_inputs(split, 8, seed=gen)[0] + 0.1 * step, torch.tensor([t]),
+              torch.tensor([label]))
+             for gen in (0, 1) for step, t in enumerate((900, 800, 700))
+             for label in (3, 0)]  # guidance: the conditional branch, then the other
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for args in calls:
+            got, expected = (c(*args) for c in compiled)
+            assert_rel_close(got, expected)
+    (program,) = tp.programs(compiled[0])
+    assert sorted(program.branches) == [0, 1]

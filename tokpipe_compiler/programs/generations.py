@@ -12,12 +12,14 @@ never from another image. From the timestep input alone:
     timestep higher than the last call's  -> a new generation (the next image), step 0
 
 Without a timestep input every call is its own step of one branch, and only `tp.reset`,
-new input shapes or a pipeline call's end start a new generation.
+new input shapes or a pipeline call's end start a new generation. A graph of a model split
+at graph breaks (the blocks' graph, fed `temb`, not the timestep) follows the timestep of
+the graph of its model that read one before it (`SharedTimesteps`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,8 @@ class StepClock:
     def __init__(self, timestep_index: int | None, inputs: Sequence[int] = ()):
         self.timestep_index = timestep_index
         self.inputs = tuple(inputs)
+        # Without a timestep argument: where this call's timestep is read instead.
+        self.source: Callable[[], float | None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -79,12 +83,37 @@ class StepClock:
 
     def _timestep(self, args: tuple[Any, ...]) -> float | None:
         if self.timestep_index is None:
+            return None if self.source is None else self.source()
+        return timestep_value(args[self.timestep_index])
+
+
+def timestep_value(value: Any) -> float | None:
+    """A call's timestep as a number (a tensor's largest: guidance batches repeat one)."""
+    if isinstance(value, torch.Tensor):
+        return float(value.max()) if value.numel() else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+class SharedTimesteps:
+    """Timesteps read by graphs of models split at graph breaks, for the graphs after them
+    that take none. A publisher is a graph with one model's weights; a graph without a
+    timestep follows the publisher that ran last before its first call (its own model's:
+    a model's graphs run one after another)."""
+
+    def __init__(self) -> None:
+        self.values: dict[Hashable, float | None] = {}
+        self.last: Hashable | None = None
+
+    def publish(self, publisher: Hashable, value: Any) -> None:
+        self.values[publisher] = timestep_value(value)
+        self.last = publisher
+
+    def follow(self) -> Callable[[], float | None] | None:
+        """The last publisher's timesteps from now on (None: none published yet)."""
+        publisher = self.last
+        if publisher is None:
             return None
-        value = args[self.timestep_index]
-        if isinstance(value, torch.Tensor):
-            # Guidance batches repeat one timestep; the largest stands for the call.
-            return float(value.max()) if value.numel() else None
-        return float(value) if isinstance(value, (int, float)) else None
+        return lambda: self.values.get(publisher)
 
 
 def timestep_index(argument_names: list[str | int | None]) -> int | None:

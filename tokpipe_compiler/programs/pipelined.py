@@ -20,7 +20,7 @@ import torch
 from tokpipe_compiler.core.fx import argument_of
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.programs.generations import StepClock, timestep_index
+from tokpipe_compiler.programs.generations import SharedTimesteps, StepClock, timestep_index
 from tokpipe_compiler.programs.stage import StageProgram
 from tokpipe_compiler.runtime.caches import KVCaches
 from tokpipe_compiler.runtime.chunking import Chunk, assemble, chunk_table
@@ -35,6 +35,7 @@ class Session:
         self.programs: weakref.WeakSet[PipelinedProgram] = weakref.WeakSet()
         # (model, role) -> the program that served it last (weakly: models come and go)
         self.last_by_role: dict[tuple[int | None, str], weakref.ref] = {}
+        self.timesteps = SharedTimesteps()  # of graphs split at graph breaks
 
     def reset(self) -> None:
         for program in list(self.programs):
