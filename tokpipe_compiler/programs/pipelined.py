@@ -240,8 +240,8 @@ def _device_of(args: tuple) -> torch.device:
 def persistent_inputs(plan: Plan) -> frozenset[str]:
     """Stage inputs that stay in place from call to call: the weights (graph inputs that
     are no forward argument) and the caches."""
-    weights = {name for name, argument in zip(plan.graphs.input_names, input_arguments(plan),
-                                              strict=True) if argument is None}
+    weights = {n.name for n in plan.graphs.prelude.graph.nodes
+               if n.op == "placeholder" and argument_of(n) is None}
     return frozenset(weights | {name for spec in plan.caches for name in spec.names})
 
 
