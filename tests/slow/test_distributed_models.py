@@ -2,6 +2,8 @@
 
 Joint text+image attention (Flux, SD3, AuraFlow) sends the whole text segment with every
 chunk across the stage boundary; a receive sized for the image tokens alone would abort.
+Every selected case runs in one launch (tests/fixtures/ranks.py: starting ranks costs more
+than a case).
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
+from tests.fixtures.ranks import launch_cases, selected
 from tests.fixtures.zoo import ZOO, build
-from tokpipe_compiler.runtime.launch import launch
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +37,18 @@ def _both_ways(rank: int, world: int, name: str, mode: str) -> list[tuple[torch.
     return [*results, (torch.tensor(len(local.stages)),)]
 
 
+@pytest.fixture(scope="module")
+def joint_runs(request) -> dict:
+    """Per-rank results of every selected (name, mode), from one launch."""
+    cases = {(p["name"], p["mode"]): (_both_ways, (p["name"], p["mode"]))
+             for p in selected(request, test_joint_attention_on_two_ranks)}
+    return launch_cases(cases, 2, timeout=300 * len(cases))
+
+
 @pytest.mark.parametrize("name", JOINT)
 @pytest.mark.parametrize("mode", ["sync", "stale"])
-def test_joint_attention_on_two_ranks(name, mode):
-    per_rank = launch(_both_ways, 2, args=(name, mode), timeout=300)
+def test_joint_attention_on_two_ranks(name, mode, joint_runs):
+    per_rank = joint_runs[name, mode]
     for results in per_rank:
         *calls, (stages,) = results
         assert stages.item() == 2
