@@ -4,13 +4,13 @@ A model Dynamo traces whole is one graph, planned and pipelined as a whole. At a
 break (`.tolist()`, `nonzero`, a branch on a tensor's value) Dynamo hands the backend
 pieces instead, each called in turn by the model's Python code:
 
-    forward: embeddings | x.sum().tolist() | rope tables | blocks, output     (Lumina2)
-             graph 0    | break (Python)   | graph 1     | graph 2
+    Lumina2:  embeddings | mask.sum(1) | .tolist() | rope tables, patchify | blocks, output
+              graph 0    | graph 1     | (Python)  | graph 2               | graph 3
 
 A piece is pipelined only when it holds attention over its token input: the graph with
-the transformer blocks. The others (embeddings, rope tables, an output
-norm, pieces of a block whose attention runs outside any graph) run as traced, each with a
-warning: pipelining them would fill and drain the pipeline for a few token-wise ops.
+the transformer blocks. The others (embeddings, rope tables, an output norm, pieces of a
+block whose attention runs outside any graph) run as traced, each with a warning:
+pipelining them would fill and drain the pipeline for a few token-wise ops.
 
 Which graphs are pieces is told while Dynamo traces (`origin`): a graph that ends at a
 break, a resume function after a break, and a function called from code that Dynamo ran
