@@ -1,5 +1,6 @@
 """One process per stage over gloo: the same numbers as the in-process runtime, bit for bit,
-and a clear error, never a hang, when a rank dies."""
+and a clear error, never a hang, when a rank dies. The two-rank runs that succeed share one
+launch (tests/fixtures/ranks.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
+from tests.fixtures.ranks import launch_cases, selected
 from tests.fixtures.tracing import trace
 from tokpipe_compiler.runtime.launch import launch
 
@@ -33,12 +35,33 @@ def _per_call(rank: int, world: int, options: dict) -> list[tuple[torch.Tensor, 
     return results
 
 
+def _options(world: int, mode: str, chunks: int) -> dict:
+    return {"stages": world, "chunks": chunks, "mode": mode, "warmup_steps": 1,
+            "compiler": "eager", "timeout": 60.0}
+
+
+SHARE = {"stages": 2, "chunks": 2, "mode": "stale", "compiler": "eager", "timeout": 60.0}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(request) -> dict:
+    """Per-rank results of the selected two-rank runs that succeed, from one launch."""
+    cases = {(p["world"], p["mode"], p["chunks"]): (_per_call, (_options(**p),))
+             for p in selected(request, test_ranks_equal_in_process_bit_for_bit)
+             if p["world"] == 2}
+    if selected(request, test_each_rank_holds_its_share_of_the_weights):
+        cases["share"] = (_param_share, (SHARE,))
+    return launch_cases(cases, 2, timeout=240 * len(cases))
+
+
 @pytest.mark.parametrize(("world", "mode", "chunks"), [(2, "stale", 2), (3, "stale", 4),
                                                         (2, "sync", 1)])
-def test_ranks_equal_in_process_bit_for_bit(world, mode, chunks):
-    options = {"stages": world, "chunks": chunks, "mode": mode, "warmup_steps": 1,
-               "compiler": "eager", "timeout": 60.0}
-    per_rank = launch(_per_call, world, args=(options,), timeout=240)
+def test_ranks_equal_in_process_bit_for_bit(world, mode, chunks, request):
+    if world == 2:
+        per_rank = request.getfixturevalue("two_rank_runs")[world, mode, chunks]
+    else:
+        options = _options(world, mode, chunks)
+        per_rank = launch(_per_call, world, args=(options,), timeout=240)
     for rank_results in per_rank:
         for got, expected in rank_results:
             assert torch.equal(got, expected)
@@ -80,7 +103,6 @@ def _param_share(rank: int, world: int, options: dict) -> tuple[int, int]:
     return program.param_bytes, total
 
 
-def test_each_rank_holds_its_share_of_the_weights():
-    options = {"stages": 2, "chunks": 2, "mode": "stale", "compiler": "eager", "timeout": 60.0}
-    for held, total in launch(_param_share, 2, args=(options,), timeout=240):
+def test_each_rank_holds_its_share_of_the_weights(two_rank_runs):
+    for held, total in two_rank_runs["share"]:
         assert abs(held - total / 2) <= 0.1 * total / 2, (held, total)
