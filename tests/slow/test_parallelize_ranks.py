@@ -1,6 +1,6 @@
 """parallelize(pipe) on two gloo ranks: each rank calls the pipeline as written, the loop
 runs as one ring across them, and every rank returns what one process computes (within
-1e-5 relative, float32)."""
+1e-5 relative, float32). The two-rank runs share one launch (tests/fixtures/ranks.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures.pipelines import FAMILIES, generate
+from tests.fixtures.ranks import launch_cases, selected
 from tokpipe_compiler.runtime.launch import launch
 
 pytestmark = pytest.mark.slow
@@ -33,9 +34,9 @@ def _rank(rank: int, world: int, family: str) -> torch.Tensor:
     pytest.param("flux", marks=pytest.mark.full),  # joint attention, dynamic shift
     pytest.param("ltx", marks=pytest.mark.full),
 ])
-def test_two_ranks_equal_one_process(family):
+def test_two_ranks_equal_one_process(family, two_rank_runs):
     alone = _pipelined(family)
-    ranks = launch(_rank, 2, args=(family,), timeout=600)
+    ranks = two_rank_runs["ring", family]
     for result in ranks:
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
 
@@ -51,11 +52,11 @@ def _cfg_rank(rank: int, world: int, family: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", ["dit", pytest.param("wan", marks=pytest.mark.full)])
-def test_cfg_parallel_on_two_ranks_equals_one_process(family):
+def test_cfg_parallel_on_two_ranks_equals_one_process(family, two_rank_runs):
     """cfg=2: rank 0 runs the conditional branch, rank 1 the unconditional one (DiT: the
     halves of one batch; Wan: its two calls), one all-gather per step."""
     alone = _cfg(family)
-    for result in launch(_cfg_rank, 2, args=(family,), timeout=600):
+    for result in two_rank_runs["cfg", family]:
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
 
 
@@ -83,6 +84,18 @@ def test_hybrid_cfg_on_four_ranks_equals_one_process(family):
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(request) -> dict:
+    """Per-rank results of the selected two-rank runs, from one launch."""
+    cases = {("ring", p["family"]): (_rank, (p["family"],))
+             for p in selected(request, test_two_ranks_equal_one_process)}
+    cases.update({("cfg", p["family"]): (_cfg_rank, (p["family"],))
+                  for p in selected(request, test_cfg_parallel_on_two_ranks_equals_one_process)})
+    if selected(request, test_cfg_parallel_checks_the_world_size):
+        cases["wrong world"] = (_wrong_world, ())
+    return launch_cases(cases, 2, timeout=600 * len(cases))
+
+
 def _wrong_world(rank: int, world: int) -> str:
     try:
         tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=1, stages=1)
@@ -91,6 +104,6 @@ def _wrong_world(rank: int, world: int) -> str:
     return ""
 
 
-def test_cfg_parallel_checks_the_world_size():
-    for message in launch(_wrong_world, 2, timeout=120):
+def test_cfg_parallel_checks_the_world_size(two_rank_runs):
+    for message in two_rank_runs["wrong world"]:
         assert "cfg=1 x stages=1 needs 1 rank(s); the process group has 2" in message
