@@ -2,7 +2,7 @@
 a small latent grid), batch 2 as guidance runs it, inputs by keyword as its pipeline passes
 them: the token input is the latent, and sync and warmup-stale equal eager within 1e-5 of
 the largest eager value, in one process and on two gloo ranks (CI: every family in one
-process, four on two ranks; `-m full`: every family on two ranks too).
+process, three on two ranks, in one launch; `-m full`: every family on two ranks too).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures import released
-from tokpipe_compiler.runtime.launch import launch
+from tests.fixtures.ranks import launch_cases, selected
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,9 @@ def grid(name: str) -> tuple[int, ...]:
     return GRIDS[released.family(name).layout]
 
 
-@functools.cache
+# One family's model at a time: the cases of a family run one after another, and the
+# released widths take up to 2 GB a model (Flux, AuraFlow).
+@functools.lru_cache(maxsize=1)
 def model_and_inputs(name: str) -> tuple[torch.nn.Module, dict]:
     model = released.build(name, layers=FAMILIES[name], grid=grid(name))
     return model, released.inputs(name, batch=2, grid=grid(name))
@@ -66,12 +68,15 @@ def check(name: str, mode: str, outputs: list[torch.Tensor], expected: torch.Ten
 # One mode per family (a forward at released widths takes seconds here): stale's first call
 # runs the whole sequence stage after stage (what sync runs), its second the chunked
 # pipeline; sync itself on the two cheapest families.
+SYNC = ("dit-xl-2-256", "sd3-medium")
 RANK_CASES = [(name, "stale") for name in FAMILIES]
-CASES = [*RANK_CASES, ("dit-xl-2-256", "sync"), ("sd3-medium", "sync")]
-# Two ranks in CI: text by cross-attention (PixArt), joint attention of two block kinds
-# (Flux), guided video with batch and frames merged (Latte), joint video (CogVideoX). Every
-# family on two ranks: `-m full`.
-CI_RANKS = ("pixart-sigma-xl-2-1024-ms", "flux1-schnell", "latte-1", "cogvideox-2b")
+CASES = [(name, mode) for name in FAMILIES
+         for mode in ("stale", "sync") if mode == "stale" or name in SYNC]
+# Two ranks in CI: text by cross-attention (PixArt), guided video with batch and frames
+# merged (Latte), joint text+video attention (CogVideoX). Every family on two ranks, Flux
+# among them: `-m full` (its two block kinds run in one process here at released widths,
+# and on two ranks at zoo widths in tests/slow/test_distributed_models.py).
+CI_RANKS = ("pixart-sigma-xl-2-1024-ms", "latte-1", "cogvideox-2b")
 
 
 def _rank_case(name: str, mode: str):
@@ -86,12 +91,24 @@ def test_one_process(name, mode):
 
 def _on_rank(rank: int, world: int, name: str, mode: str):
     torch.set_num_threads(1)
-    return pipelined_calls(name, mode)
+    try:
+        return pipelined_calls(name, mode)
+    finally:
+        model_and_inputs.cache_clear()  # the next case's model in its place
+
+
+@pytest.fixture(scope="module")
+def rank_runs(request) -> dict:
+    """Per-rank results of every selected family on two ranks, from one launch (starting
+    two ranks that import diffusers costs as much as a family's run)."""
+    cases = {(p["name"], p["mode"]): (_on_rank, (p["name"], p["mode"]))
+             for p in selected(request, test_two_ranks)}
+    return launch_cases(cases, 2, timeout=600 * len(cases))
 
 
 @pytest.mark.parametrize(("name", "mode"), [_rank_case(*case) for case in RANK_CASES])
-def test_two_ranks(name, mode):
-    per_rank = launch(_on_rank, 2, args=(name, mode), timeout=600)
+def test_two_ranks(name, mode, rank_runs):
+    per_rank = rank_runs[name, mode]
     for outputs, expected, token_input in per_rank:
         check(name, mode, outputs, expected, token_input)
     assert torch.equal(per_rank[0][0][1], per_rank[1][0][1])  # every rank returns it all
