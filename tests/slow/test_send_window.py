@@ -1,5 +1,6 @@
 """Sends are completed as a run goes: over gloo a rank holds about two steps of sent tensors,
-however many steps a ring runs."""
+however many steps a ring runs. The runs share one launch of two ranks
+(tests/fixtures/ranks.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.distributed as dist
 
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
-from tokpipe_compiler.runtime.launch import launch
+from tests.fixtures.ranks import launch_cases, selected
 from tokpipe_compiler.runtime.transport import (
     SEND_LAG_STEPS,
     DistributedTransport,
@@ -43,9 +44,24 @@ def window_rank(rank: int, world: int, steps: int) -> int | bool:
     return peak
 
 
-def test_pending_sends_stay_within_the_lag_however_many_steps():
-    for steps in (4, 40):
-        peak, intact = launch(window_rank, 2, args=(steps,), timeout=120)
+WINDOW_STEPS = (4, 40)
+RING_STEPS = (4, 16)
+
+
+@pytest.fixture(scope="module")
+def runs(request) -> dict:
+    """Per-rank results of the selected tests' runs, from one launch."""
+    cases = {}
+    if selected(request, test_pending_sends_stay_within_the_lag_however_many_steps):
+        cases.update({("window", steps): (window_rank, (steps,)) for steps in WINDOW_STEPS})
+    if selected(request, test_ring_pending_sends_do_not_grow_with_the_steps):
+        cases["ring"] = (ring_pending, (RING_STEPS,))
+    return launch_cases(cases, 2, timeout=240 * len(cases))
+
+
+def test_pending_sends_stay_within_the_lag_however_many_steps(runs):
+    for steps in WINDOW_STEPS:
+        peak, intact = runs["window", steps]
         assert intact
         assert peak <= SEND_LAG_STEPS * CHUNKS, (steps, peak)
 
@@ -82,7 +98,7 @@ def ring_pending(rank: int, world: int, step_counts: tuple[int, ...]) -> list[in
     return peaks
 
 
-def test_ring_pending_sends_do_not_grow_with_the_steps():
-    for peaks in launch(ring_pending, 2, args=((4, 16),), timeout=240):
+def test_ring_pending_sends_do_not_grow_with_the_steps(runs):
+    for peaks in runs["ring"]:
         short, long = peaks
         assert long <= short, peaks
