@@ -1,5 +1,6 @@
 """A model with graph breaks on two gloo ranks: its blocks' graph runs one stage per rank,
-the other graphs run as traced on every rank, and every rank returns eager's answer."""
+the other graphs run as traced on every rank, and every rank returns eager's answer. Both
+modes run in one launch (tests/fixtures/ranks.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures.models import SplitDiT, dit_inputs
+from tests.fixtures.ranks import launch_cases, selected
 from tests.fixtures.tracing import rel_error
 from tokpipe_compiler.programs.distributed import DistributedProgram
-from tokpipe_compiler.runtime.launch import launch
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +36,16 @@ def _split_dit(rank: int, world: int, mode: str) -> tuple[list[float], list[str]
     return errors, [type(p).__name__ for p in tp.programs(compiled)]
 
 
+@pytest.fixture(scope="module")
+def runs(request) -> dict:
+    """Per-rank results of every selected mode, from one launch."""
+    cases = {p["mode"]: (_split_dit, (p["mode"],))
+             for p in selected(request, test_the_block_graph_runs_one_stage_per_rank)}
+    return launch_cases(cases, 2, timeout=240 * len(cases))
+
+
 @pytest.mark.parametrize("mode", ["sync", "stale"])
-def test_the_block_graph_runs_one_stage_per_rank(mode):
-    for errors, programs in launch(_split_dit, 2, args=(mode,), timeout=240):
+def test_the_block_graph_runs_one_stage_per_rank(mode, runs):
+    for errors, programs in runs[mode]:
         assert max(errors) <= 1e-5
         assert programs == [DistributedProgram.__name__]
