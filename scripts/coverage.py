@@ -145,6 +145,8 @@ def first_tensor(values) -> torch.Tensor:
     if hasattr(values, "to_tuple"):  # a diffusers output (a model run whole)
         values = values.to_tuple()
     values = values if isinstance(values, (tuple, list)) else [values]
+    # a tensor, or a list of one per sample (Wan-Animate-2's output)
+    values = [v[0] if isinstance(v, list) and v else v for v in values]
     return next(v for v in values if isinstance(v, torch.Tensor))
 
 
@@ -217,7 +219,10 @@ def next_step(inputs: dict) -> dict:
     g = torch.Generator().manual_seed(99)
     out = dict(inputs)
     latents = "hidden_states" if "hidden_states" in out else "x"
-    out[latents] = out[latents] + 0.05 * torch.randn(out[latents].shape, generator=g)
+    value = out[latents]  # a tensor, or a list of one per sample (Wan-Animate-2)
+    nudged = [v + 0.05 * torch.randn(v.shape, generator=g)
+              for v in (value if isinstance(value, list) else [value])]
+    out[latents] = nudged if isinstance(value, list) else nudged[0]
     for key in ("timestep", "t", "timesteps"):
         if isinstance(out.get(key), torch.Tensor):
             lower = out[key] * 0.98 if out[key].is_floating_point() else out[key] - 1
