@@ -1,5 +1,6 @@
-"""Token rules for ops that compute: contractions, norms, the patchify convolution,
-embeddings and attention. COMPUTE_RULES, merged with the others in `rules.py`."""
+"""Token rules for ops that compute: contractions, norms, the patchify convolution (and its
+transpose, unpatchify), embeddings and attention. COMPUTE_RULES, merged with the others in
+`rules.py`."""
 
 from __future__ import annotations
 
@@ -157,8 +158,32 @@ def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         "convolutions, kernel == stride, and 'same' ones, kernel 2p+1 with padding p)")
 
 
+@register(torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)
+def conv_transpose(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """An unpatchify convolution (kernel == stride, no padding): each input row becomes
+    `stride` output rows of its own, so a chunk's rows map to a band of output rows."""
+    src, info = first_token(node, ctx)
+    if src is not source(node):
+        return unsupported("a convolution's weight depends on the tokens")
+    if info.axis == 0:
+        return info  # the token axis is the batch (video frames folded into it)
+    spatial = info.axis - 2
+    if spatial < 0 or info.segmented:
+        return unsupported("convolution over the token axis as channels")
+    weight = node_shape(arg(node, 1, "weight"))
+    kernel = weight[2 + spatial]
+    stride, padding, out_padding, dilation = (
+        conv_param(node, i, name, len(weight) - 2)[spatial]
+        for i, name in ((3, "stride"), (4, "padding"), (5, "output_padding"), (7, "dilation")))
+    if kernel == stride and padding == 0 and out_padding == 0 and dilation == 1:
+        return replace(info, kind=TOKEN, per_unit=info.per_unit * stride)
+    return unsupported(
+        f"transposed convolution with kernel {kernel}, stride {stride}, padding {padding} "
+        "along the token axis reaches across chunk rows (chunked: kernel == stride)")
+
+
 def conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list[int]:
-    default = 0 if name == "padding" else 1
+    default = 0 if name in ("padding", "output_padding") else 1
     value = arg(node, position, name, default)
     if isinstance(value, str):
         return [-1] * dims  # 'same'/'valid' padding strings: treat as unsupported padding

@@ -1,7 +1,8 @@
 """Layouts the model zoo found untracked, on tiny hand-written models: grouped-query K/V heads
 repeated to the query heads and a text mask with a row per query (Lumina-Next); an image in
 a video layout of one frame, padded into a batch by pad_sequence (Z-Image); features added
-in place to every frame but the first (WanAnimate's pose).
+in place to every frame but the first (WanAnimate's pose); a 1-D sequence patchified by a
+convolution and unpatchified by its transpose (ACE-Step).
 
 Tolerance: float32, max |pipelined - eager| <= 1e-5 * max |eager|.
 """
@@ -91,6 +92,25 @@ class OneFrame(nn.Module):
         return torch.stack([self.unpatchify(item, *x.shape[1:]) for item in out])
 
 
+class AudioPatches(nn.Module):
+    """ACE-Step's layout: latents [B, L, C] patchified by a Conv1d with kernel == stride,
+    self-attention over the patches, unpatchified by a ConvTranspose1d of the same kernel."""
+
+    def __init__(self, channels: int = 4, width: int = 16, heads: int = 2, patch: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Conv1d(channels, width, patch, patch)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.final = nn.ConvTranspose1d(width, channels, patch, patch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.transpose(1, 2)).transpose(1, 2)
+        b, n, width = tokens.shape
+        q, k, v = self.qkv(tokens).view(b, n, 3, self.heads, width // self.heads).unbind(2)
+        out = tokens + attend(q, k, v)
+        return self.final(out.transpose(1, 2)).transpose(1, 2)
+
+
 class PoseOnLaterFrames(nn.Module):
     """WanAnimate's layout: patch-embedded video latents [B, D, F, H, W] get pose features
     added in place to frames 1.. (`x[:, :, 1:] = x[:, :, 1:] + pose`), then self-attention
@@ -151,6 +171,15 @@ def test_an_image_as_one_video_frame_is_cut_along_its_rows_and_equals_eager():
     x = torch.randn(1, 4, 1, 8, 16)
     traced = trace(model, x)
     assert traced.program(mode="stale", stages=1, chunks=4).plan.units == 4  # patch rows
+    assert_modes_equal_eager(model, traced, x, chunks=4)
+
+
+def test_a_transposed_convolution_unpatchifies_each_chunk_and_equals_eager():
+    torch.manual_seed(0)
+    model = AudioPatches().eval()
+    x = torch.randn(1, 32, 4)
+    traced = trace(model, x)
+    assert traced.program(mode="stale", stages=1, chunks=4).plan.units == 16  # patches
     assert_modes_equal_eager(model, traced, x, chunks=4)
 
 

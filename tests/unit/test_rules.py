@@ -225,6 +225,16 @@ def test_linear_keeps_the_token_axis_and_refuses_to_contract_it():
     assert info.kind == UNSUPPORTED and "contracts over the token axis" in info.reason
 
 
+def test_a_transposed_convolution_with_kernel_equal_to_stride_scales_the_rows():
+    g = Graph()
+    x = g.input("x", (1, 16, 8), tok(2))  # [B, C, L]
+    w = g.input("w", (16, 4, 2))
+    assert g.infer(g.call(torch.conv_transpose1d, x, w, None, 2)) == tok(2, 2)
+    w3 = g.input("w3", (16, 4, 3))
+    info = g.infer(g.call(torch.conv_transpose1d, x, w3, None, 1, 1))
+    assert info.kind == UNSUPPORTED and "reaches across chunk rows" in info.reason
+
+
 def test_layer_norm_over_hidden_keeps_tokens_over_tokens_does_not():
     g = Graph()
     x = g.input("x", (1, 16, 8), tok(1))
