@@ -154,7 +154,7 @@ def _prelude(
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     by_name = {n.name: n for n in gm.graph.nodes}
-    wanted = _with_writes(gm, _ancestors([by_name[name] for name in needed]))
+    wanted = _with_writes(gm.graph, _ancestors([by_name[name] for name in needed]))
     for region in vmap_regions:
         if wanted.intersection(region):
             wanted |= _ancestors(region)
@@ -169,11 +169,11 @@ def _prelude(
     return torch.fx.GraphModule(gm, graph, class_name="prelude"), names
 
 
-def _with_writes(gm: torch.fx.GraphModule, wanted: set[torch.fx.Node]) -> set[torch.fx.Node]:
+def _with_writes(graph: torch.fx.Graph, wanted: set[torch.fx.Node]) -> set[torch.fx.Node]:
     """`wanted` plus the in-place writes into its values (`ids[..., 0] = rows`, `x.add_(y)`):
     they have no users, so following inputs alone would drop them."""
     while True:
-        writes = [n for n in gm.graph.nodes if n not in wanted and _writes_into(n) in wanted]
+        writes = [n for n in graph.nodes if n not in wanted and _writes_into(n) in wanted]
         if not writes:
             return wanted
         wanted |= _ancestors(writes)
@@ -236,6 +236,10 @@ def prelude_for(graphs: SplitGraphs, stages: set[int]) -> tuple[torch.fx.GraphMo
     graph = torch.fx.Graph()
     output = graph.graph_copy(graphs.prelude.graph, {})
     values = dict(zip(graphs.prelude_outputs, output, strict=True))
-    graph.output(tuple(values[name] for name in keep))
-    graph.eliminate_dead_code(_is_impure)  # in-place writes and vmap levels stay
+    out = graph.output(tuple(values[name] for name in keep))
+    # Writes into kept values (`mask.masked_fill_(...)`, which FX does not take for impure)
+    # and vmap levels stay.
+    writes = _with_writes(graph, _ancestors([out]))
+    graph.eliminate_dead_code(
+        lambda n: _is_impure(n) or (n in writes and _writes_into(n) is not None))
     return torch.fx.GraphModule(graphs.prelude, graph, class_name="prelude"), keep

@@ -10,6 +10,7 @@ from torch import nn
 
 from tests.fixtures.tracing import assert_rel_close, rel_error, trace
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.passes.split import prelude_for
 
 
 class JointBlock(nn.Module):
@@ -129,3 +130,32 @@ def test_prelude_keeps_writes_into_invariant_values():
     (out,) = traced.program(mode="sync", stages=1, chunks=1)(*traced.args(x=x))
     with torch.no_grad():
         assert_rel_close(out, model(x))
+
+
+class MaskFilledInPlace(nn.Module):
+    """An additive band mask filled in place by a method (ACE-Step's sliding window:
+    `torch.full(...).masked_fill_(band, 0.0)`), which FX does not take for impure."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        i = torch.arange(n)
+        mask = torch.full((1, 1, n, n), torch.finfo(x.dtype).min)
+        mask.masked_fill_((i[:, None] - i[None, :]).abs() <= 2, 0.0)
+        h = self.lin(x).unsqueeze(1)
+        return F.scaled_dot_product_attention(h, h, h, attn_mask=mask).squeeze(1)
+
+
+def test_a_rank_prelude_keeps_method_writes_into_invariant_values():
+    traced = trace(MaskFilledInPlace().eval(), torch.randn(1, 12, 16))
+    graphs = traced.program(mode="stale", stages=2, chunks=2).plan.graphs
+    values = dict(zip(traced.names, traced.args(), strict=True))
+    args = [values[name] for name in graphs.input_names]
+    whole = dict(zip(graphs.prelude_outputs, graphs.prelude(*args), strict=True))
+    for stage in range(2):  # each rank's share of the prelude: the mask as filled
+        prelude, kept = prelude_for(graphs, {stage})
+        for name, value in zip(kept, prelude(*args), strict=True):
+            assert torch.equal(value, whole[name]), name
