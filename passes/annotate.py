@@ -41,6 +41,7 @@ from tokpipe_compiler.core.meta import (
 )
 from tokpipe_compiler.core.ops import call_rule, op_key
 from tokpipe_compiler.passes import segments
+from tokpipe_compiler.passes.buffer_fills import concatenate_buffer_fills
 from tokpipe_compiler.passes.rule_base import RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
 from tokpipe_compiler.passes.slice_updates import functional_slice_adds
@@ -61,7 +62,8 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
              mode: str = "stale") -> Annotation:
     """`mode`: in "sync" the one chunk is the whole sequence, so a value that mixes tokens
     (and everything computed from it) runs whole instead of being unsupported."""
-    functional_slice_adds(gm)  # first: the added values then reach the output in FX
+    concatenate_buffer_fills(gm)  # first: the written values then reach their readers in FX
+    functional_slice_adds(gm)
     seed = find_token_input(gm, token_input)
     _static_dtypes(gm)
     axis, infos = _first_supported(gm, seed)
@@ -77,6 +79,7 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
         )
     for node, info in infos.items():
         node.meta[META_KEY] = scaled_per_unit(info, scale)
+    _detach_new_tensors(gm, seed)
     _insert_chunk_slices(gm, scale)
     bad = tuple(n for n, i in infos.items() if i.kind == UNSUPPORTED)
     return Annotation(seed, rows // scale, bad)
@@ -169,6 +172,23 @@ def _aligned_with(node: torch.fx.Node, seed: torch.fx.Node) -> bool:
     value, ref = example_value(node), example_value(seed)
     return isinstance(value, torch.Tensor) and value.shape == ref.shape \
         and value.dtype == ref.dtype
+
+
+_NEW_TENSORS = ("method:new_empty", "method:new_zeros", "method:new_ones", "method:new_full")
+
+
+def _detach_new_tensors(gm: torch.fx.GraphModule, seed: torch.fx.Node) -> None:
+    """`h.new_zeros(size)` of a token `h` -> `seed.new_zeros(size, dtype=h.dtype)`: the new
+    tensor is invariant (`h` lends only its dtype and device), and computed in the prelude,
+    which must not compute `h` (a token value, maybe from attention) to make it."""
+    device = example_value(seed).device
+    for node in gm.graph.nodes:
+        made_from = node.args[0] if node.args else None
+        if (op_key(node) in _NEW_TENSORS and not node.meta[META_KEY].carries_tokens
+                and made_from is not seed and made_from.meta[META_KEY].carries_tokens
+                and example_value(made_from).device == device):
+            node.kwargs = {"dtype": example_value(made_from).dtype, **node.kwargs}
+            node.args = (seed, *node.args[1:])
 
 
 def _insert_chunk_slices(gm: torch.fx.GraphModule, scale: int) -> None:

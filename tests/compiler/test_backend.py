@@ -121,9 +121,11 @@ def test_other_token_mixers_are_rejected(model, shape, words):
 @pytest.mark.parametrize("mode", ["sync", "stale"])
 def test_tokens_written_into_a_tensor_without_tokens_are_rejected(mode):
     """Sync mode runs a token-mixing value whole, but not one written in place into a
-    tensor made without tokens (Lumina2's joint sequence): that tensor's readers would be
-    taken for token-free."""
-    compiled = torch.compile(TokensIntoBuffer().eval(), backend="tokpipe", dynamic=False,
+    tensor made without tokens: that tensor's readers would be taken for token-free. (A
+    buffer nothing reads between its writes is rewritten as a concatenation instead:
+    tests/compiler/test_buffer_fills.py.)"""
+    compiled = torch.compile(TokensIntoBuffer(peek=True).eval(), backend="tokpipe",
+                             dynamic=False,
                              options={"compiler": "eager", "mode": mode})
     with pytest.raises(tp.TokpipeError, match="setitem") as err:
         compiled(torch.randn(1, 8, 16))
