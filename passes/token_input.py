@@ -28,7 +28,7 @@ from tokpipe_compiler.core.args import SDPA, bound_args
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
 from tokpipe_compiler.core.fx import argument_of, example_value, is_user_input, node_shape
 
-_ATTENTION = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+ATTENTION_OPS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 
 
 class UnknownTokenInput(TokpipeError):
@@ -115,7 +115,7 @@ def _value_ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
 
 def _value_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """A node's inputs, but for the mask of a scaled_dot_product_attention."""
-    if node.op != "call_function" or node.target not in _ATTENTION:
+    if node.op != "call_function" or node.target not in ATTENTION_OPS:
         return node.all_input_nodes
     mask = bound_args(node, SDPA).get("attn_mask")
     return [n for n in node.all_input_nodes if n is not mask]

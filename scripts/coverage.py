@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import multiprocessing
+import os
 import re
 import sys
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,6 +253,26 @@ def cover(name: str) -> Row:
     return row
 
 
+def cover_all(names: list[str], jobs: int) -> list[Row]:
+    """cover() of each class, in `jobs` worker processes (Dynamo traces on one core)."""
+    if jobs <= 1:
+        _one_thread()
+        return [_report(cover(name)) for name in names]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread) as pool:
+        return [_report(row) for row in pool.map(cover, names)]
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+
+
+def _report(row: Row) -> Row:
+    print(f"{row.name}: {row.traced} {row.modes}", file=sys.stderr, flush=True)
+    return row
+
+
 def on_rank(rank: int, world: int, names: list[str]) -> dict[str, str]:
     """Each class's sync and stale on this rank of a gloo group: its status cell."""
     torch.set_num_threads(1)
@@ -352,7 +375,7 @@ def statuses(text: str) -> dict[tuple[str, str], str]:
         if len(cells) != len(columns) + 2 or cells[0] == "class" or cells[0].startswith("-"):
             continue
         for column, cell in zip(columns, cells[1:], strict=False):
-            word = re.split(r"[:( ]", cell)[0] if cell else ""
+            word = re.split(r"[:(, ]", cell)[0] if cell else ""
             out[(cells[0], column)] = {"yes": "matches"}.get(word, word)
     return out
 
@@ -373,17 +396,15 @@ def main() -> int:
                         help=f"also run the matching classes on {STAGES} gloo ranks")
     parser.add_argument("--update", action="store_true",
                         help="run the given classes and replace their rows in docs/models.md")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                        help="classes covered at once, one process and one thread each "
+                             "(default: the CPU count, at most 4)")
     parser.add_argument("classes", nargs="*",
                         help="only these classes, printed (default: all, into docs/models.md)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(2)
     start = time.perf_counter()
-    names = args.classes or transformer_classes()
-    rows = []
-    for name in names:
-        rows.append(cover(name))
-        print(f"{name}: {rows[-1].traced} {rows[-1].modes}", file=sys.stderr, flush=True)
+    rows = cover_all(args.classes or transformer_classes(), args.jobs)
     if args.ranks:
         cover_ranks(rows)
     text = render(rows, time.perf_counter() - start)

@@ -71,6 +71,23 @@ def test_a_block_graph_that_cannot_be_chunked_raises():
     assert "fallback" in str(err.value)
 
 
+class SortBeforeBlocks(SplitDiT):
+    """The blocks' graph starts by sorting the tokens: its attention then reads values
+    that cannot be chunked (and carry no chunk's tokens)."""
+
+    def before_blocks(self, x):
+        return x.sort(dim=1).values
+
+
+def test_attention_behind_an_op_that_cannot_be_chunked_raises():
+    """The graph still holds attention over its token input: it raises as a whole model
+    would, and does not run as traced with a warning."""
+    torch.manual_seed(0)
+    model = SortBeforeBlocks(depth=2, width=32, heads=2, grid=8).eval()
+    with pytest.raises(tp.TokpipeError, match="sort"):
+        run(model, dit_inputs(model, 8), mode="stale")
+
+
 class MaxInEmbedding(SplitDiT):
     """The patch embedding's graph (no attention) takes a max over the tokens."""
 
@@ -109,11 +126,13 @@ def test_explain_plans_the_block_graph():
     assert sum(isinstance(c, CacheSpec) for c in plan.caches) == 2
 
 
-@pytest.mark.parametrize(("name", "pipelined"), [
-    ("OmniGenTransformer2DModel", 1),  # blocks after its rope's data-dependent branch
-    ("MochiTransformer3DModel", 0),  # its attention runs between graphs (nonzero)
+@pytest.mark.parametrize(("name", "pipelined", "caches"), [
+    ("OmniGenTransformer2DModel", 1, True),  # blocks after its rope's data-dependent branch
+    # One graph's attention, behind its nonzero break and a concatenation that cannot be
+    # chunked: sync runs it whole, without a K/V cache.
+    ("MochiTransformer3DModel", 1, False),
 ])
-def test_diffusers_models_with_graph_breaks_match_eager_in_sync(name, pipelined):
+def test_diffusers_models_with_graph_breaks_match_eager_in_sync(name, pipelined, caches):
     model = build(name)
     inputs = ZOO[name].inputs(1)
     out, compiled, messages = run(model, kwargs=inputs, mode="sync", chunks=ZOO[name].chunks)
@@ -121,7 +140,8 @@ def test_diffusers_models_with_graph_breaks_match_eager_in_sync(name, pipelined)
         assert_rel_close(out.sample, model(**inputs).sample)
     programs = tp.programs(compiled)
     assert len(programs) == pipelined
-    assert all(any(isinstance(c, CacheSpec) for c in p.plan.caches) for p in programs)
+    assert all(any(isinstance(c, CacheSpec) for c in p.plan.caches) == caches
+               for p in programs)
     assert unpipelined(messages)
 
 

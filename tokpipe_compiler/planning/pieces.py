@@ -28,9 +28,8 @@ import torch.fx
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
-from tokpipe_compiler.core.meta import ATTENTION, META_KEY
 from tokpipe_compiler.passes.annotate import annotate
-from tokpipe_compiler.passes.token_input import UnknownTokenInput
+from tokpipe_compiler.passes.token_input import ATTENTION_OPS, UnknownTokenInput
 from tokpipe_compiler.planning.driver import build_plan, copy_graph_module
 from tokpipe_compiler.planning.plan import Plan
 
@@ -84,6 +83,8 @@ def plan_piece(gm: torch.fx.GraphModule, config: Config, where: Origin) -> Plan:
 def token_input_without_attention(gm: torch.fx.GraphModule, config: Config) -> str | None:
     """The token input's name when the graph holds no attention over it (annotate on a
     copy); None when it does, or when annotate fails (planning then raises its error).
+    Attention over the tokens is attention computed from the token input, chunkable or not:
+    an op that cannot be chunked before it leaves it looking token-free to annotate.
     Without a token input: NoTokenInput, or UnknownTokenInput for a name it does not read."""
     copy = copy_graph_module(gm)
     try:
@@ -92,10 +93,22 @@ def token_input_without_attention(gm: torch.fx.GraphModule, config: Config) -> s
         raise
     except TokpipeError:
         return None
-    if any(n.meta.get(META_KEY) is not None and n.meta[META_KEY].kind == ATTENTION
-           for n in copy.graph.nodes):
+    seed = annotation.token_input
+    if any(n.target in ATTENTION_OPS for n in _computed_from(seed)):
         return None
-    return annotation.token_input.name
+    return seed.name
+
+
+def _computed_from(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The nodes computed, directly or not, from `node`."""
+    found: set[torch.fx.Node] = set()
+    stack = list(node.users)
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.add(current)
+            stack.extend(current.users)
+    return found
 
 
 def _traced_code():
