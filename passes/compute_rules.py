@@ -216,6 +216,9 @@ def _attention(node: torch.fx.Node, args: dict[str, Any], ctx: RuleContext) -> T
     iq, ik, iv = ctx.info(q), ctx.info(k), ctx.info(v)
     nd = len(node_shape(q))
     if not (ik.carries_tokens or iv.carries_tokens):
+        if not iq.carries_tokens:  # the rule runs for a token mask: it mixes every token in
+            return unsupported("an attention mask computed from the tokens, over queries, "
+                               "keys and values without them")
         return _cross_attention(node, iq, (k, v))
     if not (iq.carries_tokens and ik.carries_tokens and iv.carries_tokens):
         return unsupported("self-attention whose queries, keys and values differ in token use")

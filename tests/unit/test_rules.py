@@ -253,6 +253,16 @@ def test_self_attention_is_marked_attention_cross_attention_is_not():
     assert g.infer(g.call(F.scaled_dot_product_attention, q, ctx_k, ctx_v)) == tok(2)
 
 
+def test_a_token_mask_over_queries_and_keys_without_tokens_is_unsupported():
+    """Text attending to text under a mask computed from the image tokens: every output
+    depends on every token (the rule crashed on the queries' missing token axis)."""
+    g = Graph()
+    q, k, v = (g.input(n, (1, 2, 5, 8)) for n in "qkv")
+    mask = g.input("mask", (1, 1, 5, 5), TokenInfo(TOKEN_SUM, 2, 1))
+    info = g.infer(g.call(F.scaled_dot_product_attention, q, k, v, attn_mask=mask))
+    assert info.kind == UNSUPPORTED and "mask computed from the tokens" in info.reason
+
+
 def test_a_cross_attention_mask_with_a_row_per_query_is_cut_to_the_chunk():
     """Lumina-Next expands its text mask over every query: [B, heads, L, text]."""
     g = Graph()
