@@ -21,6 +21,11 @@ from tokpipe_compiler.runtime.launch import launch
 
 pytestmark = pytest.mark.slow
 
+# Each case starts its ranks (most of its 20-40 s). CI runs one case of each kind of fault
+# (a stall and a death, per call and in a ring, two ranks and three); the other
+# placements run with `-m full`.
+FULL = pytest.mark.full
+
 FAULT_TIMEOUT = 3.0
 OPTIONS = {"chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager",
            "timeout": FAULT_TIMEOUT}
@@ -132,7 +137,7 @@ def test_last_stage_fault_per_call_raises_on_the_others(fault):
     assert elapsed < 240  # mostly starting the ranks (each rank's wait is bounded above)
 
 
-@pytest.mark.parametrize("fault", ["stalls", "dies"])
+@pytest.mark.parametrize("fault", [pytest.param("stalls", marks=FULL), "dies"])
 def test_last_stage_fault_at_the_last_ring_step(fault):
     errors, elapsed = run_fault(ring_rank, 2, 1, fault)
     check_bounded(errors, 1, 2, fault)
@@ -140,8 +145,9 @@ def test_last_stage_fault_at_the_last_ring_step(fault):
     assert elapsed < 240  # mostly starting the ranks (each rank's wait is bounded above)
 
 
-@pytest.mark.parametrize(("faulty", "fault"), [(0, "stalls"), (1, "dies"), (1, "stalls"),
-                                               (2, "dies")])
+@pytest.mark.parametrize(("faulty", "fault"), [
+    (0, "stalls"), (1, "dies"), pytest.param(1, "stalls", marks=FULL),
+    pytest.param(2, "dies", marks=FULL)])
 def test_any_stage_of_three_fails_every_other_rank_in_time(faulty, fault):
     errors, elapsed = run_fault(per_call_rank, 3, faulty, fault)
     check_bounded(errors, faulty, 3, fault)
@@ -151,7 +157,7 @@ def test_any_stage_of_three_fails_every_other_rank_in_time(faulty, fault):
     assert elapsed < 240  # mostly starting the ranks (each rank's wait is bounded above)
 
 
-@pytest.mark.parametrize("faulty", [0, 1])
+@pytest.mark.parametrize("faulty", [pytest.param(0, marks=FULL), 1])
 def test_first_or_middle_stage_dies_in_a_ring_of_three(faulty):
     errors, elapsed = run_fault(ring_rank, 3, faulty, "dies")
     check_bounded(errors, faulty, 3, "dies")

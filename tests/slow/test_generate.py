@@ -15,7 +15,8 @@ from tokpipe_compiler.cli import main
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("loop", ["ring", "per-call"])
+# Per call across ranks is tested without the command (tests/slow/test_distributed.py).
+@pytest.mark.parametrize("loop", ["ring", pytest.param("per-call", marks=pytest.mark.full)])
 def test_two_ranks_sync_equal_the_serial_pipeline(tmp_path, capsys, loop):
     extra = ["--per-call"] if loop == "per-call" else []
     assert main(["generate", "--tiny", "dit", "--steps", "3", "--mode", "sync", "--ranks", "2",
