@@ -15,6 +15,7 @@ cut to the chunk by a `chunk_slice` node inserted in front of the use.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -66,12 +67,13 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
     functional_slice_adds(gm)
     seed = find_token_input(gm, token_input)
     _static_dtypes(gm)
-    axis, infos = _first_supported(gm, seed)
+    seeded, infos = _first_supported(gm, seed)
     if mode == "sync" and any(i.kind == UNSUPPORTED for i in infos.values()):
-        infos = _propagate(gm, seed, axis, whole_mixing=True)
+        infos = _propagate(gm, seed, seeded, whole_mixing=True)
     scale = math.lcm(*(Fraction(i.per_unit).denominator for i in infos.values()
                        if i.carries_tokens))
-    rows = node_shape(seed)[axis]
+    axis = seeded.axis
+    rows = node_shape(seed)[axis] - seeded.lead - seeded.trail
     if rows % scale:
         raise TokpipeError(
             f"the token input '{seed.name}' has {rows} rows along axis {axis}, which is not a "
@@ -80,6 +82,7 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
     for node, info in infos.items():
         node.meta[META_KEY] = scaled_per_unit(info, scale)
     _detach_new_tensors(gm, seed)
+    _cut_segmented_inputs(gm)
     _insert_chunk_slices(gm, scale)
     bad = tuple(n for n, i in infos.items() if i.kind == UNSUPPORTED)
     return Annotation(seed, rows // scale, bad)
@@ -95,21 +98,31 @@ def _static_dtypes(gm: torch.fx.GraphModule) -> None:
 
 def _first_supported(
     gm: torch.fx.GraphModule, seed: torch.fx.Node
-) -> tuple[int, dict[torch.fx.Node, TokenInfo]]:
-    """The first candidate seed axis whose propagation meets no unsupported op (else the
-    first candidate, whose errors the user sees)."""
+) -> tuple[TokenInfo, dict[torch.fx.Node, TokenInfo]]:
+    """The seed's first candidate info whose propagation meets no unsupported op (else the
+    first candidate, whose errors the user sees): each candidate token axis, then each
+    with whole segments around its chunked range (segments.seed_candidates)."""
     tried = []
-    for axis in seed_axes(seed):
-        infos = _propagate(gm, seed, axis)
+    for seeded in _seed_infos(gm, seed):
+        infos = _propagate(gm, seed, seeded)
         if all(i.kind != UNSUPPORTED for i in infos.values()):
-            return axis, infos
-        tried.append((axis, infos))
+            return seeded, infos
+        tried.append((seeded, infos))
     return tried[0]
 
 
-def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, axis: int,
+def _seed_infos(gm: torch.fx.GraphModule, seed: torch.fx.Node) -> Iterator[TokenInfo]:
+    axes = seed_axes(seed)
+    for axis in axes:
+        yield TokenInfo(TOKEN, axis, Fraction(1))
+    for axis in axes:
+        for lead, trail in segments.seed_candidates(gm, seed, axis):
+            yield TokenInfo(TOKEN, axis, Fraction(1), lead=lead, trail=trail)
+
+
+def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, seeded: TokenInfo,
                whole_mixing: bool = False) -> dict[torch.fx.Node, TokenInfo]:
-    """TokenInfos from the seed's axis. `whole_mixing`: a node that mixes tokens, and every
+    """TokenInfos from the seed's (`seeded`). `whole_mixing`: a node that mixes tokens, and every
     node computed from it, holds a whole value (segments.whole) instead of UNSUPPORTED; but
     not a write into a tensor without tokens (its readers would be taken for invariant)."""
     infos: dict[torch.fx.Node, TokenInfo] = {}
@@ -120,7 +133,7 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, axis: int,
         if node.op == "output":
             continue
         if node is seed or _aligned_with(node, seed):
-            infos[node] = TokenInfo(TOKEN, axis, Fraction(1))
+            infos[node] = seeded
         elif node.op == "placeholder" or not ctx.token_args(node):
             infos[node] = INVARIANT_INFO
         elif mixed.isdisjoint(node.all_input_nodes):
@@ -189,6 +202,23 @@ def _detach_new_tensors(gm: torch.fx.GraphModule, seed: torch.fx.Node) -> None:
                 and example_value(made_from).device == device):
             node.kwargs = {"dtype": example_value(made_from).dtype, **node.kwargs}
             node.args = (seed, *node.args[1:])
+
+
+def _cut_segmented_inputs(gm: torch.fx.GraphModule) -> None:
+    """A token input holding whole segments (text joined before a graph break) is read as
+    a per-token table: its readers get the chunk's rows with the segments around them, cut
+    in the graph, and the input itself comes whole, like any invariant input."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        info = node.meta[META_KEY]
+        if not (info.carries_tokens and info.segmented):
+            continue
+        readers = list(node.users)
+        with gm.graph.inserting_before(placeholders[-1].next):
+            table = _chunk_table(gm.graph, node, info.axis, info)
+        for reader in readers:
+            reader.replace_input_with(node, table)
+        node.meta[META_KEY] = INVARIANT_INFO
 
 
 def _insert_chunk_slices(gm: torch.fx.GraphModule, scale: int) -> None:

@@ -15,16 +15,21 @@ range [lead, full - trail): it either holds all of it or none of it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
+import torch.fx
 
+from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.meta import TOKEN, TokenInfo
+from tokpipe_compiler.passes.shape_rules import expand_index
 
 # Segments are ranges of one block; a token axis of several blocks (batch merged with the
 # frames) is only ever taken whole.
 _BLOCKED = "taking part of a token axis that repeats in outer blocks (batch rows)"
+_SEED_CANDIDATES = 4  # each is a propagation over the whole graph
 
 
 def cut(info: TokenInfo, full: int, start: int, stop: int) -> TokenInfo | str:
@@ -85,3 +90,26 @@ def whole(value: object) -> TokenInfo:
     if isinstance(value, torch.Tensor) and value.dim():
         return TokenInfo(TOKEN, 0, 0, lead=value.shape[0])
     return TokenInfo(TOKEN, None, 0)
+
+
+def seed_candidates(gm: torch.fx.GraphModule, seed: torch.fx.Node,
+                    axis: int) -> list[tuple[int, int]]:
+    """(lead, trail) segments the token input may hold around its chunked range: text joined
+    to the image before a graph break reaches the blocks' graph as one sequence. Read from
+    the constant slices the graph takes of an axis as long as the input's token axis, first
+    found first; at most `_SEED_CANDIDATES`."""
+    full = example_value(seed).shape[axis]
+    found: list[tuple[int, int]] = []
+    for node in gm.graph.nodes:
+        value = example_value(node.args[0]) if node.target is operator.getitem else None
+        if not isinstance(value, torch.Tensor):
+            continue
+        items = [i for i in expand_index(node.args[1], value.dim()) if i is not None]
+        for size, item in zip(value.shape, items, strict=False):
+            if size != full or not isinstance(item, slice) or item.step not in (None, 1):
+                continue
+            start, stop, _ = item.indices(full)
+            lead, trail = start, full - stop
+            if 0 < lead + trail < full and stop > start and (lead, trail) not in found:
+                found.append((lead, trail))
+    return found[:_SEED_CANDIDATES]

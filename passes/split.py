@@ -198,18 +198,6 @@ def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
     return seen
 
 
-def check_chunked_outputs(gm: torch.fx.GraphModule) -> None:
-    """Outputs must be assembled from chunks: whole text tokens, of which every chunk
-    computes its own copy, cannot be."""
-    for value in _output_nodes(gm):
-        info = _info(value)
-        if info.carries_tokens and (info.segmented or not info.per_unit):
-            raise TokpipeError(
-                f"the graph returns {describe(value)}, which holds whole text tokens that "
-                "every chunk computes its own copy of (joint attention's text stream); "
-                "return only the image tokens, or use mode='sync'")
-
-
 def _output_specs(gm: torch.fx.GraphModule) -> list[OutputSpec]:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     values = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]

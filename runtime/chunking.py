@@ -83,11 +83,19 @@ def slice_to_chunk(x: torch.Tensor, axis: int, per_unit: int, chunk: Chunk,
         axis, axis + 1)
 
 
-def assemble(pieces: Sequence[torch.Tensor], axis: int, outer: int = 1) -> torch.Tensor:
+def assemble(pieces: Sequence[torch.Tensor], axis: int, outer: int = 1, lead: int = 0,
+             trail: int = 0) -> torch.Tensor:
     """The inverse of `slice_to_chunk` over a chunk table: the chunks' pieces, in order,
-    joined along `axis` within each of the `outer` blocks."""
+    joined along `axis` within each of the `outer` blocks. With whole segments around the
+    chunked rows (`lead`/`trail` text tokens, of which every chunk computed its own copy),
+    the segments are the last chunk's: it ran after every other chunk of the step."""
     if len(pieces) == 1:
         return pieces[0]
+    if lead or trail:
+        last = pieces[-1]
+        rows = [p.narrow(axis, lead, p.shape[axis] - lead - trail) for p in pieces]
+        return torch.cat([last.narrow(axis, 0, lead), torch.cat(rows, axis),
+                          last.narrow(axis, last.shape[axis] - trail, trail)], axis)
     if outer == 1:
         return torch.cat(list(pieces), axis)
     blocked = [p.unflatten(axis, (outer, -1)) for p in pieces]

@@ -69,7 +69,11 @@ computed with the first chunk. Cost: the text tokens are computed once per chunk
 SD3 at 1024px, 333 text tokens against 4096/M image tokens per chunk). An exact pipelined
 text stream does not exist: text K/V of block l+1 depend on every image token of block l,
 so no chunk of block l+1 may start before all of block l is done; `sync` is the exact
-choice. Image-only queries over [text, image] keys (PRX) need no text stream at all.
+choice. Image-only queries over [text, image] keys (PRX) need no text stream at all. A
+graph that returns the text stream (a block's graph between graph breaks) returns the last
+chunk's copy. Text joined to the image before a graph break (OmniGen) reaches the next
+graph inside its token input: the slices that graph takes of it tell the text segment, and
+the input is cut per chunk around it.
 
 **Long skips** (HunyuanDiT, U-shaped): a skip value crosses stage boundaries as one
 boundary value, sent from the stage that computes it to the one stage that reads it.

@@ -122,6 +122,11 @@ class Ring:
             if spec.kind != OutputKind.TOKEN:
                 raise TokpipeError(f"carried input {name!r} is fed by an output that is not "
                                    "token-wise (ring mode needs a token-wise scheduler update)")
+            info = program.plan.graphs.stages[spec.producer].output_infos[spec.source]
+            if info.segmented or not info.per_unit:
+                raise TokpipeError(f"carried input {name!r} is fed by an output holding whole "
+                                   "text tokens that every chunk computes its own copy of; "
+                                   "carry only the image tokens")
             carried[placeholder] = spec.source
         return carried
 

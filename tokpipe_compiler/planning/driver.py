@@ -34,7 +34,7 @@ from tokpipe_compiler.passes.annotate import Annotation, annotate, raise_unsuppo
 from tokpipe_compiler.passes.chunk_attention import chunk_attention
 from tokpipe_compiler.passes.chunk_sums import chunk_sums
 from tokpipe_compiler.passes.partition import Partition, partition
-from tokpipe_compiler.passes.split import check_chunked_outputs, split
+from tokpipe_compiler.passes.split import split
 from tokpipe_compiler.planning.pass_runner import (
     PassSpec,
     annotated,
@@ -70,8 +70,6 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     caches = run_pass(CHUNK_ATTENTION, chunk_attention, gm, config.mode)
     caches = caches + run_pass(CHUNK_SUMS, chunk_sums, gm, config.mode)
     runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in c.names}
-    if config.mode != "sync":
-        check_chunked_outputs(gm)
     graphs = run_pass(SPLIT, split, gm, config.stages, runtime_inputs)
     consumers = {s: {i_stage.index for i_stage in graphs.stages for i in i_stage.inputs
                      if i.producer == s} for s in range(config.stages)}

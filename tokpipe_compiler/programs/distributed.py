@@ -28,10 +28,9 @@ from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.pipelined import (
     PipelinedProgram,
     Session,
+    assemble_output,
     input_arguments,
-    output_blocks,
 )
-from tokpipe_compiler.runtime.chunking import assemble
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
     DistributedTransport,
@@ -145,7 +144,7 @@ class DistributedProgram(PipelinedProgram):
         if spec.producer != self.rank:
             handle = self.transport.post_recv(key(self.rank), spec.producer, self._spec(spec))
             return handle.wait()
-        tensor = assemble(pieces, spec.axis, output_blocks(self.plan, spec)).contiguous()
+        tensor = assemble_output(self.plan, spec, pieces).contiguous()
         for dst in range(self.world):
             if dst != self.rank:
                 self.transport.send(key(dst), tensor, dst)

@@ -211,7 +211,7 @@ class PipelinedProgram:
         return tuple(out)
 
     def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
-        return assemble(pieces, spec.axis, output_blocks(self.plan, spec))
+        return assemble_output(self.plan, spec, pieces)
 
 
 def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
@@ -225,9 +225,10 @@ def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
     return edges
 
 
-def output_blocks(plan: Plan, spec) -> int:
-    """Outer blocks of a token output's axis (batch rows merged outside its tokens)."""
-    return plan.graphs.stages[spec.producer].output_infos[spec.source].outer
+def assemble_output(plan: Plan, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """A token output from its chunks' pieces, with the layout its stage gives it."""
+    info = plan.graphs.stages[spec.producer].output_infos[spec.source]
+    return assemble(pieces, spec.axis, info.outer, info.lead, info.trail)
 
 
 def _device_of(args: tuple) -> torch.device:
