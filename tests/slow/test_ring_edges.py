@@ -91,3 +91,19 @@ def test_rerun_with_another_batch_or_resolution_equals_a_fresh_ring():
     # Back to the first shapes: the first program again, from a fresh generation.
     assert torch.equal(ring.run(inputs(), per_step=PER_STEP)[0], first)
     assert len(ring._programs) == 3
+
+
+def test_carrying_an_output_with_the_text_stream_is_a_clear_error():
+    """Every chunk computes its own copy of text tokens joined to the carried input: no
+    chunk's output can be the next step's chunk input."""
+    torch.manual_seed(0)
+    block = TinyDiT(depth=1, width=16, heads=2).blocks[0].eval()
+
+    def step(joint, c):
+        joint = joint - c * block(joint, torch.zeros(1, 16))
+        return joint, joint[:, 5:]  # the slice makes rows [0, 5) the input's text segment
+
+    ring = tp.Ring(step, carry=["joint"], **OPTIONS)
+    with pytest.raises(tp.TokpipeError, match="carried input 'joint' is fed by an output "
+                                              "holding whole text tokens"):
+        ring.run({"joint": torch.randn(1, 21, 16)}, per_step={"c": torch.full((3,), 0.1)})
