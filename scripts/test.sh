@@ -10,4 +10,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 # --durations: the slowest tests, listed at the end, show where the suite's time goes.
-exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider --durations=15 -m "not full" "$@"
+# -n: pytest-xdist workers (TEST_WORKERS, default 2; 0 runs in this process). The tests that
+# start gloo ranks all run on one worker (tests/conftest.py), the others share the rest.
+exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider --durations=15 -m "not full" \
+    -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -6,11 +6,24 @@ import shutil
 if not shutil.which("nvidia-smi"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest
 import torch
 from hypothesis import settings
 
 torch.manual_seed(0)
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (scripts/test.sh) the workers share the cores: one thread each.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // WORKERS))
 settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
 settings.register_profile("dev", deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`--dist loadgroup`, as scripts/test.sh runs it), a module's tests
+    run on one worker, so its shared fixtures (compiled artefacts) are made once; and every
+    test that starts gloo ranks (marked `ranks`) runs on one worker, one after another: the
+    ranks take the cores, the other workers run one-process tests."""
+    for item in items:
+        ranks = item.get_closest_marker("ranks") is not None
+        item.add_marker(pytest.mark.xdist_group("ranks" if ranks else str(item.fspath)))

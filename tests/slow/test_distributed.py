@@ -16,7 +16,7 @@ from tests.fixtures.ranks import launch_cases, selected
 from tests.fixtures.tracing import trace
 from tokpipe_compiler.runtime.launch import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 
 def _per_call(rank: int, world: int, options: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -15,7 +15,7 @@ from tests.fixtures.ranks import launch_cases, selected
 from tests.fixtures.tracing import rel_error
 from tokpipe_compiler.programs.distributed import DistributedProgram
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 
 def _split_dit(rank: int, world: int, mode: str) -> tuple[list[float], list[str]]:

@@ -12,7 +12,7 @@ from tests.compiler.test_video_guidance import guided_inputs, program, run
 from tests.fixtures.zoo import ZOO, build
 from tokpipe_compiler.runtime.launch import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 NAME = "LatteTransformer3DModel"
 OPTIONS = {"chunks": ZOO[NAME].chunks, "mode": "stale", "warmup_steps": 1}

@@ -15,7 +15,7 @@ import tokpipe_compiler as tp
 from tests.fixtures.ranks import launch_cases, selected
 from tests.fixtures.zoo import ZOO, build
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 JOINT = ["FluxTransformer2DModel", "SD3Transformer2DModel", "AuraFlowTransformer2DModel"]
 

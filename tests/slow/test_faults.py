@@ -19,7 +19,7 @@ import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
 from tokpipe_compiler.runtime.launch import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 # Each case starts its ranks (most of its 20-40 s). CI runs one case of each kind of fault
 # (a stall and a death, per call and in a ring, two ranks and three); the other

@@ -12,7 +12,7 @@ from PIL import Image
 
 from tokpipe_compiler.cli import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 
 # Per call across ranks is tested without the command (tests/slow/test_distributed.py).

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.ranks,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")]
 
 ROOT = Path(__file__).resolve().parents[2]

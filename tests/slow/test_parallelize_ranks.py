@@ -12,7 +12,7 @@ from tests.fixtures.pipelines import FAMILIES, generate
 from tests.fixtures.ranks import launch_cases, selected
 from tokpipe_compiler.runtime.launch import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 pytest.importorskip("transformers")
 
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}

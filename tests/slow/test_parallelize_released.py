@@ -13,7 +13,7 @@ import tokpipe_compiler as tp
 from tests.fixtures.pipelines import RELEASED, generate
 from tokpipe_compiler.runtime.launch import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 pytest.importorskip("transformers")
 
 OPTIONS = {"stages": 2, "chunks": 2, "warmup_steps": 1, "compiler": "eager"}

@@ -17,7 +17,7 @@ from tests.fixtures.models import TinyDiT, dit_inputs
 from tokpipe_compiler.inspection.timeline import chrome_trace, merge_traces
 from tokpipe_compiler.runtime.launch import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 CHUNKS = 2
 

@@ -107,6 +107,7 @@ def rank_runs(request) -> dict:
 
 
 @pytest.mark.parametrize(("name", "mode"), [_rank_case(*case) for case in RANK_CASES])
+@pytest.mark.ranks
 def test_two_ranks(name, mode, rank_runs):
     per_rank = rank_runs[name, mode]
     for outputs, expected, token_input in per_rank:

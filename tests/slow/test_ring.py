@@ -77,6 +77,7 @@ def _ring_on_rank(rank: int, world: int, options: dict) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_across_ranks_equals_in_process_bit_for_bit(world):
     options = {**OPTIONS, "stages": world, "timeout": 60.0}

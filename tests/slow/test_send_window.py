@@ -18,7 +18,7 @@ from tokpipe_compiler.runtime.transport import (
     TensorSpec,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
 CHUNKS = 3
 SPEC = TensorSpec((64 * 1024,), torch.float32)  # 256 KiB a message

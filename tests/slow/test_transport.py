@@ -262,6 +262,7 @@ WAITING = "rank 2 (stage 2) waiting for step 3 chunk 2 'hidden' from rank 1"
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_ring_is_bit_exact_in_pieces(world):
     results = launch(ring_rank, world, timeout=60.0)
@@ -272,6 +273,7 @@ def test_gloo_ring_is_bit_exact_in_pieces(world):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_dead_rank_fails_its_peers_fast():
     start = time.monotonic()
     with pytest.raises(TokpipeError) as info:
@@ -288,6 +290,7 @@ def test_dead_rank_fails_its_peers_fast():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_stalled_rank_times_out_its_peers():
     start = time.monotonic()
     with pytest.raises(TokpipeError) as info:
@@ -301,6 +304,7 @@ def test_stalled_rank_times_out_its_peers():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_launch_reports_the_remote_traceback():
     with pytest.raises(TokpipeError) as info:
         launch(raising_rank, 2, timeout=60.0)
@@ -311,6 +315,7 @@ def test_launch_reports_the_remote_traceback():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_launch_timeout_kills_and_names_running_ranks():
     start = time.monotonic()
     with pytest.raises(TokpipeError, match=r"timed out after 4 s\.\nRank\(s\) 0, 1 still running"):
