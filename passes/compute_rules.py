@@ -134,15 +134,10 @@ def instance_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 @register(torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d)
 def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
-    src, info = first_token(node, ctx)
-    if src is not source(node):
-        return unsupported("a convolution's weight depends on the tokens")
-    if info.axis == 0:
-        return info  # the token axis is the batch (video frames folded into it)
-    spatial = info.axis - 2
-    if spatial < 0 or info.segmented:
-        return unsupported("convolution over the token axis as channels")
-    weight = node_shape(arg(node, 1, "weight"))
+    found = _conv_token_axis(node, ctx)
+    if isinstance(found, TokenInfo):
+        return found
+    info, spatial, weight = found
     kernel = weight[2 + spatial]
     stride, padding, dilation = (conv_param(node, i, name, len(weight) - 2)[spatial]
                                  for i, name in ((3, "stride"), (4, "padding"), (5, "dilation")))
@@ -158,10 +153,10 @@ def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         "convolutions, kernel == stride, and 'same' ones, kernel 2p+1 with padding p)")
 
 
-@register(torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)
-def conv_transpose(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
-    """An unpatchify convolution (kernel == stride, no padding): each input row becomes
-    `stride` output rows of its own, so a chunk's rows map to a band of output rows."""
+def _conv_token_axis(node: torch.fx.Node,
+                     ctx: RuleContext) -> TokenInfo | tuple[TokenInfo, int, torch.Size]:
+    """(the token input's info, its spatial axis, the weight's shape) of a convolution, or
+    the convolution's TokenInfo where that is decided without its parameters."""
     src, info = first_token(node, ctx)
     if src is not source(node):
         return unsupported("a convolution's weight depends on the tokens")
@@ -170,7 +165,17 @@ def conv_transpose(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     spatial = info.axis - 2
     if spatial < 0 or info.segmented:
         return unsupported("convolution over the token axis as channels")
-    weight = node_shape(arg(node, 1, "weight"))
+    return info, spatial, node_shape(arg(node, 1, "weight"))
+
+
+@register(torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)
+def conv_transpose(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """An unpatchify convolution (kernel == stride, no padding): each input row becomes
+    `stride` output rows of its own, so a chunk's rows map to a band of output rows."""
+    found = _conv_token_axis(node, ctx)
+    if isinstance(found, TokenInfo):
+        return found
+    info, spatial, weight = found
     kernel = weight[2 + spatial]
     stride, padding, out_padding, dilation = (
         conv_param(node, i, name, len(weight) - 2)[spatial]
