@@ -23,7 +23,6 @@ import sys
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +31,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import tokpipe_compiler as tp  # noqa: E402
+from scripts.coverage_table import (  # noqa: E402
+    DOC,
+    MODES,
+    RANK_MODES,
+    RANKS,
+    SPLIT,
+    STAGES,
+    TOLERANCE,
+    Row,
+    committed_rows,
+    committed_seconds,
+    regressions,
+    render,
+)
 from tests.fixtures.tracing import rel_error  # noqa: E402
 from tests.fixtures.zoo import ZOO, build  # noqa: E402
 from tokpipe_compiler import Config  # noqa: E402
@@ -40,77 +53,6 @@ from tokpipe_compiler.planning.driver import build_plan  # noqa: E402
 from tokpipe_compiler.programs.distributed import make_program  # noqa: E402
 from tokpipe_compiler.programs.pipelined import PipelinedProgram  # noqa: E402
 from tokpipe_compiler.runtime.launch import launch  # noqa: E402
-
-DOC = ROOT / "docs" / "models.md"
-MODES = ("sync", "stale", "causal")
-RANKS = "2 ranks"  # the column of sync and stale on two gloo processes
-RANK_MODES = ("sync", "stale")
-TOLERANCE = 1e-5
-STAGES = 2
-SPLIT = "split"  # the traced cell of a class Dynamo traces as several graphs
-# Statuses from best to worst: a class may not move right of its committed status.
-RANK = {"matches": 0, "n/a": 0, SPLIT: 1, "runs": 1, "unpipelined": 1, "fails": 2,
-        "untraced": 3, "unbuilt": 3}
-
-
-SEMANTICS = """\
-## What the modes mean for these models
-
-**Joint text+image attention** (SD3, Flux and its kin, CogVideoX, AuraFlow, HunyuanVideo ...):
-the text tokens are a whole, unchunked *segment* of the token axis that rides with every
-chunk (`TokenInfo.lead`/`trail`). A chunk's attention runs over [text K/V, visible image
-K/V cache]; the text queries attend too, so each chunk carries its own copy of the text
-stream through the stage, computed from that chunk's view of the caches. In `sync` (and
-warmup) that view is the whole fresh sequence: exact. In `stale` it is fresh image K/V for
-chunks 0..p and the previous step's for the rest, the same approximation PipeFusion makes
-for image tokens; the text stream of the last chunk sees every image token fresh. So the
-text stream is never older than the image K/V it is mixed with, unlike reusing the text
-computed with the first chunk. Cost: the text tokens are computed once per chunk (for
-SD3 at 1024px, 333 text tokens against 4096/M image tokens per chunk). An exact pipelined
-text stream does not exist: text K/V of block l+1 depend on every image token of block l,
-so no chunk of block l+1 may start before all of block l is done; `sync` is the exact
-choice. Image-only queries over [text, image] keys (PRX) need no text stream at all. A
-graph that returns the text stream (a block's graph between graph breaks) returns the last
-chunk's copy. Text joined to the image before a graph break (OmniGen) reaches the next
-graph inside its token input: the slices that graph takes of it tell the text segment, and
-the input is cut per chunk around it.
-
-**Long skips** (HunyuanDiT, U-shaped): a skip value crosses stage boundaries as one
-boundary value, sent from the stage that computes it to the one stage that reads it.
-
-**Video** (CogVideoX, Wan, Latte, Allegro, HunyuanVideo ...): a grid unit is one latent
-frame; chunks are contiguous frame ranges of the frames-first flattened token grid, and
-positional tables are cut to the same ranges. Attention that runs per frame (Latte's
-spatial blocks) carries the frames on its batch axis and is chunked without a cache.
-
-**Sums over tokens** (a sum or mean over the token axis, group_norm over the token grid,
-linear attention's K^T V as in Sana): pipelined like K/V (`passes/chunk_sums.py`). Each
-keeps one partial sum per grid unit in a cache; chunk p sees this step's partials of the
-units up to its own and the previous step's after them (`stale`), the whole sum in `sync`
-and on warmup steps (exact). `causal` refuses them (it is exact, and a sum needs the tokens
-after the chunk). A linear attention cache is (D+1)/(2 * tokens per unit) the size of a K/V
-cache.
-
-**Convolutions across token rows** ("same" convolutions, kernel 2p+1 with padding p, such
-as Sana's 3x3 depthwise convolution in its feed-forward): the input is cached per grid
-unit, and a chunk convolves its rows with a halo of p rows read from the cache, this
-step's before it and the previous step's after it (`stale`, DistriFusion's stale halos;
-`runtime/halo_conv.py`). Exact in `sync` and on warmup steps; `causal` refuses them. A max
-over tokens stays unsupported.
-"""
-
-
-@dataclass
-class Row:
-    name: str
-    traced: str
-    modes: dict[str, str]
-    drift: str = ""  # stale on a changed input: relative difference from eager
-    ranks: str = ""  # sync and stale on two gloo ranks (with --ranks)
-
-    def matches(self) -> bool:
-        traced = self.traced == "yes" or self.traced.startswith(SPLIT)
-        return traced and all(self.modes[m].startswith("matches") for m in RANK_MODES)
 
 
 def transformer_classes() -> list[str]:
@@ -305,91 +247,6 @@ def cover_ranks(rows: list[Row]) -> None:
         if row.name in per_rank[0]:
             cells = {per_rank[rank][row.name] for rank in range(STAGES)}
             row.ranks = "matches" if cells == {"matches"} else sorted(cells - {"matches"})[0]
-
-
-def committed_rows(text: str) -> list[Row]:
-    """The rows of a rendered table, as Rows (cells kept whole)."""
-    rows = []
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != len(MODES) + 4 or cells[0] == "class" or cells[0].startswith("-"):
-            continue
-        modes = {m: c for m, c in zip(MODES, cells[2:], strict=False) if c}
-        rows.append(Row(cells[0], cells[1], modes, drift=cells[-1], ranks=cells[-2]))
-    return rows
-
-
-def committed_seconds(text: str) -> float:
-    found = re.search(r"Run time (\d+) s", text)
-    return float(found.group(1)) if found else 0.0
-
-
-def render(rows: list[Row], seconds: float) -> str:
-    traced = [r for r in rows if r.traced == "yes"]
-    working = [r for r in traced if all(r.modes[m] == "matches" for m in ("sync", "stale"))]
-    share = 100 * len(working) / max(1, len(traced))
-    split = [r for r in rows if r.traced.startswith(SPLIT)]
-    lines = [
-        "# Model coverage",
-        "",
-        "Generated by `python scripts/coverage.py` (checked in CI by `--check`); do not edit.",
-        f"Every transformer class diffusers {_diffusers_version()} exports, built from a small "
-        "config in `tests/fixtures/zoo.py` with random weights, traced by Dynamo and run with "
-        f"{STAGES} stages, eager stage graphs, float32. *matches*: max |out - eager| <= "
-        f"{TOLERANCE:g} max |eager| (stale: on the second call with the same input). "
-        f"*{RANKS}*: sync and stale, as above, on {STAGES} gloo processes of one stage each "
-        "(`--ranks`; every class that matches in one process). "
-        "*stale drift*: the same relative error for stale on the next denoising step "
-        "(latents nudged by 5% noise, text unchanged): the PipeFusion approximation, which "
-        "for joint text+image models includes the text stream's (see below). "
-        f"*{SPLIT}*: Dynamo traces the class as several graphs (graph breaks); each mode runs "
-        "the whole model through torch.compile with the backend against the model run "
-        "eagerly, the graphs that hold attention over their tokens pipelined and the others "
-        "run as traced (the cell counts the pipelined graphs).",
-        "",
-        f"Classes: {len(rows)}; built: {sum(r.name in ZOO for r in rows)}; traced as one "
-        f"graph: {len(traced)}; sync and stale match eager: {len(working)} "
-        f"({share:.0f}% of the traced); traced as several graphs: {len(split)}, matching "
-        f"in sync and stale with a graph pipelined: {sum(r.matches() for r in split)}; "
-        f"on {STAGES} ranks: {sum(r.ranks == 'matches' for r in rows)}. "
-        f"Run time {seconds:.0f} s.",
-        "",
-        "| class | traced (full graph) | " + " | ".join(MODES) + f" | {RANKS} | stale drift |",
-        "|---|---|" + "---|" * len(MODES) + "---|---|",
-    ]
-    for r in rows:
-        modes = [r.modes.get(m, "") for m in MODES]
-        lines.append(f"| {r.name} | {r.traced} | " + " | ".join(modes)
-                     + f" | {r.ranks} | {r.drift} |")
-    return "\n".join(lines) + "\n\n" + SEMANTICS
-
-
-def _diffusers_version() -> str:
-    import diffusers
-
-    return diffusers.__version__
-
-
-def statuses(text: str) -> dict[tuple[str, str], str]:
-    """(class, column) -> the first word of each status in a rendered table."""
-    out = {}
-    columns = ("traced", *MODES, RANKS)
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != len(columns) + 2 or cells[0] == "class" or cells[0].startswith("-"):
-            continue
-        for column, cell in zip(columns, cells[1:], strict=False):
-            word = re.split(r"[:(, ]", cell)[0] if cell else ""
-            out[(cells[0], column)] = {"yes": "matches"}.get(word, word)
-    return out
-
-
-def regressions(old: str, new: str, columns: tuple[str, ...] = ("traced", *MODES)) -> list[str]:
-    """Cells of `columns` that got worse from `old` to `new`."""
-    before, after = statuses(old), statuses(new)
-    return [f"{cls} {col}: {was} -> {after.get((cls, col), 'missing')}"
-            for (cls, col), was in before.items() if col in columns and was
-            if RANK.get(after.get((cls, col), "fails"), 2) > RANK.get(was, 2)]
 
 
 def main() -> int:

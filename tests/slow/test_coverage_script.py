@@ -6,11 +6,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "coverage.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "coverage_table.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("coverage_script", SCRIPT)
+    spec = importlib.util.spec_from_file_location("coverage_table", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
