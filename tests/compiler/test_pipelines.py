@@ -49,6 +49,27 @@ def test_dit_pipeline_twice_with_one_seed(mode):
     assert program.clock.step == 3  # four steps of the second generation, counted
 
 
+def test_a_pipeline_whose_timestep_rises_runs_its_steps_stale():
+    """Lumina2 passes 1 - t / 1000, rising from step to step, and calls the transformer
+    twice per step. Each rise is the next step (not a new image, which would rerun the
+    warmup on every call): after the warmup step the blocks run chunked with stale K/V,
+    each guidance branch with its own caches, and a second image repeats the first."""
+    from tests.fixtures.pipelines import generate as generate_guided
+    from tests.fixtures.pipelines import lumina2
+
+    serial = generate_guided(*lumina2(), steps=4)
+    pipe, kwargs = lumina2()
+    pipe.transformer.compile(backend="tokpipe", dynamic=False, options={
+        "stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"})
+    with pytest.warns(UserWarning, match="running this graph unpipelined"):
+        first = generate_guided(pipe, kwargs, steps=4)
+    assert torch.equal(generate_guided(pipe, kwargs, steps=4), first)
+    (program,) = tp.programs(pipe.transformer)
+    assert program.clock.step == 3 and sorted(program.branches) == [0, 1]
+    error = (first - serial).abs().max().item() / serial.abs().max().item()
+    assert 0 < error < 0.1  # stale K/V on steps 2-4: close to serial, not equal
+
+
 def test_parallelize_ends_each_generation_with_the_pipeline_call():
     """parallelize compiles the transformer in place, and the pipeline's end-of-call reset
     ends the generation. One-step generations (distilled models) never raise the timestep:

@@ -60,3 +60,18 @@ def test_timestep_found_by_parameter_name():
     assert timestep_index(["hidden_states", "timestep", "class_labels"]) == 1
     assert timestep_index(["latents", "t"]) == 1
     assert timestep_index(["hidden_states", 0, None]) is None
+
+
+def test_rising_timesteps_are_steps_and_a_fall_starts_a_generation():
+    """Lumina2 and Z-Image pass 1 - t / 1000: 0 at the first step, rising towards 1."""
+    x = torch.zeros(1)
+    calls = [(x, torch.tensor(t)) for t in (0.0, 0.25, 0.5, 0.0, 0.25)]
+    assert ticks(StepClock(1), calls) == [(True, 0, 0), (False, 1, 0), (False, 2, 0),
+                                          (True, 0, 0), (False, 1, 0)]
+
+
+def test_each_generation_learns_its_direction_from_its_first_move():
+    x = torch.zeros(1)
+    calls = [(x, torch.tensor(t)) for t in (0.0, 0.5, 0.0, 999.0, 500.0, 999.0)]
+    assert ticks(StepClock(1), calls) == [(True, 0, 0), (False, 1, 0), (True, 0, 0),
+                                          (False, 1, 0), (True, 0, 0), (False, 1, 0)]

@@ -2,14 +2,17 @@
 
 A diffusion pipeline calls the transformer once or twice per step (twice when it runs the
 conditional and unconditional branches of guidance as two calls), with a timestep that
-falls from step to step. Stale K/V must come from the same branch of the previous step, and
-never from another image. From the timestep input alone:
+moves one way from step to step: most pipelines pass one that falls (999 -> 0), some one
+that rises (Lumina, Lumina2 and Z-Image pass 1 - t / 1000). Stale K/V must come from the
+same branch of the previous step, and never from another image. From the timestep input
+alone:
 
-    timestep lower than the last call's   -> the next step, branch 0
+    timestep moving as the schedule moves -> the next step, branch 0 (the schedule's
+                                             direction is the first move's of a generation)
     timestep equal, other inputs          -> the same step, the next branch
     timestep equal, equal inputs          -> the next step (a call repeated as it was; its
                                              stale K/V equal the fresh ones either way)
-    timestep higher than the last call's  -> a new generation (the next image), step 0
+    timestep moving back                  -> a new generation (the next image), step 0
 
 Without a timestep input every call is its own step of one branch, and only `tp.reset`,
 new input shapes or a pipeline call's end start a new generation. A graph of a model split
@@ -53,21 +56,33 @@ class StepClock:
         self.last: float | None = None
         self.last_inputs: tuple[Any, ...] = ()
         self.step, self.branch = -1, 0
+        self.direction = 0  # +1 rising, -1 falling; 0 until a generation's first move
 
     def tick(self, args: tuple[Any, ...]) -> Tick:
         timestep = self._timestep(args)
         fresh = self.step < 0
-        if timestep is None or self.last is None or timestep < self.last or \
-                self._repeated(args):
+        if timestep is None or self.last is None or self._repeated(args):
             self.step, self.branch = self.step + 1, 0
         elif timestep == self.last:
             self.branch += 1
+        elif self._moves_on(timestep):
+            self.step, self.branch = self.step + 1, 0
         else:
             self.step, self.branch, fresh = 0, 0, True
+            self.direction = 0  # learnt again: one odd generation does not mislead the next
         self.last = timestep
         # The user's inputs only: holding the weights would keep the model alive.
         self.last_inputs = tuple(args[i] for i in self.inputs)
         return Tick(fresh, self.step, self.branch)
+
+    def _moves_on(self, timestep: float) -> bool:
+        """Whether a timestep other than the last call's is the next step (the schedule
+        going on) rather than a new generation's first (the schedule moving back)."""
+        assert self.last is not None
+        move = 1 if timestep > self.last else -1
+        if self.direction == 0:  # a generation's first move sets which way its steps go
+            self.direction = move
+        return move == self.direction
 
     def _repeated(self, args: tuple[Any, ...]) -> bool:
         """Inputs equal to the last call's: a call repeated, not another branch."""
