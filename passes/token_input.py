@@ -16,6 +16,11 @@ keys and values or modulation, never in its own shape. So, best first:
   2. by how the input's shape matches an output's: equal shape; equal but for one axis
      (channels); equal element count (a packed layout); no match;
   3. the larger input, then the earlier one.
+
+A piece of a model split at graph breaks (`piece_token_input`) is ranked by input name
+first: its output is an intermediate value, often the refined text (HunyuanVideo 1.5's
+first piece returns its text in the text's shape), so shapes would pick the text. The
+conditioning streams go last by the names diffusers gives them (`CONDITIONING`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
 from tokpipe_compiler.core.fx import argument_of, example_value, is_user_input, node_shape
 
 ATTENTION_OPS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+# Argument names of conditioning streams (text, image embeddings) in diffusers' models.
+CONDITIONING = ("encoder_hidden_states", "cap_feats", "text_", "prompt_embeds")
 
 
 class UnknownTokenInput(TokpipeError):
@@ -50,13 +57,33 @@ def find_token_input(gm: torch.fx.GraphModule, choice: str | int | None) -> torc
         return _named(inputs, choice)
     if isinstance(choice, int):
         return _positional(inputs, choice)
+    candidates = _candidates(inputs)
+    return max(candidates, key=_ranking(gm, candidates))
+
+
+def piece_token_input(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    """The token input of a piece: found as by find_token_input, conditioning streams last
+    (see the module's docstring)."""
+    candidates = _candidates([n for n in gm.graph.nodes
+                              if n.op == "placeholder" and is_user_input(n)])
+    rank = _ranking(gm, candidates)
+    return max(candidates, key=lambda n: (not is_conditioning(n), rank(n)))
+
+
+def is_conditioning(node: torch.fx.Node) -> bool:
+    """Whether the input's name is one diffusers gives a conditioning stream."""
+    name = str(argument_of(node) or node.name).removeprefix("l_")
+    return name.startswith(CONDITIONING)
+
+
+def _candidates(inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
     candidates = [n for n in inputs if _is_float(n) and len(node_shape(n)) >= 3]
     if not candidates:
         raise NoTokenInput(
             "no input looks like a token sequence (a float tensor of rank >= 3); pass "
             "options={'token_input': NAME} to name it"
         )
-    return max(candidates, key=_ranking(gm, candidates))
+    return candidates
 
 
 def _named(inputs: list[torch.fx.Node], choice: str) -> torch.fx.Node:

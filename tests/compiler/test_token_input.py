@@ -16,7 +16,12 @@ from tests.fixtures.tracing import assert_rel_close, trace
 from tests.fixtures.zoo import ZOO, build
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
 from tokpipe_compiler.core.fx import argument_of, is_user_input, node_shape
-from tokpipe_compiler.passes.token_input import find_token_input, seed_axes
+from tokpipe_compiler.passes.token_input import (
+    find_token_input,
+    is_conditioning,
+    piece_token_input,
+    seed_axes,
+)
 from tokpipe_compiler.planning.capture import capture
 
 
@@ -173,3 +178,26 @@ def test_a_video_of_one_frame_is_seeded_along_its_rows(shape, axes):
     node = torch.fx.Graph().placeholder("x")
     node.meta["example_value"] = torch.empty(shape)
     assert seed_axes(node) == axes
+
+
+class RefineTextPatchifyVideo(torch.nn.Module):
+    """A first piece as HunyuanVideo 1.5 has one: it refines the text by self-attention and
+    returns it in the text's shape, and only patchifies the video (the blocks come later)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patchify = torch.nn.Conv3d(4, 16, kernel_size=(1, 2, 2), stride=(1, 2, 2))
+        self.refine = torch.nn.Linear(12, 12)
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        text = self.refine(encoder_hidden_states)[:, None]
+        text = torch.nn.functional.scaled_dot_product_attention(text, text, text)[:, 0]
+        return self.patchify(hidden_states).flatten(2).transpose(1, 2), text
+
+
+def test_a_piece_takes_the_video_not_the_text_its_output_resembles():
+    traced = trace(RefineTextPatchifyVideo(), torch.randn(1, 4, 2, 8, 8), torch.randn(1, 5, 12))
+    by_shape = find_token_input(traced.gm, None)  # a whole model's output is its latent
+    assert argument_of(by_shape) == "encoder_hidden_states" and is_conditioning(by_shape)
+    piece = piece_token_input(traced.gm)
+    assert argument_of(piece) == "hidden_states" and not is_conditioning(piece)

@@ -8,9 +8,12 @@ pieces instead, each called in turn by the model's Python code:
               graph 0    | graph 1     | (Python)  | graph 2               | graph 3
 
 A piece is pipelined only when it holds attention over its token input: the graph with
-the transformer blocks. The others (embeddings, rope tables, an output norm, pieces of a
-block whose attention runs outside any graph) run as traced, each with a warning:
-pipelining them would fill and drain the pipeline for a few token-wise ops.
+the transformer blocks. Its token input is found with conditioning streams last (text by
+the names diffusers gives it): a piece whose only token-like inputs are text (Mochi's
+caption pooling, a text refiner) runs as traced; chunking text gains nothing. The others
+(embeddings, rope tables, an output norm, pieces of a block whose attention runs outside
+any graph) run as traced, each with a warning: pipelining them would fill and drain the
+pipeline for a few token-wise ops.
 
 Which graphs are pieces is told while Dynamo traces (`origin`): a graph that ends at a
 break, a resume function after a break, and a function called from code that Dynamo ran
@@ -19,6 +22,7 @@ outside its graphs (a submodule's forward when the model's own could not be trac
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -28,8 +32,14 @@ import torch.fx
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
+from tokpipe_compiler.core.fx import argument_of
 from tokpipe_compiler.passes.annotate import annotate
-from tokpipe_compiler.passes.token_input import ATTENTION_OPS, UnknownTokenInput
+from tokpipe_compiler.passes.token_input import (
+    ATTENTION_OPS,
+    UnknownTokenInput,
+    is_conditioning,
+    piece_token_input,
+)
 from tokpipe_compiler.planning.driver import build_plan, copy_graph_module
 from tokpipe_compiler.planning.plan import Plan
 
@@ -70,6 +80,7 @@ def plan_piece(gm: torch.fx.GraphModule, config: Config, where: Origin) -> Plan:
     piece = (f"this graph, one of several Dynamo made of the model at graph breaks "
              f"({where.describe()}),")
     try:
+        config = _with_piece_token_input(gm, config, piece)
         seed = token_input_without_attention(gm, config)
     except NoTokenInput:
         raise NothingToPipeline(f"{piece} has no input that looks like a token sequence (a "
@@ -78,6 +89,18 @@ def plan_piece(gm: torch.fx.GraphModule, config: Config, where: Origin) -> Plan:
         raise NothingToPipeline(f"{piece} holds no attention over its token input '{seed}' "
                                 "to pipeline")
     return build_plan(gm, config)
+
+
+def _with_piece_token_input(gm: torch.fx.GraphModule, config: Config, piece: str) -> Config:
+    """`config` naming the piece's token input (the user's choice, when made)."""
+    if config.token_input is not None:
+        return config
+    seed = piece_token_input(gm)
+    if is_conditioning(seed):
+        raise NothingToPipeline(f"{piece} reads no image or video tokens: its token-like "
+                                f"inputs are conditioning (text) streams such as "
+                                f"'{argument_of(seed) or seed.name}'")
+    return dataclasses.replace(config, token_input=seed.name)
 
 
 def token_input_without_attention(gm: torch.fx.GraphModule, config: Config) -> str | None:
