@@ -19,6 +19,7 @@ settings.register_profile("dev", deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`--dist loadgroup`, as scripts/test.sh runs it), a module's tests
     run on one worker, so its shared fixtures (compiled artefacts) are made once; and every
