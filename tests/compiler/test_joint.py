@@ -12,6 +12,7 @@ from tests.fixtures.models import Block
 from tests.fixtures.tracing import assert_rel_close, rel_error, trace
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.passes.split import prelude_for
+from tokpipe_compiler.planning.params import computes_from, prelude_reads
 
 
 class JointBlock(nn.Module):
@@ -173,6 +174,8 @@ def test_a_rank_prelude_keeps_method_writes_into_invariant_values():
         prelude, kept = prelude_for(graphs, {stage})
         for name, value in zip(kept, prelude(*args), strict=True):
             assert torch.equal(value, whole[name]), name
+        # What the memory report counts for the rank: the inputs that part computes from.
+        assert prelude_reads(graphs, {stage}) == computes_from(prelude)
 
 
 class JoinedBefore(nn.Module):

@@ -49,23 +49,25 @@ def test_dit_pipeline_twice_with_one_seed(mode):
     assert program.clock.step == 3  # four steps of the second generation, counted
 
 
-def test_a_pipeline_whose_timestep_rises_runs_its_steps_stale():
-    """Lumina2 passes 1 - t / 1000, rising from step to step, and calls the transformer
-    twice per step. Each rise is the next step (not a new image, which would rerun the
-    warmup on every call): after the warmup step the blocks run chunked with stale K/V,
-    each guidance branch with its own caches, and a second image repeats the first."""
-    from tests.fixtures.pipelines import generate as generate_guided
-    from tests.fixtures.pipelines import lumina2
+@pytest.mark.parametrize(("family", "branches"), [("lumina2", [0, 1]), ("zimage", [0])])
+def test_a_pipeline_whose_timestep_rises_runs_its_steps_stale(family, branches):
+    """Lumina2 and Z-Image pass 1 - t / 1000, rising from step to step (Lumina2 calls the
+    transformer twice per step). Each rise is the next step, not a new image (which would
+    rerun the warmup on every call): after the warmup step the blocks run chunked with
+    stale K/V, each guidance branch with its own caches, and a second image repeats the
+    first."""
+    from tests.fixtures import pipelines
 
-    serial = generate_guided(*lumina2(), steps=4)
-    pipe, kwargs = lumina2()
+    make = getattr(pipelines, family)
+    serial = pipelines.generate(*make(), steps=4)
+    pipe, kwargs = make()
     pipe.transformer.compile(backend="tokpipe", dynamic=False, options={
         "stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"})
     with pytest.warns(UserWarning, match="running this graph unpipelined"):
-        first = generate_guided(pipe, kwargs, steps=4)
-    assert torch.equal(generate_guided(pipe, kwargs, steps=4), first)
+        first = pipelines.generate(pipe, kwargs, steps=4)
+    assert torch.equal(pipelines.generate(pipe, kwargs, steps=4), first)
     (program,) = tp.programs(pipe.transformer)
-    assert program.clock.step == 3 and sorted(program.branches) == [0, 1]
+    assert program.clock.step == 3 and sorted(program.branches) == branches
     error = (first - serial).abs().max().item() / serial.abs().max().item()
     assert 0 < error < 0.1  # stale K/V on steps 2-4: close to serial, not equal
 

@@ -48,9 +48,11 @@ class Cost:
 
     def at(self, n: int, c: int, tile: int = 0) -> tuple[float, float, float, float]:
         """(flops, bytes, matmul_flops, attention_flops) as numbers for n and c."""
-        values = {N: n, C: c, TILE: tile}
+        values = {N: sympy.Integer(n), C: sympy.Integer(c), TILE: sympy.Integer(tile)}
         exprs = (self.flops, self.bytes, self.matmul_flops, self.attention_flops)
-        return tuple(float(sympy.sympify(e).subs(values)) for e in exprs)
+        # xreplace: a plain substitution, an order of magnitude faster than subs on the
+        # thousands of nodes a full-depth model plans.
+        return tuple(float(sympy.sympify(e).xreplace(values)) for e in exprs)
 
 
 ZERO = Cost(sympy.Integer(0), sympy.Integer(0))

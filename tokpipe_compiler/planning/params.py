@@ -14,7 +14,7 @@ import torch.fx
 
 from tokpipe_compiler.core.fx import example_value, is_parameter
 from tokpipe_compiler.core.stage_graph import CALL, SLICED, SplitGraphs, StageGraph
-from tokpipe_compiler.passes.split import prelude_for
+from tokpipe_compiler.passes.split import prelude_part
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,11 @@ def stage_reads(stage: StageGraph) -> set[str]:
 
 
 def prelude_reads(graphs: SplitGraphs, stages: set[int]) -> set[str]:
-    """Inputs the prelude part that `stages` read computes from."""
-    return computes_from(prelude_for(graphs, stages)[0])
+    """Inputs the prelude part that `stages` read computes from (found without building
+    it: a full-depth model's prelude has thousands of nodes)."""
+    live = prelude_part(graphs, stages)[0]
+    return {n.name for n in live
+            if n.op == "placeholder" and any(u in live and u.op != "output" for u in n.users)}
 
 
 def computes_from(gm: torch.fx.GraphModule) -> set[str]:
