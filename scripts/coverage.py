@@ -167,12 +167,13 @@ def next_step(inputs: dict) -> dict:
     little lower, text unchanged (what stale K/V approximate in practice)."""
     g = torch.Generator().manual_seed(99)
     out = dict(inputs)
-    latents = "hidden_states" if "hidden_states" in out else "x"
+    latents = next(k for k in ("hidden_states", "x", "decoder_input_tokens", "inputs_embeds")
+                   if k in out)
     value = out[latents]  # a tensor, or a list of one per sample (Wan-Animate-2)
     nudged = [v + 0.05 * torch.randn(v.shape, generator=g)
               for v in (value if isinstance(value, list) else [value])]
     out[latents] = nudged if isinstance(value, list) else nudged[0]
-    for key in ("timestep", "t", "timesteps"):
+    for key in ("timestep", "t", "timesteps", "decoder_noise_time"):
         if isinstance(out.get(key), torch.Tensor):
             lower = out[key] * 0.98 if out[key].is_floating_point() else out[key] - 1
             out[key] = lower
