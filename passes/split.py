@@ -217,30 +217,29 @@ def _output_specs(gm: torch.fx.GraphModule) -> list[OutputSpec]:
 def prelude_for(graphs: SplitGraphs, stages: set[int]) -> tuple[torch.fx.GraphModule, list[str]]:
     """The prelude cut down to what `stages` read (and the graph's invariant outputs): on
     one rank per stage, a rank computes and holds only its own stages' conditioning."""
-    live, kept, keep = prelude_part(graphs, stages)
+    live, kept = prelude_part(graphs, stages)
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in graphs.prelude.graph.nodes:
         if node.op == "placeholder" or (node in live and node.op != "output"):
             env[node] = graph.node_copy(node, lambda a: env[a])
-    graph.output(tuple(env[n] for n in kept))
-    return torch.fx.GraphModule(graphs.prelude, graph, class_name="prelude"), keep
+    graph.output(tuple(env[node] for node in kept.values()))
+    return torch.fx.GraphModule(graphs.prelude, graph, class_name="prelude"), list(kept)
 
 
 def prelude_part(graphs: SplitGraphs, stages: set[int]
-                 ) -> tuple[set[torch.fx.Node], list[torch.fx.Node], list[str]]:
-    """(the prelude's nodes that what `stages` read needs, the output values kept, their
-    names). Writes into needed values (`mask.masked_fill_(...)`, which FX does not take for
-    impure) and vmap levels are needed too."""
+                 ) -> tuple[set[torch.fx.Node], dict[str, torch.fx.Node]]:
+    """(the prelude's nodes that what `stages` read needs, the output values kept by name,
+    in output order). Writes into needed values (`mask.masked_fill_(...)`, which FX does
+    not take for impure) and vmap levels are needed too."""
     needed = {i.source for g in graphs.stages if g.index in stages for i in g.inputs
               if i.kind != BOUNDARY}
     needed |= {o.source for o in graphs.outputs if o.kind == OutputKind.CALL}
-    keep = [name for name in graphs.prelude_outputs if name in needed]
     graph = graphs.prelude.graph
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    values = dict(zip(graphs.prelude_outputs, output.args[0], strict=True))
-    kept = [values[name] for name in keep]
-    writes = _with_writes(graph, _ancestors(kept))
-    roots = kept + [n for n in writes if _writes_into(n) is not None] + [
+    kept = {name: node for name, node in zip(graphs.prelude_outputs, output.args[0],
+                                             strict=True) if name in needed}
+    writes = _with_writes(graph, _ancestors(list(kept.values())))
+    roots = list(kept.values()) + [n for n in writes if _writes_into(n) is not None] + [
         n for n in graph.nodes if n.op not in ("placeholder", "output") and _is_impure(n)]
-    return _ancestors(roots), kept, keep
+    return _ancestors(roots), kept

@@ -52,7 +52,7 @@ class UnknownTokenInput(TokpipeError):
 def find_token_input(gm: torch.fx.GraphModule, choice: str | int | None) -> torch.fx.Node:
     """The placeholder carrying the tokens: named by `choice` (see the module's docstring),
     or found by the graph's structure."""
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and is_user_input(n)]
+    inputs = _user_inputs(gm)
     if isinstance(choice, str):
         return _named(inputs, choice)
     if isinstance(choice, int):
@@ -64,8 +64,7 @@ def find_token_input(gm: torch.fx.GraphModule, choice: str | int | None) -> torc
 def piece_token_input(gm: torch.fx.GraphModule) -> torch.fx.Node:
     """The token input of a piece: found as by find_token_input, conditioning streams last
     (see the module's docstring)."""
-    candidates = _candidates([n for n in gm.graph.nodes
-                              if n.op == "placeholder" and is_user_input(n)])
+    candidates = _candidates(_user_inputs(gm))
     rank = _ranking(gm, candidates)
     return max(candidates, key=lambda n: (not is_conditioning(n), rank(n)))
 
@@ -74,6 +73,10 @@ def is_conditioning(node: torch.fx.Node) -> bool:
     """Whether the input's name is one diffusers gives a conditioning stream."""
     name = str(argument_of(node) or node.name).removeprefix("l_")
     return name.startswith(CONDITIONING)
+
+
+def _user_inputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and is_user_input(n)]
 
 
 def _candidates(inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
