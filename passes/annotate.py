@@ -42,6 +42,7 @@ from tokpipe_compiler.core.meta import (
 )
 from tokpipe_compiler.core.ops import call_rule, op_key
 from tokpipe_compiler.passes import segments
+from tokpipe_compiler.passes.attention_patterns import fold_hand_written_attention
 from tokpipe_compiler.passes.buffer_fills import concatenate_buffer_fills
 from tokpipe_compiler.passes.rule_base import RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
@@ -63,7 +64,8 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
              mode: str = "stale") -> Annotation:
     """`mode`: in "sync" the one chunk is the whole sequence, so a value that mixes tokens
     (and everything computed from it) runs whole instead of being unsupported."""
-    concatenate_buffer_fills(gm)  # first: the written values then reach their readers in FX
+    fold_hand_written_attention(gm)  # what chunk_attention will chunk, as sdpa
+    concatenate_buffer_fills(gm)  # the written values then reach their readers in FX
     functional_slice_adds(gm)
     seed = find_token_input(gm, token_input)
     _static_dtypes(gm)

@@ -72,6 +72,30 @@ def test_a_pipeline_whose_timestep_rises_runs_its_steps_stale(family, branches):
     assert 0 < error < 0.1  # stale K/V on steps 2-4: close to serial, not equal
 
 
+def test_the_classic_attention_processor_runs_as_the_default_one():
+    """set_default_attn_processor() installs diffusers' AttnProcessor, attention written as
+    baddbmm, softmax and bmm, whose scores matrix no token rule can chunk. It is folded into
+    scaled_dot_product_attention, so in stale mode the blocks' self-attention runs with K/V
+    caches as the default processor's does, and both give one image (within 1e-5: only
+    the softmax's rounding differs). The text mask is ragged: half the prompt is padding."""
+    from tests.fixtures import pipelines
+
+    images = {}
+    for classic in (False, True):
+        pipe, kwargs = pipelines.pixart_alpha(classic_attention=classic)
+        for mask in ("prompt_attention_mask", "negative_prompt_attention_mask"):
+            kwargs[mask][:, pipelines.TEXT // 2:] = 0
+        serial = pipelines.generate(pipe, kwargs, steps=4)
+        pipe.transformer.compile(backend="tokpipe", dynamic=False, options={
+            "stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"})
+        images[classic] = pipelines.generate(pipe, kwargs, steps=4)
+        (program,) = tp.programs(pipe.transformer)
+        assert len(program.plan.caches) == 2  # one K/V cache per block's self-attention
+        assert (images[classic] - serial).abs().max().item() > 0  # stale K/V: not serial
+    scale = images[False].abs().max().item()
+    assert (images[True] - images[False]).abs().max().item() <= 1e-5 * scale
+
+
 def test_parallelize_ends_each_generation_with_the_pipeline_call():
     """parallelize compiles the transformer in place, and the pipeline's end-of-call reset
     ends the generation. One-step generations (distilled models) never raise the timestep:

@@ -31,6 +31,7 @@ def _rank(rank: int, world: int, family: str) -> torch.Tensor:
 @pytest.mark.parametrize("family", [
     pytest.param("pixart_alpha", marks=pytest.mark.full),  # one batched call, DPM-Solver++
     "wan",  # two calls per step, UniPC (three carried states)
+    "pixart_classic_attention",  # attention as baddbmm, softmax, bmm (folded into sdpa)
     pytest.param("flux", marks=pytest.mark.full),  # joint attention, dynamic shift
     pytest.param("ltx", marks=pytest.mark.full),
 ])

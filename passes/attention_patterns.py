@@ -1,0 +1,234 @@
+"""Attention written by hand folded into `F.scaled_dot_product_attention`, before annotate.
+
+    s = torch.baddbmm(mask_or_empty, q, k.transpose(-1, -2), beta=b, alpha=scale)
+    p = s.softmax(dim=-1)                                 ->   o = sdpa(q, k, v,
+    o = torch.bmm(p, v)                                            attn_mask=mask, scale=scale)
+
+diffusers' classic `AttnProcessor` (what `set_default_attn_processor()` installs, and
+what older models such as T5FilmDecoder use) computes attention this way: its scores
+matrix mixes every token with every other, so no token rule can chunk it, while the
+attention it spells is what the K/V-cache rewrite (chunk_attention) chunks. Also matched:
+`q @ k.transpose(-1, -2)` (matmul, bmm or the operator) scaled by a number (`* s`, `/ s`)
+and plus a mask, casts of the scores or probabilities (an upcast softmax), and a dropout
+that is off.
+
+The fold is exact in value and approximate in rounding: the scores are no longer
+materialised, so float32 results move by about 1e-7 relative. It applies only where
+nothing else reads the scores or the probabilities, the operands share a dtype and a rank,
+and a mask has the operands' dtype.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from tokpipe_compiler.core.args import arg
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.logs import LOG
+from tokpipe_compiler.core.ops import op_key
+
+MATMULS = {torch.matmul, torch.bmm, operator.matmul, "method:matmul", "method:bmm"}
+SOFTMAXES = {torch.softmax, F.softmax, "method:softmax"}
+BADDBMMS = {torch.baddbmm, "method:baddbmm"}
+CASTS = {"method:float", "method:half", "method:bfloat16"}
+DROPOUTS = {F.dropout, torch.dropout}
+TRANSPOSES = {torch.transpose, "method:transpose"}
+ADDS = {operator.add, torch.add, "method:add"}
+MULS = {operator.mul, torch.mul, "method:mul"}
+DIVS = {operator.truediv, torch.div, "method:div"}
+
+
+@dataclass
+class Scores:
+    """softmax's input: scale * query @ keys_t (+ mask), computed by `nodes`."""
+
+    query: torch.fx.Node
+    keys_t: Any  # the keys transposed: [..., E, S]
+    mask: torch.fx.Node | None
+    scale: float
+    nodes: list[torch.fx.Node]  # each before the nodes it reads
+
+
+@dataclass
+class HandWritten:
+    """One matched attention: its scores, values, and the nodes the fold replaces."""
+
+    scores: Scores
+    value: Any
+    output: torch.fx.Node
+    replaced: list[torch.fx.Node]  # the output first, then backwards to the scores
+
+
+def fold_hand_written_attention(gm: torch.fx.GraphModule) -> int:
+    """Rewrites every attention the module docstring describes; returns how many."""
+    found = [m for n in list(gm.graph.nodes) if (m := match(n)) is not None]
+    for attention in found:
+        _fold(gm, attention)
+    if found:
+        gm.graph.lint()
+        gm.recompile()
+        LOG.info("%d attention(s) written by hand folded into scaled_dot_product_attention",
+                 len(found))
+    return len(found)
+
+
+def match(node: torch.fx.Node) -> HandWritten | None:
+    """The hand-written attention whose `probs @ v` is `node`, or None."""
+    if op_key(node) not in MATMULS or len(node.args) != 2 or node.kwargs:
+        return None
+    probs, value = node.args
+    replaced = [node]
+    softmax = _through(probs, _is_transparent, replaced)
+    if softmax is None or op_key(softmax) not in SOFTMAXES or not _last_axis(softmax):
+        return None
+    replaced.append(softmax)
+    scores_node = _through(softmax.args[0], _is_cast, replaced)
+    scores = _scores(scores_node) if scores_node is not None else None
+    if scores is None:
+        return None
+    attention = HandWritten(scores, value, node, replaced + scores.nodes)
+    return attention if _operands_fit(attention) else None
+
+
+def _through(node: Any, skip: Any, replaced: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """Back from `node` past the nodes `skip` accepts, each read by the next node alone."""
+    while isinstance(node, torch.fx.Node) and len(node.users) == 1 and skip(node):
+        replaced.append(node)
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) and len(node.users) == 1 else None
+
+
+def _is_cast(node: torch.fx.Node) -> bool:
+    if op_key(node) in ("method:to", "method:type"):  # to a dtype only, not a device
+        rest = [*node.args[1:], *node.kwargs.values()]
+        return len(rest) == 1 and isinstance(rest[0], torch.dtype)
+    return op_key(node) in CASTS
+
+
+def _is_transparent(node: torch.fx.Node) -> bool:
+    """A cast, or a dropout that drops nothing (evaluation, or p = 0)."""
+    if op_key(node) in DROPOUTS:
+        return arg(node, 1, "p", 0.5) == 0 or arg(node, 2, "training", True) is False
+    return _is_cast(node)
+
+
+def _last_axis(softmax: torch.fx.Node) -> bool:
+    dim = arg(softmax, 1, "dim")
+    value = example_value(softmax)
+    return isinstance(value, torch.Tensor) and dim in (-1, value.dim() - 1)
+
+
+def _scores(node: torch.fx.Node) -> Scores | None:
+    """How `node` computes attention scores, or None."""
+    if op_key(node) in BADDBMMS:
+        return _baddbmm(node)
+    if op_key(node) in ADDS and len(node.args) == 2 and not node.kwargs:
+        for product, mask in (node.args, node.args[::-1]):
+            found = _scaled_product(product)
+            if found is not None and isinstance(mask, torch.fx.Node):
+                return replace(found, mask=mask, nodes=[node, *found.nodes])
+        return None
+    return _scaled_product(node)
+
+
+def _baddbmm(node: torch.fx.Node) -> Scores | None:
+    """baddbmm(bias, q, kT, beta=0 or 1, alpha=scale): with beta 1 the bias is a mask."""
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    if len(node.args) != 3 or not _number(alpha) or beta not in (0, 1):
+        return None
+    bias, query, keys_t = node.args
+    if beta == 1 and not isinstance(bias, torch.fx.Node):
+        return None
+    return Scores(query, keys_t, bias if beta == 1 else None, float(alpha), [node])
+
+
+def _scaled_product(node: Any) -> Scores | None:
+    """`q @ kT`, `(q @ kT) * s` or `(q @ kT) / s` read by one node, or None."""
+    if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
+        return None
+    key = op_key(node)
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    if key in MATMULS:
+        return Scores(node.args[0], node.args[1], None, 1.0, [node])
+    if key not in MULS and key not in DIVS:
+        return None
+    product, factor = node.args
+    if key in MULS and _number(product):
+        product, factor = factor, product
+    if not _number(factor) or factor == 0:
+        return None
+    found = _scaled_product(product)
+    if found is None or found.scale != 1.0 or found.mask is not None:
+        return None
+    scale = float(factor) if key in MULS else 1.0 / float(factor)
+    return replace(found, scale=scale, nodes=[node, *found.nodes])
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _operands_fit(attention: HandWritten) -> bool:
+    """Operands sdpa takes as they are: one floating dtype, one rank (at least 3), keys and
+    values of one length, a mask of the same dtype that broadcasts to the scores."""
+    scores = attention.scores
+    q, kt, v = (example_value(n) for n in (scores.query, scores.keys_t, attention.value))
+    if not all(isinstance(t, torch.Tensor) for t in (q, kt, v)):
+        return False
+    if not q.is_floating_point() or len({q.dtype, kt.dtype, v.dtype}) != 1:
+        return False
+    if not q.dim() == kt.dim() == v.dim() >= 3:
+        return False
+    if len({q.shape[:-2], kt.shape[:-2], v.shape[:-2]}) != 1:
+        return False
+    if q.shape[-1] != kt.shape[-2] or kt.shape[-1] != v.shape[-2]:
+        return False
+    if scores.mask is None:
+        return True
+    mask, shape = example_value(scores.mask), (*q.shape[:-1], kt.shape[-1])
+    return (isinstance(mask, torch.Tensor) and mask.dtype == q.dtype
+            and mask.dim() <= len(shape) and torch.broadcast_shapes(mask.shape, shape) == shape)
+
+
+def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
+    graph, out, scores = gm.graph, attention.output, attention.scores
+    with graph.inserting_before(out):
+        key = _untransposed(graph, scores.keys_t)
+        kwargs = {"scale": scores.scale}
+        if scores.mask is not None:
+            kwargs["attn_mask"] = scores.mask
+        sdpa = graph.call_function(F.scaled_dot_product_attention,
+                                   (scores.query, key, attention.value), kwargs)
+    sdpa.meta.update(out.meta)
+    out.replace_all_uses_with(sdpa)
+    leftovers = {a for n in attention.replaced for a in n.all_input_nodes}
+    for node in attention.replaced:  # users before what they use
+        graph.erase_node(node)
+    for node in leftovers:  # the transpose of the keys, the empty bias of baddbmm
+        if not node.users and _pure(node):
+            graph.erase_node(node)
+
+
+def _untransposed(graph: torch.fx.Graph, keys_t: torch.fx.Node) -> torch.fx.Node:
+    """The keys [..., S, E]: what `keys_t` transposed, else a transpose of it."""
+    if op_key(keys_t) in TRANSPOSES:
+        rank = example_value(keys_t).dim()
+        dims = {d % rank for d in (arg(keys_t, 1, "dim0"), arg(keys_t, 2, "dim1"))}
+        if dims == {rank - 1, rank - 2}:
+            return keys_t.args[0]
+    node = graph.call_method("transpose", (keys_t, -1, -2))
+    value = example_value(keys_t)
+    node.meta["example_value"] = value.transpose(-1, -2)
+    return node
+
+
+def _pure(node: torch.fx.Node) -> bool:
+    """A transpose, or a factory of a new tensor (nothing else can observe its removal)."""
+    return op_key(node) in {*TRANSPOSES, torch.empty, torch.zeros, torch.ones, torch.full}

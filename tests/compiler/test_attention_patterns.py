@@ -1,0 +1,165 @@
+"""Attention written by hand (diffusers' classic AttnProcessor: baddbmm, softmax, bmm; or
+matmuls, a scale and a mask) is folded into scaled_dot_product_attention before annotate
+(`passes/attention_patterns.py`), so stale mode chunks it with K/V caches.
+
+Tolerance: float32, max |folded - eager| <= 1e-5 * max |eager|.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.fixtures.tracing import assert_rel_close, trace
+from tokpipe_compiler.passes.attention_patterns import fold_hand_written_attention
+
+B, HEADS, N, D = 2, 2, 16, 8
+
+
+def classic(q, k, v, bias):
+    """diffusers' AttnProcessor: scores by baddbmm over an empty tensor (beta 0)."""
+    empty = torch.empty(q.shape[0], q.shape[1], k.shape[1], dtype=q.dtype)
+    scores = torch.baddbmm(empty, q, k.transpose(-1, -2), beta=0, alpha=D ** -0.5)
+    return torch.bmm(scores.softmax(dim=-1), v)
+
+
+def classic_masked_upcast(q, k, v, bias):
+    """A mask as baddbmm's input (beta 1), the softmax upcast and cast back."""
+    scores = torch.baddbmm(bias, q, k.transpose(-1, -2), beta=1, alpha=D ** -0.5)
+    return torch.bmm(scores.float().softmax(dim=-1).to(q.dtype), v)
+
+
+def scaled_matmul_masked(q, k, v, bias):
+    """Four-dimensional heads: matmul times a scale plus a mask, an evaluation dropout."""
+    q4, k4, v4 = (t.view(B, HEADS, N, D) for t in (q, k, v))
+    scores = torch.matmul(q4, k4.transpose(-2, -1)) * (1 / math.sqrt(D)) + bias.view(B, HEADS, 1, N)
+    probs = F.dropout(F.softmax(scores, dim=-1), p=0.1, training=False)
+    return (probs @ v4).reshape(B * HEADS, N, D)
+
+
+def divided(q, k, v, bias):
+    scores = (q @ k.transpose(1, 2)) / math.sqrt(D)
+    return torch.matmul(torch.softmax(scores, -1), v)
+
+
+def keys_given_transposed(q, k, v, bias):
+    """The keys arrive as [.., E, S]: the fold transposes them back."""
+    keys_t = k.permute(0, 2, 1).contiguous()
+    return torch.bmm(torch.baddbmm(bias, q, keys_t, beta=1, alpha=0.5).softmax(-1), v)
+
+
+def scores_returned(q, k, v, bias):
+    scores = torch.bmm(q, k.transpose(-1, -2))
+    return torch.bmm(scores.softmax(-1), v), scores
+
+
+def softmax_over_queries(q, k, v, bias):
+    return torch.bmm(torch.bmm(q, k.transpose(-1, -2)).softmax(dim=1), v)
+
+
+def half_beta(q, k, v, bias):
+    return torch.bmm(torch.baddbmm(bias, q, k.transpose(-1, -2), beta=0.5).softmax(-1), v)
+
+
+def double_mask(q, k, v, bias):
+    return torch.bmm((torch.bmm(q, k.transpose(-1, -2)) + bias.double()).softmax(-1).float(), v)
+
+
+def probabilities_read_twice(q, k, v, bias):
+    probs = torch.bmm(q, k.transpose(-1, -2)).softmax(-1)
+    return torch.bmm(probs, v) + probs.sum()
+
+
+class Wrap(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def inputs() -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B * HEADS, N, D) for _ in range(3))
+    bias = torch.zeros(B * HEADS, 1, N)
+    bias[:, :, N - 3:] = -10000.0  # three padded keys
+    return q, k, v, bias
+
+
+def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
+    return {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+            if n.op in ("call_function", "call_method")}
+
+
+@pytest.mark.parametrize("fn", [classic, classic_masked_upcast, scaled_matmul_masked, divided,
+                                keys_given_transposed])
+def test_hand_written_attention_becomes_one_sdpa_of_the_same_value(fn):
+    args = inputs()
+    traced = trace(Wrap(fn), *args)
+    assert fold_hand_written_attention(traced.gm) == 1
+    ops = graph_ops(traced.gm)
+    assert "scaled_dot_product_attention" in ops
+    assert not ops & {"softmax", "baddbmm", "bmm", "empty"}, ops
+    assert_rel_close(traced.gm(*traced.args())[0], fn(*args))
+
+
+@pytest.mark.parametrize("fn", [scores_returned, softmax_over_queries, half_beta, double_mask,
+                                probabilities_read_twice])
+def test_what_is_not_exactly_attention_is_left_as_written(fn):
+    traced = trace(Wrap(fn), *inputs())
+    before = [n.format_node() for n in traced.gm.graph.nodes]
+    assert fold_hand_written_attention(traced.gm) == 0
+    assert [n.format_node() for n in traced.gm.graph.nodes] == before
+
+
+class ClassicBlocks(nn.Module):
+    """Two blocks of self-attention in diffusers' classic form, heads folded into the batch
+    (head_to_batch_dim), each with a residual and an MLP."""
+
+    def __init__(self, width: int = 32, heads: int = 4, depth: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(depth))
+        self.mlp = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        for qkv, mlp in zip(self.qkv, self.mlp, strict=True):
+            q, k, v = (t.reshape(b, n, self.heads, -1).permute(0, 2, 1, 3)
+                       .reshape(b * self.heads, n, -1) for t in qkv(x).chunk(3, dim=-1))
+            empty = torch.empty(q.shape[0], n, n, dtype=q.dtype)
+            scores = torch.baddbmm(empty, q, k.transpose(-1, -2), beta=0,
+                                   alpha=q.shape[-1] ** -0.5)
+            out = torch.bmm(scores.softmax(dim=-1), v)
+            x = x + out.reshape(b, self.heads, n, -1).permute(0, 2, 1, 3).reshape(b, n, c)
+            x = x + mlp(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale", "causal"])
+def test_classic_blocks_pipeline_with_kv_caches(mode):
+    """Stale chunks each block's attention with K/V caches; on the second call every chunk
+    sees the first call's K/V of the same input, so it equals eager. Causal refuses it as
+    it refuses the same attention through sdpa (it attends to the whole sequence)."""
+    torch.manual_seed(0)
+    model = ClassicBlocks().eval()
+    x = torch.randn(2, 16, 32)
+    traced = trace(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
+        if mode == "causal":
+            with pytest.raises(Exception, match="needs causal attention"):
+                traced.program(mode=mode, stages=2, chunks=4)
+            return
+        program = traced.program(mode=mode, stages=2, chunks=4, warmup_steps=1)
+    assert len(program.plan.caches) == 2  # each block's attention through the K/V caches
+    with torch.no_grad():
+        expected = model(x)
+        program(*traced.args())
+        assert_rel_close(program(*traced.args())[0], expected)
