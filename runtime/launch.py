@@ -8,7 +8,6 @@ do: no orphan keeps a port or a device.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -27,6 +26,12 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.runtime.rank_start import (
+    adopt_environment,
+    hold_lifeline,
+    rank_context,
+    rank_environment,
+)
 from tokpipe_compiler.runtime.transport import init_process_group_from_env
 
 # After the first failure, how long the other ranks get to report theirs: a rank blocked on
@@ -50,7 +55,8 @@ def launch(
     device: torch.device | str = "cpu",
     threads_per_rank: int = 1,
 ) -> list[Any]:
-    """`fn(rank, world_size, *args)` on `world_size` spawned processes; results in rank order.
+    """`fn(rank, world_size, *args)` on `world_size` processes; results in rank order. CPU
+    ranks are forked from a server with tokpipe imported, others spawned (`rank_start`).
 
     Each rank gets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK on 127.0.0.1, a
     process group (NCCL for a CUDA `device`, gloo otherwise) and `threads_per_rank` threads.
@@ -59,16 +65,19 @@ def launch(
     if world_size < 1:
         raise TokpipeError(f"launch: world_size must be at least 1, got {world_size}")
     _check_picklable(fn, args)
-    ctx = mp.get_context("spawn")
+    ctx, parent_pid = rank_context(str(device))
+    environment = rank_environment()
     port = _free_port()
     procs: list[BaseProcess] = []
     conns: list[Connection] = []
     outcomes: dict[int, _Outcome] = {}
+    lifeline, lifeline_held = ctx.Pipe(duplex=False)  # the ranks read, this process holds
     try:
         for rank in range(world_size):
             parent, child = ctx.Pipe(duplex=False)
-            config = (rank, world_size, port, str(device), threads_per_rank, os.getpid())
-            proc = ctx.Process(target=_run_rank, args=(fn, args, config, child))
+            config = (rank, world_size, port, str(device), threads_per_rank, parent_pid,
+                      environment)
+            proc = ctx.Process(target=_run_rank, args=(fn, args, config, child, lifeline))
             proc.start()
             child.close()  # so that EOF on `parent` means the rank is gone
             procs.append(proc)
@@ -76,12 +85,16 @@ def launch(
         _supervise(procs, conns, time.monotonic() + timeout, outcomes)
     finally:
         _stop(procs, outcomes)
+        lifeline_held.close()
     return _results(outcomes, world_size, timeout)
 
 
-def _run_rank(fn: Callable[..., Any], args: tuple, config: tuple, conn: Connection) -> None:
-    rank, world_size, port, device, threads, launcher = config
-    _die_with(launcher)
+def _run_rank(fn: Callable[..., Any], args: tuple, config: tuple, conn: Connection,
+              lifeline: Connection) -> None:
+    rank, world_size, port, device, threads, parent, environment = config
+    _die_with(parent)
+    hold_lifeline(lifeline)
+    adopt_environment(environment)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -104,14 +117,15 @@ def _run_rank(fn: Callable[..., Any], args: tuple, config: tuple, conn: Connecti
         conn.close()
 
 
-def _die_with(launcher: int) -> None:
-    """This rank gets SIGKILL when its launcher ends (Linux; torch's own spawn does the
-    same with SIGINT, which a rank blocked in a backend wait would not act on)."""
+def _die_with(parent: int) -> None:
+    """This rank gets SIGKILL when its parent ends: the launcher, or the fork server, which
+    ends with the launcher (Linux; torch's own spawn does the same with SIGINT, which a rank
+    blocked in a backend wait would not act on)."""
     set_death_signal = getattr(torch.multiprocessing, "_prctl_pr_set_pdeathsig", None)
     if set_death_signal is None:  # not Linux: the supervisor's own teardown must do
         return
     set_death_signal(signal.SIGKILL)
-    if os.getppid() != launcher:  # the launcher ended before the signal was armed
+    if os.getppid() != parent:  # the parent ended before the signal was armed
         os._exit(1)
 
 

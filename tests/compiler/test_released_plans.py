@@ -3,9 +3,8 @@ the fixture builds what was released, and every plan (2, 4, 8 stages) covers the
 image tokens with stages within 10% of an even split, or says why not.
 
 Each config is traced once (20-50 s of Dynamo at full depth on 2 cores) and planned for
-every stage count from that graph. Tracing all 17 takes minutes: a few configs that stand
-for the families' problems run by default, two more in CI (marked slow), the rest with
-`-m full`.
+every stage count from that graph. Tracing all 17 takes minutes: three configs that stand
+for the families' problems run by default (and in CI), the rest with `-m full`.
 """
 
 from __future__ import annotations
@@ -34,18 +33,14 @@ BROKEN: dict[str, str] = {}
 PLAN_SECONDS = 120  # one build_plan of a full-size model (Dynamo's trace not counted)
 
 
-# Run in CI besides FAST: video chunked by frames (Latte), the longest sequence (Wan, 32760
-# tokens). The rest run with `-m full`; SD3 among them: joint attention at full depth is
-# Flux's (with a longer text, 512 tokens against 333), and SD3's blocks, its last one that
-# drops the text stream included, are planned and run at released widths in CI by
-# tests/slow/test_released_families.py (sync and stale).
-CI = ("latte-1", "wan2.1-t2v-1.3b")
+# The rest run with `-m full`. Their blocks are planned and run at released widths, with
+# few layers, in CI by tests/slow/test_released_families.py (sync and stale): video
+# chunked by frames (Latte), the longest sequence (Wan, 32760 tokens), SD3's joint blocks
+# and its last one that drops the text stream.
 
 
 def _param(name: str):
-    marks = [] if name in FAST else [pytest.mark.slow]
-    if name not in FAST + CI:
-        marks.append(pytest.mark.full)
+    marks = [] if name in FAST else [pytest.mark.slow, pytest.mark.full]
     if name in BROKEN:
         marks.append(pytest.mark.xfail(reason=BROKEN[name], strict=True))
     return pytest.param(name, marks=marks, id=name)

@@ -1,5 +1,6 @@
 """Ranks started by launch() end with the process that launched them, even when it is
-killed outright."""
+killed outright; so does every other process it started (the fork server that CPU ranks are
+forked from, multiprocessing's resource tracker)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,23 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie has ended; only its parent has yet to reap it
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` in the process tree."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, stack = [], list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        found.append(child)
+        stack.extend(children.get(child, []))
+    return found
+
+
 def wait_for(condition, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -53,11 +71,13 @@ def test_ranks_end_when_their_launcher_is_killed(tmp_path, how):
     try:
         files = [tmp_path / f"{rank}.pid" for rank in range(2)]
         assert wait_for(lambda: all(f.exists() and f.read_text() for f in files), 120)
-        pids = [int(f.read_text()) for f in files]
-        assert all(map(alive, pids))
+        ranks = [int(f.read_text()) for f in files]
+        pids = descendants(launcher.pid)
+        assert set(ranks) <= set(pids) and all(map(alive, ranks))
         launcher.send_signal(how)
         launcher.wait(30)
-        assert wait_for(lambda: not any(map(alive, pids)), 10), "ranks outlived their launcher"
+        assert wait_for(lambda: not any(map(alive, ranks)), 10), "ranks outlived their launcher"
+        assert wait_for(lambda: not any(map(alive, pids)), 10), "a process outlived the launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()
