@@ -163,3 +163,78 @@ def test_classic_blocks_pipeline_with_kv_caches(mode):
         expected = model(x)
         program(*traced.args())
         assert_rel_close(program(*traced.args())[0], expected)
+
+
+class MultiheadBlocks(nn.Module):
+    """Two residual blocks of nn.MultiheadAttention: self-attention (`text`: then
+    cross-attention to it, keys of another width), an attention mask over the tokens."""
+
+    def __init__(self, batch_first: bool = True, text: bool = False, mask: str = "none"):
+        super().__init__()
+        self.batch_first, self.mask = batch_first, mask
+        self.attn = nn.ModuleList(
+            nn.MultiheadAttention(32, 4, batch_first=batch_first,
+                                  kdim=12 if text else None, vdim=12 if text else None)
+            for _ in range(2))
+        self.mlp = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        tokens = x.shape[1 if self.batch_first else 0]
+        mask = _mask(self.mask, tokens)
+        for attn, mlp in zip(self.attn, self.mlp, strict=True):
+            kv = x if text is None else (text if self.batch_first else text.transpose(0, 1))
+            x = x + attn(x, kv, kv, need_weights=False, attn_mask=mask,
+                         is_causal=self.mask == "causal")[0]
+            x = x + mlp(x)
+        return x if self.batch_first else x.transpose(0, 1)
+
+
+def _mask(kind: str, n: int) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return nn.Transformer.generate_square_subsequent_mask(n)
+    band = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs() > n // 2
+    return band if kind == "bool" else band.float() * -3.0
+
+
+@pytest.mark.parametrize(("options", "mode"), [
+    ({}, "stale"), ({"batch_first": False}, "stale"), ({"text": True}, "stale"),
+    ({"mask": "float"}, "sync"), ({"mask": "bool"}, "sync"), ({"mask": "causal"}, "causal"),
+], ids=["self", "sequence-first", "cross", "float-mask", "bool-mask", "causal"])
+def test_multihead_attention_is_written_out_and_pipelined(options, mode):
+    """nn.MultiheadAttention's one op becomes projections, heads and sdpa: stale chunks
+    self-attention with K/V caches (the second call sees the first's K/V of the same input:
+    eager's value), cross-attention to text runs token-wise, masks and the causal hint
+    carry over."""
+    torch.manual_seed(0)
+    model = MultiheadBlocks(**options).eval()
+    inputs = [torch.randn(2, 16, 32)] + ([torch.randn(2, 5, 12)] if options.get("text") else [])
+    traced = trace(model, *inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
+        program = traced.program(mode=mode, stages=2, chunks=4, warmup_steps=1)
+    assert len(program.plan.caches) == (0 if options.get("text") else 2)
+    with torch.no_grad():
+        expected = model(*inputs)
+        program(*traced.args())
+        assert_rel_close(program(*traced.args())[0], expected)
+
+
+class ReadsWeights(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.attn(x, x, x, need_weights=True)
+
+
+def test_multihead_attention_whose_weights_are_read_is_left_whole():
+    """The attention weights mix every token: the call stays one op, which stale refuses
+    by name."""
+    traced = trace(ReadsWeights().eval(), torch.randn(2, 16, 32))
+    with pytest.raises(Exception, match="multi_head_attention_forward"):
+        traced.program(mode="stale", stages=2, chunks=2)
