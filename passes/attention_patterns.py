@@ -29,7 +29,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from tokpipe_compiler.core.args import arg
-from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.fx import add_node, example_value
 from tokpipe_compiler.core.logs import LOG
 from tokpipe_compiler.core.ops import op_key
 
@@ -223,10 +223,7 @@ def _untransposed(graph: torch.fx.Graph, keys_t: torch.fx.Node) -> torch.fx.Node
         dims = {d % rank for d in (arg(keys_t, 1, "dim0"), arg(keys_t, 2, "dim1"))}
         if dims == {rank - 1, rank - 2}:
             return keys_t.args[0]
-    node = graph.call_method("transpose", (keys_t, -1, -2))
-    value = example_value(keys_t)
-    node.meta["example_value"] = value.transpose(-1, -2)
-    return node
+    return add_node(graph, "method", "transpose", (keys_t, -1, -2))
 
 
 def _pure(node: torch.fx.Node) -> bool:

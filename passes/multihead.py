@@ -27,7 +27,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.fx import add_node, example_value
 from tokpipe_compiler.core.logs import LOG
 
 SIGNATURE = inspect.signature(F.multi_head_attention_forward).parameters
@@ -86,14 +86,14 @@ def _write_out(graph: torch.fx.Graph, node: torch.fx.Node, args: dict[str, Any])
     heads, width = args["num_heads"], example_value(args["query"]).shape[-1]
     with graph.inserting_before(node):
         q, k, v = _projections(graph, args, width)
-        q, k, v = (_op(graph, "method", "unflatten", (t, -1, (heads, width // heads)))
+        q, k, v = (add_node(graph, "method", "unflatten", (t, -1, (heads, width // heads)))
                    for t in (q, k, v))
-        q, k, v = (_op(graph, "method", "permute", (t, 1, 2, 0, 3)) for t in (q, k, v))
+        q, k, v = (add_node(graph, "method", "permute", (t, 1, 2, 0, 3)) for t in (q, k, v))
         kwargs = _attention_kwargs(graph, args)
-        attended = _op(graph, "function", F.scaled_dot_product_attention, (q, k, v), kwargs)
-        merged = _op(graph, "method", "flatten",
-                     (_op(graph, "method", "permute", (attended, 2, 0, 1, 3)), 2))
-        out = _op(graph, "function", F.linear,
+        attended = add_node(graph, "function", F.scaled_dot_product_attention, (q, k, v), kwargs)
+        merged = add_node(graph, "method", "flatten",
+                     (add_node(graph, "method", "permute", (attended, 2, 0, 1, 3)), 2))
+        out = add_node(graph, "function", F.linear,
                   (merged, args["out_proj_weight"], args["out_proj_bias"]))
     for user in list(node.users):
         user.replace_all_uses_with(out)
@@ -105,19 +105,19 @@ def _projections(graph: torch.fx.Graph, args: dict[str, Any], width: int) -> lis
     query, key, value = args["query"], args["key"], args["value"]
     bias = args["in_proj_bias"]
     biases = [None] * 3 if bias is None else [
-        _op(graph, "function", operator.getitem, (bias, slice(i * width, (i + 1) * width)))
+        add_node(graph, "function", operator.getitem, (bias, slice(i * width, (i + 1) * width)))
         for i in range(3)]
     if args["use_separate_proj_weight"]:
         weights = [args[f"{n}_proj_weight"] for n in "qkv"]
     elif query is key is value:  # one projection, split: what PyTorch computes
-        packed = _op(graph, "function", F.linear, (query, args["in_proj_weight"], bias))
-        parts = _op(graph, "method", "chunk", (packed, 3, -1))
-        return [_op(graph, "function", operator.getitem, (parts, i)) for i in range(3)]
+        packed = add_node(graph, "function", F.linear, (query, args["in_proj_weight"], bias))
+        parts = add_node(graph, "method", "chunk", (packed, 3, -1))
+        return [add_node(graph, "function", operator.getitem, (parts, i)) for i in range(3)]
     else:
-        weights = [_op(graph, "function", operator.getitem,
+        weights = [add_node(graph, "function", operator.getitem,
                        (args["in_proj_weight"], slice(i * width, (i + 1) * width)))
                    for i in range(3)]
-    return [_op(graph, "function", F.linear, (x, w, b))
+    return [add_node(graph, "function", F.linear, (x, w, b))
             for x, w, b in zip((query, key, value), weights, biases, strict=True)]
 
 
@@ -131,20 +131,5 @@ def _attention_kwargs(graph: torch.fx.Graph, args: dict[str, Any]) -> dict[str, 
     if mask is None:
         return {}
     if example_value(mask).dtype == torch.bool:
-        mask = _op(graph, "function", torch.logical_not, (mask,))
+        mask = add_node(graph, "function", torch.logical_not, (mask,))
     return {"attn_mask": mask}
-
-
-def _op(graph: torch.fx.Graph, kind: str, target: Any, args: tuple,
-        kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
-    """A new node, its example value computed from its arguments' (fake) values."""
-    kwargs = kwargs or {}
-    values = torch.fx.node.map_arg((args, kwargs), example_value)
-    if kind == "method":
-        node = graph.call_method(target, args, kwargs)
-        value = getattr(values[0][0], target)(*values[0][1:], **values[1])
-    else:
-        node = graph.call_function(target, args, kwargs)
-        value = target(*values[0], **values[1])
-    node.meta["example_value"] = value
-    return node

@@ -54,9 +54,11 @@ def launch(
     timeout: float = 300.0,
     device: torch.device | str = "cpu",
     threads_per_rank: int = 1,
+    start: str = "auto",
 ) -> list[Any]:
-    """`fn(rank, world_size, *args)` on `world_size` processes; results in rank order. CPU
-    ranks are forked from a server with tokpipe imported, others spawned (`rank_start`).
+    """`fn(rank, world_size, *args)` on `world_size` processes; results in rank order.
+    `start`: "auto" forks CPU ranks from a server with tokpipe imported and spawns others
+    (`rank_start`); "spawn" spawns every rank.
 
     Each rank gets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK on 127.0.0.1, a
     process group (NCCL for a CUDA `device`, gloo otherwise) and `threads_per_rank` threads.
@@ -65,7 +67,7 @@ def launch(
     if world_size < 1:
         raise TokpipeError(f"launch: world_size must be at least 1, got {world_size}")
     _check_picklable(fn, args)
-    ctx, parent_pid = rank_context(str(device))
+    ctx, parent_pid = rank_context(str(device), start)
     environment = rank_environment()
     port = _free_port()
     procs: list[BaseProcess] = []
@@ -85,6 +87,7 @@ def launch(
         _supervise(procs, conns, time.monotonic() + timeout, outcomes)
     finally:
         _stop(procs, outcomes)
+        lifeline.close()
         lifeline_held.close()
     return _results(outcomes, world_size, timeout)
 

@@ -45,10 +45,17 @@ IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "TOKPIPE", "TRITON", "CUDA", "NCCL",
 _server: tuple[int, dict[str, str]] | None = None  # the server's pid and import-time variables
 
 
-def rank_context(device: str) -> tuple[BaseContext, int]:
+START_METHODS = ("auto", "spawn")
+
+
+def rank_context(device: str, start: str = "auto") -> tuple[BaseContext, int]:
     """The context that starts ranks on `device`, and the pid their parent will have (the
-    launcher when spawned, the server when forked)."""
-    if torch.device(device).type != "cpu" or "forkserver" not in mp.get_all_start_methods():
+    launcher when spawned, the server when forked). `start`: "auto" (module docstring),
+    or "spawn" for every rank."""
+    if start not in START_METHODS:
+        raise ValueError(f"launch: start={start!r}; use one of {START_METHODS}")
+    if (start == "spawn" or torch.device(device).type != "cpu"
+            or "forkserver" not in mp.get_all_start_methods()):
         return mp.get_context("spawn"), os.getpid()
     server_pid = _running_server()
     if server_pid is None or _server is None or _server[1] != _import_time_variables():

@@ -43,3 +43,10 @@ def test_a_changed_import_time_variable_spawns_the_ranks(monkeypatch):
 def test_cuda_ranks_are_spawned():
     context, parent = rank_start.rank_context("cuda")
     assert context.get_start_method() == "spawn" and parent == os.getpid()
+
+
+def test_spawn_can_be_asked_for_and_an_unknown_start_is_refused():
+    context, parent = rank_start.rank_context("cpu", "spawn")
+    assert context.get_start_method() == "spawn" and parent == os.getpid()
+    with pytest.raises(ValueError, match="start='fork'; use one of"):
+        launch(started, 1, args=("X",), start="fork")

@@ -18,6 +18,22 @@ def example_value(node: Any) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def add_node(graph: torch.fx.Graph, kind: str, target: Any, args: tuple,
+             kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
+    """A new call_function (`kind` "function") or call_method ("method") node at the graph's
+    insertion point, its example value computed from its arguments' (fake) values."""
+    kwargs = kwargs or {}
+    values, named = torch.fx.node.map_arg((args, kwargs), example_value)
+    if kind == "method":
+        node = graph.call_method(target, args, kwargs)
+        value = getattr(values[0], target)(*values[1:], **named)
+    else:
+        node = graph.call_function(target, args, kwargs)
+        value = target(*values, **named)
+    node.meta["example_value"] = value
+    return node
+
+
 def node_shape(node: Any) -> torch.Size | None:
     value = example_value(node)
     return value.shape if isinstance(value, torch.Tensor) else None
