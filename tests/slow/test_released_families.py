@@ -1,8 +1,8 @@
 """Every family at its released widths and text length (one or two blocks per depth field,
 a small latent grid), batch 2 as guidance runs it, inputs by keyword as its pipeline passes
 them: the token input is the latent, and sync and warmup-stale equal eager within 1e-5 of
-the largest eager value, in one process and on two gloo ranks (CI: every family in one
-process, three on two ranks, in one launch; `-m full`: every family on two ranks too).
+the largest eager value, in one process and on two gloo ranks (every family; the two-rank
+cases share one launch).
 """
 
 from __future__ import annotations
@@ -72,16 +72,6 @@ SYNC = ("dit-xl-2-256", "sd3-medium")
 RANK_CASES = [(name, "stale") for name in FAMILIES]
 CASES = [(name, mode) for name in FAMILIES
          for mode in ("stale", "sync") if mode == "stale" or name in SYNC]
-# Two ranks in CI: text by cross-attention (PixArt), guided video with batch and frames
-# merged (Latte), joint text+video attention (CogVideoX). Every family on two ranks, Flux
-# among them: `-m full` (its two block kinds run in one process here at released widths,
-# and on two ranks at zoo widths in tests/slow/test_distributed_models.py).
-CI_RANKS = ("pixart-sigma-xl-2-1024-ms", "latte-1", "cogvideox-2b")
-
-
-def _rank_case(name: str, mode: str):
-    marks = () if name in CI_RANKS else (pytest.mark.full,)
-    return pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
 
 
 @pytest.mark.parametrize(("name", "mode"), CASES)
@@ -99,14 +89,13 @@ def _on_rank(rank: int, world: int, name: str, mode: str):
 
 @pytest.fixture(scope="module")
 def rank_runs(request) -> dict:
-    """Per-rank results of every selected family on two ranks, from one launch (starting
-    two ranks that import diffusers costs as much as a family's run)."""
+    """Per-rank results of every selected family on two ranks, from one launch."""
     cases = {(p["name"], p["mode"]): (_on_rank, (p["name"], p["mode"]))
              for p in selected(request, test_two_ranks)}
     return launch_cases(cases, 2, timeout=600 * len(cases))
 
 
-@pytest.mark.parametrize(("name", "mode"), [_rank_case(*case) for case in RANK_CASES])
+@pytest.mark.parametrize(("name", "mode"), RANK_CASES, ids=[f"{n}-{m}" for n, m in RANK_CASES])
 @pytest.mark.ranks
 def test_two_ranks(name, mode, rank_runs):
     per_rank = rank_runs[name, mode]
