@@ -44,11 +44,11 @@ from tokpipe_compiler.core.ops import call_rule, op_key
 from tokpipe_compiler.passes import segments
 from tokpipe_compiler.passes.attention_patterns import fold_hand_written_attention
 from tokpipe_compiler.passes.buffer_fills import concatenate_buffer_fills
-from tokpipe_compiler.passes.multihead import write_out_multihead_attention
 from tokpipe_compiler.passes.rule_base import RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
 from tokpipe_compiler.passes.slice_updates import functional_slice_adds
 from tokpipe_compiler.passes.token_input import find_token_input, seed_axes
+from tokpipe_compiler.passes.torch_attention import write_out_torch_attention
 from tokpipe_compiler.runtime.chunking import chunk_slice
 
 
@@ -65,7 +65,7 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
              mode: str = "stale") -> Annotation:
     """`mode`: in "sync" the one chunk is the whole sequence, so a value that mixes tokens
     (and everything computed from it) runs whole instead of being unsupported."""
-    write_out_multihead_attention(gm)  # attention as chunk_attention chunks it: sdpa
+    write_out_torch_attention(gm)  # attention as chunk_attention chunks it: sdpa
     fold_hand_written_attention(gm)
     concatenate_buffer_fills(gm)  # the written values then reach their readers in FX
     functional_slice_adds(gm)

@@ -1,6 +1,8 @@
 """Attention written by hand (diffusers' classic AttnProcessor: baddbmm, softmax, bmm; or
 matmuls, a scale and a mask) is folded into scaled_dot_product_attention before annotate
-(`passes/attention_patterns.py`), so stale mode chunks it with K/V caches.
+(`passes/attention_patterns.py`), and PyTorch's fused nn.MultiheadAttention and
+nn.TransformerEncoderLayer ops are written out with it (`passes/torch_attention.py`), so
+stale mode chunks them with K/V caches.
 
 Tolerance: float32, max |folded - eager| <= 1e-5 * max |eager|.
 """
@@ -238,3 +240,33 @@ def test_multihead_attention_whose_weights_are_read_is_left_whole():
     traced = trace(ReadsWeights().eval(), torch.randn(2, 16, 32))
     with pytest.raises(Exception, match="multi_head_attention_forward"):
         traced.program(mode="stale", stages=2, chunks=2)
+
+
+class Encoder(nn.Module):
+    def __init__(self, norm_first: bool, activation: str):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, activation=activation,
+                                           batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+@pytest.mark.parametrize(("norm_first", "activation"), [(False, "relu"), (True, "gelu")])
+def test_transformer_encoder_layers_are_written_out_and_pipelined(norm_first, activation):
+    """nn.TransformerEncoderLayer in evaluation without gradients runs one fused op per
+    layer (norms, attention, MLP); written out, stale chunks each layer's self-attention
+    with K/V caches and equals eager on a repeated input."""
+    torch.manual_seed(0)
+    model = Encoder(norm_first, activation).eval()
+    x = torch.randn(2, 16, 32)
+    traced = trace(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
+        program = traced.program(mode="stale", stages=2, chunks=4, warmup_steps=1)
+    assert len(program.plan.caches) == 2
+    with torch.no_grad():
+        expected = model(x)
+        program(*traced.args())
+        assert_rel_close(program(*traced.args())[0], expected)
