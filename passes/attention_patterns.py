@@ -46,13 +46,14 @@ DIVS = {operator.truediv, torch.div, "method:div"}
 
 @dataclass
 class Scores:
-    """softmax's input: scale * query @ keys_t (+ mask), computed by `nodes`."""
+    """softmax's input: scale * query @ keys^T (+ mask), computed by `nodes`."""
 
     query: torch.fx.Node
-    keys_t: Any  # the keys transposed: [..., E, S]
+    keys: Any  # [..., E, S] when `transposed` (what q @ kT reads), else [..., S, E]
     mask: torch.fx.Node | None
     scale: float
     nodes: list[torch.fx.Node]  # each before the nodes it reads
+    transposed: bool = True
 
 
 @dataclass
@@ -80,9 +81,12 @@ def fold_hand_written_attention(gm: torch.fx.GraphModule) -> int:
 
 def match(node: torch.fx.Node) -> HandWritten | None:
     """The hand-written attention whose `probs @ v` is `node`, or None."""
-    if op_key(node) not in MATMULS or len(node.args) != 2 or node.kwargs:
+    if op_key(node) in MATMULS and len(node.args) == 2 and not node.kwargs:
+        probs, value = node.args
+    elif _einsum(node, "output") is not None:
+        probs, value = _einsum(node, "output")
+    else:
         return None
-    probs, value = node.args
     replaced = [node]
     softmax = _through(probs, _is_transparent, replaced)
     if softmax is None or op_key(softmax) not in SOFTMAXES or not _last_axis(softmax):
@@ -153,10 +157,13 @@ def _scaled_product(node: Any) -> Scores | None:
     if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
         return None
     key = op_key(node)
-    if len(node.args) != 2 or node.kwargs:
+    if _einsum(node, "scores") is None and (len(node.args) != 2 or node.kwargs):
         return None
     if key in MATMULS:
         return Scores(node.args[0], node.args[1], None, 1.0, [node])
+    if _einsum(node, "scores") is not None:
+        query, keys = _einsum(node, "scores")
+        return Scores(query, keys, None, 1.0, [node], transposed=False)
     if key not in MULS and key not in DIVS:
         return None
     product, factor = node.args
@@ -171,6 +178,31 @@ def _scaled_product(node: Any) -> Scores | None:
     return replace(found, scale=scale, nodes=[node, *found.nodes])
 
 
+def _einsum(node: torch.fx.Node, role: str) -> tuple[Any, Any] | None:
+    """The two operands of an einsum that computes attention scores from queries and keys
+    ("bid,bjd->bij": `role` "scores") or attends with probabilities to values
+    ("bij,bjd->bid": "output"), over any shared leading letters; else None."""
+    if op_key(node) is not torch.einsum or len(node.args) < 2:
+        return None
+    operands = node.args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    equation = node.args[0]
+    if len(operands) != 2 or not isinstance(equation, str) or "->" not in equation:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    if len(terms) != 2 or len({len(terms[0]), len(terms[1]), len(out)}) != 1:
+        return None
+    (a, b), lead = terms, out[:-2]
+    if a[:-2] != lead or b[:-2] != lead or len(set(a[-2:] + b[-2:] + out[-2:])) != 3:
+        return None
+    i, x = a[-2:]
+    wanted = {"scores": (b[-2:] == out[-1] + x and out[-2] == i),
+              "output": (b[-2] == x and out[-2:] == i + b[-1])}
+    return tuple(operands) if wanted[role] and set(lead).isdisjoint(a[-2:] + b[-2:]) else None
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -179,9 +211,10 @@ def _operands_fit(attention: HandWritten) -> bool:
     """Operands sdpa takes as they are: one floating dtype, one rank (at least 3), keys and
     values of one length, a mask of the same dtype that broadcasts to the scores."""
     scores = attention.scores
-    q, kt, v = (example_value(n) for n in (scores.query, scores.keys_t, attention.value))
+    q, kt, v = (example_value(n) for n in (scores.query, scores.keys, attention.value))
     if not all(isinstance(t, torch.Tensor) for t in (q, kt, v)):
         return False
+    kt = kt if scores.transposed else kt.transpose(-1, -2)
     if not q.is_floating_point() or len({q.dtype, kt.dtype, v.dtype}) != 1:
         return False
     if not q.dim() == kt.dim() == v.dim() >= 3:
@@ -200,7 +233,7 @@ def _operands_fit(attention: HandWritten) -> bool:
 def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
     graph, out, scores = gm.graph, attention.output, attention.scores
     with graph.inserting_before(out):
-        key = _untransposed(graph, scores.keys_t)
+        key = _untransposed(graph, scores.keys) if scores.transposed else scores.keys
         kwargs = {"scale": scores.scale}
         if scores.mask is not None:
             kwargs["attn_mask"] = scores.mask

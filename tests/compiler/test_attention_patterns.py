@@ -55,6 +55,18 @@ def keys_given_transposed(q, k, v, bias):
     return torch.bmm(torch.baddbmm(bias, q, keys_t, beta=1, alpha=0.5).softmax(-1), v)
 
 
+def einsum_scaled(q, k, v, bias):
+    """The latent-diffusion spelling: einsums with named axes."""
+    scores = torch.einsum("b i d, b j d -> b i j", q, k) * D ** -0.5
+    return torch.einsum("b i j, b j d -> b i d", scores.softmax(dim=-1), v)
+
+
+def einsum_heads_masked(q, k, v, bias):
+    q4, k4, v4 = (t.view(B, HEADS, N, D) for t in (q, k, v))
+    scores = torch.einsum("...qd,...kd->...qk", q4, k4) + bias.view(B, HEADS, 1, N)
+    return torch.einsum("...qk,...kd->...qd", scores.softmax(-1), v4).reshape(B * HEADS, N, D)
+
+
 def scores_returned(q, k, v, bias):
     scores = torch.bmm(q, k.transpose(-1, -2))
     return torch.bmm(scores.softmax(-1), v), scores
@@ -70,6 +82,12 @@ def half_beta(q, k, v, bias):
 
 def double_mask(q, k, v, bias):
     return torch.bmm((torch.bmm(q, k.transpose(-1, -2)) + bias.double()).softmax(-1).float(), v)
+
+
+def einsum_over_queries(q, k, v, bias):
+    """Scores laid out [keys, queries]: the softmax normalises over queries."""
+    scores = torch.einsum("bid,bjd->bji", q, k)
+    return torch.einsum("bji,bjd->bid", scores.softmax(-1), v)
 
 
 def probabilities_read_twice(q, k, v, bias):
@@ -100,19 +118,19 @@ def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
 
 
 @pytest.mark.parametrize("fn", [classic, classic_masked_upcast, scaled_matmul_masked, divided,
-                                keys_given_transposed])
+                                keys_given_transposed, einsum_scaled, einsum_heads_masked])
 def test_hand_written_attention_becomes_one_sdpa_of_the_same_value(fn):
     args = inputs()
     traced = trace(Wrap(fn), *args)
     assert fold_hand_written_attention(traced.gm) == 1
     ops = graph_ops(traced.gm)
     assert "scaled_dot_product_attention" in ops
-    assert not ops & {"softmax", "baddbmm", "bmm", "empty"}, ops
+    assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum"}, ops
     assert_rel_close(traced.gm(*traced.args())[0], fn(*args))
 
 
 @pytest.mark.parametrize("fn", [scores_returned, softmax_over_queries, half_beta, double_mask,
-                                probabilities_read_twice])
+                                einsum_over_queries, probabilities_read_twice])
 def test_what_is_not_exactly_attention_is_left_as_written(fn):
     traced = trace(Wrap(fn), *inputs())
     before = [n.format_node() for n in traced.gm.graph.nodes]
