@@ -8,7 +8,8 @@ diffusers' classic `AttnProcessor` (what `set_default_attn_processor()` installs
 what older models such as T5FilmDecoder use) computes attention this way: its scores
 matrix mixes every token with every other, so no token rule can chunk it, while the
 attention it spells is what the K/V-cache rewrite (chunk_attention) chunks. Also matched:
-`q @ k.transpose(-1, -2)` (matmul, bmm or the operator) scaled by a number (`* s`, `/ s`)
+`q @ k.transpose(-1, -2)` (matmul, bmm or the operator) and latent diffusion's einsums
+("b i d, b j d -> b i j", then "b i j, b j d -> b i d"), scaled by a number (`* s`, `/ s`)
 and plus a mask, casts of the scores or probabilities (an upcast softmax), and a dropout
 that is off.
 
