@@ -29,11 +29,11 @@ def _rank(rank: int, world: int, family: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", [
-    pytest.param("pixart_alpha", marks=pytest.mark.full),  # one batched call, DPM-Solver++
+    "pixart_alpha",  # one batched call, DPM-Solver++
     "wan",  # two calls per step, UniPC (three carried states)
     "pixart_classic_attention",  # attention as baddbmm, softmax, bmm (folded into sdpa)
-    pytest.param("flux", marks=pytest.mark.full),  # joint attention, dynamic shift
-    pytest.param("ltx", marks=pytest.mark.full),
+    "flux",  # joint attention, dynamic shift
+    "ltx",
 ])
 def test_two_ranks_equal_one_process(family, two_rank_runs):
     alone = _pipelined(family)
