@@ -288,3 +288,30 @@ def test_transformer_encoder_layers_are_written_out_and_pipelined(norm_first, ac
         expected = model(x)
         program(*traced.args())
         assert_rel_close(program(*traced.args())[0], expected)
+
+
+@pytest.mark.parametrize("name", ["DiTTransformer2DModel", "LatteTransformer3DModel",
+                                  "Transformer2DModel"])
+def test_diffusers_models_with_the_classic_processor_pipeline_in_stale(name):
+    """Each class with diffusers' classic AttnProcessor in every attention (what
+    set_default_attn_processor() installs): its blocks' self-attention gets K/V caches,
+    and stale on a repeated input equals eager."""
+    from diffusers.models.attention_processor import AttnProcessor
+
+    from tests.fixtures.zoo import ZOO, build
+
+    model = build(name)
+    for module in model.modules():
+        if hasattr(module, "set_processor"):
+            module.set_processor(AttnProcessor())
+    inputs = ZOO[name].inputs(0)
+    traced = trace(model, **inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
+        program = traced.program(mode="stale", stages=2, chunks=ZOO[name].chunks,
+                                 warmup_steps=1)
+    assert program.plan.caches
+    with torch.no_grad():
+        expected = model(**inputs, return_dict=False)[0]
+        program(*traced.args())
+        assert_rel_close(program(*traced.args())[0], expected)
