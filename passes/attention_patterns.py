@@ -10,8 +10,11 @@ matrix mixes every token with every other, so no token rule can chunk it, while 
 attention it spells is what the K/V-cache rewrite (chunk_attention) chunks. Also matched:
 `q @ k.transpose(-1, -2)` (matmul, bmm or the operator) and latent diffusion's einsums
 ("b i d, b j d -> b i j", then "b i j, b j d -> b i d"), scaled by a number (`* s`, `/ s`)
-and plus a mask, casts of the scores or probabilities (an upcast softmax), and a dropout
-that is off.
+and plus a mask or filled with -inf where a boolean table says so (nanoGPT's causal
+`masked_fill`; sdpa gets the table's negation as its mask), casts of the scores or
+probabilities (an upcast softmax), and a dropout that is off. A causal table reaches sdpa
+as a mask, not as `is_causal`: causal mode runs it exactly, but attends over the masked
+keys after the chunk too.
 
 The fold is exact in value and approximate in rounding: the scores are no longer
 materialised, so float32 results move by about 1e-7 relative. It applies only where
@@ -21,6 +24,7 @@ and a mask has the operands' dtype.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,6 +47,7 @@ TRANSPOSES = {torch.transpose, "method:transpose"}
 ADDS = {operator.add, torch.add, "method:add"}
 MULS = {operator.mul, torch.mul, "method:mul"}
 DIVS = {operator.truediv, torch.div, "method:div"}
+MASKED_FILLS = {torch.masked_fill, "method:masked_fill"}
 
 
 @dataclass
@@ -55,6 +60,7 @@ class Scores:
     scale: float
     nodes: list[torch.fx.Node]  # each before the nodes it reads
     transposed: bool = True
+    excluded: bool = False  # the mask is boolean and marks what may not be attended
 
 
 @dataclass
@@ -139,6 +145,12 @@ def _scores(node: torch.fx.Node) -> Scores | None:
             if found is not None and isinstance(mask, torch.fx.Node):
                 return replace(found, mask=mask, nodes=[node, *found.nodes])
         return None
+    if op_key(node) in MASKED_FILLS and len(node.args) == 3 and not node.kwargs:
+        product, excluded, value = node.args
+        found = _scaled_product(product)
+        if found is None or not isinstance(excluded, torch.fx.Node) or value != -math.inf:
+            return None
+        return replace(found, mask=excluded, excluded=True, nodes=[node, *found.nodes])
     return _scaled_product(node)
 
 
@@ -227,7 +239,8 @@ def _operands_fit(attention: HandWritten) -> bool:
     if scores.mask is None:
         return True
     mask, shape = example_value(scores.mask), (*q.shape[:-1], kt.shape[-1])
-    return (isinstance(mask, torch.Tensor) and mask.dtype == q.dtype
+    dtype = torch.bool if scores.excluded else q.dtype
+    return (isinstance(mask, torch.Tensor) and mask.dtype == dtype
             and mask.dim() <= len(shape) and torch.broadcast_shapes(mask.shape, shape) == shape)
 
 
@@ -237,7 +250,8 @@ def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
         key = _untransposed(graph, scores.keys) if scores.transposed else scores.keys
         kwargs = {"scale": scores.scale}
         if scores.mask is not None:
-            kwargs["attn_mask"] = scores.mask
+            kwargs["attn_mask"] = (add_node(graph, "function", torch.logical_not, (scores.mask,))
+                                   if scores.excluded else scores.mask)
         sdpa = graph.call_function(F.scaled_dot_product_attention,
                                    (scores.query, key, attention.value), kwargs)
     sdpa.meta.update(out.meta)

@@ -67,6 +67,13 @@ def einsum_heads_masked(q, k, v, bias):
     return torch.einsum("...qk,...kd->...qd", scores.softmax(-1), v4).reshape(B * HEADS, N, D)
 
 
+def masked_fill_causal(q, k, v, bias):
+    """nanoGPT's spelling: scores filled with -inf where a lower-triangular table is 0."""
+    table = torch.tril(torch.ones(N, N)).view(1, N, N)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))
+    return F.softmax(scores.masked_fill(table == 0, float("-inf")), dim=-1) @ v
+
+
 def scores_returned(q, k, v, bias):
     scores = torch.bmm(q, k.transpose(-1, -2))
     return torch.bmm(scores.softmax(-1), v), scores
@@ -88,6 +95,13 @@ def einsum_over_queries(q, k, v, bias):
     """Scores laid out [keys, queries]: the softmax normalises over queries."""
     scores = torch.einsum("bid,bjd->bji", q, k)
     return torch.einsum("bji,bjd->bid", scores.softmax(-1), v)
+
+
+def masked_fill_finite(q, k, v, bias):
+    """Filled with a finite value: a row with every key masked attends to all of them
+    evenly, where sdpa's mask would give NaN."""
+    scores = (q @ k.transpose(-2, -1)).masked_fill(bias < -1, -1e9)
+    return scores.softmax(-1) @ v
 
 
 def probabilities_read_twice(q, k, v, bias):
@@ -118,19 +132,21 @@ def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
 
 
 @pytest.mark.parametrize("fn", [classic, classic_masked_upcast, scaled_matmul_masked, divided,
-                                keys_given_transposed, einsum_scaled, einsum_heads_masked])
+                                keys_given_transposed, einsum_scaled, einsum_heads_masked,
+                                masked_fill_causal])
 def test_hand_written_attention_becomes_one_sdpa_of_the_same_value(fn):
     args = inputs()
     traced = trace(Wrap(fn), *args)
     assert fold_hand_written_attention(traced.gm) == 1
     ops = graph_ops(traced.gm)
     assert "scaled_dot_product_attention" in ops
-    assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum"}, ops
+    assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum", "masked_fill"}, ops
     assert_rel_close(traced.gm(*traced.args())[0], fn(*args))
 
 
 @pytest.mark.parametrize("fn", [scores_returned, softmax_over_queries, half_beta, double_mask,
-                                einsum_over_queries, probabilities_read_twice])
+                                einsum_over_queries, masked_fill_finite,
+                                probabilities_read_twice])
 def test_what_is_not_exactly_attention_is_left_as_written(fn):
     traced = trace(Wrap(fn), *inputs())
     before = [n.format_node() for n in traced.gm.graph.nodes]
@@ -314,4 +330,49 @@ def test_diffusers_models_with_the_classic_processor_pipeline_in_stale(name):
     with torch.no_grad():
         expected = model(**inputs, return_dict=False)[0]
         program(*traced.args())
+        assert_rel_close(program(*traced.args())[0], expected)
+
+
+class CausalBlocks(nn.Module):
+    """nanoGPT's blocks: causal attention written by hand, a lower-triangular buffer masking
+    the scores with -inf."""
+
+    def __init__(self, width: int = 32, heads: int = 4, context: int = 64, depth: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(depth))
+        self.mlp = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.register_buffer("tril", torch.tril(torch.ones(context, context)).view(
+            1, 1, context, context))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        for qkv, mlp in zip(self.qkv, self.mlp, strict=True):
+            q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2)
+                       for t in qkv(x).split(c, dim=2))
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            scores = scores.masked_fill(self.tril[:, :, :n, :n] == 0, float("-inf"))
+            out = F.softmax(scores, dim=-1) @ v
+            x = x + out.transpose(1, 2).contiguous().view(b, n, c)
+            x = x + mlp(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale", "causal"])
+def test_hand_written_causal_attention_pipelines_in_every_mode(mode):
+    """The mask goes to sdpa as a boolean mask: causal mode runs it chunked and exact on
+    the first call (a chunk's keys after its own are masked), stale on a repeated input."""
+    torch.manual_seed(0)
+    model = CausalBlocks().eval()
+    x = torch.randn(2, 32, 32)
+    traced = trace(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
+        program = traced.program(mode=mode, stages=2, chunks=4, warmup_steps=0)
+    assert len(program.plan.caches) == 2
+    with torch.no_grad():
+        expected = model(x)
+        first = program(*traced.args())[0]
+        if mode != "stale":
+            assert_rel_close(first, expected)
         assert_rel_close(program(*traced.args())[0], expected)
