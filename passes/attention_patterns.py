@@ -75,15 +75,20 @@ class HandWritten:
 
 def fold_hand_written_attention(gm: torch.fx.GraphModule) -> int:
     """Rewrites every attention the module docstring describes; returns how many."""
-    found = [m for n in list(gm.graph.nodes) if (m := match(n)) is not None]
-    for attention in found:
-        _fold(gm, attention)
-    if found:
+    folded = 0
+    # One at a time, in graph order: a fold erases only nodes at or before the output it
+    # replaces, and an attention read by a later one is matched with its fold in place.
+    for node in list(gm.graph.nodes):
+        attention = match(node)
+        if attention is not None:
+            _fold(gm, attention)
+            folded += 1
+    if folded:
         gm.graph.lint()
         gm.recompile()
         LOG.info("%d attention(s) written by hand folded into scaled_dot_product_attention",
-                 len(found))
-    return len(found)
+                 folded)
+    return folded
 
 
 def match(node: torch.fx.Node) -> HandWritten | None:

@@ -74,6 +74,12 @@ def masked_fill_causal(q, k, v, bias):
     return F.softmax(scores.masked_fill(table == 0, float("-inf")), dim=-1) @ v
 
 
+def chained(q, k, v, bias):
+    """Two attentions, the first's output the second's queries: each folded in turn."""
+    first = torch.bmm(torch.bmm(q, k.transpose(-1, -2)).softmax(-1), v)
+    return torch.bmm(torch.bmm(first, k.transpose(-1, -2)).softmax(-1), v)
+
+
 def scores_returned(q, k, v, bias):
     scores = torch.bmm(q, k.transpose(-1, -2))
     return torch.bmm(scores.softmax(-1), v), scores
@@ -133,11 +139,11 @@ def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
 
 @pytest.mark.parametrize("fn", [classic, classic_masked_upcast, scaled_matmul_masked, divided,
                                 keys_given_transposed, einsum_scaled, einsum_heads_masked,
-                                masked_fill_causal])
-def test_hand_written_attention_becomes_one_sdpa_of_the_same_value(fn):
+                                masked_fill_causal, chained])
+def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
     args = inputs()
     traced = trace(Wrap(fn), *args)
-    assert fold_hand_written_attention(traced.gm) == 1
+    assert fold_hand_written_attention(traced.gm) == (2 if fn is chained else 1)
     ops = graph_ops(traced.gm)
     assert "scaled_dot_product_attention" in ops
     assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum", "masked_fill"}, ops
