@@ -34,8 +34,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from tokpipe_compiler.core.args import arg
-from tokpipe_compiler.core.fx import add_node, example_value
-from tokpipe_compiler.core.logs import LOG
+from tokpipe_compiler.core.fx import add_node, example_value, rewritten
 from tokpipe_compiler.core.ops import op_key
 
 MATMULS = {torch.matmul, torch.bmm, operator.matmul, "method:matmul", "method:bmm"}
@@ -83,12 +82,7 @@ def fold_hand_written_attention(gm: torch.fx.GraphModule) -> int:
         if attention is not None:
             _fold(gm, attention)
             folded += 1
-    if folded:
-        gm.graph.lint()
-        gm.recompile()
-        LOG.info("%d attention(s) written by hand folded into scaled_dot_product_attention",
-                 folded)
-    return folded
+    return rewritten(gm, folded, "attention(s) written by hand folded into sdpa")
 
 
 def match(node: torch.fx.Node) -> HandWritten | None:

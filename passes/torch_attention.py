@@ -33,8 +33,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tokpipe_compiler.core.fx import add_node, example_value
-from tokpipe_compiler.core.logs import LOG
+from tokpipe_compiler.core.fx import add_node, example_value, rewritten
 
 SIGNATURE = inspect.signature(F.multi_head_attention_forward).parameters
 PARAMETERS = tuple(SIGNATURE)
@@ -61,12 +60,7 @@ def write_out_torch_attention(gm: torch.fx.GraphModule) -> int:
             if _encoder_writable(args):
                 _write_out_encoder(gm.graph, node, args)
                 written += 1
-    if written:
-        gm.graph.lint()
-        gm.recompile()
-        LOG.info("%d fused attention op(s) written out with scaled_dot_product_attention",
-                 written)
-    return written
+    return rewritten(gm, written, "fused attention op(s) written out with sdpa")
 
 
 def _bound(node: torch.fx.Node) -> dict[str, Any] | None:

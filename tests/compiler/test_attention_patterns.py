@@ -132,6 +132,20 @@ def inputs() -> tuple[torch.Tensor, ...]:
     return q, k, v, bias
 
 
+def quiet_program(traced, **options):
+    """The pipelined program on two stages (a tiny model's are unbalanced: a warning)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return traced.program(stages=2, **options)
+
+
+def second_call(program, traced) -> torch.Tensor:
+    """The output of the program's second call (stale: K/V from the first, same input)."""
+    with torch.no_grad():
+        program(*traced.args())
+        return program(*traced.args())[0]
+
+
 def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
     return {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
             if n.op in ("call_function", "call_method")}
@@ -193,18 +207,15 @@ def test_classic_blocks_pipeline_with_kv_caches(mode):
     model = ClassicBlocks().eval()
     x = torch.randn(2, 16, 32)
     traced = trace(model, x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
-        if mode == "causal":
-            with pytest.raises(Exception, match="needs causal attention"):
-                traced.program(mode=mode, stages=2, chunks=4)
-            return
-        program = traced.program(mode=mode, stages=2, chunks=4, warmup_steps=1)
+    if mode == "causal":
+        with pytest.raises(Exception, match="needs causal attention"):
+            quiet_program(traced, mode=mode, chunks=4)
+        return
+    program = quiet_program(traced, mode=mode, chunks=4, warmup_steps=1)
     assert len(program.plan.caches) == 2  # each block's attention through the K/V caches
     with torch.no_grad():
         expected = model(x)
-        program(*traced.args())
-        assert_rel_close(program(*traced.args())[0], expected)
+    assert_rel_close(second_call(program, traced), expected)
 
 
 class MultiheadBlocks(nn.Module):
@@ -255,14 +266,11 @@ def test_multihead_attention_is_written_out_and_pipelined(options, mode):
     model = MultiheadBlocks(**options).eval()
     inputs = [torch.randn(2, 16, 32)] + ([torch.randn(2, 5, 12)] if options.get("text") else [])
     traced = trace(model, *inputs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
-        program = traced.program(mode=mode, stages=2, chunks=4, warmup_steps=1)
+    program = quiet_program(traced, mode=mode, chunks=4, warmup_steps=1)
     assert len(program.plan.caches) == (0 if options.get("text") else 2)
     with torch.no_grad():
         expected = model(*inputs)
-        program(*traced.args())
-        assert_rel_close(program(*traced.args())[0], expected)
+    assert_rel_close(second_call(program, traced), expected)
 
 
 class ReadsWeights(nn.Module):
@@ -302,14 +310,11 @@ def test_transformer_encoder_layers_are_written_out_and_pipelined(norm_first, ac
     model = Encoder(norm_first, activation).eval()
     x = torch.randn(2, 16, 32)
     traced = trace(model, x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
-        program = traced.program(mode="stale", stages=2, chunks=4, warmup_steps=1)
+    program = quiet_program(traced, mode="stale", chunks=4, warmup_steps=1)
     assert len(program.plan.caches) == 2
     with torch.no_grad():
         expected = model(x)
-        program(*traced.args())
-        assert_rel_close(program(*traced.args())[0], expected)
+    assert_rel_close(second_call(program, traced), expected)
 
 
 @pytest.mark.parametrize("name", ["DiTTransformer2DModel", "LatteTransformer3DModel",
@@ -328,15 +333,11 @@ def test_diffusers_models_with_the_classic_processor_pipeline_in_stale(name):
             module.set_processor(AttnProcessor())
     inputs = ZOO[name].inputs(0)
     traced = trace(model, **inputs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
-        program = traced.program(mode="stale", stages=2, chunks=ZOO[name].chunks,
-                                 warmup_steps=1)
+    program = quiet_program(traced, mode="stale", chunks=ZOO[name].chunks, warmup_steps=1)
     assert program.plan.caches
     with torch.no_grad():
         expected = model(**inputs, return_dict=False)[0]
-        program(*traced.args())
-        assert_rel_close(program(*traced.args())[0], expected)
+    assert_rel_close(second_call(program, traced), expected)
 
 
 class CausalBlocks(nn.Module):
@@ -372,13 +373,12 @@ def test_hand_written_causal_attention_pipelines_in_every_mode(mode):
     model = CausalBlocks().eval()
     x = torch.randn(2, 32, 32)
     traced = trace(model, x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
-        program = traced.program(mode=mode, stages=2, chunks=4, warmup_steps=0)
+    program = quiet_program(traced, mode=mode, chunks=4, warmup_steps=0)
     assert len(program.plan.caches) == 2
     with torch.no_grad():
         expected = model(x)
         first = program(*traced.args())[0]
-        if mode != "stale":
-            assert_rel_close(first, expected)
-        assert_rel_close(program(*traced.args())[0], expected)
+        second = program(*traced.args())[0]
+    if mode != "stale":
+        assert_rel_close(first, expected)
+    assert_rel_close(second, expected)

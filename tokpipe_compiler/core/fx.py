@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from tokpipe_compiler.core.logs import LOG
 from tokpipe_compiler.core.meta import SOURCE_KEY
 
 
@@ -32,6 +33,16 @@ def add_node(graph: torch.fx.Graph, kind: str, target: Any, args: tuple,
         value = target(*values, **named)
     node.meta["example_value"] = value
     return node
+
+
+def rewritten(gm: torch.fx.GraphModule, count: int, what: str) -> int:
+    """After a rewrite pass changed `count` places: the graph checked and recompiled, and
+    what was rewritten logged (at INFO). Returns `count`."""
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+        LOG.info("%d %s", count, what)
+    return count
 
 
 def node_shape(node: Any) -> torch.Size | None:
