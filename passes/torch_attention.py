@@ -85,9 +85,9 @@ def _writable(node: torch.fx.Node, args: dict[str, Any]) -> bool:
         return False
     if args["embed_dim_to_check"] != query.shape[-1] or query.shape[-1] % args["num_heads"]:
         return False
-    mask = example_value(args["attn_mask"])
     if args["is_causal"]:
         return args["attn_mask"] is not None and not args["need_weights"]
+    mask = example_value(args["attn_mask"])
     return mask is None or (isinstance(mask, torch.Tensor)
                             and tuple(mask.shape) == (query.shape[0], key.shape[0]))
 

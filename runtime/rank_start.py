@@ -42,10 +42,9 @@ PRELOAD_IF_USED = {"diffusers": "diffusers.models.transformers"}
 IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "TOKPIPE", "TRITON", "CUDA", "NCCL", "GLOO", "OMP",
                         "MKL", "KMP")
 
-_server: tuple[int, dict[str, str]] | None = None  # the server's pid and import-time variables
-
-
 START_METHODS = ("auto", "spawn")
+
+_server: tuple[int, dict[str, str]] | None = None  # the server's pid and import-time variables
 
 
 def rank_context(device: str, start: str = "auto") -> tuple[BaseContext, int]:
@@ -57,10 +56,10 @@ def rank_context(device: str, start: str = "auto") -> tuple[BaseContext, int]:
     if (start == "spawn" or torch.device(device).type != "cpu"
             or "forkserver" not in mp.get_all_start_methods()):
         return mp.get_context("spawn"), os.getpid()
-    server_pid = _running_server()
-    if server_pid is None or _server is None or _server[1] != _import_time_variables():
+    server = _running_server()
+    if server is None or server[1] != _import_time_variables():
         return mp.get_context("spawn"), os.getpid()
-    return mp.get_context("forkserver"), server_pid
+    return mp.get_context("forkserver"), server[0]
 
 
 def rank_environment() -> dict[str, str]:
@@ -73,17 +72,19 @@ def adopt_environment(environment: dict[str, str]) -> None:
     os.environ.update(environment)
 
 
-def _running_server() -> int | None:
-    """The forkserver's pid, started with PRELOAD if it was not running (and noting the
-    import-time variables it started with); None where its pid cannot be read."""
+def _running_server() -> tuple[int, dict[str, str]] | None:
+    """The forkserver's pid and the import-time variables it started with, started with
+    PRELOAD if it was not running; None where its pid cannot be read."""
     global _server
     used = [module for package, module in PRELOAD_IF_USED.items() if package in sys.modules]
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD + used)
     forkserver.ensure_running()
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    if pid is not None and (_server is None or _server[0] != pid):
+    if pid is None:
+        return None
+    if _server is None or _server[0] != pid:  # a new server: it has this environment
         _server = (pid, _import_time_variables())
-    return pid
+    return _server
 
 
 def _import_time_variables() -> dict[str, str]:
