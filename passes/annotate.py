@@ -183,12 +183,15 @@ def _passed_through(node: torch.fx.Node, info: TokenInfo, ctx: RuleContext) -> T
 
 def _aligned_with(node: torch.fx.Node, seed: torch.fx.Node) -> bool:
     """User inputs shaped exactly like the token input (a scheduler's history, a second
-    latent) carry tokens on the same axis."""
+    latent) carry tokens on the same axis. Of another dtype only when both are floating:
+    a float32 history of bfloat16 latents is aligned; integer ids and a boolean mask of
+    their shape are not (the mask covers every key)."""
     if node.op != "placeholder" or not is_user_input(node):
         return False
     value, ref = example_value(node), example_value(seed)
-    return isinstance(value, torch.Tensor) and value.shape == ref.shape \
-        and value.dtype == ref.dtype
+    if not isinstance(value, torch.Tensor) or value.shape != ref.shape:
+        return False
+    return value.dtype == ref.dtype or (value.is_floating_point() and ref.is_floating_point())
 
 
 _NEW_TENSORS = ("method:new_empty", "method:new_zeros", "method:new_ones", "method:new_full")

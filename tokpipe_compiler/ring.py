@@ -21,7 +21,8 @@ import torch
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.core.stage_graph import OutputKind
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.programs.distributed import make_program
@@ -117,18 +118,38 @@ class Ring:
             if placeholder is None:
                 raise TokpipeError(f"carried input {name!r} is not an input the step "
                                    f"function reads; it reads {self._traced.arguments}")
-            if spec.source == placeholder:
-                continue  # returned unchanged: nothing to carry
-            if spec.kind != OutputKind.TOKEN:
-                raise TokpipeError(f"carried input {name!r} is fed by an output that is not "
-                                   "token-wise (ring mode needs a token-wise scheduler update)")
-            info = program.plan.graphs.stages[spec.producer].output_infos[spec.source]
-            if info.segmented or not info.per_unit:
-                raise TokpipeError(f"carried input {name!r} is fed by an output holding whole "
-                                   "text tokens that every chunk computes its own copy of; "
-                                   "carry only the image tokens")
-            carried[placeholder] = spec.source
+            if spec.source != placeholder:  # returned unchanged: nothing to carry
+                self._check_carry(name, placeholder, spec, program.plan.graphs)
+                carried[placeholder] = spec.source
         return carried
+
+    def _check_carry(self, name: str, placeholder: str, spec: Any, graphs: SplitGraphs) -> None:
+        """Raises unless output `spec` can feed carried input `name` chunk by chunk: a
+        token-wise value of the image tokens, in the input's dtype (the stages are compiled
+        for it), that the stages read as a token input cut per chunk."""
+        if spec.kind != OutputKind.TOKEN:
+            raise TokpipeError(f"carried input {name!r} is fed by an output that is not "
+                               "token-wise (ring mode needs a token-wise scheduler update)")
+        stage = graphs.stages[spec.producer]
+        given = self._traced.inputs[self._traced.names.index(placeholder)]
+        made = example_value(next((n for n in stage.gm.graph.nodes if n.name == spec.source),
+                                  None))
+        if isinstance(given, torch.Tensor) and isinstance(made, torch.Tensor) and \
+                given.dtype != made.dtype:
+            raise TokpipeError(f"carried input {name!r} is passed as {given.dtype} but the step "
+                               f"returns it as {made.dtype}; pass its first value as "
+                               f"{made.dtype} (e.g. torch.zeros_like(x, dtype={made.dtype}))")
+        info = stage.output_infos[spec.source]
+        if info.segmented or not info.per_unit:
+            raise TokpipeError(f"carried input {name!r} is fed by an output holding whole "
+                               "text tokens that every chunk computes its own copy of; "
+                               "carry only the image tokens")
+        if not _read_per_chunk(graphs, placeholder):
+            raise TokpipeError(
+                f"carried input {name!r} is not read as a token input laid out like "
+                f"{self.carry[0]!r} (it has another shape, or a non-float dtype), so every "
+                f"ring step would read its first value; carry only inputs shaped like "
+                f"{self.carry[0]!r}")
 
     def _carried_values(self, outputs: tuple) -> dict[str, Any]:
         return dict(zip(self.carry, outputs, strict=False))
@@ -141,6 +162,18 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
     except torch._dynamo.exc.Unsupported as err:
         raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
                            f"it: {str(err).splitlines()[0]}") from err
+
+
+def _read_per_chunk(graphs: SplitGraphs, placeholder: str) -> bool:
+    """Whether the stages read input `placeholder` as a token input, each chunk's rows of it
+    (what a carried chunk replaces), and nothing computes with it whole in the per-call
+    prelude or reads it as a table: a ring step would see its first value there."""
+    node = next((n for n in graphs.prelude.graph.nodes
+                 if n.op == "placeholder" and n.name == placeholder), None)
+    if node is not None and any(user.op != "output" for user in node.users):
+        return False
+    return all(i.kind == SLICED and i.name == placeholder
+               for stage in graphs.stages for i in stage.inputs if i.source == placeholder)
 
 
 def _carry_names(carry: Sequence[str]) -> list[str]:

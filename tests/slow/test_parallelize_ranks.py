@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
-from tests.fixtures.pipelines import FAMILIES, generate
+from tests.fixtures.pipelines import FAMILIES, generate, in_dtype
 from tests.fixtures.ranks import launch_cases, selected
 from tokpipe_compiler.runtime.launch import launch
 
@@ -18,14 +18,15 @@ pytest.importorskip("transformers")
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
-def _pipelined(family: str) -> torch.Tensor:
-    pipe, kwargs = FAMILIES[family]()
+def _pipelined(family: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    pipe, kwargs = in_dtype(FAMILIES[family](), dtype)
     tp.pipelines.parallelize(pipe, **OPTIONS)
     return generate(pipe, kwargs, steps=4)
 
 
-def _rank(rank: int, world: int, family: str) -> torch.Tensor:
-    return _pipelined(family)
+def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
+          ) -> torch.Tensor:
+    return _pipelined(family, dtype)
 
 
 @pytest.mark.parametrize("family", [
@@ -39,6 +40,19 @@ def test_two_ranks_equal_one_process(family, two_rank_runs):
     alone = _pipelined(family)
     ranks = two_rank_runs["ring", family]
     for result in ranks:
+        assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+
+
+@pytest.mark.parametrize("family", [
+    "flux",  # the timestep rounded to bfloat16 before it is divided
+    "sana",  # float32 latents cast to bfloat16 for the transformer, guidance upcast
+])
+def test_two_ranks_in_bfloat16_equal_one_process(family, two_rank_runs):
+    """Released models run in bfloat16: the ranks send bfloat16 activations and K/V and
+    carry the scheduler's float32 state; they compute what one process computes."""
+    alone = _pipelined(family, torch.bfloat16)
+    for result in two_rank_runs["ring bfloat16", family]:
+        assert result.dtype == alone.dtype  # Sana keeps its latents in float32
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
 
 
@@ -90,6 +104,8 @@ def two_rank_runs(request) -> dict:
     """Per-rank results of the selected two-rank runs, from one launch."""
     cases = {("ring", p["family"]): (_rank, (p["family"],))
              for p in selected(request, test_two_ranks_equal_one_process)}
+    cases.update({("ring bfloat16", p["family"]): (_rank, (p["family"], torch.bfloat16))
+                  for p in selected(request, test_two_ranks_in_bfloat16_equal_one_process)})
     cases.update({("cfg", p["family"]): (_cfg_rank, (p["family"],))
                   for p in selected(request, test_cfg_parallel_on_two_ranks_equals_one_process)})
     if selected(request, test_cfg_parallel_checks_the_world_size):

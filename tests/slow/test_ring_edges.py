@@ -1,5 +1,6 @@
-"""Ring edge cases: empty carry, step counts the per-step values do not cover, zero steps, and
-one ring run again with another batch or resolution."""
+"""Ring edge cases: empty carry, step counts the per-step values do not cover, zero steps, one
+ring run again with another batch or resolution, and carried values of other dtypes and
+shapes than the token input."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
+from tokpipe_compiler.pipelines.schedulers import step_table
+from tokpipe_compiler.pipelines.step_rows import update_state
 
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 STEPS = 3
@@ -107,3 +110,71 @@ def test_carrying_an_output_with_the_text_stream_is_a_clear_error():
     with pytest.raises(tp.TokpipeError, match="carried input 'joint' is fed by an output "
                                               "holding whole text tokens"):
         ring.run({"joint": torch.randn(1, 21, 16)}, per_step={"c": torch.full((3,), 0.1)})
+
+
+def _multistep_ring(model: TinyDiT, state_dtype: torch.dtype):
+    """A DPM-Solver++ 2M ring over bfloat16 latents, its history carried in `state_dtype`
+    (the model computes in float32)."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    table = step_table(DPMSolverMultistepScheduler(), 6)
+    names = [f"state_{i}" for i in range(table.state_size)]
+
+    def step(latents, timestep, row, labels, **state):
+        eps = model(latents.float(), timestep.expand(latents.shape[0]), labels)
+        x, new = update_state(latents, eps, [state[n] for n in names], row, table.pattern)
+        return (x, *new)
+
+    latents, _, labels = dit_inputs(model, 8)
+    first = {"latents": latents.bfloat16(), "labels": labels,
+             **{n: torch.zeros_like(latents, dtype=state_dtype) for n in names}}
+    per_step = {"timestep": table.timesteps, "row": table.rows}
+    return step, ["latents", *names], first, per_step
+
+
+def test_bfloat16_latents_carry_a_float32_history():
+    """The history is float32 where the latents are bfloat16: it is still a token input,
+    cut per chunk, so each ring step reads the history the step before wrote (not the
+    first step's, computed once per call)."""
+    pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    step, carry, first, per_step = _multistep_ring(model, torch.float32)
+    ring = tp.Ring(step, carry=carry, **{**OPTIONS, "mode": "sync"})
+    got = ring.run(dict(first), per_step=per_step)
+    values = dict(first)
+    for k in range(len(per_step["row"])):
+        out = step(**values, **{name: v[k] for name, v in per_step.items()})
+        values.update(zip(carry, out, strict=True))
+    for name, value in zip(carry, got, strict=True):
+        assert value.dtype == values[name].dtype
+        assert torch.equal(value, values[name]), name
+
+
+def test_a_carry_that_comes_back_in_another_dtype_is_a_clear_error():
+    pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = TinyDiT(depth=1, width=32, heads=2, grid=8).eval()
+    step, carry, first, per_step = _multistep_ring(model, torch.bfloat16)
+    ring = tp.Ring(step, carry=carry, **OPTIONS)
+    with pytest.raises(tp.TokpipeError, match=r"carried input 'state_0' is passed as "
+                                              r"torch\.bfloat16 but the step returns it as "
+                                              r"torch\.float32"):
+        ring.run(first, per_step=per_step)
+
+
+def test_a_carry_not_laid_out_like_the_token_input_is_a_clear_error():
+    """A per-token column [B, L, 1] beside tokens [B, L, D] is read as a table, cut per chunk
+    from the call's value: a ring would feed every step the first step's column."""
+    torch.manual_seed(0)
+    block = TinyDiT(depth=1, width=16, heads=2).blocks[0].eval()
+
+    def step(x, column, c):
+        out = block(x + column, torch.zeros(1, 16))
+        return x - c * out, out.mean(-1, keepdim=True)
+
+    ring = tp.Ring(step, carry=["x", "column"], **OPTIONS)
+    with pytest.raises(tp.TokpipeError, match="carried input 'column' is not read as a token "
+                                              "input laid out like 'x'"):
+        ring.run({"x": torch.randn(1, 16, 16), "column": torch.zeros(1, 16, 1)},
+                 per_step={"c": torch.full((3,), 0.1)})

@@ -1,9 +1,11 @@
 """What a pipeline does around its transformer in one denoising step, found by probing.
 
 Every covered diffusers pipeline wraps the transformer call in the same few token-wise
-forms: the latent passed once or twice (the guidance batch), the timestep `t` or `t / 1000`
-broadcast over the batch, classifier-free guidance `uncond + g * (cond - uncond)` over the
-two halves of the batch (or over two calls), and the learned-variance channels dropped.
+forms: the latent passed once or twice (the guidance batch), maybe cast to the
+transformer's dtype, the timestep `t` or `t / 1000` broadcast over the batch,
+classifier-free guidance `uncond + g * (cond - uncond)` over the two halves of the batch
+(or over two calls), in the prediction's dtype or upcast first, and the learned-variance
+channels dropped.
 At the first step of a generation the transformer answers with random probes instead of
 computing; what reaches `scheduler.step` then says which form the pipeline used, and with
 which guidance scale. Nothing about a family is written here: its own loop is observed.
@@ -14,6 +16,7 @@ ring's step function, and `guide` also checks every later step against it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +28,8 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
 
 DIVISORS = (1.0, 1000.0)  # pipelines pass t, or t / 1000 (flow-matching transformers)
+# How the timestep passed is made from the scheduler's t: (divisor, divide_first), see Glue.
+TimestepForm = tuple[float, bool]
 COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both")
 EXACT = 1e-6  # relative: a form matches when it reproduces the pipeline's own arithmetic
 
@@ -39,10 +44,17 @@ class Glue:
 
     latent_arg / timestep_arg: the transformer parameters that take the latent and timestep.
     copies: the latent passed once, or twice (the guidance batch; two calls are batched).
-    divisor, divide_first: the timestep passed is `(t / divisor).to(dtype)`, or
-        `t.to(dtype) / divisor` when not divide_first, broadcast over the batch.
+    latent_dtype: the dtype the latent is passed in (Sana, Wan, LTX keep float32 latents
+        and cast them to the transformer's dtype).
+    timestep_forms: the (divisor, divide_first) forms that agree with every timestep passed
+        so far, the first one replayed: the timestep passed is `(t / divisor).to(dtype)`,
+        or `t.to(dtype) / divisor` when not divide_first, broadcast over the batch. In a
+        low-precision dtype the two orders round differently, and at t = 1000 they agree,
+        so a first step may leave both (`settled` tells when it matters).
     combine: the guidance form (see COMBINES); cond_first_both is DiT's, which keeps the
         doubled latent and writes the guided prediction to both halves.
+    guidance_dtype / prediction_dtype: the dtype guidance is computed in (CogVideoX and
+        Sana upcast the prediction to float32 first), and the one the scheduler gets.
     channels: output channels the scheduler gets (the learned variance dropped), or None.
     guidance: the guidance scale g.
     calls: transformer calls per step in the pipeline (2: one per guidance branch).
@@ -51,13 +63,27 @@ class Glue:
     latent_arg: str
     timestep_arg: str
     copies: int
-    divisor: float
-    divide_first: bool
+    latent_dtype: torch.dtype
+    timestep_forms: tuple[TimestepForm, ...]
     timestep_dtype: torch.dtype
     combine: str
+    guidance_dtype: torch.dtype
+    prediction_dtype: torch.dtype
     channels: int | None
     guidance: float
     calls: int
+
+    def narrowed(self, passed: torch.Tensor, t: Any) -> Glue:
+        """The glue with only the timestep forms that also give `passed` at step `t`
+        (none left: the pipeline changed how it passes the timestep)."""
+        forms = tuple(f for f in self.timestep_forms if _gives(f, passed, t))
+        return dataclasses.replace(self, timestep_forms=forms)
+
+    def settled(self, timesteps: torch.Tensor) -> bool:
+        """Whether every form left gives the same timestep input at every step."""
+        first = _timesteps(self.timestep_forms[0], timesteps, self.timestep_dtype)
+        return all(torch.equal(first, _timesteps(f, timesteps, self.timestep_dtype))
+                   for f in self.timestep_forms[1:])
 
 
 def timestep_arg(arguments: dict[str, Any]) -> str:
@@ -78,7 +104,7 @@ def identify(calls: Sequence[dict[str, Any]], probes: Sequence[torch.Tensor],
     first = calls[0]
     step_arg = timestep_arg(first)
     latent_arg, copies = _latent(first, sample * scale, step_arg)
-    divisor, divide_first = _divisor(first[step_arg], t)
+    forms = _timestep_forms(first[step_arg], t)
     if len(calls) == 2:
         _check_branch_calls(calls, latent_arg, step_arg)
         copies, probe = 2, torch.cat(list(probes))
@@ -87,24 +113,28 @@ def identify(calls: Sequence[dict[str, Any]], probes: Sequence[torch.Tensor],
     else:
         raise GlueNotFound(f"the pipeline called the transformer {len(calls)} times in one "
                            "step; ring mode replays one call, or two (one per guidance branch)")
-    combine, channels, guidance = _guidance(probe, noise_pred, len(calls), guidance_candidates)
-    return Glue(latent_arg, step_arg, copies, divisor, divide_first,
-                first[step_arg].dtype, combine, channels, guidance, len(calls))
+    combine, guidance_dtype, channels, guidance = _guidance(probe, noise_pred, len(calls),
+                                                           guidance_candidates)
+    return Glue(latent_arg, step_arg, copies, first[latent_arg].dtype, forms,
+                first[step_arg].dtype, combine, guidance_dtype, noise_pred.dtype, channels,
+                guidance, len(calls))
 
 
 def model_input(glue: Glue, sample: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The latent as the transformer takes it (in the step function)."""
-    x = sample * scale
+    x = (sample * scale).to(glue.latent_dtype)
     return torch.cat([x] * glue.copies) if glue.copies > 1 else x
 
 
 def model_timesteps(glue: Glue, timesteps: torch.Tensor, batch: int) -> torch.Tensor:
     """[steps, batch]: the timestep input of every step, as the pipeline computes it."""
-    if glue.divide_first:
-        values = (timesteps / glue.divisor).to(glue.timestep_dtype)
-    else:
-        values = timesteps.to(glue.timestep_dtype) / glue.divisor
+    values = _timesteps(glue.timestep_forms[0], timesteps, glue.timestep_dtype)
     return values[:, None].expand(len(timesteps), batch).contiguous()
+
+
+def _timesteps(form: TimestepForm, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    divisor, divide_first = form
+    return (t / divisor).to(dtype) if divide_first else t.to(dtype) / divisor
 
 
 def guide(glue: Glue, out: torch.Tensor, guidance: torch.Tensor | float) -> torch.Tensor:
@@ -112,7 +142,8 @@ def guide(glue: Glue, out: torch.Tensor, guidance: torch.Tensor | float) -> torc
     pipeline makes two calls), in the pipeline's own arithmetic."""
     if glue.channels is not None:
         out = out[:, : glue.channels]
-    return _combine(glue.combine, out, guidance, glue.calls)
+    guided = _combine(glue.combine, out.to(glue.guidance_dtype), guidance, glue.calls)
+    return guided.to(glue.prediction_dtype)
 
 
 def first_tensor(output: Any, leaf: type = torch.Tensor) -> Any:
@@ -129,9 +160,18 @@ def _combine(combine: str, out: torch.Tensor, g: Any, calls: int) -> torch.Tenso
         return out
     first, second = out.chunk(2)
     if combine == "uncond_first":
-        return first + g * (second - first)
-    guided = second + g * (first - second)  # cond first: DiT, and the two-call pipelines
+        return first + _times(g, second - first)
+    guided = second + _times(g, first - second)  # cond first: DiT, and the two-call pipelines
     return torch.cat([guided, guided]) if combine == "cond_first_both" else guided
+
+
+def _times(g: Any, x: torch.Tensor) -> torch.Tensor:
+    """g * x as the pipeline computes it with a Python float g. The ring passes g as a
+    float32 tensor, which a bfloat16 or float16 product would round to x's dtype first
+    (3.7 -> 3.703125); the product in float32, rounded once, is the pipeline's."""
+    if isinstance(g, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16):
+        return (g.to(torch.float32) * x.to(torch.float32)).to(x.dtype)
+    return g * x
 
 
 def _latent(arguments: dict[str, Any], scaled: torch.Tensor, step_arg: str) -> tuple[str, int]:
@@ -141,23 +181,27 @@ def _latent(arguments: dict[str, Any], scaled: torch.Tensor, step_arg: str) -> t
             continue
         for copies in (1, 2):
             expected = torch.cat([scaled] * copies) if copies > 1 else scaled
-            if value.shape == expected.shape and _close(value.to(expected.dtype), expected):
+            if value.shape == expected.shape and \
+                    _close(value.float(), expected.to(value.dtype).float()):
                 return name, copies
     raise GlueNotFound("no transformer input is the latent the pipeline passes to "
                        "scheduler.step (once, or twice for guidance): the pipeline changes "
                        "the latent in a way ring mode does not replay")
 
 
-def _divisor(passed: torch.Tensor, t: Any) -> tuple[float, bool]:
-    t = torch.as_tensor(t)
-    for divisor in DIVISORS:
-        for divide_first in (True, False):
-            value = ((t / divisor).to(passed.dtype) if divide_first
-                     else t.to(passed.dtype) / divisor)
-            if passed.dim() == 1 and torch.equal(passed, value.expand(passed.shape)):
-                return divisor, divide_first
-    raise GlueNotFound(f"the transformer's timestep input {passed.flatten()[:4].tolist()} is "
-                       f"not the scheduler's t = {t.item()} (or t / 1000) over the batch")
+def _timestep_forms(passed: torch.Tensor, t: Any) -> tuple[TimestepForm, ...]:
+    forms = tuple((divisor, divide_first) for divisor in DIVISORS
+                  for divide_first in (True, False) if _gives((divisor, divide_first), passed, t))
+    if not forms:
+        t = torch.as_tensor(t)
+        raise GlueNotFound(f"the transformer's timestep input {passed.flatten()[:4].tolist()} "
+                           f"is not the scheduler's t = {t.item()} (or t / 1000) over the batch")
+    return forms
+
+
+def _gives(form: TimestepForm, passed: torch.Tensor, t: Any) -> bool:
+    value = _timesteps(form, torch.as_tensor(t), passed.dtype)
+    return passed.dim() == 1 and torch.equal(passed, value.expand(passed.shape))
 
 
 def _check_branch_calls(calls: Sequence[dict[str, Any]], latent_arg: str, step_arg: str):
@@ -172,17 +216,21 @@ def _check_branch_calls(calls: Sequence[dict[str, Any]], latent_arg: str, step_a
 
 
 def _guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
-              candidates: Sequence[float]) -> tuple[str, int | None, float]:
+              candidates: Sequence[float]) -> tuple[str, torch.dtype, int | None, float]:
+    """The guidance form, the dtype it is computed in, the channels kept and the scale."""
     channels = None
     if probe.dim() > 1 and noise_pred.dim() > 1 and probe.shape[1] != noise_pred.shape[1]:
         channels = noise_pred.shape[1]
         probe = probe[:, :channels]
     forms = ("cond_first",) if calls == 2 else COMBINES
     for combine in forms:
-        for g in _scales(combine, probe, noise_pred, calls, candidates):
-            guided = _combine(combine, probe, g, calls)
-            if guided.shape == noise_pred.shape and _close(guided, noise_pred):
-                return combine, channels, g
+        for dtype in dict.fromkeys((probe.dtype, noise_pred.dtype)):
+            cast = probe.to(dtype)
+            for g in _scales(combine, cast, noise_pred, calls, candidates):
+                guided = _combine(combine, cast, g, calls)
+                if guided.shape == noise_pred.shape and \
+                        _close(guided.to(noise_pred.dtype), noise_pred):
+                    return combine, dtype, channels, g
     raise GlueNotFound("the prediction the pipeline passes to scheduler.step is not the "
                        "transformer's output, nor classifier-free guidance over it "
                        "(guidance rescaling takes statistics over all tokens)")

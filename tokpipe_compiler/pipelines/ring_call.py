@@ -7,7 +7,9 @@ The pipeline's own `__call__` runs as written: prompt encoding, latent preparati
   run) and records how it was called;
 - `scheduler.step` at the first step sees what the pipeline made of the probes, which
   identifies the step (`glue.identify`); it then runs every step of the generation in ring
-  mode from the latents it was given, and keeps the result;
+  mode from the latents it was given, and keeps the result (where the first step leaves
+  two ways of making the timestep input that differ at a later step, the ring starts at
+  the step that tells them apart, from the same first latents);
 - later steps answer with probes again, each checked against the identified step (so a
   pipeline that changes its step mid-generation raises instead of going wrong), and the
   last `scheduler.step` returns the ring's latents. Everything after the loop is the
@@ -69,6 +71,7 @@ class Generation:
     timesteps: torch.Tensor | None = None  # the pipeline's own, as its loop iterates them
     glue: Glue | None = None
     first_calls: list[dict[str, Any]] = field(default_factory=list)
+    start: Callable[[], torch.Tensor] | None = None  # runs the prepared ring (or cfg=2 loop)
     result: torch.Tensor | None = None
 
     @property
@@ -131,6 +134,11 @@ class RingCalls:
                 return self.per_call(*args, **kwargs)
         call = bind_call(self.denoiser.forward, args, kwargs)
         if gen.step > 0:
+            if gen.start is not None:  # not started: this step's timestep may settle its form
+                t = gen.timesteps[gen.step: gen.step + 1]
+                gen.glue = gen.glue.narrowed(call[gen.glue.timestep_arg], t)
+                if not gen.glue.timestep_forms:
+                    self._changed(gen, f"the timestep input {gen.glue.timestep_arg!r}")
             self._check_call(gen, call, len(gen.calls))
         gen.calls.append(call)
         structure = self._output_structure(call)
@@ -145,11 +153,13 @@ class RingCalls:
         noise_pred, t, sample = _step_arguments(original, args, kwargs)
         if gen.step == 0:
             try:
-                self._run_ring(gen, noise_pred, sample, t)
+                self._prepare_ring(gen, noise_pred, sample, t)
             except UnpipelinedStep as err:
                 return self._per_call_from_here(gen, original, args, kwargs, err)
         else:
             self._check_prediction(gen, noise_pred)
+        if gen.start is not None and gen.glue.settled(gen.timesteps):
+            gen.result, gen.start = gen.start(), None
         output = original(*args, **kwargs)  # the scheduler's own bookkeeping, on probes
         last = gen.step == len(gen.timesteps) - 1
         gen.step, gen.calls, gen.probes = gen.step + 1, [], []
@@ -178,8 +188,10 @@ class RingCalls:
         if gen.reasons:
             self._warn_per_call(gen.reasons)
 
-    def _run_ring(self, gen: Generation, noise_pred: torch.Tensor, sample: torch.Tensor,
-                  t: Any) -> None:
+    def _prepare_ring(self, gen: Generation, noise_pred: torch.Tensor, sample: torch.Tensor,
+                      t: Any) -> None:
+        """Identifies the step and plans its ring; `gen.start` then runs the generation from
+        `sample`, once the timestep's form is settled."""
         table = gen.table
         try:
             gen.glue = identify(gen.calls, gen.probes, noise_pred, sample, t,
@@ -195,8 +207,9 @@ class RingCalls:
             raise TokpipeError("cfg=2: this call runs no classifier-free guidance (one "
                                "branch); use cfg=1")
         if self.cfg == 2 and self.config.stages == 1:
-            gen.result = cfg_parallel.run(self._forward_per_branch(), gen.glue, table, sample,
-                                          fixed, gen.timesteps, self.config.timeout)
+            gen.start = lambda: cfg_parallel.run(self._forward_per_branch(), gen.glue, table,
+                                                 sample, fixed, gen.timesteps,
+                                                 self.config.timeout)
             return
         branch = None if self.branches is None else self.branches.branch
         if branch is not None:
@@ -207,18 +220,24 @@ class RingCalls:
         state_dtype = torch.promote_types(sample.dtype, torch.float32)
         for i in range(table.state_size):  # zeros before the first step, as diffusers starts
             inputs[f"state_{i}"] = torch.zeros_like(sample, dtype=state_dtype)
-        per_step = {"timestep": model_timesteps(gen.glue, gen.timesteps, batch).to(sample.device),
+        def per_step() -> dict[str, torch.Tensor]:  # the timesteps as the glue makes them
+            return {"timestep": model_timesteps(gen.glue, gen.timesteps, batch).to(sample.device),
                     "scale": table.input_scale.to(sample.device),
                     "coeffs": table.rows.to(sample.device)}
+
         try:
-            ring.prepare(inputs, per_step)
+            ring.prepare(inputs, per_step())
         except TokpipeError as err:  # the compiler cannot pipeline this step
             if not self.options.get("fallback"):
                 raise
             raise UnpipelinedStep(str(err)) from err
-        with self._exchange():
-            gen.result = ring.run(inputs, per_step,
-                                  progress=self._progress(len(gen.timesteps)))[0]
+
+        def start() -> torch.Tensor:
+            with self._exchange():
+                return ring.run(inputs, per_step(),
+                                progress=self._progress(len(gen.timesteps)))[0]
+
+        gen.start = start
 
     def _exchange(self) -> contextlib.AbstractContextManager:
         """Hybrid cfg=2: the rings' last stages swap predictions over the peer group."""
@@ -272,7 +291,8 @@ class RingCalls:
               branch: int | None) -> Ring:
         """The ring for this form of step (hybrid cfg=2: of this rank's guidance branch,
         over its branch's ranks)."""
-        glue = dataclasses.replace(glue, guidance=0.0)  # an input of the step, not a constant
+        # the guidance scale and the timesteps are inputs of the step, not constants
+        glue = dataclasses.replace(glue, guidance=0.0, timestep_forms=())
         key = (glue, str(spec), repr(constants), table.state_size, table.pattern, branch)
         if key not in self.rings:
             step = make_step(self.denoiser.forward, glue, spec, constants, table, branch)

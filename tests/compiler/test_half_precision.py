@@ -1,0 +1,99 @@
+"""Pipelines in bfloat16 and float16, as released models run: the ring replays the casts
+around the transformer (latents kept in float32 and cast to the transformer's dtype,
+predictions upcast before guidance, timesteps rounded to the latents' dtype before or after
+dividing by 1000) and carries the scheduler's float32 state with half-precision latents.
+
+Tolerance: the ring's scheduler update runs in float32 throughout, where diffusers rounds some
+terms to the model's dtype, so the two differ by that rounding; the test asks the ring to be
+as close to the float32 pipeline as the bfloat16 pipeline itself is (within 25%), and where
+the pipeline does its arithmetic in float32 too (Sana, LTX), equal to it within 1e-5.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.pipelines import FAMILIES, generate, in_dtype
+from tokpipe_compiler.pipelines.glue import Glue, guide, model_timesteps
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
+# DPM-Solver's float32 history, Flux's timestep rounding, float32 latents cast to the
+# transformer's dtype (Sana, Wan, LTX), predictions upcast before guidance (CogVideoX, Sana).
+CI_FAMILIES = ("pixart_alpha", "flux", "sana", "cogvideox", "wan", "ltx")
+FLOAT32_ARITHMETIC = ("sana", "ltx")  # the pipeline's own guidance and update in float32
+STEPS = 4  # Flux's second timestep rounds differently cast then divided, or divided then cast
+
+
+def _families():
+    return [name if name in CI_FAMILIES else pytest.param(name, marks=pytest.mark.full)
+            for name in FAMILIES]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("family", _families())
+def test_ring_in_bfloat16_is_as_close_to_float32_as_the_pipeline(family):
+    make = FAMILIES[family]
+    exact = generate(*make(), steps=STEPS)
+    serial = generate(*in_dtype(make(), torch.bfloat16), steps=STEPS)
+    pipe, kwargs = in_dtype(make(), torch.bfloat16)
+    tp.pipelines.parallelize(pipe, **OPTIONS)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: .* runs per call")
+        ring = generate(pipe, kwargs, steps=STEPS)
+    assert ring.dtype == serial.dtype  # bfloat16 latents (DiT decodes to float32 images)
+    assert _relative(ring, exact) <= 1.25 * _relative(serial, exact)
+    if family in FLOAT32_ARITHMETIC:
+        assert _relative(ring, serial) <= 1e-5
+
+
+def _glue(**fields) -> Glue:
+    base = {"latent_arg": "hidden_states", "timestep_arg": "timestep", "copies": 2,
+            "latent_dtype": torch.bfloat16, "timestep_forms": ((1.0, True),),
+            "timestep_dtype": torch.int64, "combine": "uncond_first",
+            "guidance_dtype": torch.bfloat16, "prediction_dtype": torch.bfloat16,
+            "channels": None, "guidance": 3.7, "calls": 1}
+    return Glue(**{**base, **fields})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_guidance_with_the_scale_as_a_tensor_rounds_as_the_pipeline(dtype):
+    """The ring's step takes the guidance scale as a float32 tensor; a half-precision
+    product would round 3.7 to the dtype first, the pipeline's Python float does not."""
+    out = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    uncond, cond = out.chunk(2)
+    pipeline = uncond + 3.7 * (cond - uncond)
+    glue = _glue(guidance_dtype=dtype, prediction_dtype=dtype)
+    assert torch.equal(guide(glue, out, torch.tensor(3.7)), pipeline)
+    assert torch.equal(guide(glue, out, 3.7), pipeline)
+
+
+def test_an_upcast_prediction_is_guided_in_float32():
+    out = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0)).bfloat16()
+    uncond, cond = out.float().chunk(2)
+    glue = _glue(guidance_dtype=torch.float32, prediction_dtype=torch.float32)
+    assert torch.equal(guide(glue, out, torch.tensor(3.7)), uncond + 3.7 * (cond - uncond))
+
+
+def test_a_timestep_form_left_open_by_the_first_step_is_settled_by_a_later_one():
+    """t = 1000 in bfloat16 gives 1.0 divided before or after the cast; 950.3 does not
+    (Flux casts first, AuraFlow divides first)."""
+    timesteps = torch.tensor([1000.0, 950.3, 500.0])
+    glue = _glue(timestep_forms=((1000.0, True), (1000.0, False)),
+                 timestep_dtype=torch.bfloat16)
+    assert not glue.settled(timesteps)
+    flux = (timesteps[1:2].to(torch.bfloat16) / 1000).expand(2)
+    settled = glue.narrowed(flux, timesteps[1:2])
+    assert settled.timestep_forms == ((1000.0, False),)
+    assert settled.settled(timesteps)
+    assert torch.equal(model_timesteps(settled, timesteps, 2)[1], flux)
+    assert glue.narrowed(flux + 0.25, timesteps[1:2]).timestep_forms == ()
