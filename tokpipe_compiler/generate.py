@@ -43,7 +43,7 @@ def tiny_dit_pipeline() -> Any:
 
 def load_pipeline(args: argparse.Namespace) -> Any:
     if args.tiny:
-        return tiny_dit_pipeline()
+        return tiny_dit_pipeline().to(_dtype(args))
     import diffusers
 
     path = Path(args.model)

@@ -8,9 +8,11 @@ import re
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from tokpipe_compiler.cli import main
+from tokpipe_compiler.cli import _parser, main
+from tokpipe_compiler.generate import load_pipeline
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
@@ -27,6 +29,18 @@ def test_two_ranks_sync_equal_the_serial_pipeline(tmp_path, capsys, loop):
     assert "rank 0: peak" in out and "rank 1: peak" in out  # each rank's memory
     image = np.asarray(Image.open(tmp_path / "image_0.png"))
     assert image.shape == (64, 64, 3) and image.std() > 0
+
+
+def test_bfloat16_in_one_process_is_near_the_serial_pipeline(capsys):
+    """--dtype reaches the tiny pipeline too; in bfloat16 the ring's float32 scheduler
+    update differs from diffusers' by bfloat16 rounding."""
+    args = _parser().parse_args(["generate", "--tiny", "dit", "--dtype", "bfloat16"])
+    assert load_pipeline(args).transformer.dtype == torch.bfloat16
+    assert main(["generate", "--tiny", "dit", "--steps", "3", "--mode", "sync", "--dtype",
+                 "bfloat16", "--compiler", "eager", "--compare"]) == 0
+    out = capsys.readouterr().out
+    difference = float(re.search(r"largest difference (\S+)", out)[1])
+    assert difference <= 2e-2, out
 
 
 def test_one_process_profile(tmp_path, capsys):
