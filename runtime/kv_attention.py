@@ -60,11 +60,9 @@ def _kv_attention(
     if causal and mask is None and kv_len == offset + n and _has_cpu_flash(q):
         return _causal_cpu(q, keys, values, offset, scale, groups)
     attn_mask = _visible_mask(q, offset, kv_len, causal, mask)
-    # Contiguous, as the fake implementation promises: compiled code around the op relies on
-    # the strides it was traced with, and SDPA's output strides depend on its inputs'.
+    # SDPA's output strides follow its inputs'; define_op makes the result contiguous.
     return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1
-    ).contiguous()
+        q, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1)
 
 
 def _kv_attention_fake(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None,
@@ -94,8 +92,7 @@ def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, tr
         mask = mask.index_select(-1, seen)
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
     return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1
-    ).contiguous()
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
 
 
 def _cache_write_range() -> AbstractContextManager:
@@ -126,7 +123,7 @@ def _causal_cpu(
         acc = torch.promote_types(q.dtype, torch.float32)
         weight = torch.sigmoid(lse_before - lse).unsqueeze(-1).to(acc)
         out = torch.lerp(out.to(acc), before.to(acc), weight).to(q.dtype)
-    return out.reshape(*shape[:-1], values.shape[-1]).contiguous()
+    return out.reshape(*shape[:-1], values.shape[-1])
 
 
 def _has_cpu_flash(q: torch.Tensor) -> bool:

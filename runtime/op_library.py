@@ -6,10 +6,16 @@ once per layer and chunk, so that cost grows with the chunk count (see
 benchmarks/overhead.py). These ops serve inference only: nothing differentiates through
 the K/V or partial-sum caches. So each op is defined here with its Python function as the
 kernel for every backend, and its fake implementation for tracing and the meta device.
+
+Every op returns contiguous tensors, from its kernel and its fake implementation alike:
+Inductor compiles the code around an op for the strides the fake one gave and checks them
+at run time, and a kernel's natural strides (a convolution over a window cut from a cache,
+a group norm of a strided input) need not be the fake's.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,6 +33,17 @@ def define_op(
     schema = torch.library.infer_schema(kernel, mutates_args=tuple(mutates))
     _LIBRARY.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
     # One kernel for every backend; the fake one wins on Meta and under fake tensors.
-    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"tokpipe::{name}", fake, lib=_LIBRARY)
+    _LIBRARY.impl(name, _contiguous(kernel), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tokpipe::{name}", _contiguous(fake), lib=_LIBRARY)
     return getattr(torch.ops.tokpipe, name).default
+
+
+def _contiguous(fn: Callable) -> Callable:
+    """`fn` with its tensor output made contiguous (no copy when it is already)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+    return call

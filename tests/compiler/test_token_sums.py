@@ -141,6 +141,38 @@ def test_stale_sees_the_previous_calls_partial_sums_after_the_chunk(case):
             assert (outs[k] - model(xs[k])).abs().max() > 1e-3  # the stale rows count
 
 
+class ChannelsLastConv(RowConv):
+    """RowConv whose depthwise convolution reads channels-last strides, as Sana's Mix-FFN
+    does (its tokens [B, rows * cols, C] permuted to an image)."""
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        image = self.inp(latents).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        return self.out(F.silu(self.depth(image)))
+
+
+@pytest.mark.parametrize("make", [
+    ChannelsLastConv,  # the convolution's input is channels-last; its cached window is not
+    pytest.param(GroupNormBlock, marks=pytest.mark.full),
+    pytest.param(LinearAttention, marks=pytest.mark.full),
+])
+def test_inductor_stages_compute_what_eager_stages_do(make):
+    """Inductor compiles the code around each op for the output strides of its fake
+    implementation and checks them at run time: the ops' kernels must give those strides
+    whichever path (whole sequence, or a chunk with cached rows) they take."""
+    torch.manual_seed(0)
+    model = make().eval()
+    name, shape = {ChannelsLastConv: ("latents", (1, 4, ROWS, ROWS)),
+                   GroupNormBlock: ("latents", (1, 4, ROWS, ROWS)),
+                   LinearAttention: ("x", (1, ROWS, 16))}[make]
+    t = trace(model, torch.randn(shape))
+    options = {"mode": "stale", "stages": 2, "chunks": CHUNKS, "warmup_steps": 1}
+    compiled, eager = (t.program(compiler=c, **options) for c in ("inductor", "eager"))
+    with torch.no_grad():
+        for x in (torch.randn(shape), torch.randn(shape)):  # warmup, then stale chunks
+            args = t.args(**{name: x})
+            assert_rel_close(compiled(*args)[0], eager(*args)[0])
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_causal_mode_refuses_sums_over_tokens(case):
     what = "convolves rows after the chunk" if case == "row_conv" else "sums over every token"
