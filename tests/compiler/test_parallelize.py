@@ -34,7 +34,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def _ring(make, **options):
     """A pipelined pipeline and its call arguments."""
     pipe, kwargs = make()
-    tp.pipelines.parallelize(pipe, **OPTIONS, **options)
+    tp.pipelines.parallelize(pipe, **{**OPTIONS, **options})
     return pipe, kwargs
 
 
@@ -53,6 +53,16 @@ def test_ring_equals_serial_in_sync_and_per_call_in_stale(family):
     assert _relative(stale, per_call) <= 1e-5  # every K/V as fresh as per call
     assert not torch.equal(stale, serial)  # and stale: the chunks did not see it all
     assert torch.equal(stale, again)  # the second call is a generation of its own
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inductor_stages_equal_eager_stages(family):
+    """The default stage compiler on every family's ring (stale: whole warmup step, then
+    chunks reading the caches): Inductor only reassociates float32 arithmetic."""
+    eager = generate(*_ring(FAMILIES[family], mode="stale", warmup_steps=1), steps=3)
+    pipe, kwargs = _ring(FAMILIES[family], mode="stale", warmup_steps=1, compiler="inductor")
+    assert _relative(generate(pipe, kwargs, steps=3), eager) <= 1e-5
 
 
 def test_each_ring_is_planned_once_and_reused():
