@@ -39,7 +39,8 @@ _ELEMENTWISE = [
     torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.neg, torch.where,
     torch.exp, torch.log, torch.sin, torch.cos, torch.tanh, torch.sigmoid, torch.sqrt,
     torch.rsqrt, torch.abs, torch.erf, torch.clamp, torch.square, torch.relu, torch.maximum,
-    torch.minimum, torch.masked_fill, torch.lerp, torch.addcmul,
+    torch.minimum, torch.masked_fill, torch.lerp, torch.addcmul, torch.clip, torch.clamp_min,
+    torch.clamp_max, torch.nan_to_num,
     F.gelu, F.silu, F.relu, F.mish, F.leaky_relu, F.softplus, F.dropout, F.hardswish,
     torch._C._nn.gelu, torch._C._nn.silu, torch.nn.functional.sigmoid, torch.nn.functional.tanh,
 ]
@@ -49,6 +50,8 @@ _ELEMENTWISE_METHODS = [
     "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach", "__add__",
     "__mul__", "__radd__", "__rmul__", "__sub__", "__rsub__", "__truediv__", "add_", "mul_",
     "clamp_", "erf", "lerp", "addcmul", "float_power", "sign",
+    # float16 guards against overflow (Flux's and Sana's blocks clip in float16)
+    "clip", "clip_", "clamp_min", "clamp_max", "nan_to_num",
 ]
 
 
