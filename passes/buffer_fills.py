@@ -10,6 +10,10 @@ which annotate cannot follow (it refuses the write). As a concatenation of the w
 values it is the joint sequence SD3 and Flux build with `torch.cat`, which annotate
 chunks: the text becomes a whole segment riding with every chunk.
 
+A write spelled `buffer[index].copy_(value)`, or through `.data` (CogVideoX fills its
+joint positional table with `joint.data[:, T:].copy_(pos)` when the resolution is not the
+configured one), is the same write and is first rewritten as `buffer[index] = value`.
+
 The rewrite is exact and applies only where nothing can observe the difference: the buffer
 is made in the graph by a factory (zeros, empty, full ...), nothing reads it before the
 last write, and the writes' boxes (ints and step-1 slices on leading axes) never partly
@@ -48,10 +52,36 @@ class _Write:
 
 def concatenate_buffer_fills(gm: torch.fx.GraphModule) -> None:
     """Rewrites every buffer the module docstring describes."""
+    _copies_as_setitems(gm)
     for buffer in [n for n in gm.graph.nodes if op_key(n) in _FACTORIES]:
         writes = _writes(buffer)
         if writes and any(isinstance(w.value, torch.fx.Node) for w in writes):
             _rewrite(gm, buffer, writes)
+
+
+def _copies_as_setitems(gm: torch.fx.GraphModule) -> None:
+    """`buffer[index].copy_(value)` (or `buffer.data[index]...`) whose result and view
+    nothing else reads -> `buffer[index] = value`: both broadcast and cast `value` alike."""
+    for copy in [n for n in gm.graph.nodes if op_key(n) == "method:copy_"]:
+        view = copy.args[0]
+        if copy.users or copy.kwargs or len(copy.args) != 2 or not _is_index(view) \
+                or len(view.users) != 1:
+            continue
+        base = view.args[0]
+        alias = base if base.target is torch._C._autograd._get_data_attr else None
+        buffer = alias.args[0] if alias is not None else base
+        with gm.graph.inserting_before(copy):
+            gm.graph.call_function(operator.setitem, (buffer, view.args[1], copy.args[1]))
+        gm.graph.erase_node(copy)
+        gm.graph.erase_node(view)
+        if alias is not None and not alias.users:
+            gm.graph.erase_node(alias)
+    gm.recompile()
+
+
+def _is_index(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target is operator.getitem \
+        and isinstance(node.args[0], torch.fx.Node)
 
 
 def _writes(buffer: torch.fx.Node) -> list[_Write] | None:

@@ -170,10 +170,11 @@ def _prelude(
 
 
 def _with_writes(graph: torch.fx.Graph, wanted: set[torch.fx.Node]) -> set[torch.fx.Node]:
-    """`wanted` plus the in-place writes into its values (`ids[..., 0] = rows`, `x.add_(y)`):
-    they have no users, so following inputs alone would drop them."""
+    """`wanted` plus the in-place writes into its values (`ids[..., 0] = rows`, `x.add_(y)`,
+    and through views: `x[:, 5:].copy_(y)`, `x.data[...]`): they have no users, so following
+    inputs alone would drop them."""
     while True:
-        writes = [n for n in graph.nodes if n not in wanted and _writes_into(n) in wanted]
+        writes = [n for n in graph.nodes if n not in wanted and _written_base(n) in wanted]
         if not writes:
             return wanted
         wanted |= _ancestors(writes)
@@ -183,6 +184,25 @@ def _writes_into(node: torch.fx.Node) -> torch.fx.Node | None:
     in_place = node.target is operator.setitem or (
         node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"))
     target = node.args[0] if in_place and node.args else None
+    return target if isinstance(target, torch.fx.Node) else None
+
+
+# Ops whose result may share its input's storage: a write into it may write the input.
+# Following one that copied (a reshape) only keeps a write that changes nothing read.
+_VIEWS = {operator.getitem, torch.narrow, torch.select, torch.transpose, torch.permute,
+          torch.unsqueeze, torch.squeeze, torch.detach, torch.reshape, torch.flatten,
+          torch._C._autograd._get_data_attr}
+_VIEW_METHODS = {"view", "narrow", "select", "transpose", "permute", "unsqueeze", "squeeze",
+                 "detach", "reshape", "flatten", "expand", "view_as", "unflatten", "movedim"}
+
+
+def _written_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The value an in-place write changes: its target, or what that target views."""
+    target = _writes_into(node)
+    while isinstance(target, torch.fx.Node) and target.args and (
+            target.target in _VIEWS
+            or (target.op == "call_method" and target.target in _VIEW_METHODS)):
+        target = target.args[0]
     return target if isinstance(target, torch.fx.Node) else None
 
 

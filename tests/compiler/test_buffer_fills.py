@@ -26,9 +26,9 @@ class JointBuffer(nn.Module):
     batch item at a time; joint attention; the image tokens read back per item. The text
     lengths are Python numbers, as Lumina2's are after its `.tolist()`."""
 
-    def __init__(self, text_lengths: tuple[int, ...], width: int = 16):
+    def __init__(self, text_lengths: tuple[int, ...], width: int = 16, copy: bool = False):
         super().__init__()
-        self.text_lengths = text_lengths
+        self.text_lengths, self.copy = text_lengths, copy
         self.text = nn.Linear(12, width)
         self.embed = nn.Linear(4, width)
         self.refiner, self.joint = Block(width, 2), Block(width, 2)
@@ -40,8 +40,12 @@ class JointBuffer(nn.Module):
         b, n, c = h.shape
         joint = h.new_zeros(b, max(self.text_lengths) + n, c)
         for i, length in enumerate(self.text_lengths):
-            joint[i, :length] = t[i, :length]
-            joint[i, length:length + n] = h[i]
+            if self.copy:  # the same writes as copies into views
+                joint[i, :length].copy_(t[i, :length])
+                joint[i, length:length + n].copy_(h[i])
+            else:
+                joint[i, :length] = t[i, :length]
+                joint[i, length:length + n] = h[i]
         out = self.joint(joint, cond)
         return torch.stack([out[i, length:length + n]
                             for i, length in enumerate(self.text_lengths)])
@@ -56,12 +60,14 @@ def run_mode(model: nn.Module, mode: str, *inputs: torch.Tensor) -> torch.Tensor
     return program(*traced.args())[0]  # stale: the second call, K/V from the first
 
 
+@pytest.mark.parametrize("copy", [False, True])
 @pytest.mark.parametrize("mode", ["sync", "stale"])
-def test_a_joint_sequence_written_item_by_item_equals_eager(mode):
+def test_a_joint_sequence_written_item_by_item_equals_eager(mode, copy):
     """Guidance's batch of two, each item's text 5 tokens long: the joint sequence is a
-    text segment before the image tokens, as with torch.cat."""
+    text segment before the image tokens, as with torch.cat; written with `x[i] = v` or
+    with `x[i].copy_(v)`."""
     torch.manual_seed(0)
-    model = JointBuffer((5, 5)).eval()
+    model = JointBuffer((5, 5), copy=copy).eval()
     x, text = torch.randn(2, 16, 4), torch.randn(2, 5, 12)
     with torch.no_grad():
         expected = model(x, text)
@@ -140,3 +146,35 @@ def test_fills_a_concatenation_cannot_express_stay_in_place(model):
     concatenate_buffer_fills(traced.gm)
     assert operator.setitem in [n.target for n in traced.gm.graph.nodes]
     assert torch.equal(traced.gm(*traced.args())[0], model(a, b))
+
+
+class TableThroughAView(nn.Module):
+    """CogVideoX at a resolution other than its configured one: a positional table made in
+    the forward and written into a zeros buffer after the text rows through `.data`
+    (`joint.data[:, T:].copy_(pos)`), or through a plain view, then added to the tokens."""
+
+    def __init__(self, through_data: bool, width: int = 16, text: int = 3):
+        super().__init__()
+        self.through_data, self.text_rows = through_data, text
+        self.embed, self.block = nn.Linear(4, width), Block(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        rows = torch.arange(h.shape[1] - self.text_rows, dtype=h.dtype)
+        pos = torch.sin(rows[:, None] / (1 + torch.arange(h.shape[2], dtype=h.dtype)))
+        table = pos.new_zeros(1, h.shape[1], h.shape[2])
+        target = table.data if self.through_data else table
+        target[:, self.text_rows:].copy_(pos)
+        return self.block(h + table, torch.zeros(1, h.shape[2]))
+
+
+@pytest.mark.parametrize("through_data", [True, False])
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_a_table_written_through_a_view_keeps_its_write(mode, through_data):
+    """The write has no users: the per-call prelude must keep it (it once dropped writes
+    through a view, adding zeros), and a `.copy_` into a slice is a fill like `x[i] = v`."""
+    torch.manual_seed(0)
+    model = TableThroughAView(through_data).eval()
+    x = torch.randn(1, 19, 4)
+    with torch.no_grad():
+        assert_rel_close(run_mode(model, mode, x), model(x))
