@@ -28,3 +28,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         ranks = item.get_closest_marker("ranks") is not None
         item.add_marker(pytest.mark.xdist_group("ranks" if ranks else str(item.fspath)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo():
+    """Each test module starts with Dynamo's caches empty. Dynamo compiles one function at
+    most 8 times per process and then runs it eagerly; the modules a worker runs build
+    many instances of the same model classes, which would add up across modules."""
+    torch._dynamo.reset()
+    yield

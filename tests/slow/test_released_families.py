@@ -49,6 +49,9 @@ def pipelined_calls(name: str, mode: str) -> tuple[list[torch.Tensor], torch.Ten
     model, inputs = model_and_inputs(name)
     options = {"stages": 2, "chunks": 2, "mode": mode, "warmup_steps": 1, "compiler": "eager",
                "timeout": 120.0}
+    # Dynamo compiles a forward at most 8 times per process (then runs it eager); other
+    # modules in this worker may have compiled the same model classes already.
+    torch._dynamo.reset()
     compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
     with torch.no_grad():
         expected = first_output(model(**inputs))
