@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.fx import example_value, rewritten
 from tokpipe_compiler.core.ops import op_key
 
 _FACTORIES = {torch.zeros, torch.empty, torch.ones, torch.full, torch.zeros_like,
@@ -62,6 +62,7 @@ def concatenate_buffer_fills(gm: torch.fx.GraphModule) -> None:
 def _copies_as_setitems(gm: torch.fx.GraphModule) -> None:
     """`buffer[index].copy_(value)` (or `buffer.data[index]...`) whose result and view
     nothing else reads -> `buffer[index] = value`: both broadcast and cast `value` alike."""
+    changed = 0
     for copy in [n for n in gm.graph.nodes if op_key(n) == "method:copy_"]:
         view = copy.args[0]
         if copy.users or copy.kwargs or len(copy.args) != 2 or not _is_index(view) \
@@ -76,7 +77,8 @@ def _copies_as_setitems(gm: torch.fx.GraphModule) -> None:
         gm.graph.erase_node(view)
         if alias is not None and not alias.users:
             gm.graph.erase_node(alias)
-    gm.recompile()
+        changed += 1
+    rewritten(gm, changed, "copies into slices of a buffer written as setitems")
 
 
 def _is_index(node: Any) -> bool:
