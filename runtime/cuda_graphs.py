@@ -37,6 +37,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -112,6 +113,7 @@ class GraphedStage:
         self.kinds = list(kinds)
         self._persistent, self._copied, self._host = (
             [i for i, k in enumerate(kinds) if k == kind] for kind in (PERSISTENT, COPIED, HOST))
+        self._pick_persistent = _picker(self._persistent)
         self.name = name
         self.device = device
         self.capture = capture
@@ -151,7 +153,7 @@ class GraphedStage:
         """What a graph is specific to: which persistent tensors it reads (by identity: a
         graph holds them, so an identity is never reused while it lives), the shapes and
         dtypes of copied inputs, and host values. Cheap: a stage has hundreds of weights."""
-        return (tuple(id(inputs[i]) for i in self._persistent),
+        return (tuple(map(id, self._pick_persistent(inputs))),
                 tuple(_copied_key(inputs[i]) for i in self._copied),
                 tuple(_host_key(inputs[i]) for i in self._host))
 
@@ -176,9 +178,9 @@ class GraphedStage:
         return _Graph(replay, args, outputs)
 
     def _replay(self, graph: _Graph, inputs: Sequence[Any]) -> list[torch.Tensor]:
-        for own, x, kind in zip(graph.args, inputs, self.kinds, strict=True):
-            if kind == COPIED and isinstance(x, torch.Tensor):
-                own.copy_(x)
+        for i in self._copied:  # a few per chunk; the hundreds of weights stay in place
+            if isinstance(inputs[i], torch.Tensor):
+                graph.args[i].copy_(inputs[i])
         graph.replay()
         return [out.clone() for out in graph.outputs]
 
@@ -188,6 +190,14 @@ class GraphedStage:
         self.enabled = False
         self.graphs.clear()
         return self.fn(*inputs)
+
+
+def _picker(indices: list[int]) -> Callable[[Sequence[Any]], tuple]:
+    """A function returning the items at `indices` of a sequence, as a tuple."""
+    if not indices:
+        return lambda _: ()
+    pick = itemgetter(*indices)
+    return (lambda xs: (pick(xs),)) if len(indices) == 1 else pick
 
 
 def _copied_key(x: Any) -> tuple:

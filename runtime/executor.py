@@ -23,7 +23,7 @@ from torch.autograd import _profiler_enabled
 
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.meta import META_KEY
-from tokpipe_compiler.core.stage_graph import BOUNDARY, SLICED, StageGraph
+from tokpipe_compiler.core.stage_graph import BOUNDARY, CALL, SLICED, StageGraph
 from tokpipe_compiler.runtime.chunking import Chunk, slice_to_chunk
 from tokpipe_compiler.runtime.kv_attention import (
     CHUNK_INPUT,
@@ -89,7 +89,8 @@ class Executor:
     def __init__(self, stages: list[StageGraph], run_stage: StageRunner, rank: int = 0,
                  transport=None, timeline: Timeline | None = None,
                  carried: dict[str, str] | None = None,
-                 progress: Callable[[int], None] | None = None):
+                 progress: Callable[[int], None] | None = None,
+                 feeds: StageFeeds | None = None):
         self.stages = stages
         self.run_stage = run_stage
         self.rank = rank
@@ -97,7 +98,8 @@ class Executor:
         self.timeline = timeline if timeline is not None else Timeline()
         self.carried = carried or {}
         self.progress = progress
-        self._outer = [input_blocks(stage) for stage in stages]
+        # Built once per program (see StageFeeds); a bare executor builds its own.
+        self.feeds = feeds if feeds is not None else StageFeeds(stages)
         self.peak_held = 0  # the most (step, chunk) value sets held at once in a run
 
     def run(self, actions: Sequence[Action], chunks: Sequence[Chunk],
@@ -110,6 +112,16 @@ class Executor:
         messages of different calls never match, and its timeline events and profiler ranges
         so that steps count across calls.
         """
+        try:
+            return self._run(actions, chunks, env_for, visible, step_base)
+        finally:
+            # The run's per-call values (weights among them) are not kept past it: a weight
+            # held here would keep its model's programs alive after the model is gone.
+            self.feeds.forget()
+
+    def _run(self, actions: Sequence[Action], chunks: Sequence[Chunk],
+             env_for: Callable[[int], dict], visible: Callable[[Chunk], int],
+             step_base: int) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
         values: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
         # Checked once per run: range names are built only while a profiler is running.
         profiling = _profiler_enabled()
@@ -200,13 +212,9 @@ class Executor:
 
     def _compute(self, action: Action, chunk: Chunk, env: dict,
                  chunk_values: dict[str, torch.Tensor], visible: int) -> None:
-        stage = self.stages[action.stage]
-        env[CHUNK_INPUT] = chunk_descriptor(chunk, visible)
-        outer = self._outer[action.stage]
-        inputs = [stage_input(i, chunk, env, chunk_values, outer.get(i.name, 1))
-                  for i in stage.inputs]
+        inputs = self.feeds.inputs(action.stage, chunk, visible, env, chunk_values)
         outputs = self.run_stage(action.stage, chunk.units, inputs)
-        chunk_values.update(zip(stage.outputs, outputs, strict=True))
+        chunk_values.update(zip(self.stages[action.stage].outputs, outputs, strict=True))
 
 
 def range_name(action: Action, step: int, whole: bool, values: int = 0) -> str:
@@ -252,13 +260,60 @@ def input_blocks(stage: StageGraph) -> dict[str, int]:
             if info is not None and info.outer > 1}
 
 
-def stage_input(spec, chunk: Chunk, call_env: dict, chunk_values: dict,
-                outer: int = 1) -> torch.Tensor:
-    if spec.kind == BOUNDARY or spec.name in chunk_values:  # computed, received or carried
-        return chunk_values[spec.name]
-    if spec.kind == SLICED:
-        return slice_to_chunk(call_env[spec.source], spec.axis, spec.per_unit, chunk, outer)
-    return call_env[spec.name]
+class StageFeeds:
+    """How each stage's input list is filled, worked out once per program, not per chunk.
+
+    A stage reads hundreds of per-call values (its weights, caches, conditioning) and a
+    few per-chunk ones (boundary values, inputs cut to the chunk, the chunk descriptor).
+    The per-call part of the list is built once per step's values and copied for each
+    chunk; only the per-chunk positions are filled per chunk. Chunk descriptors are made
+    once per (chunk, visible) and reused (nothing writes to them).
+    """
+
+    def __init__(self, stages: list[StageGraph]):
+        self._per_chunk = []  # per stage: (position, input spec, outer blocks)
+        self._per_call = []  # per stage: (position, name of the per-call value)
+        for stage in stages:
+            outer = input_blocks(stage)
+            self._per_chunk.append([(i, spec, outer.get(spec.name, 1))
+                                    for i, spec in enumerate(stage.inputs)
+                                    if spec.kind != CALL or spec.name == CHUNK_INPUT])
+            self._per_call.append([(i, spec.name) for i, spec in enumerate(stage.inputs)
+                                   if spec.kind == CALL and spec.name != CHUNK_INPUT])
+        self._sizes = [len(stage.inputs) for stage in stages]
+        self._templates: dict[int, tuple[dict, list]] = {}  # stage -> (env, its list)
+        self._descriptors: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def inputs(self, stage: int, chunk: Chunk, visible: int, env: dict,
+               chunk_values: dict) -> list:
+        """Stage `stage`'s inputs for `chunk`: per-call values from `env`, the rest from
+        the chunk's values (computed, received or carried) or cut from `env`."""
+        cached = self._templates.get(stage)
+        if cached is None or cached[0] is not env:
+            template = [None] * self._sizes[stage]
+            for i, name in self._per_call[stage]:
+                template[i] = env[name]
+            cached = self._templates[stage] = (env, template)
+        inputs = cached[1].copy()
+        for i, spec, outer in self._per_chunk[stage]:
+            if spec.kind == BOUNDARY or spec.name in chunk_values:
+                inputs[i] = chunk_values[spec.name]
+            elif spec.kind == SLICED:
+                inputs[i] = slice_to_chunk(env[spec.source], spec.axis, spec.per_unit,
+                                           chunk, outer)
+            else:
+                inputs[i] = self.descriptor(chunk, visible)
+        return inputs
+
+    def forget(self) -> None:
+        """Drops the per-call values gathered for the last step."""
+        self._templates.clear()
+
+    def descriptor(self, chunk: Chunk, visible: int) -> torch.Tensor:
+        key = (chunk.start, chunk.units, visible)
+        if key not in self._descriptors:
+            self._descriptors[key] = chunk_descriptor(chunk, visible)
+        return self._descriptors[key]
 
 
 def boundary_names(stages: list[StageGraph], producer: int, consumer_stage: int) -> list[str]:

@@ -31,6 +31,7 @@ from tokpipe_compiler.programs.pipelined import (
     assemble_output,
     input_arguments,
 )
+from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
     DistributedTransport,
@@ -74,7 +75,7 @@ class DistributedProgram(PipelinedProgram):
         self.cache_specs = plan.stages[self.rank].caches  # this rank's layers only
         self.transport = DistributedTransport(timeout=plan.config.timeout, group=group)
         graph = plan.graphs.stages[self.rank]
-        self.prelude = prelude_for(plan.graphs, {self.rank})
+        self.prelude = Prelude(*prelude_for(plan.graphs, {self.rank}), plan.config.compiler)
         self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
         self.on_device: dict[int, torch.Tensor] = {}  # this stage's weights, moved once
         self.agreed = False  # whether the ranks compared fingerprints (at the first call)

@@ -21,10 +21,11 @@ from tokpipe_compiler.core.fx import argument_of
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.generations import SharedTimesteps, StepClock, timestep_index
+from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.stage import StageProgram
 from tokpipe_compiler.runtime.caches import KVCaches
 from tokpipe_compiler.runtime.chunking import Chunk, assemble, chunk_table
-from tokpipe_compiler.runtime.executor import Executor, Timeline
+from tokpipe_compiler.runtime.executor import Executor, StageFeeds, Timeline
 
 
 class Session:
@@ -79,7 +80,9 @@ class PipelinedProgram:
         self.peak_values_held = 0  # the last run's most (step, chunk) value sets at once
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
-        self.prelude = (plan.graphs.prelude, plan.graphs.prelude_outputs)
+        self.prelude = Prelude(plan.graphs.prelude, plan.graphs.prelude_outputs,
+                               plan.config.compiler)
+        self.feeds = StageFeeds(plan.graphs.stages)
         if session is not None:
             session.programs.add(self)
 
@@ -159,7 +162,7 @@ class PipelinedProgram:
         actions = self._actions(len(chunks), steps, carried or {})
         executor = Executor(self.plan.graphs.stages, self._run_stage, rank=self.rank,
                             transport=self.transport, timeline=self.timeline, carried=carried,
-                            progress=progress)
+                            progress=progress, feeds=self.feeds)
         values = executor.run(actions, chunks, env_for,
                               self._visible(chunks), step_base=self.calls)
         self.peak_values_held = executor.peak_held  # (step, chunk) value sets, at most
@@ -186,8 +189,7 @@ class PipelinedProgram:
     def _call_env(self, args: tuple[torch.Tensor, ...]) -> dict[str, Any]:
         graphs = self.plan.graphs
         env = dict(zip(graphs.input_names, args, strict=True))
-        prelude, outputs = self.prelude
-        env.update(zip(outputs, prelude(*args), strict=True))
+        env.update(self.prelude(*args))
         env.update(self.caches.tensors(self._device(args)))
         return env
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokpipe_compiler.core.stage_graph import StageGraph
+from tokpipe_compiler.core.stage_graph import CALL, StageGraph
 from tokpipe_compiler.passes.specialize import specialize
 from tokpipe_compiler.programs.compile import StageFn, compile_stage
 from tokpipe_compiler.runtime.branch_exchange import cfg_gather
@@ -32,6 +32,10 @@ class StageProgram:
         self.graphs_refused = False  # warned once that this stage runs without graphs
         self.specialised: dict[int, torch.fx.GraphModule] = {}
         self.compiled: dict[int, StageFn] = {}
+        # The inputs whose strides depend on where they came from: a chunk cut from a
+        # full tensor, or received or carried whole. Per-call values keep theirs from call
+        # to call (Dynamo guards the arguments' strides; the prelude computes the rest).
+        self.per_chunk = [i for i, spec in enumerate(graph.inputs) if spec.kind != CALL]
 
     def graph_for(self, units: int) -> torch.fx.GraphModule:
         if units not in self.specialised:
@@ -40,10 +44,11 @@ class StageProgram:
 
     def __call__(self, units: int, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
         if self.compiler == "inductor":
-            # Compiled code is specialised to its inputs' strides; a chunk cut from a full
-            # tensor and one received or carried whole differ. (K/V caches are contiguous,
-            # so they are passed as themselves and written in place.)
-            inputs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in inputs]
+            # Compiled code is specialised to its inputs' strides (and checks them). K/V
+            # caches are contiguous, and passed as themselves: they are written in place.
+            for i in self.per_chunk:
+                if isinstance(inputs[i], torch.Tensor):
+                    inputs[i] = inputs[i].contiguous()
         if units not in self.compiled:
             fn = compile_stage(self.graph_for(units), inputs, self.compiler)
             self.compiled[units] = self._graphed(fn, inputs) if self.cuda_graphs else fn
