@@ -19,7 +19,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
-CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan")  # one of each kind of step
+# One of each kind of step, and the pipelines the ring table took last.
+CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "hunyuan_video")
 
 
 def _families():

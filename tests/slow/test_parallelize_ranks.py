@@ -35,6 +35,7 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
     "pixart_classic_attention",  # attention as baddbmm, softmax, bmm (folded into sdpa)
     "flux",  # joint attention, dynamic shift
     "ltx",
+    "hunyuan_video",  # video, joint attention, true guidance (two calls per step)
 ])
 def test_two_ranks_equal_one_process(family, two_rank_runs):
     alone = _pipelined(family)

@@ -377,7 +377,12 @@ def _step_arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> 
 
 
 def _with_sample(output: Any, sample: torch.Tensor) -> Any:
-    """The scheduler's step output with `sample` as its previous sample."""
+    """The scheduler's step output with `sample` as its previous sample, in the dtype the
+    scheduler's own step returns (flow-matching steps cast to the prediction's: CogView4
+    and HunyuanVideo keep float32 latents and get bfloat16 ones back; the ring's carried
+    float32 latents are rounded once, at the end)."""
+    own = output[0] if isinstance(output, tuple) else output.prev_sample
+    sample = sample.to(own.dtype)
     if isinstance(output, tuple):
         return (sample, *output[1:])
     output = copy.copy(output)

@@ -26,6 +26,9 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "LTXPipeline": {"guidance_rescale": 0.0},
     "AuraFlowPipeline": {},
     "SanaPipeline": {},
+    "ChromaPipeline": {},
+    "CogView4Pipeline": {},
+    "HunyuanVideoPipeline": {},
 }
 
 # Components whose presence switches models inside the loop (Wan 2.2's second expert).
