@@ -89,8 +89,7 @@ class Executor:
     def __init__(self, stages: list[StageGraph], run_stage: StageRunner, rank: int = 0,
                  transport=None, timeline: Timeline | None = None,
                  carried: dict[str, str] | None = None,
-                 progress: Callable[[int], None] | None = None,
-                 feeds: StageFeeds | None = None):
+                 progress: Callable[[int], None] | None = None, *, feeds: StageFeeds):
         self.stages = stages
         self.run_stage = run_stage
         self.rank = rank
@@ -98,8 +97,7 @@ class Executor:
         self.timeline = timeline if timeline is not None else Timeline()
         self.carried = carried or {}
         self.progress = progress
-        # Built once per program (see StageFeeds); a bare executor builds its own.
-        self.feeds = feeds if feeds is not None else StageFeeds(stages)
+        self.feeds = feeds  # built once per program, not per run (see StageFeeds)
         self.peak_held = 0  # the most (step, chunk) value sets held at once in a run
 
     def run(self, actions: Sequence[Action], chunks: Sequence[Chunk],

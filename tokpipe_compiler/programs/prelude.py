@@ -9,14 +9,12 @@ live here), where the serial model compiles them with the rest.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Sequence
 
-import torch
 import torch.fx
 
-log = logging.getLogger("tokpipe_compiler")
+from tokpipe_compiler.programs.compile import compile_stage
 
 
 class Prelude:
@@ -40,12 +38,8 @@ class Prelude:
     def _compiled(self, args: list) -> Callable[..., Sequence]:
         if not self.outputs:
             return self.gm
-        from torch._inductor.compile_fx import compile_fx
-
-        log.info("compiling the prelude (%d outputs) with inductor", len(self.outputs))
         try:
-            with torch.no_grad():
-                return compile_fx(self.gm, args)
+            return compile_stage(self.gm, args, self.compiler)
         except Exception as e:
             warnings.warn(f"tokpipe: the per-call prelude runs eagerly: inductor could not "
                           f"compile it ({type(e).__name__}: {str(e)[:200]})", stacklevel=3)
