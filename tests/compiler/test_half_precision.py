@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
-from tests.fixtures.pipelines import FAMILIES, generate, in_dtype
+from tests.fixtures import pipelines
+from tests.fixtures.conditioned import CONDITIONED
+from tests.fixtures.pipelines import generate, in_dtype
 from tokpipe_compiler.pipelines.glue import Glue, guide, model_timesteps
 
 pytest.importorskip("diffusers")
@@ -30,6 +32,7 @@ OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
 CI_FAMILIES = ("pixart_alpha", "flux", "sana", "cogvideox", "wan", "ltx", "cogview4")
 FLOAT32_ARITHMETIC = ("sana", "ltx")  # the pipeline's own guidance and update in float32
 FLOAT16_CI = ("flux", "sana")  # their blocks clip in float16
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
 STEPS = 4  # Flux's second timestep rounds differently cast then divided, or divided then cast
 
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
-from tests.fixtures.pipelines import FAMILIES, generate, hunyuan, pixart_alpha, sd3
+from tests.fixtures import pipelines
+from tests.fixtures.conditioned import CONDITIONED
+from tests.fixtures.pipelines import generate, hunyuan, pixart_alpha, sd3
 from tokpipe_compiler.pipelines import table
 
 pytest.importorskip("diffusers")
@@ -20,7 +22,9 @@ pytest.importorskip("transformers")
 
 OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
 # One of each kind of step, and the pipelines the ring table took last.
-CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "hunyuan_video")
+CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "hunyuan_video",
+               "flux_img2img", "wan_video2video")
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
 
 
 def _families():
@@ -109,6 +113,20 @@ def test_a_step_the_compiler_cannot_chunk_raises_or_falls_back_when_asked():
     pipe, kwargs = _ring(make, mode="causal", fallback=True)
     with pytest.warns(UserWarning, match="runs per call .*cannot be pipelined"):
         out = generate(pipe, kwargs, steps=3)
+    assert _relative(out, serial) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["flux_img2img", "wan_video2video"])
+def test_a_loop_left_with_one_step_runs_per_call_and_says_why(family):
+    """Strength 0.25 of 4 steps leaves one step: nothing to overlap. Flux tells the scheduler
+    where its loop starts (per call from the start); Wan's video-to-video does not, so the
+    ring sees it at the first step's probes, which it then computes for real."""
+    make = FAMILIES[family]
+    kwargs = {**make()[1], "strength": 0.25}
+    serial = generate(make()[0], kwargs, steps=4)
+    pipe, _ = _ring(make, mode="sync")
+    with pytest.warns(UserWarning, match="runs per call .*1 step: nothing to overlap"):
+        out = generate(pipe, kwargs, steps=4)
     assert _relative(out, serial) <= 1e-5
 
 

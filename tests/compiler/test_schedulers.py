@@ -140,21 +140,27 @@ def make(name: str, steps: int) -> tuple[Any, dict[str, Any]]:
     return factory(), kwargs(steps)
 
 
-def diffusers_loop(scheduler: Any, steps: int, kwargs: dict, x: torch.Tensor) -> list:
+def diffusers_loop(scheduler: Any, steps: int, kwargs: dict, x: torch.Tensor,
+                   begin: int = 0, set_begin: bool = True) -> list:
+    """The scheduler's loop as a pipeline runs it (from `begin`, as image-to-image does,
+    telling the scheduler with set_begin_index or, as some video-to-video pipelines, not)."""
     sched = copy.deepcopy(scheduler)
     sched.set_timesteps(steps, **kwargs)
+    if begin and set_begin and hasattr(sched, "set_begin_index"):
+        sched.set_begin_index(begin)
     # Flow matching has no scale_model_input: its model input is the latents.
     scale = getattr(sched, "scale_model_input", lambda sample, t: sample)
     xs = []
-    for k, t in enumerate(sched.timesteps):
+    for k, t in enumerate(sched.timesteps[begin:]):
         out = fake_model(scale(x, t), k)
         x = sched.step(out, t, x).prev_sample
         xs.append(x)
     return xs
 
 
-def table_loop(scheduler: Any, steps: int, kwargs: dict, x: torch.Tensor) -> list:
-    table = step_table(scheduler, steps, **kwargs)
+def table_loop(scheduler: Any, steps: int, kwargs: dict, x: torch.Tensor,
+               begin: int = 0) -> list:
+    table = step_table(scheduler, steps, begin_index=begin, **kwargs)
     state = tuple(torch.zeros_like(x) for _ in range(table.state_size))
     xs = []
     for k in range(len(table.timesteps)):
@@ -194,6 +200,25 @@ def test_matches_diffusers_every_step(name: str, steps: int) -> None:
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(steps))
     assert_matches(table_loop(scheduler, steps, kwargs, x),
                    diffusers_loop(scheduler, steps, kwargs, x))
+
+
+@pytest.mark.parametrize("name", ["unipc-wan", "flow-shift3", "flow-flux", "ddim-eps",
+                                  "euler-eps", "dpm-eps", "dpm-order3", "heun", "pndm"])
+@pytest.mark.parametrize("set_begin", [True, False])
+def test_a_loop_that_starts_inside_the_schedule(name: str, set_begin: bool) -> None:
+    """Image-to-image: the pipeline loops over the rest of the schedule (most set the
+    scheduler's begin index first); the table covers those steps, a multistep history
+    starting there."""
+    scheduler, kwargs = make(name, 10)
+    order = getattr(scheduler, "order", 1)
+    begin = 4 * order  # diffusers' get_timesteps: t_start * scheduler.order
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    table = step_table(scheduler, 10, begin_index=begin, **kwargs)
+    reference = copy.deepcopy(scheduler)
+    reference.set_timesteps(10, **kwargs)
+    assert torch.equal(table.timesteps, reference.timesteps[begin:].float())
+    assert_matches(table_loop(scheduler, 10, kwargs, x, begin),
+                   diffusers_loop(scheduler, 10, kwargs, x, begin, set_begin))
 
 
 @pytest.mark.parametrize("name", ["ddim-eps", "euler-v", "flow-flux", "dpm-eps", "dpm-flow"])

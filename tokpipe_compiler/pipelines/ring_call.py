@@ -45,9 +45,15 @@ from tokpipe_compiler.pipelines.glue import (
     identify,
     model_timesteps,
 )
+from tokpipe_compiler.pipelines.loop_schedule import (
+    LoopSchedule,
+    announced_begin,
+    loop_schedule,
+    step_of,
+)
 from tokpipe_compiler.pipelines.probes import bind_call, output_structure, probe, with_probe
 from tokpipe_compiler.pipelines.ring_step import fixed_inputs, make_step, same, split_fixed
-from tokpipe_compiler.pipelines.schedulers import StepTable, step_table
+from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.table import per_call_reasons
 from tokpipe_compiler.ring import Ring
 from tokpipe_compiler.runtime.branch_exchange import exchanging
@@ -152,8 +158,12 @@ class RingCalls:
             return original(*args, **kwargs)
         noise_pred, t, sample = _step_arguments(original, args, kwargs)
         if gen.step == 0:
+            reasons = self._follow_first_timestep(gen, t)
+            self._identify(gen, noise_pred, sample, t)
             try:
-                self._prepare_ring(gen, noise_pred, sample, t)
+                if reasons:
+                    raise UnpipelinedStep("; ".join(reasons))
+                self._prepare_ring(gen, sample)
             except UnpipelinedStep as err:
                 return self._per_call_from_here(gen, original, args, kwargs, err)
         else:
@@ -170,36 +180,50 @@ class RingCalls:
     def _start(self, gen: Generation) -> None:
         """At the first transformer call: ring or per call, decided before any probe."""
         scheduler = self.pipe.scheduler
-        args, kwargs = self.timestep_args
-        timesteps = torch.as_tensor(scheduler.timesteps)
-        try:
-            gen.table = step_table(scheduler, *args, **_table_kwargs(kwargs))
-        except (ValueError, TypeError) as err:
-            gen.reasons.append(str(err))
-        else:
-            if not torch.allclose(gen.table.timesteps, timesteps.float(), rtol=1e-6):
-                gen.reasons.append("the scheduler's timesteps differ from its step table's")
-        if len(timesteps) < 2:
-            gen.reasons.append(f"{len(timesteps)} step: nothing to overlap")
-        if getattr(scheduler, "begin_index", None) not in (None, 0):
-            gen.reasons.append("the loop starts inside the schedule (begin_index "
-                               f"{scheduler.begin_index}); the ring runs whole schedules")
-        gen.timesteps = timesteps
+        gen.reasons += self._use(gen, loop_schedule(scheduler, self.timestep_args,
+                                                    announced_begin(scheduler)))
         if gen.reasons:
             self._warn_per_call(gen.reasons)
 
-    def _prepare_ring(self, gen: Generation, noise_pred: torch.Tensor, sample: torch.Tensor,
-                      t: Any) -> None:
-        """Identifies the step and plans its ring; `gen.start` then runs the generation from
-        `sample`, once the timestep's form is settled."""
-        table = gen.table
+    @staticmethod
+    def _use(gen: Generation, schedule: LoopSchedule) -> list[str]:
+        gen.table, gen.timesteps = schedule.table, schedule.timesteps
+        return schedule.reasons
+
+    def _follow_first_timestep(self, gen: Generation, t: Any) -> list[str]:
+        """A loop that starts inside the schedule without telling the scheduler (Wan's
+        video-to-video slices the timesteps itself): the schedule from the step it takes
+        first; why that cannot make a ring (empty: it can)."""
+        if step_of(gen.timesteps[:1], t) == 0:
+            return []
+        begin = step_of(self.pipe.scheduler.timesteps, t)
+        if begin is None:
+            raise TokpipeError(f"{type(self.pipe).__name__}'s first step passes timestep "
+                               f"{torch.as_tensor(t).flatten()[0].item()}, which is not in its "
+                               "scheduler's schedule; ring mode replays the schedule: run it "
+                               "per call with parallelize(pipe, ring=False)")
+        schedule = loop_schedule(self.pipe.scheduler, self.timestep_args, begin)
+        if schedule.table is None:
+            raise TokpipeError(f"ring mode cannot run {type(self.pipe).__name__}'s loop from "
+                               f"step {begin}: {'; '.join(schedule.reasons)}; run it per call "
+                               "with parallelize(pipe, ring=False)")
+        return self._use(gen, schedule)
+
+    def _identify(self, gen: Generation, noise_pred: torch.Tensor, sample: torch.Tensor,
+                  t: Any) -> None:
+        """What the pipeline does around the transformer in a step (`gen.glue`)."""
         try:
             gen.glue = identify(gen.calls, gen.probes, noise_pred, sample, t,
-                                float(table.input_scale[0]), gen.guidance_candidates)
+                                float(gen.table.input_scale[0]), gen.guidance_candidates)
         except GlueNotFound as err:
             raise TokpipeError(f"ring mode could not replay {type(self.pipe).__name__}'s "
                                f"denoising step: {err}; run it per call with "
                                "parallelize(pipe, ring=False)") from err
+
+    def _prepare_ring(self, gen: Generation, sample: torch.Tensor) -> None:
+        """Plans the identified step's ring; `gen.start` then runs the generation from
+        `sample`, once the timestep's form is settled."""
+        table = gen.table
         gen.first_calls = gen.calls
         fixed = fixed_inputs(gen.glue, gen.calls, sample.shape[0])
         batch = sample.shape[0] * gen.glue.copies
@@ -230,7 +254,7 @@ class RingCalls:
         except TokpipeError as err:  # the compiler cannot pipeline this step
             if not self.options.get("fallback"):
                 raise
-            raise UnpipelinedStep(str(err)) from err
+            raise UnpipelinedStep(f"the ring's step cannot be pipelined: {err}") from err
 
         def start() -> torch.Tensor:
             with self._exchange():
@@ -277,7 +301,7 @@ class RingCalls:
                             kwargs: dict, err: Exception) -> Any:
         """The first step as the pipeline meant it (the transformer called for real, the
         identified guidance applied), and the rest of the generation per call."""
-        gen.reasons.append(f"the ring's step cannot be pipelined: {err}")
+        gen.reasons.append(str(err))
         self._warn_per_call(gen.reasons)
         outs = [first_tensor(self.per_call(**call)) for call in gen.calls]
         noise_pred = guide(gen.glue, torch.cat(outs) if len(outs) == 2 else outs[0],
@@ -389,8 +413,5 @@ def _with_sample(output: Any, sample: torch.Tensor) -> Any:
     output.prev_sample = sample
     return output
 
-
-def _table_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if k != "device"}
 
 

@@ -39,11 +39,11 @@ class _Step:
     images: torch.Tensor  # [1 + len(written), 2 + len(read)] float64
 
 
-def probe_steps(sched: Any) -> tuple[list[float], list[_Step]]:
-    """Steps `sched` through its schedule on identity probes; the input scale and the linear
-    map of every step."""
+def probe_steps(sched: Any, begin: int = 0) -> tuple[list[float], list[_Step]]:
+    """Steps `sched` through its schedule from step `begin` on identity probes; the input
+    scale and the linear map of every step."""
     scales, steps = [], []
-    for k, t in enumerate(sched.timesteps):
+    for k, t in enumerate(sched.timesteps[begin:]):
         read = _slots(sched)
         width = 2 + len(read)
         basis = torch.eye(width, dtype=torch.float64).reshape(width, 1, 1, 1, width)
@@ -176,13 +176,13 @@ def _allocate(live: list[set[Slot]]) -> list[dict[Slot, int]]:
 # --- replay -------------------------------------------------------------------------------
 
 
-def replay(sched: Any, table: _Table) -> None:
+def replay(sched: Any, table: _Table, begin: int = 0) -> None:
     """Runs the scheduler's own loop on random latents and model outputs next to the table's
     recurrence; a table that misses it means the step is not token-wise linear."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_SHAPE, generator=gen, dtype=torch.float64)
     mine, state = x, tuple(torch.zeros_like(x) for _ in range(table.state_size))
-    for k, t in enumerate(sched.timesteps):
+    for k, t in enumerate(sched.timesteps[begin:]):
         out = torch.randn(PROBE_SHAPE, generator=gen, dtype=torch.float64)
         scale = getattr(sched, "scale_model_input", None)
         # as a pipeline calls it (Euler checks that it was)

@@ -21,7 +21,8 @@ state tensor (DDIM, Euler, FlowMatch Euler, DPM-Solver++ up to order 2):
     x_next      = c0 * x + c1 * out + c2 * history
     new_history = c3 * x + c4 * out
 
-Tables cover the whole schedule from its first step, as a text-to-image loop runs it; `step()`
+Tables cover the schedule from the step the loop starts at (the first, or an image-to-image
+pipeline's begin index); `step()`
 arguments that add noise (DDIM's eta, Euler's s_churn) are taken at their zero defaults.
 """
 
@@ -117,23 +118,26 @@ class StepTable:
 
 
 def step_table(scheduler: Any, num_inference_steps: int | None = None, device: Any = "cpu",
-               **set_timesteps_kwargs: Any) -> StepTable:
+               begin_index: int = 0, **set_timesteps_kwargs: Any) -> StepTable:
     """The coefficient table of `scheduler` for `num_inference_steps` steps.
 
+    begin_index: the step the loop starts at (image-to-image pipelines loop over the rest of
+    the schedule, most after `scheduler.set_begin_index`); the table covers the steps from
+    there, as the scheduler takes them (a multistep scheduler starts its history there).
     set_timesteps_kwargs go to `scheduler.set_timesteps` as a pipeline passes them (`mu=` for
     dynamic shifting, custom `sigmas=` or `timesteps=`). Works on copies: the user's scheduler
     and the global RNG are not touched. Raises ValueError, one sentence naming the scheduler
     (and option), for a scheduler or config whose step is not token-wise linear.
     """
     _check_config(scheduler, set_timesteps_kwargs)
-    args = (num_inference_steps, set_timesteps_kwargs)
+    args = (num_inference_steps, begin_index, set_timesteps_kwargs)
     # Some steps draw noise they then scale by zero (Euler without churn): keep the user's RNG.
     with torch.random.fork_rng(devices=[]):
         sched = _fresh(scheduler, *args)
         try:
-            scales, steps = probe_steps(sched)
-            table = assemble(sched.timesteps, scales, steps)
-            replay(_fresh(scheduler, *args), table)
+            scales, steps = probe_steps(sched, begin_index)
+            table = assemble(sched.timesteps[begin_index:], scales, steps)
+            replay(_fresh(scheduler, *args), table, begin_index)
         except NotTokenWise as err:
             raise unsupported(scheduler, str(err)) from None
     return StepTable(
@@ -196,7 +200,7 @@ def _check_config(scheduler: Any, kwargs: dict[str, Any]) -> None:
                          "step_table(..., mu=mu)")
 
 
-def _fresh(scheduler: Any, steps: int | None, kwargs: dict[str, Any]) -> Any:
+def _fresh(scheduler: Any, steps: int | None, begin_index: int, kwargs: dict[str, Any]) -> Any:
     sched = copy.deepcopy(scheduler)
     if steps is not None:
         kwargs = {"num_inference_steps": steps, **kwargs}
@@ -205,6 +209,9 @@ def _fresh(scheduler: Any, steps: int | None, kwargs: dict[str, Any]) -> Any:
     except (TypeError, ValueError) as err:
         raise ValueError(f"{type(scheduler).__name__}.set_timesteps({_arguments(kwargs)}) "
                          f"failed: {err}") from err
+    if begin_index and hasattr(sched, "set_begin_index"):
+        # a scheduler without one finds its step from the timestep (DDIM needs none)
+        sched.set_begin_index(begin_index)
     return sched
 
 
