@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.glue import (
+    CONDITION,
     Glue,
     first_tensor,
     guide,
@@ -87,9 +88,11 @@ def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch
     distributed = dist.is_available() and dist.is_initialized()
     state_dtype = torch.promote_types(sample.dtype, torch.float32)
     state = [torch.zeros_like(sample, dtype=state_dtype) for _ in range(table.state_size)]
+    fixed = dict(fixed)
+    condition = fixed.pop(CONDITION, None)
     for k in range(len(timesteps)):
-        inputs = {**fixed, glue.latent_arg: model_input(glue, sample, table.input_scale[k]),
-                  glue.timestep_arg: per_step[k]}
+        latent = model_input(glue, sample, table.input_scale[k], condition)
+        inputs = {**fixed, glue.latent_arg: latent, glue.timestep_arg: per_step[k]}
         if distributed:
             mine = first_tensor(forward(**half(inputs, dist.get_rank(), batch)))
             out = gather_branches(mine, None, timeout, f"step {k}")

@@ -31,6 +31,10 @@ DIVISORS = (1.0, 1000.0)  # pipelines pass t, or t / 1000 (flow-matching transfo
 # How the timestep passed is made from the scheduler's t: (divisor, divide_first), see Glue.
 TimestepForm = tuple[float, bool]
 COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both")
+# The names the condition joined to the latent (see Glue) takes among the step's fixed inputs,
+# and the mask of the latent's own positions where the ring carries the condition's.
+CONDITION = "_tokpipe_condition"
+LATENT_POSITIONS = "_tokpipe_latent_positions"
 EXACT = 1e-6  # relative: a form matches when it reproduces the pipeline's own arithmetic
 
 
@@ -58,6 +62,13 @@ class Glue:
     channels: output channels the scheduler gets (the learned variance dropped), or None.
     guidance: the guidance scale g.
     calls: transformer calls per step in the pipeline (2: one per guidance branch).
+    condition_dim / condition_size: where the latent is passed joined with a fixed
+        condition (an image's latents), the axis they are joined along, latent first, and
+        the condition's extent on it (Flux Kontext joins tokens, Wan's image-to-video
+        channels); None / 0 where the latent is passed alone.
+    condition_positions: whether the condition adds positions the transformer predicts
+        too, dropped before the scheduler (Flux Kontext's image tokens), rather than
+        features of the latent's positions (Wan's image channels).
     """
 
     latent_arg: str
@@ -72,6 +83,9 @@ class Glue:
     channels: int | None
     guidance: float
     calls: int
+    condition_dim: int | None = None
+    condition_size: int = 0
+    condition_positions: bool = False
 
     def narrowed(self, passed: torch.Tensor, t: Any) -> Glue:
         """The glue with only the timestep forms that also give `passed` at step `t`
@@ -103,7 +117,8 @@ def identify(calls: Sequence[dict[str, Any]], probes: Sequence[torch.Tensor],
     calls' inputs. `scale`: the scheduler's input scale at this step."""
     first = calls[0]
     step_arg = timestep_arg(first)
-    latent_arg, copies = _latent(first, sample * scale, step_arg)
+    latent_arg, copies, (condition_dim, condition_size) = _latent(first, sample * scale,
+                                                                  step_arg)
     forms = _timestep_forms(first[step_arg], t)
     if len(calls) == 2:
         _check_branch_calls(calls, latent_arg, step_arg)
@@ -115,15 +130,44 @@ def identify(calls: Sequence[dict[str, Any]], probes: Sequence[torch.Tensor],
                            "step; ring mode replays one call, or two (one per guidance branch)")
     combine, guidance_dtype, channels, guidance = _guidance(probe, noise_pred, len(calls),
                                                            guidance_candidates)
+    # the output's axis 1 is the input's joined axis, the condition's part dropped
+    positions = condition_dim == 1 and channels is not None and \
+        channels + condition_size == probe.shape[1]
     return Glue(latent_arg, step_arg, copies, first[latent_arg].dtype, forms,
                 first[step_arg].dtype, combine, guidance_dtype, noise_pred.dtype, channels,
-                guidance, len(calls))
+                guidance, len(calls), condition_dim, condition_size, positions)
 
 
-def model_input(glue: Glue, sample: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The latent as the transformer takes it (in the step function)."""
+def model_input(glue: Glue, sample: torch.Tensor, scale: torch.Tensor,
+                condition: torch.Tensor | None = None) -> torch.Tensor:
+    """The latent as the transformer takes it (in the step function), joined with its
+    `condition` where the pipeline joins one."""
     x = (sample * scale).to(glue.latent_dtype)
+    x = torch.cat([x] * glue.copies) if glue.copies > 1 else x
+    return x if glue.condition_dim is None else torch.cat([x, condition], glue.condition_dim)
+
+
+def carried_input(glue: Glue, carried: torch.Tensor, scale: torch.Tensor,
+                  latent_positions: torch.Tensor) -> torch.Tensor:
+    """The latent input from a carried latent that holds the condition's positions too
+    (`condition_positions`): the latent's positions scaled, the condition's as they are."""
+    x = torch.where(latent_positions, carried * scale, carried).to(glue.latent_dtype)
     return torch.cat([x] * glue.copies) if glue.copies > 1 else x
+
+
+def latent_positions(glue: Glue, carried: torch.Tensor) -> torch.Tensor:
+    """The mask of the latent's own positions in a carried latent (broadcasts over it)."""
+    dim, extent = glue.condition_dim, carried.shape[glue.condition_dim]
+    shape = [1] * carried.dim()
+    shape[dim] = extent
+    mask = torch.arange(extent, device=carried.device) < extent - glue.condition_size
+    return mask.reshape(shape)
+
+
+def condition_part(glue: Glue, latent_input: torch.Tensor) -> torch.Tensor:
+    """The fixed condition in a latent input the pipeline passed (see Glue)."""
+    dim, size = glue.condition_dim, glue.condition_size
+    return latent_input.narrow(dim, latent_input.shape[dim] - size, size)
 
 
 def model_timesteps(glue: Glue, timesteps: torch.Tensor, batch: int) -> torch.Tensor:
@@ -137,10 +181,12 @@ def _timesteps(form: TimestepForm, t: torch.Tensor, dtype: torch.dtype) -> torch
     return (t / divisor).to(dtype) if divide_first else t.to(dtype) / divisor
 
 
-def guide(glue: Glue, out: torch.Tensor, guidance: torch.Tensor | float) -> torch.Tensor:
+def guide(glue: Glue, out: torch.Tensor, guidance: torch.Tensor | float,
+          every_position: bool = False) -> torch.Tensor:
     """The scheduler's model output from the transformer's output (the batched one when the
-    pipeline makes two calls), in the pipeline's own arithmetic."""
-    if glue.channels is not None:
+    pipeline makes two calls), in the pipeline's own arithmetic. every_position: keep the
+    condition's positions (the ring carries them, see `condition_positions`)."""
+    if glue.channels is not None and not every_position:
         out = out[:, : glue.channels]
     guided = _combine(glue.combine, out.to(glue.guidance_dtype), guidance, glue.calls)
     return guided.to(glue.prediction_dtype)
@@ -174,19 +220,39 @@ def _times(g: Any, x: torch.Tensor) -> torch.Tensor:
     return g * x
 
 
-def _latent(arguments: dict[str, Any], scaled: torch.Tensor, step_arg: str) -> tuple[str, int]:
-    """The argument that carries the sample, and whether it is passed once or twice."""
+def _latent(arguments: dict[str, Any], scaled: torch.Tensor,
+            step_arg: str) -> tuple[str, int, tuple[int | None, int]]:
+    """The argument that carries the sample, whether it is passed once or twice, and where
+    it is joined with a condition (axis and extent, see Glue)."""
     for name, value in arguments.items():
         if name == step_arg or not isinstance(value, torch.Tensor):
             continue
         for copies in (1, 2):
             expected = torch.cat([scaled] * copies) if copies > 1 else scaled
-            if value.shape == expected.shape and \
-                    _close(value.float(), expected.to(value.dtype).float()):
-                return name, copies
+            joined = _joined(value, expected)
+            if joined is not None:
+                return name, copies, joined
     raise GlueNotFound("no transformer input is the latent the pipeline passes to "
-                       "scheduler.step (once, or twice for guidance): the pipeline changes "
-                       "the latent in a way ring mode does not replay")
+                       "scheduler.step (once, or twice for guidance, maybe joined with a "
+                       "fixed condition after it): the pipeline changes the latent in a way "
+                       "ring mode does not replay")
+
+
+def _joined(value: torch.Tensor, expected: torch.Tensor) -> tuple[int | None, int] | None:
+    """(None, 0) where `value` is `expected`; (axis, extent) where it is `expected` joined
+    with more along one axis other than the batch; None where it is neither."""
+    if value.dim() != expected.dim() or value.shape[0] != expected.shape[0]:
+        return None
+    grown = [d for d in range(value.dim()) if value.shape[d] != expected.shape[d]]
+    if not grown:
+        return (None, 0) if _close(value.float(), expected.to(value.dtype).float()) else None
+    if len(grown) != 1 or value.shape[grown[0]] < expected.shape[grown[0]]:
+        return None
+    dim = grown[0]
+    head = value.narrow(dim, 0, expected.shape[dim])
+    if _close(head.float(), expected.to(value.dtype).float()):
+        return dim, value.shape[dim] - expected.shape[dim]
+    return None
 
 
 def _timestep_forms(passed: torch.Tensor, t: Any) -> tuple[TimestepForm, ...]:

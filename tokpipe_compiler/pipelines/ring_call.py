@@ -40,6 +40,7 @@ from tokpipe_compiler.pipelines import cfg_parallel
 from tokpipe_compiler.pipelines.glue import (
     Glue,
     GlueNotFound,
+    condition_part,
     first_tensor,
     guide,
     identify,
@@ -52,7 +53,13 @@ from tokpipe_compiler.pipelines.loop_schedule import (
     step_of,
 )
 from tokpipe_compiler.pipelines.probes import bind_call, output_structure, probe, with_probe
-from tokpipe_compiler.pipelines.ring_step import fixed_inputs, make_step, same, split_fixed
+from tokpipe_compiler.pipelines.ring_step import (
+    carry_condition,
+    fixed_inputs,
+    make_step,
+    same,
+    split_fixed,
+)
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.table import per_call_reasons
 from tokpipe_compiler.ring import Ring
@@ -238,12 +245,13 @@ class RingCalls:
         branch = None if self.branches is None else self.branches.branch
         if branch is not None:
             fixed = cfg_parallel.half(fixed, branch, batch)
+        carried, fixed = carry_condition(gen.glue, sample, fixed)
         tensors, spec, constants = split_fixed(fixed)
         ring = self._ring(gen.glue, spec, constants, table, branch)
-        inputs = {"sample": sample, "guidance": torch.tensor(gen.glue.guidance), **tensors}
+        inputs = {"sample": carried, "guidance": torch.tensor(gen.glue.guidance), **tensors}
         state_dtype = torch.promote_types(sample.dtype, torch.float32)
         for i in range(table.state_size):  # zeros before the first step, as diffusers starts
-            inputs[f"state_{i}"] = torch.zeros_like(sample, dtype=state_dtype)
+            inputs[f"state_{i}"] = torch.zeros_like(carried, dtype=state_dtype)
         def per_step() -> dict[str, torch.Tensor]:  # the timesteps as the glue makes them
             return {"timestep": model_timesteps(gen.glue, gen.timesteps, batch).to(sample.device),
                     "scale": table.input_scale.to(sample.device),
@@ -258,8 +266,10 @@ class RingCalls:
 
         def start() -> torch.Tensor:
             with self._exchange():
-                return ring.run(inputs, per_step(),
-                                progress=self._progress(len(gen.timesteps)))[0]
+                out = ring.run(inputs, per_step(),
+                               progress=self._progress(len(gen.timesteps)))[0]
+            return out if out.shape == sample.shape else \
+                out.narrow(gen.glue.condition_dim, 0, sample.shape[gen.glue.condition_dim])
 
         gen.start = start
 
@@ -339,6 +349,10 @@ class RingCalls:
             if name not in (glue.latent_arg, glue.timestep_arg) and \
                     not same(value, first[index][name]):
                 self._changed(gen, f"the transformer input {name!r}")
+        if glue.condition_dim is not None and not same(
+                condition_part(glue, call[glue.latent_arg]),
+                condition_part(glue, first[index][glue.latent_arg])):
+            self._changed(gen, f"the condition joined to the latent in {glue.latent_arg!r}")
 
     def _check_prediction(self, gen: Generation, noise_pred: torch.Tensor) -> None:
         probe = torch.cat(gen.probes) if len(gen.probes) == 2 else gen.probes[0]

@@ -15,7 +15,17 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.pipelines.glue import Glue, first_tensor, guide, model_input
+from tokpipe_compiler.pipelines.glue import (
+    CONDITION,
+    LATENT_POSITIONS,
+    Glue,
+    carried_input,
+    condition_part,
+    first_tensor,
+    guide,
+    latent_positions,
+    model_input,
+)
 from tokpipe_compiler.pipelines.schedulers import StepTable, update_state
 from tokpipe_compiler.runtime.branch_exchange import cfg_gather
 
@@ -34,7 +44,9 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
               table: StepTable, branch: int | None = None) -> Callable[..., Any]:
     """The ring's step function: the transformer call, guidance and scheduler update.
     Inputs: the carried `sample` and `state_<i>`, per step `timestep`, `scale` and
-    `coeffs` (a row of the table), and the fixed `guidance` and `input_<i>`.
+    `coeffs` (a row of the table), and the fixed `guidance` and `input_<i>`. Where the
+    condition joined to the latent adds positions, the sample carries them (unchanged by
+    the update) and the fixed inputs hold the mask of the latent's own (`LATENT_POSITIONS`).
     branch: this ring's guidance branch (hybrid cfg=2): the transformer runs on that half
     of the batch (the fixed inputs come halved) and the other half's prediction comes from
     the other branch's ring (`cfg_gather`)."""
@@ -43,7 +55,11 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
     def step(sample, timestep, scale, coeffs, guidance, **tensors):
         leaves = [tensors[f"input_{i}"] if c is TENSOR else c for i, c in enumerate(constants)]
         inputs = pytree.tree_unflatten(leaves, spec)
-        inputs[glue.latent_arg] = model_input(glue, sample, scale)
+        positions = inputs.pop(LATENT_POSITIONS, None)
+        if positions is None:
+            inputs[glue.latent_arg] = model_input(glue, sample, scale, inputs.pop(CONDITION, None))
+        else:  # the sample carries the condition's positions (Glue.condition_positions)
+            inputs[glue.latent_arg] = carried_input(glue, sample, scale, positions)
         inputs[glue.timestep_arg] = timestep
         if branch is None:
             out = first_tensor(forward(**inputs))
@@ -52,19 +68,25 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
                 inputs[name] = inputs[name].chunk(2)[branch]
             out = cfg_gather(first_tensor(forward(**inputs)))
         state = [tensors[name] for name in states]
-        x, state = update_state(sample, guide(glue, out, guidance), state, coeffs, pattern)
+        noise = guide(glue, out, guidance, every_position=positions is not None)
+        x, state = update_state(sample, noise, state, coeffs, pattern)
+        if positions is not None:  # the condition stays as it is
+            x = torch.where(positions, x, sample)
         return (x, *state)
 
     return step
 
 
 def fixed_inputs(glue: Glue, calls: list[dict[str, Any]], batch: int) -> dict[str, Any]:
-    """The transformer inputs that stay fixed over the generation; two calls (one per
-    guidance branch) become one batched call, cond first."""
+    """The transformer inputs that stay fixed over the generation, with the condition
+    joined to the latent (`CONDITION`) where there is one; two calls (one per guidance
+    branch) become one batched call, cond first."""
     names = [n for n in calls[0] if n not in (glue.latent_arg, glue.timestep_arg)]
+    condition = {} if glue.condition_dim is None else \
+        {CONDITION: condition_part(glue, calls[0][glue.latent_arg])}
     if len(calls) == 1:
-        return {n: calls[0][n] for n in names}
-    fixed = {}
+        return {**{n: calls[0][n] for n in names}, **condition}
+    fixed = {name: torch.cat([value, value]) for name, value in condition.items()}
     for name in names:
         cond, uncond = calls[0][name], calls[1][name]
         fixed[name] = pytree.tree_map(functools.partial(_batched, name, batch=batch), cond, uncond)
@@ -79,6 +101,25 @@ def _batched(name: str, cond: Any, uncond: Any, *, batch: int) -> Any:
     raise TokpipeError(f"the two guidance branches pass different {name!r} that is not "
                        "batched along the latent's batch; ring mode cannot batch them: run it "
                        "per call with parallelize(pipe, ring=False)")
+
+
+def carry_condition(glue: Glue, sample: torch.Tensor,
+                    fixed: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Where the condition adds positions (Glue.condition_positions): the sample joined with
+    them, so that the ring chunks the sequence the transformer sees, and the fixed inputs
+    with the mask of the latent's own positions in place of the condition. Elsewhere the
+    sample and fixed inputs as they are."""
+    if not glue.condition_positions:
+        return sample, fixed
+    fixed = dict(fixed)
+    condition = fixed.pop(CONDITION)
+    halves = condition.chunk(condition.shape[0] // sample.shape[0])
+    if any(not torch.equal(half, halves[0]) for half in halves[1:]):
+        raise TokpipeError("the guidance branches join different conditions to the latent; "
+                           "ring mode carries one: run it per call with "
+                           "parallelize(pipe, ring=False)")
+    carried = torch.cat([sample, halves[0].to(sample.dtype)], glue.condition_dim)
+    return carried, {**fixed, LATENT_POSITIONS: latent_positions(glue, carried)}
 
 
 def split_fixed(fixed: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any]]:
