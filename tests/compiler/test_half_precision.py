@@ -29,7 +29,8 @@ pytest.importorskip("transformers")
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
 # DPM-Solver's float32 history, Flux's timestep rounding, float32 latents cast to the
 # transformer's dtype (Sana, Wan, LTX), predictions upcast before guidance (CogVideoX, Sana).
-CI_FAMILIES = ("pixart_alpha", "flux", "sana", "cogvideox", "wan", "ltx", "cogview4")
+CI_FAMILIES = ("pixart_alpha", "flux", "sana", "cogvideox", "wan", "ltx", "cogview4",
+               "flux_kontext")
 FLOAT32_ARITHMETIC = ("sana", "ltx")  # the pipeline's own guidance and update in float32
 FLOAT16_CI = ("flux", "sana")  # their blocks clip in float16
 FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}

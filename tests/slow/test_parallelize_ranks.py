@@ -8,13 +8,16 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
-from tests.fixtures.pipelines import FAMILIES, generate, in_dtype
+from tests.fixtures import pipelines
+from tests.fixtures.conditioned import CONDITIONED
+from tests.fixtures.pipelines import generate, in_dtype
 from tests.fixtures.ranks import launch_cases, selected
 from tokpipe_compiler.runtime.launch import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 pytest.importorskip("transformers")
 
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -36,6 +39,9 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
     "flux",  # joint attention, dynamic shift
     "ltx",
     "hunyuan_video",  # video, joint attention, true guidance (two calls per step)
+    "flux_kontext",  # the image's tokens carried in the ring's sample, true guidance
+    "wan_image2video",  # the image's latents joined to the channels, from the first step
+    pytest.param("wan_video2video", marks=pytest.mark.full),  # starts inside the schedule
 ])
 def test_two_ranks_equal_one_process(family, two_rank_runs):
     alone = _pipelined(family)
