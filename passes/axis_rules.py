@@ -186,23 +186,29 @@ def along_dim(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 
 _REDUCTIONS = ["sum", "mean", "amax", "amin", "var", "std", "norm", "logsumexp", "prod"]
+# Where a reduction's dim and keepdim sit when passed by position, where not (1 and 2): a
+# norm's order comes first (`x.norm(2, -1)`), var's and std's `unbiased` before keepdim.
+_DIM_AT = {"norm": 2, "linalg_norm": 2, "linalg_vector_norm": 2}
+_KEEPDIM_AT = {"norm": 3, "linalg_norm": 3, "linalg_vector_norm": 3, "var": 3, "std": 3}
 
 
 @register(*(f"method:{m}" for m in _REDUCTIONS), torch.sum, torch.mean, torch.amax, torch.amin,
-          torch.var, torch.std, torch.logsumexp)
+          torch.var, torch.std, torch.logsumexp, torch.norm, torch.linalg.norm,
+          torch.linalg.vector_norm)
 def reduction(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
     ndim = len(node_shape(src))
-    dims = arg(node, 1, "dim")
+    name = target_name(node).split(".")[-1]
+    dims = arg(node, _DIM_AT.get(name, 1), "dim")
     if dims is None:
         return unsupported(f"{node.target} over all elements mixes tokens")
     dims = [d % ndim for d in (dims if isinstance(dims, (tuple, list)) else [dims])]
     if info.axis in dims:
-        if target_name(node).split(".")[-1] in ("sum", "mean"):
+        if name in ("sum", "mean"):
             return summed(node, info, target_name(node))
         return unsupported(f"{node.target} over the token axis mixes tokens (only sums and "
                            "means over tokens are kept as partial sums)")
-    keepdim = arg(node, 2, "keepdim", False) is True
+    keepdim = arg(node, _KEEPDIM_AT.get(name, 2), "keepdim", False) is True
     shift = 0 if keepdim else sum(1 for d in dims if d < info.axis)
     return info.moved(info.axis - shift)
 

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
 # One of each kind of step, and the pipelines the ring table took last.
 CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "hunyuan_video",
-               "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video")
+               "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video", "qwenimage")
 FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
 
 

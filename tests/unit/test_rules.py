@@ -288,6 +288,22 @@ def test_mean_over_the_token_axis_is_a_partial_sum_over_hidden_it_is_kept():
     assert g.infer(g.method("mean", x, 0, keepdim=True)) == tok(1)
 
 
+def test_norms_read_their_dim_after_the_order():
+    """A norm's order comes before its dim (`x.norm(2, -1)`, `torch.linalg.vector_norm(x, 2,
+    -1, True)`): per token over the channels keeps the axis, over the tokens mixes them.
+    QwenImage's guidance rescales by `torch.norm(pred, dim=-1, keepdim=True)`."""
+    g = Graph()
+    x = g.input("x", (2, 16, 8), tok(1))
+    assert g.infer(g.method("norm", x, 2, -1)) == tok(1)
+    assert g.infer(g.method("norm", x, 2, 0)) == tok(0)  # the batch reduced away
+    assert g.infer(g.call(torch.norm, x, dim=-1, keepdim=True)) == tok(1)
+    assert g.infer(g.call(torch.linalg.vector_norm, x, 2, -1, True)) == tok(1)
+    assert g.infer(g.call(torch.linalg.vector_norm, x, 2, 0)) == tok(0)
+    over_tokens = g.infer(g.call(torch.linalg.vector_norm, x, 2, 1))
+    assert over_tokens.kind == UNSUPPORTED and "mixes tokens" in over_tokens.reason
+    assert g.infer(g.call(torch.var, x, -1, True, True)) == tok(1)  # unbiased, then keepdim
+
+
 def test_cat_along_another_axis_keeps_the_layout():
     g = Graph()
     a, b = g.input("a", (1, 16, 8), tok(1)), g.input("b", (1, 16, 4), tok(1))

@@ -4,8 +4,9 @@ Every covered diffusers pipeline wraps the transformer call in the same few toke
 forms: the latent passed once or twice (the guidance batch), maybe cast to the
 transformer's dtype, the timestep `t` or `t / 1000` broadcast over the batch,
 classifier-free guidance `uncond + g * (cond - uncond)` over the two halves of the batch
-(or over two calls), in the prediction's dtype or upcast first, and the learned-variance
-channels dropped.
+(or over two calls), maybe rescaled to the conditional prediction's norm per token, in
+the prediction's dtype or upcast first, and the learned-variance channels dropped; the
+latent may be joined with a fixed condition (an image's latents) after it.
 At the first step of a generation the transformer answers with random probes instead of
 computing; what reaches `scheduler.step` then says which form the pipeline used, and with
 which guidance scale. Nothing about a family is written here: its own loop is observed.
@@ -30,7 +31,7 @@ from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
 DIVISORS = (1.0, 1000.0)  # pipelines pass t, or t / 1000 (flow-matching transformers)
 # How the timestep passed is made from the scheduler's t: (divisor, divide_first), see Glue.
 TimestepForm = tuple[float, bool]
-COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both")
+COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both", "cond_first_rescaled")
 # The names the condition joined to the latent (see Glue) takes among the step's fixed inputs,
 # and the mask of the latent's own positions where the ring carries the condition's.
 CONDITION = "_tokpipe_condition"
@@ -56,7 +57,9 @@ class Glue:
         low-precision dtype the two orders round differently, and at t = 1000 they agree,
         so a first step may leave both (`settled` tells when it matters).
     combine: the guidance form (see COMBINES); cond_first_both is DiT's, which keeps the
-        doubled latent and writes the guided prediction to both halves.
+        doubled latent and writes the guided prediction to both halves; cond_first_rescaled
+        is QwenImage's, which rescales the guided prediction to the conditional one's norm
+        over the last axis (channels, per token).
     guidance_dtype / prediction_dtype: the dtype guidance is computed in (CogVideoX and
         Sana upcast the prediction to float32 first), and the one the scheduler gets.
     channels: output channels the scheduler gets (the learned variance dropped), or None.
@@ -208,6 +211,9 @@ def _combine(combine: str, out: torch.Tensor, g: Any, calls: int) -> torch.Tenso
     if combine == "uncond_first":
         return first + _times(g, second - first)
     guided = second + _times(g, first - second)  # cond first: DiT, and the two-call pipelines
+    if combine == "cond_first_rescaled":
+        return guided * (torch.norm(first, dim=-1, keepdim=True) /
+                         torch.norm(guided, dim=-1, keepdim=True))
     return torch.cat([guided, guided]) if combine == "cond_first_both" else guided
 
 
@@ -288,7 +294,7 @@ def _guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
     if probe.dim() > 1 and noise_pred.dim() > 1 and probe.shape[1] != noise_pred.shape[1]:
         channels = noise_pred.shape[1]
         probe = probe[:, :channels]
-    forms = ("cond_first",) if calls == 2 else COMBINES
+    forms = ("cond_first", "cond_first_rescaled") if calls == 2 else COMBINES
     for combine in forms:
         for dtype in dict.fromkeys((probe.dtype, noise_pred.dtype)):
             cast = probe.to(dtype)
@@ -307,6 +313,8 @@ def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor, calls: 
     """Guidance scales to try: the pipeline's own values first, then the least-squares one."""
     if combine == "none":
         return [1.0]
+    if combine == "cond_first_rescaled":  # not linear in g: the pipeline's own values only
+        return [float(c) for c in candidates]
     first, second = probe.chunk(2)
     base, other = (first, second) if combine == "uncond_first" else (second, first)
     if combine == "cond_first_both" and noise_pred.shape[0] == probe.shape[0]:

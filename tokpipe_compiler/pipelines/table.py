@@ -36,6 +36,8 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "ChromaImg2ImgPipeline": {},
     "CogView4Pipeline": {},
     "HunyuanVideoPipeline": {},
+    "QwenImagePipeline": {},
+    "QwenImageEditPipeline": {},
 }
 
 # Components whose presence switches models inside the loop (Wan 2.2's second expert).
