@@ -67,8 +67,11 @@ from tokpipe_compiler.runtime.branch_exchange import exchanging
 
 
 class UnpipelinedStep(TokpipeError):
-    """The compiler cannot pipeline the ring's step function; with option fallback=True
-    the generation goes on per call (where the backend runs such graphs unpipelined)."""
+    """Found at the first step: the ring cannot take this generation. The compiler cannot
+    pipeline the step function (raised only with option fallback=True, where the backend
+    then runs such graphs unpipelined), or the loop, found to start inside the schedule,
+    has one step left. The first step is computed for real and the generation goes on per
+    call."""
 
 
 @dataclass
@@ -194,6 +197,7 @@ class RingCalls:
 
     @staticmethod
     def _use(gen: Generation, schedule: LoopSchedule) -> list[str]:
+        """The generation runs `schedule`; why it cannot be a ring (empty: it can)."""
         gen.table, gen.timesteps = schedule.table, schedule.timesteps
         return schedule.reasons
 
