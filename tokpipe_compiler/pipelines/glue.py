@@ -145,8 +145,7 @@ def model_input(glue: Glue, sample: torch.Tensor, scale: torch.Tensor,
                 condition: torch.Tensor | None = None) -> torch.Tensor:
     """The latent as the transformer takes it (in the step function), joined with its
     `condition` where the pipeline joins one."""
-    x = (sample * scale).to(glue.latent_dtype)
-    x = torch.cat([x] * glue.copies) if glue.copies > 1 else x
+    x = _copied(glue, (sample * scale).to(glue.latent_dtype))
     return x if glue.condition_dim is None else torch.cat([x, condition], glue.condition_dim)
 
 
@@ -154,7 +153,12 @@ def carried_input(glue: Glue, carried: torch.Tensor, scale: torch.Tensor,
                   latent_positions: torch.Tensor) -> torch.Tensor:
     """The latent input from a carried latent that holds the condition's positions too
     (`condition_positions`): the latent's positions scaled, the condition's as they are."""
-    x = torch.where(latent_positions, carried * scale, carried).to(glue.latent_dtype)
+    return _copied(glue, torch.where(latent_positions, carried * scale, carried)
+                   .to(glue.latent_dtype))
+
+
+def _copied(glue: Glue, x: torch.Tensor) -> torch.Tensor:
+    """`x` once, or twice along the batch (the guidance batch)."""
     return torch.cat([x] * glue.copies) if glue.copies > 1 else x
 
 

@@ -18,10 +18,9 @@ from tokpipe_compiler.pipelines.schedulers import StepTable, step_table
 
 @dataclass
 class LoopSchedule:
-    """The steps a loop runs from `begin`, their table, and why they cannot make a ring
-    (empty: they can)."""
+    """The steps a loop runs, their table, and why they cannot make a ring (empty: they
+    can)."""
 
-    begin: int
     timesteps: torch.Tensor
     table: StepTable | None
     reasons: list[str] = field(default_factory=list)
@@ -33,7 +32,7 @@ def loop_schedule(scheduler: Any, timestep_args: tuple[tuple, dict], begin: int)
     args, kwargs = timestep_args
     kwargs = {k: v for k, v in kwargs.items() if k != "device"}
     timesteps = torch.as_tensor(scheduler.timesteps)[begin:]
-    schedule = LoopSchedule(begin, timesteps, None)
+    schedule = LoopSchedule(timesteps, None)
     try:
         schedule.table = step_table(scheduler, *args, begin_index=begin, **kwargs)
     except (ValueError, TypeError) as err:

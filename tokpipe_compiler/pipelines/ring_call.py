@@ -22,12 +22,9 @@ with one warning that says why.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import functools
 import inspect
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +57,7 @@ from tokpipe_compiler.pipelines.ring_step import (
     same,
     split_fixed,
 )
+from tokpipe_compiler.pipelines.scheduler_route import route, step_arguments, with_sample
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.table import per_call_reasons
 from tokpipe_compiler.ring import Ring
@@ -118,21 +116,14 @@ class RingCalls:
                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
         candidates.append(float(getattr(self.pipe, "_guidance_scale", 1.0) or 1.0))
         self.generation = Generation(per_call_reasons(self.pipe, kwargs), candidates)
-        self._hook(self.pipe.scheduler)  # the pipeline's scheduler may have been replaced
+        # the pipeline's scheduler may have been replaced since the last call
+        route(self.pipe.scheduler, self, self.set_timesteps, self.step)
         if self.generation.reasons:
             self._warn_per_call(self.generation.reasons)
         try:
             yield
         finally:
             self.generation = None
-
-    def _hook(self, scheduler: Any) -> None:
-        """Route `scheduler`'s set_timesteps and step through this object (once). A
-        subclass, not instance attributes: copies of the scheduler (step tables probe
-        copies) must run their own methods."""
-        if getattr(type(scheduler), "_tokpipe_calls", None) is self:
-            return
-        scheduler.__class__ = _routed_class(type(scheduler), self, weakref.ref(scheduler))
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -166,7 +157,7 @@ class RingCalls:
         gen = self.generation
         if gen is None or not gen.ring or not gen.calls:
             return original(*args, **kwargs)
-        noise_pred, t, sample = _step_arguments(original, args, kwargs)
+        noise_pred, t, sample = step_arguments(original, args, kwargs)
         if gen.step == 0:
             reasons = self._follow_first_timestep(gen, t)
             self._identify(gen, noise_pred, sample, t)
@@ -183,7 +174,7 @@ class RingCalls:
         output = original(*args, **kwargs)  # the scheduler's own bookkeeping, on probes
         last = gen.step == len(gen.timesteps) - 1
         gen.step, gen.calls, gen.probes = gen.step + 1, [], []
-        return _with_sample(output, gen.result) if last else output
+        return with_sample(output, gen.result) if last else output
 
     # -- the generation ---------------------------------------------------------------------
 
@@ -272,8 +263,10 @@ class RingCalls:
             with self._exchange():
                 out = ring.run(inputs, per_step(),
                                progress=self._progress(len(gen.timesteps)))[0]
-            return out if out.shape == sample.shape else \
-                out.narrow(gen.glue.condition_dim, 0, sample.shape[gen.glue.condition_dim])
+            if not gen.glue.condition_positions:
+                return out
+            dim = gen.glue.condition_dim  # the carried condition's positions dropped
+            return out.narrow(dim, 0, sample.shape[dim])
 
         gen.start = start
 
@@ -389,47 +382,3 @@ class RingCalls:
         if message not in self.warned:
             self.warned.add(message)
             warnings.warn(message, stacklevel=4)
-
-
-def _routed_class(base: type, calls: RingCalls, owner: weakref.ref) -> type:
-    """A subclass of the scheduler's class whose set_timesteps and step go through `calls`
-    for the one instance `owner`, with the base methods' signatures (pipelines inspect
-    them)."""
-
-    def routed(name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
-        method = getattr(base, name)
-
-        @functools.wraps(method)
-        def call(sched: Any, *args: Any, **kwargs: Any) -> Any:
-            original = method.__get__(sched)
-            return hook(original, *args, **kwargs) if sched is owner() else original(
-                *args, **kwargs)
-
-        return call
-
-    return type(base.__name__, (base,), {
-        "set_timesteps": routed("set_timesteps", calls.set_timesteps),
-        "step": routed("step", calls.step), "_tokpipe_calls": calls,
-        "__module__": base.__module__, "__doc__": base.__doc__})
-
-
-def _step_arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
-    bound = inspect.signature(original).bind(*args, **kwargs).arguments
-    return bound["model_output"], bound["timestep"], bound["sample"]
-
-
-def _with_sample(output: Any, sample: torch.Tensor) -> Any:
-    """The scheduler's step output with `sample` as its previous sample, in the dtype the
-    scheduler's own step returns (flow-matching steps cast to the prediction's: CogView4
-    and HunyuanVideo keep float32 latents and get bfloat16 ones back; the ring's carried
-    float32 latents are rounded once, at the end)."""
-    own = output[0] if isinstance(output, tuple) else output.prev_sample
-    sample = sample.to(own.dtype)
-    if isinstance(output, tuple):
-        return (sample, *output[1:])
-    output = copy.copy(output)
-    output.prev_sample = sample
-    return output
-
-
-

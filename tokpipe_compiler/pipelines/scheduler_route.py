@@ -1,0 +1,64 @@
+"""A pipeline's scheduler routed through ring mode, and the step's arguments and result.
+
+`route` gives one scheduler instance a subclass whose `set_timesteps` and `step` call the
+ring's hooks; `step_arguments` reads what the pipeline passed to `step`, and `with_sample`
+hands the ring's latents back in the scheduler's own output.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Hook = Callable[..., Any]  # hook(original bound method, *args, **kwargs)
+
+
+def route(scheduler: Any, owner: Any, set_timesteps: Hook, step: Hook) -> None:
+    """Route `scheduler`'s set_timesteps and step through the hooks of `owner` (once). A
+    subclass, not instance attributes: copies of the scheduler (step tables probe copies)
+    must run their own methods, and pipelines inspect the methods' signatures."""
+    if getattr(type(scheduler), "_tokpipe_calls", None) is owner:
+        return
+    base, instance = type(scheduler), weakref.ref(scheduler)
+
+    def routed(name: str, hook: Hook) -> Callable[..., Any]:
+        method = getattr(base, name)
+
+        @functools.wraps(method)
+        def call(sched: Any, *args: Any, **kwargs: Any) -> Any:
+            original = method.__get__(sched)
+            return hook(original, *args, **kwargs) if sched is instance() else original(
+                *args, **kwargs)
+
+        return call
+
+    scheduler.__class__ = type(base.__name__, (base,), {
+        "set_timesteps": routed("set_timesteps", set_timesteps),
+        "step": routed("step", step), "_tokpipe_calls": owner,
+        "__module__": base.__module__, "__doc__": base.__doc__})
+
+
+def step_arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
+    """(model_output, timestep, sample) as the pipeline passed them to `step`."""
+    bound = inspect.signature(original).bind(*args, **kwargs).arguments
+    return bound["model_output"], bound["timestep"], bound["sample"]
+
+
+def with_sample(output: Any, sample: torch.Tensor) -> Any:
+    """The scheduler's step output with `sample` as its previous sample, in the dtype the
+    scheduler's own step returns (flow-matching steps cast to the prediction's: CogView4
+    and HunyuanVideo keep float32 latents and get bfloat16 ones back; the ring's carried
+    float32 latents are rounded once, at the end)."""
+    own = output[0] if isinstance(output, tuple) else output.prev_sample
+    sample = sample.to(own.dtype)
+    if isinstance(output, tuple):
+        return (sample, *output[1:])
+    output = copy.copy(output)
+    output.prev_sample = sample
+    return output
