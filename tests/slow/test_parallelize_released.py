@@ -39,6 +39,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     pytest.param("wan2.1-1.3b", marks=pytest.mark.full),
     "sd3-medium",  # joint text+image attention, inside its pipeline on two ranks
     pytest.param("sana-1600m", marks=pytest.mark.full),
+    "flux-kontext",  # the image's tokens carried in the ring's sample, two calls per step
 ])
 def test_released_widths_in_their_pipeline_on_two_ranks(name):
     serial = generate(*RELEASED[name](), steps=STEPS)
