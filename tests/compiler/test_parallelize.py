@@ -23,7 +23,8 @@ pytest.importorskip("transformers")
 OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
 # One of each kind of step, and the pipelines the ring table took last.
 CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "hunyuan_video",
-               "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video", "qwenimage")
+               "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video", "qwenimage",
+               "wan22")
 FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
 
 
@@ -86,11 +87,43 @@ def test_a_wide_image_equals_serial(family):
 def test_each_ring_is_planned_once_and_reused():
     pipe, kwargs = _ring(pixart_alpha, mode="stale")
     first = generate(pipe, kwargs, seed=1)
-    (ring,) = pipe._tokpipe_ring.rings.values()
+    rings = pipe._tokpipe_ring.denoisers["transformer"].rings
+    (ring,) = rings.values()
     program = ring.program
     generate(pipe, {**kwargs, "guidance_scale": 7.0}, seed=2)  # guidance is an input
-    assert list(pipe._tokpipe_ring.rings.values()) == [ring] and ring.program is program
+    assert list(rings.values()) == [ring] and ring.program is program
     assert torch.equal(generate(pipe, kwargs, seed=1), first)
+
+
+@pytest.mark.parametrize("boundary_ratio", [0.875, 0.5, 0.0])
+def test_a_second_expert_runs_its_steps_as_a_ring_of_its_own(boundary_ratio):
+    """Wan 2.2: `transformer` takes the steps whose timestep is at least the boundary (of
+    999, 923, 818, 667, 429: two, four, all five), `transformer_2` the rest with its own
+    guidance scale. Each runs one ring over its steps, the second from the first one's
+    latents and UniPC state, and the generation equals the serial pipeline's."""
+    make = FAMILIES["wan22"]
+    pipe, kwargs = make()
+    pipe.register_to_config(boundary_ratio=boundary_ratio)
+    serial = generate(pipe, kwargs)
+    pipe, _ = make()
+    pipe.register_to_config(boundary_ratio=boundary_ratio)
+    tp.pipelines.parallelize(pipe, **OPTIONS, mode="sync")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: .* runs per call")
+        out = generate(pipe, kwargs)
+    assert _relative(out, serial) <= 1e-5
+    rings = {name: len(r.rings) for name, r in pipe._tokpipe_ring.denoisers.items()}
+    assert rings == {"transformer": 1, "transformer_2": int(boundary_ratio > 0)}
+    assert torch.equal(generate(pipe, kwargs), out)
+
+
+def test_a_second_expert_runs_per_call_when_the_generation_does():
+    """Per call (here a step-end callback), both experts still run pipelined."""
+    pipe, kwargs = _ring(FAMILIES["wan22"], mode="sync")
+    with pytest.warns(UserWarning, match="callback_on_step_end"):
+        out = generate(pipe, {**kwargs, "callback_on_step_end": lambda p, i, t, d: d})
+    assert _relative(out, generate(*FAMILIES["wan22"]())) <= 1e-5
+    assert len(tp.pipelines.programs(pipe)) == 2  # one per expert, none a ring
 
 
 def test_a_scheduler_without_a_token_wise_step_runs_per_call_and_says_why():
@@ -161,7 +194,7 @@ def test_a_step_that_changes_within_a_generation_raises():
         generate(pipe, kwargs, steps=4)
 
 
-@pytest.mark.parametrize("family", ["dit", "wan"])
+@pytest.mark.parametrize("family", ["dit", "wan", "wan22"])
 def test_cfg_parallel_in_one_process_equals_serial(family):
     """cfg=2, stages=1: each guidance branch runs alone (one batch half, or one of the two
     calls), then guidance and the update combine them; in one process the branches run in
@@ -173,10 +206,11 @@ def test_cfg_parallel_in_one_process_equals_serial(family):
     assert _relative(generate(pipe, kwargs), serial) <= 1e-5
 
 
-def test_hybrid_cfg_in_one_process_equals_serial():
+@pytest.mark.parametrize("family", ["dit", pytest.param("wan22", marks=pytest.mark.full)])
+def test_hybrid_cfg_in_one_process_equals_serial(family):
     """cfg=2 x stages=2 without a process group: both branches batched in one ring, the
     generation the four ranks compute (tests/slow/test_parallelize_ranks.py)."""
-    make = FAMILIES["dit"]
+    make = FAMILIES[family]
     serial = generate(*make())
     pipe, kwargs = make()
     tp.pipelines.parallelize(pipe, cfg=2, stages=2, chunks=2, mode="sync", compiler="eager")

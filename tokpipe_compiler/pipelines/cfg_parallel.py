@@ -15,7 +15,7 @@ ring over S ranks, and the two rings' last stages swap each chunk's prediction
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,14 +80,17 @@ def half(inputs: dict[str, Any], branch: int, batch: int) -> dict[str, Any]:
 
 
 def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch.Tensor,
-        fixed: dict[str, Any], timesteps: torch.Tensor, timeout: float) -> torch.Tensor:
-    """Every step of a generation from `sample`, the branches split over two ranks (or run
-    in turn in this process); returns the last latents, on every rank."""
+        fixed: dict[str, Any], timesteps: torch.Tensor, timeout: float,
+        state: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Every step of `table` from `sample` (and the scheduler's `state`, zeros where none is
+    given), the branches split over two ranks (or run in turn in this process); returns the
+    last latents and state, on every rank."""
     batch = sample.shape[0] * glue.copies
     per_step = model_timesteps(glue, timesteps, batch).to(sample.device)
     distributed = dist.is_available() and dist.is_initialized()
     state_dtype = torch.promote_types(sample.dtype, torch.float32)
-    state = [torch.zeros_like(sample, dtype=state_dtype) for _ in range(table.state_size)]
+    state = list(state) or [torch.zeros_like(sample, dtype=state_dtype)
+                            for _ in range(table.state_size)]
     fixed = dict(fixed)
     condition = fixed.pop(CONDITION, None)
     for k in range(len(timesteps)):
@@ -101,4 +104,4 @@ def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch
         noise = guide(glue, out, glue.guidance)
         sample, state = update_state(sample, noise, state, table.rows[k], table.pattern)
         state = list(state)
-    return sample
+    return sample, tuple(state)

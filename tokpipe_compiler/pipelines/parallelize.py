@@ -20,6 +20,7 @@ caches go with them, so two calls with one seed give one image twice.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -28,14 +29,17 @@ from tokpipe_compiler.backend import TokpipeBackend
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
+from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
 from tokpipe_compiler.pipelines.ring_call import RingCalls
 
-DENOISERS = ("transformer",)  # the attribute that holds a pipeline's denoising transformer
+# The attributes that hold a pipeline's denoising transformers (Wan 2.2's low-noise expert
+# in the second).
+DENOISERS = ("transformer", "transformer_2")
 _RESET = "_reset_stateful_cache"  # what DiffusionPipeline calls on each component at the end
 
 
 def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -> Any:
-    """Pipeline `pipe`'s transformer in place; returns `pipe`.
+    """Pipeline `pipe`'s transformers in place (Wan 2.2 has two); returns `pipe`.
 
     options: those of the backend (stages, chunks, mode, warmup_steps, compiler, timeout),
     checked at once. ring: run each call's denoising loop as one ring where the pipeline
@@ -50,24 +54,30 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     if cfg == 2 and not ring:
         raise TokpipeError("cfg=2 runs the denoising loop itself; it cannot be combined with "
                            "ring=False")
-    denoiser = find_denoiser(pipe)
-    if getattr(denoiser, "_compiled_call_impl", None) is not None:
-        raise TokpipeError(f"{type(pipe).__name__}.transformer is compiled already; "
-                           "parallelize the pipeline before compiling its transformer")
-    denoiser.compile(backend=TokpipeBackend(**options), dynamic=False)
-    _reset_with_the_pipeline(denoiser)
+    denoisers = find_denoisers(pipe)
+    for name, denoiser in denoisers.items():
+        if getattr(denoiser, "_compiled_call_impl", None) is not None:
+            raise TokpipeError(f"{type(pipe).__name__}.{name} is compiled already; "
+                               "parallelize the pipeline before compiling its transformer")
+    for denoiser in denoisers.values():  # each with its own programs
+        denoiser.compile(backend=TokpipeBackend(**options), dynamic=False)
+        _reset_with_the_pipeline(denoiser)
     if ring:
         hybrid = cfg == 2 and config.stages > 1
-        _install_ring(pipe, denoiser, options, cfg,
+        _install_ring(pipe, denoisers, options, cfg,
                       branch_groups(config.stages) if hybrid else None)
     return pipe
 
 
-def _install_ring(pipe: Any, denoiser: torch.nn.Module, options: dict[str, Any], cfg: int,
-                  branches: Branches | None) -> None:
-    """Route the pipeline's call, its transformer and its scheduler through `RingCalls`."""
-    calls = RingCalls(pipe, denoiser, denoiser._compiled_call_impl, options, cfg, branches)
-    object.__setattr__(denoiser, "_compiled_call_impl", calls.transformer)
+def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dict[str, Any],
+                  cfg: int, branches: Branches | None) -> None:
+    """Route the pipeline's call, its transformers and its scheduler through `RingCalls`."""
+    rings = {name: DenoiserRings(pipe, name, module, module._compiled_call_impl, options, cfg,
+                                 branches) for name, module in denoisers.items()}
+    calls = RingCalls(pipe, rings, cfg)
+    for name, module in denoisers.items():
+        object.__setattr__(module, "_compiled_call_impl",
+                           functools.partial(calls.transformer, name))
     cls = type(pipe)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -87,22 +97,24 @@ def programs(pipe: Any) -> list:
     from tokpipe_compiler.api import programs as call_programs
 
     calls = getattr(pipe, "_tokpipe_ring", None)
-    found = [] if calls is None else [p for ring in calls.rings.values()
-                                      for p in ring.programs()]
-    with contextlib.suppress(TokpipeError):  # none: never called per call
-        found += call_programs(find_denoiser(pipe))
+    found = [] if calls is None else [p for rings in calls.denoisers.values()
+                                      for ring in rings.rings.values() for p in ring.programs()]
+    for denoiser in find_denoisers(pipe).values():
+        with contextlib.suppress(TokpipeError):  # none: never called per call
+            found += call_programs(denoiser)
     if not found:
         raise TokpipeError(f"{type(pipe).__name__} has no tokpipe program yet: parallelize "
                            "it and call it first")
     return found
 
 
-def find_denoiser(pipe: Any) -> torch.nn.Module:
-    """The pipeline's denoising transformer, or an error naming what the pipeline has."""
-    for name in DENOISERS:
-        module = getattr(pipe, name, None)
-        if isinstance(module, torch.nn.Module):
-            return module
+def find_denoisers(pipe: Any) -> dict[str, torch.nn.Module]:
+    """The pipeline's denoising transformers by attribute name (Wan 2.2 has two), or an
+    error naming what the pipeline has."""
+    found = {name: module for name in DENOISERS
+             if isinstance(module := getattr(pipe, name, None), torch.nn.Module)}
+    if found:
+        return found
     components = getattr(pipe, "components", None)
     have = sorted(components) if isinstance(components, dict) else type(pipe).__name__
     raise TokpipeError(f"{type(pipe).__name__} has no denoising transformer "

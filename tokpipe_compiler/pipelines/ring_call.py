@@ -1,4 +1,4 @@
-"""A pipeline call whose denoising loop runs as one ring.
+"""A pipeline call whose denoising loop runs as a ring.
 
 The pipeline's own `__call__` runs as written: prompt encoding, latent preparation,
 `scheduler.set_timesteps`, the loop, the VAE. Three hooks turn its loop into a ring:
@@ -6,14 +6,17 @@ The pipeline's own `__call__` runs as written: prompt encoding, latent preparati
 - the transformer, at the first step, answers with random probes (shapes from a fake-tensor
   run) and records how it was called;
 - `scheduler.step` at the first step sees what the pipeline made of the probes, which
-  identifies the step (`glue.identify`); it then runs every step of the generation in ring
-  mode from the latents it was given, and keeps the result (where the first step leaves
-  two ways of making the timestep input that differ at a later step, the ring starts at
-  the step that tells them apart, from the same first latents);
+  identifies the step (`glue.identify`), and plans its ring from the latents it was given;
 - later steps answer with probes again, each checked against the identified step (so a
-  pipeline that changes its step mid-generation raises instead of going wrong), and the
-  last `scheduler.step` returns the ring's latents. Everything after the loop is the
+  pipeline that changes its step mid-generation raises instead of going wrong), and narrow
+  the form of the timestep input where the first step left two; the last `scheduler.step`
+  runs the ring over every step and returns its latents. Everything after the loop is the
   pipeline's own.
+
+A loop that hands its later steps to another transformer (Wan 2.2's low-noise expert) runs
+as one ring per transformer (`denoiser_rings`): at the first call of the next transformer
+the steps so far run, and its own step, identified at its first step like the first one,
+runs on from their latents and scheduler state.
 
 A call the ring cannot take (see `table`, and the scheduler's step table) runs per call,
 with one warning that says why.
@@ -22,7 +25,6 @@ with one warning that says why.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
@@ -31,9 +33,13 @@ from typing import Any
 
 import torch
 
-from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.pipelines import cfg_parallel
+from tokpipe_compiler.pipelines.denoiser_rings import (
+    Carried,
+    DenoiserRings,
+    RunSegment,
+    UnpipelinedStep,
+)
 from tokpipe_compiler.pipelines.glue import (
     Glue,
     GlueNotFound,
@@ -49,32 +55,17 @@ from tokpipe_compiler.pipelines.loop_schedule import (
     loop_schedule,
     step_of,
 )
-from tokpipe_compiler.pipelines.probes import bind_call, output_structure, probe, with_probe
-from tokpipe_compiler.pipelines.ring_step import (
-    carry_condition,
-    fixed_inputs,
-    make_step,
-    same,
-    split_fixed,
-)
+from tokpipe_compiler.pipelines.probes import bind_call, probe, with_probe
+from tokpipe_compiler.pipelines.ring_step import same
 from tokpipe_compiler.pipelines.scheduler_route import route, step_arguments, with_sample
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.table import per_call_reasons
-from tokpipe_compiler.ring import Ring
-from tokpipe_compiler.runtime.branch_exchange import exchanging
-
-
-class UnpipelinedStep(TokpipeError):
-    """Found at the first step: the ring cannot take this generation. The compiler cannot
-    pipeline the step function (raised only with option fallback=True, where the backend
-    then runs such graphs unpipelined), or the loop, found to start inside the schedule,
-    has one step left. The first step is computed for real and the generation goes on per
-    call."""
 
 
 @dataclass
 class Generation:
-    """One pipeline call in progress."""
+    """One pipeline call in progress. Its loop runs as segments, one per transformer it
+    calls in turn; `glue`, `first_calls` and `run` are those of the current segment."""
 
     reasons: list[str]  # why it runs per call (empty: ring)
     guidance_candidates: list[float]
@@ -83,10 +74,12 @@ class Generation:
     probes: list[torch.Tensor] = field(default_factory=list)
     table: StepTable | None = None
     timesteps: torch.Tensor | None = None  # the pipeline's own, as its loop iterates them
+    denoiser: str | None = None  # the transformer of the current segment
+    begin: int = 0  # the step the current segment starts at
     glue: Glue | None = None
     first_calls: list[dict[str, Any]] = field(default_factory=list)
-    start: Callable[[], torch.Tensor] | None = None  # runs the prepared ring (or cfg=2 loop)
-    result: torch.Tensor | None = None
+    run: RunSegment | None = None  # the current segment's prepared ring
+    carried: Carried | None = None  # the real values the current segment starts from
 
     @property
     def ring(self) -> bool:
@@ -94,19 +87,13 @@ class Generation:
 
 
 class RingCalls:
-    """Installed on one pipeline by `parallelize`: its calls run as rings where they can."""
+    """Installed on one pipeline by `parallelize`: its calls run as rings where they can.
+    denoisers: the rings of each transformer the pipeline may call, by attribute name."""
 
-    def __init__(self, pipe: Any, denoiser: torch.nn.Module, per_call: Callable[..., Any],
-                 options: dict[str, Any], cfg: int = 1,
-                 branches: cfg_parallel.Branches | None = None):
-        self.pipe, self.denoiser, self.per_call = pipe, denoiser, per_call
-        self.options, self.cfg, self.branches = options, cfg, branches
-        self.config = Config.from_options(options)
-        self._branch_forward: Callable[..., Any] | None = None
+    def __init__(self, pipe: Any, denoisers: dict[str, DenoiserRings], cfg: int = 1):
+        self.pipe, self.denoisers, self.cfg = pipe, denoisers, cfg
         self.generation: Generation | None = None
         self.timestep_args: tuple = ((), {})
-        self.rings: dict[Any, Ring] = {}
-        self.shapes: dict[Any, Any] = {}  # call signature -> output structure (fake run)
         self.warned: set[str] = set()
 
     @contextlib.contextmanager
@@ -131,24 +118,28 @@ class RingCalls:
         self.timestep_args = (args, kwargs)
         return original(*args, **kwargs)
 
-    def transformer(self, *args: Any, **kwargs: Any) -> Any:
+    def transformer(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Transformer `name`'s call: a probe answer in a ring generation, else per call."""
         gen = self.generation
         if gen is None or not gen.ring:
-            return self.per_call(*args, **kwargs)
-        if gen.step == 0 and not gen.calls:
+            return self.denoisers[name].per_call(*args, **kwargs)
+        if gen.denoiser is None:  # the loop's first call
             self._start(gen)
             if not gen.ring:
-                return self.per_call(*args, **kwargs)
-        call = bind_call(self.denoiser.forward, args, kwargs)
-        if gen.step > 0:
-            if gen.start is not None:  # not started: this step's timestep may settle its form
-                t = gen.timesteps[gen.step: gen.step + 1]
-                gen.glue = gen.glue.narrowed(call[gen.glue.timestep_arg], t)
-                if not gen.glue.timestep_forms:
-                    self._changed(gen, f"the timestep input {gen.glue.timestep_arg!r}")
+                return self.denoisers[name].per_call(*args, **kwargs)
+            gen.denoiser = name
+        elif name != gen.denoiser:
+            self._switch(gen, name)
+        call = bind_call(self.denoisers[name].denoiser.forward, args, kwargs)
+        if gen.step > gen.begin:
+            # this step's timestep may settle the form of the timestep input
+            t = gen.timesteps[gen.step: gen.step + 1]
+            gen.glue = gen.glue.narrowed(call[gen.glue.timestep_arg], t)
+            if not gen.glue.timestep_forms:
+                self._changed(gen, f"the timestep input {gen.glue.timestep_arg!r}")
             self._check_call(gen, call, len(gen.calls))
         gen.calls.append(call)
-        structure = self._output_structure(call)
+        structure = self.denoisers[name].output_structure(call)
         answer = probe(structure, gen.step, len(gen.calls))
         gen.probes.append(answer)
         return with_probe(structure, answer)
@@ -158,23 +149,21 @@ class RingCalls:
         if gen is None or not gen.ring or not gen.calls:
             return original(*args, **kwargs)
         noise_pred, t, sample = step_arguments(original, args, kwargs)
-        if gen.step == 0:
-            reasons = self._follow_first_timestep(gen, t)
+        if gen.step == gen.begin:
+            reasons = self._follow_first_timestep(gen, t) if gen.step == 0 else []
             self._identify(gen, noise_pred, sample, t)
             try:
                 if reasons:
                     raise UnpipelinedStep("; ".join(reasons))
-                self._prepare_ring(gen, sample)
+                self._prepare_segment(gen, gen.carried or Carried(sample))
             except UnpipelinedStep as err:
                 return self._per_call_from_here(gen, original, args, kwargs, err)
         else:
             self._check_prediction(gen, noise_pred)
-        if gen.start is not None and gen.glue.settled(gen.timesteps):
-            gen.result, gen.start = gen.start(), None
         output = original(*args, **kwargs)  # the scheduler's own bookkeeping, on probes
         last = gen.step == len(gen.timesteps) - 1
         gen.step, gen.calls, gen.probes = gen.step + 1, [], []
-        return with_sample(output, gen.result) if last else output
+        return with_sample(output, self._end_segment(gen).sample) if last else output
 
     # -- the generation ---------------------------------------------------------------------
 
@@ -214,95 +203,42 @@ class RingCalls:
     def _identify(self, gen: Generation, noise_pred: torch.Tensor, sample: torch.Tensor,
                   t: Any) -> None:
         """What the pipeline does around the transformer in a step (`gen.glue`)."""
+        scale = float(gen.table.input_scale[gen.step])
         try:
-            gen.glue = identify(gen.calls, gen.probes, noise_pred, sample, t,
-                                float(gen.table.input_scale[0]), gen.guidance_candidates)
+            gen.glue = identify(gen.calls, gen.probes, noise_pred, sample, t, scale,
+                                gen.guidance_candidates)
         except GlueNotFound as err:
             raise TokpipeError(f"ring mode could not replay {type(self.pipe).__name__}'s "
                                f"denoising step: {err}; run it per call with "
                                "parallelize(pipe, ring=False)") from err
 
-    def _prepare_ring(self, gen: Generation, sample: torch.Tensor) -> None:
-        """Plans the identified step's ring; `gen.start` then runs the generation from
-        `sample`, once the timestep's form is settled."""
-        table = gen.table
+    def _prepare_segment(self, gen: Generation, start: Carried) -> None:
+        """Plans the ring of the segment that starts at this step, from `start`."""
         gen.first_calls = gen.calls
-        fixed = fixed_inputs(gen.glue, gen.calls, sample.shape[0])
-        batch = sample.shape[0] * gen.glue.copies
-        if self.cfg == 2 and gen.glue.combine == "none":
-            raise TokpipeError("cfg=2: this call runs no classifier-free guidance (one "
-                               "branch); use cfg=1")
-        if self.cfg == 2 and self.config.stages == 1:
-            gen.start = lambda: cfg_parallel.run(self._forward_per_branch(), gen.glue, table,
-                                                 sample, fixed, gen.timesteps,
-                                                 self.config.timeout)
-            return
-        branch = None if self.branches is None else self.branches.branch
-        if branch is not None:
-            fixed = cfg_parallel.half(fixed, branch, batch)
-        carried, fixed = carry_condition(gen.glue, sample, fixed)
-        tensors, spec, constants = split_fixed(fixed)
-        ring = self._ring(gen.glue, spec, constants, table, branch)
-        inputs = {"sample": carried, "guidance": torch.tensor(gen.glue.guidance), **tensors}
-        state_dtype = torch.promote_types(sample.dtype, torch.float32)
-        for i in range(table.state_size):  # zeros before the first step, as diffusers starts
-            inputs[f"state_{i}"] = torch.zeros_like(carried, dtype=state_dtype)
-        def per_step() -> dict[str, torch.Tensor]:  # the timesteps as the glue makes them
-            return {"timestep": model_timesteps(gen.glue, gen.timesteps, batch).to(sample.device),
-                    "scale": table.input_scale.to(sample.device),
-                    "coeffs": table.rows.to(sample.device)}
-
+        rings = self.denoisers[gen.denoiser]
         try:
-            ring.prepare(inputs, per_step())
-        except TokpipeError as err:  # the compiler cannot pipeline this step
-            if not self.options.get("fallback"):
+            gen.run = rings.prepare(gen.glue, gen.calls, gen.table.steps(gen.step), start)
+        except UnpipelinedStep as err:
+            if gen.step == 0:
                 raise
-            raise UnpipelinedStep(f"the ring's step cannot be pipelined: {err}") from err
+            raise TokpipeError(f"{type(self.pipe).__name__}'s {gen.denoiser} takes over at "
+                               f"step {gen.step}, and {err}; run the pipeline per call with "
+                               "parallelize(pipe, ring=False)") from err
 
-        def start() -> torch.Tensor:
-            with self._exchange():
-                out = ring.run(inputs, per_step(),
-                               progress=self._progress(len(gen.timesteps)))[0]
-            if not gen.glue.condition_positions:
-                return out
-            dim = gen.glue.condition_dim  # the carried condition's positions dropped
-            return out.narrow(dim, 0, sample.shape[dim])
+    def _end_segment(self, gen: Generation) -> Carried:
+        """Runs the current segment's ring over its steps (up to the one before
+        `gen.step`): the latents and scheduler state after them."""
+        gen.carried = gen.run(gen.glue, gen.step - gen.begin)
+        gen.run = None
+        return gen.carried
 
-        gen.start = start
-
-    def _exchange(self) -> contextlib.AbstractContextManager:
-        """Hybrid cfg=2: the rings' last stages swap predictions over the peer group."""
-        if self.branches is None:
-            return contextlib.nullcontext()
-        return exchanging(self.branches.peer_group, self.config.timeout)
-
-    def _progress(self, steps: int) -> Callable[[int], None] | None:
-        """A bar for the ring's steps (the pipeline's own bar waits at its first step while
-        the ring runs them all), shown where the pipeline shows its own, on one rank."""
-        config = getattr(self.pipe, "_progress_bar_config", {}) or {}
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if config.get("disable") or rank != 0:
-            return None
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, desc="tokpipe ring", unit="step", leave=False)
-
-        def report(step: int) -> None:
-            bar.update(step + 1 - bar.n)
-            if bar.n >= steps:
-                bar.close()
-
-        return report
-
-    def _forward_per_branch(self) -> Callable[..., Any]:
-        """The whole transformer for one guidance branch (cfg=2): eager, or compiled by
-        Inductor as the `compiler` option says."""
-        if self._branch_forward is None:
-            forward = self.denoiser.forward
-            if self.config.compiler == "inductor":
-                forward = torch.compile(forward, dynamic=False)
-            self._branch_forward = forward
-        return self._branch_forward
+    def _switch(self, gen: Generation, name: str) -> None:
+        """The loop calls another transformer from this step on (Wan 2.2's low-noise
+        expert): the segment so far runs now, and the next starts from its result."""
+        if gen.calls:
+            self._changed(gen, f"the transformer within a step (to {name})")
+        self._end_segment(gen)
+        gen.denoiser, gen.begin, gen.glue, gen.first_calls = name, gen.step, None, []
 
     def _per_call_from_here(self, gen: Generation, original: Callable[..., Any], args: tuple,
                             kwargs: dict, err: Exception) -> Any:
@@ -310,27 +246,14 @@ class RingCalls:
         identified guidance applied), and the rest of the generation per call."""
         gen.reasons.append(str(err))
         self._warn_per_call(gen.reasons)
-        outs = [first_tensor(self.per_call(**call)) for call in gen.calls]
+        per_call = self.denoisers[gen.denoiser].per_call
+        outs = [first_tensor(per_call(**call)) for call in gen.calls]
         noise_pred = guide(gen.glue, torch.cat(outs) if len(outs) == 2 else outs[0],
                            gen.glue.guidance)
         bound = inspect.signature(original).bind(*args, **kwargs)
         bound.arguments["model_output"] = noise_pred
         gen.step, gen.calls, gen.probes = 1, [], []
         return original(*bound.args, **bound.kwargs)
-
-    def _ring(self, glue: Glue, spec: Any, constants: list[Any], table: StepTable,
-              branch: int | None) -> Ring:
-        """The ring for this form of step (hybrid cfg=2: of this rank's guidance branch,
-        over its branch's ranks)."""
-        # the guidance scale and the timesteps are inputs of the step, not constants
-        glue = dataclasses.replace(glue, guidance=0.0, timestep_forms=())
-        key = (glue, str(spec), repr(constants), table.state_size, table.pattern, branch)
-        if key not in self.rings:
-            step = make_step(self.denoiser.forward, glue, spec, constants, table, branch)
-            carry = ["sample", *(f"state_{i}" for i in range(table.state_size))]
-            group = None if self.branches is None else self.branches.stage_group
-            self.rings[key] = Ring(step, carry=carry, group=group, **self.options)
-        return self.rings[key]
 
     # -- checks of the later steps ----------------------------------------------------------
 
@@ -362,14 +285,6 @@ class RingCalls:
                            "the ring computed every step ahead from the first step's form, so "
                            "this generation cannot be trusted: run it per call with "
                            "parallelize(pipe, ring=False)")
-
-    def _output_structure(self, call: dict[str, Any]) -> Any:
-        """The transformer's output for this call, as Specs (cached per signature)."""
-        key = tuple((k, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v))
-                    for k, v in call.items())
-        if key not in self.shapes:
-            self.shapes[key] = output_structure(self.denoiser.forward, call)
-        return self.shapes[key]
 
     def _warn_per_call(self, reasons: list[str]) -> None:
         if self.cfg == 2:

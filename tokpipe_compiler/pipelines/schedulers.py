@@ -29,6 +29,7 @@ arguments that add noise (DDIM's eta, Euler's s_churn) are taken at their zero d
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -100,6 +101,12 @@ class StepTable:
     def history(self) -> bool:
         """Whether the update carries state (one history tensor in the fixed layout)."""
         return self.state_size > 0
+
+    def steps(self, begin: int, end: int | None = None) -> StepTable:
+        """The table of steps begin..end-1 (a part of the loop one transformer takes)."""
+        part = slice(begin, end)
+        return dataclasses.replace(self, timesteps=self.timesteps[part],
+                                   input_scale=self.input_scale[part], rows=self.rows[part])
 
     @cached_property  # frozen dataclasses allow it: it writes the instance's __dict__
     def coeffs(self) -> torch.Tensor:

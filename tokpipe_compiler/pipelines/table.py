@@ -40,9 +40,6 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "QwenImageEditPipeline": {},
 }
 
-# Components whose presence switches models inside the loop (Wan 2.2's second expert).
-SWITCHING = ("transformer_2",)
-
 WHY = {
     "callback_on_step_end": "a step-end callback may read or change the latents between "
                             "steps, which the ring computes ahead",
@@ -65,8 +62,4 @@ def per_call_reasons(pipe: Any, kwargs: dict[str, Any]) -> list[str]:
     for option, neutral in {**EVERY, **RING_PIPELINES[name]}.items():
         if option in kwargs and kwargs[option] != neutral:
             reasons.append(f"{option}={kwargs[option]!r}: {WHY[option]}")
-    for component in SWITCHING:
-        if getattr(pipe, component, None) is not None:
-            reasons.append(f"{name} has a {component}: it switches transformers within a "
-                           "generation")
     return reasons

@@ -1,0 +1,203 @@
+"""The rings of one denoising transformer of a parallelized pipeline.
+
+A generation's loop is one segment per transformer it calls in turn: one for most
+pipelines; Wan 2.2 hands the low-noise steps to a second expert. At a segment's first step
+`DenoiserRings.prepare` plans the ring of the step identified there (traced and planned
+once per form of step and input shapes). The run it returns takes the segment's steps
+from the latents and scheduler state the segment starts with (`Carried`) and hands back
+both at its end, so that the next segment's ring starts where this one stopped, as the
+pipeline's own loop does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokpipe_compiler.config import Config
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines import cfg_parallel
+from tokpipe_compiler.pipelines.glue import Glue, model_timesteps
+from tokpipe_compiler.pipelines.probes import output_structure
+from tokpipe_compiler.pipelines.ring_step import (
+    carry_condition,
+    fixed_inputs,
+    make_step,
+    split_fixed,
+)
+from tokpipe_compiler.pipelines.schedulers import StepTable
+from tokpipe_compiler.ring import Ring
+from tokpipe_compiler.runtime.branch_exchange import exchanging
+
+
+class UnpipelinedStep(TokpipeError):
+    """Found at the first step: the ring cannot take this generation. The compiler cannot
+    pipeline the step function (raised only with option fallback=True, where the backend
+    then runs such graphs unpipelined), or the loop, found to start inside the schedule,
+    has one step left. The first step is computed for real and the generation goes on per
+    call."""
+
+
+@dataclass(frozen=True)
+class Carried:
+    """The loop's values between two steps: the latents, and the scheduler's state (empty
+    before the first step, where it starts at zeros as diffusers starts it)."""
+
+    sample: torch.Tensor
+    state: tuple[torch.Tensor, ...] = ()
+
+
+# A prepared segment: (the step's glue as the segment's last step left it, steps) -> the
+# values after those steps.
+RunSegment = Callable[[Glue, int], Carried]
+
+
+class DenoiserRings:
+    """One transformer's rings and its per-call path (`per_call`: the transformer compiled
+    with the tokpipe backend, for steps that do not run as a ring)."""
+
+    def __init__(self, pipe: Any, name: str, denoiser: torch.nn.Module,
+                 per_call: Callable[..., Any], options: dict[str, Any], cfg: int = 1,
+                 branches: cfg_parallel.Branches | None = None):
+        self.pipe, self.name, self.denoiser, self.per_call = pipe, name, denoiser, per_call
+        self.options, self.cfg, self.branches = options, cfg, branches
+        self.config = Config.from_options(options)
+        self.rings: dict[Any, Ring] = {}
+        self._shapes: dict[Any, Any] = {}  # call signature -> output structure (fake run)
+        self._branch_forward: Callable[..., Any] | None = None
+
+    def output_structure(self, call: dict[str, Any]) -> Any:
+        """The transformer's output for this call, as Specs (cached per signature)."""
+        key = tuple((k, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v))
+                    for k, v in call.items())
+        if key not in self._shapes:
+            self._shapes[key] = output_structure(self.denoiser.forward, call)
+        return self._shapes[key]
+
+    def prepare(self, glue: Glue, calls: list[dict[str, Any]], table: StepTable,
+                start: Carried) -> RunSegment:
+        """The ring of the step `glue` identified from `calls`, planned now; `table` holds
+        the steps from the segment's first to the loop's last."""
+        sample = start.sample
+        fixed = fixed_inputs(glue, calls, sample.shape[0])
+        if self.cfg == 2 and glue.combine == "none":
+            raise TokpipeError("cfg=2: this call runs no classifier-free guidance (one "
+                               "branch); use cfg=1")
+        if self.cfg == 2 and self.config.stages == 1:
+            return self._branches_in_turn(table, start, fixed)
+        batch = sample.shape[0] * glue.copies
+        branch = None if self.branches is None else self.branches.branch
+        if branch is not None:
+            fixed = cfg_parallel.half(fixed, branch, batch)
+        carried, fixed = carry_condition(glue, sample, fixed)
+        tensors, spec, constants = split_fixed(fixed)
+        ring = self._ring(glue, spec, constants, table, branch)
+        inputs = {"sample": carried, "guidance": torch.tensor(glue.guidance), **tensors,
+                  **_first_state(carried, start.state, table.state_size)}
+
+        def per_step(final: Glue, steps: int) -> dict[str, torch.Tensor]:
+            part = table.steps(0, steps)  # the timesteps as the glue makes them
+            return {"timestep": model_timesteps(final, part.timesteps, batch).to(sample.device),
+                    "scale": part.input_scale.to(sample.device),
+                    "coeffs": part.rows.to(sample.device)}
+
+        try:
+            ring.prepare(inputs, per_step(glue, len(table.timesteps)))
+        except TokpipeError as err:  # the compiler cannot pipeline this step
+            if not self.options.get("fallback"):
+                raise
+            raise UnpipelinedStep(f"the ring's step cannot be pipelined: {err}") from err
+
+        def run(final: Glue, steps: int) -> Carried:
+            with self._exchange():
+                out = ring.run(inputs, per_step(final, steps), progress=self._progress(steps))
+            latents = out[0]
+            if glue.condition_positions:  # the carried condition's positions dropped
+                dim = glue.condition_dim
+                latents = latents.narrow(dim, 0, sample.shape[dim])
+            return Carried(latents, tuple(out[1:]))
+
+        return run
+
+    def _branches_in_turn(self, table: StepTable, start: Carried,
+                          fixed: dict[str, Any]) -> RunSegment:
+        """cfg=2 on one stage per branch: the whole transformer per branch (`cfg_parallel`)."""
+        forward = self._forward_per_branch()
+
+        def run(final: Glue, steps: int) -> Carried:
+            part = table.steps(0, steps)
+            latents, state = cfg_parallel.run(forward, final, part, start.sample, fixed,
+                                              part.timesteps, self.config.timeout, start.state)
+            return Carried(latents, state)
+
+        return run
+
+    def _ring(self, glue: Glue, spec: Any, constants: list[Any], table: StepTable,
+              branch: int | None) -> Ring:
+        """The ring for this form of step (hybrid cfg=2: of this rank's guidance branch,
+        over its branch's ranks)."""
+        # the guidance scale and the timesteps are inputs of the step, not constants
+        glue = dataclasses.replace(glue, guidance=0.0, timestep_forms=())
+        key = (glue, str(spec), repr(constants), table.state_size, table.pattern, branch)
+        if key not in self.rings:
+            step = make_step(self.denoiser.forward, glue, spec, constants, table, branch)
+            carry = ["sample", *(f"state_{i}" for i in range(table.state_size))]
+            group = None if self.branches is None else self.branches.stage_group
+            self.rings[key] = Ring(step, carry=carry, group=group, **self.options)
+        return self.rings[key]
+
+    def _exchange(self) -> contextlib.AbstractContextManager:
+        """Hybrid cfg=2: the rings' last stages swap predictions over the peer group."""
+        if self.branches is None:
+            return contextlib.nullcontext()
+        return exchanging(self.branches.peer_group, self.config.timeout)
+
+    def _progress(self, steps: int) -> Callable[[int], None] | None:
+        """A bar for the ring's steps (the pipeline's own bar waits at the segment's last
+        step while the ring runs them all), shown on one rank unless the pipeline's is
+        disabled."""
+        pipe_config = getattr(self.pipe, "_progress_bar_config", {}) or {}
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if pipe_config.get("disable") or rank != 0:
+            return None
+        from tqdm.auto import tqdm
+
+        label = "tokpipe ring" if self.name == "transformer" else f"tokpipe ring ({self.name})"
+        bar = tqdm(total=steps, desc=label, unit="step", leave=False)
+
+        def report(step: int) -> None:
+            bar.update(step + 1 - bar.n)
+            if bar.n >= steps:
+                bar.close()
+
+        return report
+
+    def _forward_per_branch(self) -> Callable[..., Any]:
+        """The whole transformer for one guidance branch (cfg=2): eager, or compiled by
+        Inductor as the `compiler` option says."""
+        if self._branch_forward is None:
+            forward = self.denoiser.forward
+            if self.config.compiler == "inductor":
+                forward = torch.compile(forward, dynamic=False)
+            self._branch_forward = forward
+        return self._branch_forward
+
+
+def _first_state(carried: torch.Tensor, state: tuple[torch.Tensor, ...],
+                 size: int) -> dict[str, torch.Tensor]:
+    """The ring's first `state_<i>`: the state handed over by the previous segment, or zeros
+    before the loop's first step, as diffusers starts it."""
+    if not state:
+        dtype = torch.promote_types(carried.dtype, torch.float32)
+        state = tuple(torch.zeros_like(carried, dtype=dtype) for _ in range(size))
+    if len(state) != size or any(s.shape != carried.shape for s in state):
+        raise TokpipeError(f"the scheduler's state handed to this transformer's steps "
+                           f"({[tuple(s.shape) for s in state]}) does not fit its ring "
+                           f"({size} x {tuple(carried.shape)}); run the pipeline per call "
+                           "with parallelize(pipe, ring=False)")
+    return {f"state_{i}": s for i, s in enumerate(state)}
