@@ -24,7 +24,7 @@ OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
 # One of each kind of step, and the pipelines the ring table took last.
 CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "hunyuan_video",
                "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video", "qwenimage",
-               "wan22")
+               "wan22", "flux_fill", "wan22_5b", "flux2")
 FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
 
 

@@ -40,6 +40,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     "sd3-medium",  # joint text+image attention, inside its pipeline on two ranks
     pytest.param("sana-1600m", marks=pytest.mark.full),
     "flux-kontext",  # the image's tokens carried in the ring's sample, two calls per step
+    pytest.param("wan2.2-a14b", marks=pytest.mark.full),  # two experts, a ring each
 ])
 def test_released_widths_in_their_pipeline_on_two_ranks(name):
     serial = generate(*RELEASED[name](), steps=STEPS)

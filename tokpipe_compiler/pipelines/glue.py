@@ -55,7 +55,7 @@ class Glue:
         so far, the first one replayed: the timestep passed is `(t / divisor).to(dtype)`,
         or `t.to(dtype) / divisor` when not divide_first, broadcast over the batch. In a
         low-precision dtype the two orders round differently, and at t = 1000 they agree,
-        so a first step may leave both (`settled` tells when it matters).
+        so a first step may leave both (later steps narrow them, before the ring runs).
     combine: the guidance form (see COMBINES); cond_first_both is DiT's, which keeps the
         doubled latent and writes the guided prediction to both halves; cond_first_rescaled
         is QwenImage's, which rescales the guided prediction to the conditional one's norm
@@ -72,6 +72,9 @@ class Glue:
     condition_positions: whether the condition adds positions the transformer predicts
         too, dropped before the scheduler (Flux Kontext's image tokens), rather than
         features of the latent's positions (Wan's image channels).
+    timestep_shape: the timestep input's shape after the batch axis: () for one timestep
+        per sample, (tokens,) where the pipeline passes t for every token (Wan 2.2's
+        `expand_timesteps`).
     """
 
     latent_arg: str
@@ -89,18 +92,13 @@ class Glue:
     condition_dim: int | None = None
     condition_size: int = 0
     condition_positions: bool = False
+    timestep_shape: tuple[int, ...] = ()
 
     def narrowed(self, passed: torch.Tensor, t: Any) -> Glue:
         """The glue with only the timestep forms that also give `passed` at step `t`
         (none left: the pipeline changed how it passes the timestep)."""
         forms = tuple(f for f in self.timestep_forms if _gives(f, passed, t))
         return dataclasses.replace(self, timestep_forms=forms)
-
-    def settled(self, timesteps: torch.Tensor) -> bool:
-        """Whether every form left gives the same timestep input at every step."""
-        first = _timesteps(self.timestep_forms[0], timesteps, self.timestep_dtype)
-        return all(torch.equal(first, _timesteps(f, timesteps, self.timestep_dtype))
-                   for f in self.timestep_forms[1:])
 
 
 def timestep_arg(arguments: dict[str, Any]) -> str:
@@ -138,7 +136,8 @@ def identify(calls: Sequence[dict[str, Any]], probes: Sequence[torch.Tensor],
         channels + condition_size == probe.shape[1]
     return Glue(latent_arg, step_arg, copies, first[latent_arg].dtype, forms,
                 first[step_arg].dtype, combine, guidance_dtype, noise_pred.dtype, channels,
-                guidance, len(calls), condition_dim, condition_size, positions)
+                guidance, len(calls), condition_dim, condition_size, positions,
+                tuple(first[step_arg].shape[1:]))
 
 
 def model_input(glue: Glue, sample: torch.Tensor, scale: torch.Tensor,
@@ -178,9 +177,11 @@ def condition_part(glue: Glue, latent_input: torch.Tensor) -> torch.Tensor:
 
 
 def model_timesteps(glue: Glue, timesteps: torch.Tensor, batch: int) -> torch.Tensor:
-    """[steps, batch]: the timestep input of every step, as the pipeline computes it."""
+    """[steps, batch, *timestep_shape]: the timestep input of every step, as the pipeline
+    computes it."""
     values = _timesteps(glue.timestep_forms[0], timesteps, glue.timestep_dtype)
-    return values[:, None].expand(len(timesteps), batch).contiguous()
+    shape = (len(timesteps), batch, *glue.timestep_shape)
+    return values.reshape(-1, *[1] * (len(shape) - 1)).expand(shape).contiguous()
 
 
 def _timesteps(form: TimestepForm, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -271,13 +272,14 @@ def _timestep_forms(passed: torch.Tensor, t: Any) -> tuple[TimestepForm, ...]:
     if not forms:
         t = torch.as_tensor(t)
         raise GlueNotFound(f"the transformer's timestep input {passed.flatten()[:4].tolist()} "
-                           f"is not the scheduler's t = {t.item()} (or t / 1000) over the batch")
+                           f"is not the scheduler's t = {t.item()} (or t / 1000) over the batch "
+                           "(and tokens)")
     return forms
 
 
 def _gives(form: TimestepForm, passed: torch.Tensor, t: Any) -> bool:
     value = _timesteps(form, torch.as_tensor(t), passed.dtype)
-    return passed.dim() == 1 and torch.equal(passed, value.expand(passed.shape))
+    return passed.dim() >= 1 and torch.equal(passed, value.expand(passed.shape))
 
 
 def _check_branch_calls(calls: Sequence[dict[str, Any]], latent_arg: str, step_arg: str):
