@@ -24,7 +24,7 @@ OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
 # One of each kind of step, and the pipelines the ring table took last.
 CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "hunyuan_video",
                "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video", "qwenimage",
-               "wan22", "flux_fill", "wan22_5b", "flux2")
+               "wan22", "flux_fill", "wan22_5b", "flux2", "flux_inpaint")
 FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
 
 
@@ -194,7 +194,21 @@ def test_a_step_that_changes_within_a_generation_raises():
         generate(pipe, kwargs, steps=4)
 
 
-@pytest.mark.parametrize("family", ["dit", "wan", "wan22"])
+def test_latents_changed_between_steps_other_than_by_a_blend_raise(monkeypatch):
+    """Inpainting blends the latents with a noised image between steps, which the ring
+    replays; any other change (here a step-end callback let through) must raise."""
+    monkeypatch.setattr(table, "EVERY", {})
+
+    def callback(pipe, step, t, tensors):
+        return {"latents": tensors["latents"] * 1.01}
+
+    pipe, kwargs = _ring(sd3, mode="sync")
+    with pytest.raises(tp.TokpipeError, match="changed the latents between two steps at "
+                                              "step 1"):
+        generate(pipe, {**kwargs, "callback_on_step_end": callback}, steps=3)
+
+
+@pytest.mark.parametrize("family", ["dit", "wan", "wan22", "flux_inpaint"])
 def test_cfg_parallel_in_one_process_equals_serial(family):
     """cfg=2, stages=1: each guidance branch runs alone (one batch half, or one of the two
     calls), then guidance and the update combine them; in one process the branches run in

@@ -43,6 +43,7 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
     "wan_image2video",  # the image's latents joined to the channels, from the first step
     "wan22",  # two experts: a ring each, the second from the first one's latents and state
     "wan22_5b",  # the timestep passed for every token, cut per chunk like the latent
+    "flux_inpaint",  # the latents blended with the noised image after every step
     pytest.param("wan_video2video", marks=pytest.mark.full),  # starts inside the schedule
 ])
 def test_two_ranks_equal_one_process(family, two_rank_runs):

@@ -81,10 +81,12 @@ def half(inputs: dict[str, Any], branch: int, batch: int) -> dict[str, Any]:
 
 def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch.Tensor,
         fixed: dict[str, Any], timesteps: torch.Tensor, timeout: float,
-        state: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        state: Sequence[torch.Tensor] = (), blends: dict[str, torch.Tensor] | None = None
+        ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Every step of `table` from `sample` (and the scheduler's `state`, zeros where none is
     given), the branches split over two ranks (or run in turn in this process); returns the
-    last latents and state, on every rank."""
+    last latents and state, on every rank. blends: the per-step blends after the update
+    (`blends.Blends.per_step`), if any."""
     batch = sample.shape[0] * glue.copies
     per_step = model_timesteps(glue, timesteps, batch).to(sample.device)
     distributed = dist.is_available() and dist.is_initialized()
@@ -104,4 +106,6 @@ def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch
         noise = guide(glue, out, glue.guidance)
         sample, state = update_state(sample, noise, state, table.rows[k], table.pattern)
         state = list(state)
+        if blends:
+            sample = blends["blend_target"][k] + blends["blend_keep"][k] * sample
     return sample, tuple(state)

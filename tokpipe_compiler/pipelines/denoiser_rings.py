@@ -52,9 +52,9 @@ class Carried:
     state: tuple[torch.Tensor, ...] = ()
 
 
-# A prepared segment: (the step's glue as the segment's last step left it, steps) -> the
-# values after those steps.
-RunSegment = Callable[[Glue, int], Carried]
+# A prepared segment: (the step's glue as the segment's last step left it, steps, the
+# blends after its steps as per-step inputs, if any) -> the values after those steps.
+RunSegment = Callable[[Glue, int, dict[str, torch.Tensor]], Carried]
 
 
 class DenoiserRings:
@@ -96,7 +96,7 @@ class DenoiserRings:
             fixed = cfg_parallel.half(fixed, branch, batch)
         carried, fixed = carry_condition(glue, sample, fixed)
         tensors, spec, constants = split_fixed(fixed)
-        ring = self._ring(glue, spec, constants, table, branch)
+        ring = self._ring(glue, spec, constants, table, branch, blended=False)
         inputs = {"sample": carried, "guidance": torch.tensor(glue.guidance), **tensors,
                   **_first_state(carried, start.state, table.state_size)}
 
@@ -113,9 +113,17 @@ class DenoiserRings:
                 raise
             raise UnpipelinedStep(f"the ring's step cannot be pipelined: {err}") from err
 
-        def run(final: Glue, steps: int) -> Carried:
+        def run(final: Glue, steps: int, blends: dict[str, torch.Tensor]) -> Carried:
+            blended = ring
+            if blends:
+                if glue.condition_positions:
+                    raise TokpipeError("ring mode cannot blend latents between steps where it "
+                                       "carries the condition's positions; run the pipeline "
+                                       "per call with parallelize(pipe, ring=False)")
+                blended = self._ring(glue, spec, constants, table, branch, blended=True)
             with self._exchange():
-                out = ring.run(inputs, per_step(final, steps), progress=self._progress(steps))
+                out = blended.run(inputs, {**per_step(final, steps), **blends},
+                                  progress=self._progress(steps))
             latents = out[0]
             if glue.condition_positions:  # the carried condition's positions dropped
                 dim = glue.condition_dim
@@ -129,23 +137,26 @@ class DenoiserRings:
         """cfg=2 on one stage per branch: the whole transformer per branch (`cfg_parallel`)."""
         forward = self._forward_per_branch()
 
-        def run(final: Glue, steps: int) -> Carried:
+        def run(final: Glue, steps: int, blends: dict[str, torch.Tensor]) -> Carried:
             part = table.steps(0, steps)
             latents, state = cfg_parallel.run(forward, final, part, start.sample, fixed,
-                                              part.timesteps, self.config.timeout, start.state)
+                                              part.timesteps, self.config.timeout, start.state,
+                                              blends)
             return Carried(latents, state)
 
         return run
 
     def _ring(self, glue: Glue, spec: Any, constants: list[Any], table: StepTable,
-              branch: int | None) -> Ring:
+              branch: int | None, blended: bool) -> Ring:
         """The ring for this form of step (hybrid cfg=2: of this rank's guidance branch,
-        over its branch's ranks)."""
+        over its branch's ranks; blended: with the latents blended after each update)."""
         # the guidance scale and the timesteps are inputs of the step, not constants
         glue = dataclasses.replace(glue, guidance=0.0, timestep_forms=())
-        key = (glue, str(spec), repr(constants), table.state_size, table.pattern, branch)
+        key = (glue, str(spec), repr(constants), table.state_size, table.pattern, branch,
+               blended)
         if key not in self.rings:
-            step = make_step(self.denoiser.forward, glue, spec, constants, table, branch)
+            step = make_step(self.denoiser.forward, glue, spec, constants, table, branch,
+                             blended)
             carry = ["sample", *(f"state_{i}" for i in range(table.state_size))]
             group = None if self.branches is None else self.branches.stage_group
             self.rings[key] = Ring(step, carry=carry, group=group, **self.options)

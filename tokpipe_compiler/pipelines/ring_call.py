@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines.blends import BlendNotFound, Blends
 from tokpipe_compiler.pipelines.denoiser_rings import (
     Carried,
     DenoiserRings,
@@ -57,7 +58,12 @@ from tokpipe_compiler.pipelines.loop_schedule import (
 )
 from tokpipe_compiler.pipelines.probes import bind_call, probe, with_probe
 from tokpipe_compiler.pipelines.ring_step import same
-from tokpipe_compiler.pipelines.scheduler_route import route, step_arguments, with_sample
+from tokpipe_compiler.pipelines.scheduler_route import (
+    prev_sample,
+    route,
+    step_arguments,
+    with_sample,
+)
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.table import per_call_reasons
 
@@ -79,6 +85,8 @@ class Generation:
     glue: Glue | None = None
     first_calls: list[dict[str, Any]] = field(default_factory=list)
     run: RunSegment | None = None  # the current segment's prepared ring
+    previous: torch.Tensor | None = None  # the last scheduler step's latents (on probes)
+    blends: Blends = field(default_factory=Blends)  # the latents blended between steps
     carried: Carried | None = None  # the real values the current segment starts from
 
     @property
@@ -104,7 +112,9 @@ class RingCalls:
         candidates.append(float(getattr(self.pipe, "_guidance_scale", 1.0) or 1.0))
         self.generation = Generation(per_call_reasons(self.pipe, kwargs), candidates)
         # the pipeline's scheduler may have been replaced since the last call
-        route(self.pipe.scheduler, self, self.set_timesteps, self.step)
+        route(self.pipe.scheduler, self, {"set_timesteps": self.set_timesteps,
+                                          "step": self.step, "scale_noise": self.noised,
+                                          "add_noise": self.noised})
         if self.generation.reasons:
             self._warn_per_call(self.generation.reasons)
         try:
@@ -117,6 +127,14 @@ class RingCalls:
     def set_timesteps(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.timestep_args = (args, kwargs)
         return original(*args, **kwargs)
+
+    def noised(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The scheduler noising an image inside the loop: a blend to come (inpainting)."""
+        out = original(*args, **kwargs)
+        gen = self.generation
+        if gen is not None and gen.ring and gen.denoiser is not None:
+            gen.blends.noised[gen.step] = out
+        return out
 
     def transformer(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Transformer `name`'s call: a probe answer in a ring generation, else per call."""
@@ -160,7 +178,10 @@ class RingCalls:
                 return self._per_call_from_here(gen, original, args, kwargs, err)
         else:
             self._check_prediction(gen, noise_pred)
+        if gen.previous is not None and not _equal_values(sample, gen.previous):
+            self._blended(gen, sample)
         output = original(*args, **kwargs)  # the scheduler's own bookkeeping, on probes
+        gen.previous = prev_sample(output)
         last = gen.step == len(gen.timesteps) - 1
         gen.step, gen.calls, gen.probes = gen.step + 1, [], []
         return with_sample(output, self._end_segment(gen).sample) if last else output
@@ -228,9 +249,21 @@ class RingCalls:
     def _end_segment(self, gen: Generation) -> Carried:
         """Runs the current segment's ring over its steps (up to the one before
         `gen.step`): the latents and scheduler state after them."""
-        gen.carried = gen.run(gen.glue, gen.step - gen.begin)
+        steps = gen.step - gen.begin
+        gen.carried = gen.run(gen.glue, steps, gen.blends.per_step(gen.begin, steps,
+                                                                   gen.previous))
         gen.run = None
         return gen.carried
+
+    def _blended(self, gen: Generation, sample: torch.Tensor) -> None:
+        """The pipeline changed the latents after the last step: a blend the ring can apply
+        (inpainting), or an error."""
+        if gen.step == gen.begin:  # the segment before ran already
+            self._changed(gen, f"the latents where {gen.denoiser} takes over")
+        try:
+            gen.blends.observe(gen.step, gen.previous, sample)
+        except BlendNotFound as err:
+            self._changed(gen, str(err))
 
     def _switch(self, gen: Generation, name: str) -> None:
         """The loop calls another transformer from this step on (Wan 2.2's low-noise
@@ -297,3 +330,8 @@ class RingCalls:
         if message not in self.warned:
             self.warned.add(message)
             warnings.warn(message, stacklevel=4)
+
+
+def _equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same latents, whatever dtype the pipeline keeps them in between steps."""
+    return a.shape == b.shape and torch.equal(a, b.to(a.dtype))

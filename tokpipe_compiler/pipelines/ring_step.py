@@ -41,7 +41,8 @@ TENSOR = _Tensor()
 
 
 def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: list[Any],
-              table: StepTable, branch: int | None = None) -> Callable[..., Any]:
+              table: StepTable, branch: int | None = None,
+              blended: bool = False) -> Callable[..., Any]:
     """The ring's step function: the transformer call, guidance and scheduler update.
     Inputs: the carried `sample` and `state_<i>`, per step `timestep`, `scale` and
     `coeffs` (a row of the table), and the fixed `guidance` and `input_<i>`. Where the
@@ -49,7 +50,9 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
     the update) and the fixed inputs hold the mask of the latent's own (`LATENT_POSITIONS`).
     branch: this ring's guidance branch (hybrid cfg=2): the transformer runs on that half
     of the batch (the fixed inputs come halved) and the other half's prediction comes from
-    the other branch's ring (`cfg_gather`)."""
+    the other branch's ring (`cfg_gather`). blended: after the update the latents are
+    blended with a noised image (inpainting, `blends`), by per-step `blend_keep` and
+    `blend_target`."""
     pattern, states = table.pattern, [f"state_{i}" for i in range(table.state_size)]
 
     def step(sample, timestep, scale, coeffs, guidance, **tensors):
@@ -72,6 +75,8 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
         x, state = update_state(sample, noise, state, coeffs, pattern)
         if positions is not None:  # the condition stays as it is
             x = torch.where(positions, x, sample)
+        if blended:  # in the pipeline's order: (1 - mask) * noised + mask * latents
+            x = tensors["blend_target"] + tensors["blend_keep"] * x
         return (x, *state)
 
     return step

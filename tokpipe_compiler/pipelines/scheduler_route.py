@@ -1,8 +1,8 @@
 """A pipeline's scheduler routed through ring mode, and the step's arguments and result.
 
-`route` gives one scheduler instance a subclass whose `set_timesteps` and `step` call the
-ring's hooks; `step_arguments` reads what the pipeline passed to `step`, and `with_sample`
-hands the ring's latents back in the scheduler's own output.
+`route` gives one scheduler instance a subclass whose `set_timesteps`, `step` and noising
+methods call the ring's hooks; `step_arguments` reads what the pipeline passed to `step`,
+and `with_sample` hands the ring's latents back in the scheduler's own output.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import torch
 Hook = Callable[..., Any]  # hook(original bound method, *args, **kwargs)
 
 
-def route(scheduler: Any, owner: Any, set_timesteps: Hook, step: Hook) -> None:
-    """Route `scheduler`'s set_timesteps and step through the hooks of `owner` (once). A
-    subclass, not instance attributes: copies of the scheduler (step tables probe copies)
-    must run their own methods, and pipelines inspect the methods' signatures."""
+def route(scheduler: Any, owner: Any, hooks: dict[str, Hook]) -> None:
+    """Route `scheduler`'s methods named in `hooks` (those it has) through the hooks of
+    `owner` (once). A subclass, not instance attributes: copies of the scheduler (step
+    tables probe copies) must run their own methods, and pipelines inspect the methods'
+    signatures."""
     if getattr(type(scheduler), "_tokpipe_calls", None) is owner:
         return
     base, instance = type(scheduler), weakref.ref(scheduler)
@@ -38,9 +39,10 @@ def route(scheduler: Any, owner: Any, set_timesteps: Hook, step: Hook) -> None:
 
         return call
 
+    methods = {name: routed(name, hook) for name, hook in hooks.items()
+               if callable(getattr(base, name, None))}
     scheduler.__class__ = type(base.__name__, (base,), {
-        "set_timesteps": routed("set_timesteps", set_timesteps),
-        "step": routed("step", step), "_tokpipe_calls": owner,
+        **methods, "_tokpipe_calls": owner,
         "__module__": base.__module__, "__doc__": base.__doc__})
 
 
@@ -55,10 +57,14 @@ def with_sample(output: Any, sample: torch.Tensor) -> Any:
     scheduler's own step returns (flow-matching steps cast to the prediction's: CogView4
     and HunyuanVideo keep float32 latents and get bfloat16 ones back; the ring's carried
     float32 latents are rounded once, at the end)."""
-    own = output[0] if isinstance(output, tuple) else output.prev_sample
-    sample = sample.to(own.dtype)
+    sample = sample.to(prev_sample(output).dtype)
     if isinstance(output, tuple):
         return (sample, *output[1:])
     output = copy.copy(output)
     output.prev_sample = sample
     return output
+
+
+def prev_sample(output: Any) -> torch.Tensor:
+    """The latents a scheduler's step output holds (a tuple's first, or `prev_sample`)."""
+    return output[0] if isinstance(output, tuple) else output.prev_sample
