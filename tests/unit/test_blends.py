@@ -62,3 +62,22 @@ def test_a_soft_mask_is_found_too():
     blends.noised[1] = noised
     blends.observe(1, before, _blend(noised, before, mask))
     assert torch.allclose(blends.keep, mask.expand(1, 8, 4), atol=1e-5)
+
+
+def test_a_mask_the_first_blend_cannot_tell_is_told_by_a_later_one():
+    """In half precision the probes' latents can equal the noised image at some positions:
+    any mask gives the noised image there, so a later step tells the mask."""
+    blends = Blends()
+    latents = _randn(1, 8, 4, seed=5)
+    for step in (1, 2):
+        before, noised = _randn(1, 8, 4, seed=step), _randn(1, 8, 4, seed=10 + step)
+        if step == 1:
+            before[0, :3] = noised[0, :3]
+        blends.noised[step] = noised
+        blends.observe(step, before, _blend(noised, before))
+        if step == 1:
+            assert blends.keep.isnan().sum() == 12
+            with pytest.raises(BlendNotFound, match="could not tell at 12 positions"):
+                blends.per_step(0, 2, latents)
+    assert torch.equal(blends.keep, MASK.expand(1, 8, 4))
+    assert set(blends.per_step(0, 3, latents)) == {"blend_keep", "blend_target"}

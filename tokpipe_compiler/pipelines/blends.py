@@ -31,11 +31,11 @@ class BlendNotFound(TokpipeError):
 @dataclass
 class Blends:
     """The blends seen so far in a generation: the noised image recorded before each step,
-    the mask, and per step k the blend applied after it ((1 - mask) * noised image)."""
+    the mask (NaN where no step has told it yet), and the steps blended after."""
 
     noised: dict[int, torch.Tensor] = field(default_factory=dict)
     keep: torch.Tensor | None = None  # the mask: where the step's latents are kept
-    targets: dict[int, torch.Tensor] = field(default_factory=dict)
+    after: set[int] = field(default_factory=set)  # the steps whose latents were blended
 
     def observe(self, step: int, before: torch.Tensor, after: torch.Tensor) -> None:
         """The latents were `before` after step `step - 1` and `after` at step `step`; raises
@@ -43,38 +43,39 @@ class Blends:
         noised = self.noised.get(step)
         if noised is None or noised.shape != after.shape:
             raise BlendNotFound("the latents between two steps")
-        before, noised32 = before.float(), noised.float()
-        if self.keep is None:
-            self.keep = _mask(before, after.float(), noised32)
-        keep = self.keep.to(noised.dtype)
-        target = (1 - keep) * noised
-        replayed = target + keep * before.to(noised.dtype)
-        if not _close(replayed.float(), after.float()):
+        before32, after32, noised32 = before.float(), after.float(), noised.float()
+        # where the probes' latents equal the noised image (half precision) this step cannot
+        # tell the mask, and any mask gives the noised image there
+        apart = before32 != noised32
+        found = (after32 - noised32) / torch.where(apart, before32 - noised32, 1.0)
+        unknown = torch.full_like(found, float("nan"))
+        keep = torch.where(apart, found, unknown) if self.keep is None else \
+            torch.where(self.keep.isnan() & apart, found, self.keep)
+        replayed = torch.where(apart, (1 - keep) * noised32 + keep * before32, noised32)
+        if not _close(replayed, after32):
             raise BlendNotFound("the latents between two steps (not one blend with a noised "
                                 "image under one mask)")
-        self.targets[step - 1] = target
+        self.keep = keep
+        self.after.add(step - 1)
 
     def per_step(self, begin: int, steps: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
         """The blends of steps begin..begin+steps-1 as the ring's per-step inputs (the
         latents kept as they are after a step without one); empty where there is none."""
-        if not any(begin <= k < begin + steps for k in self.targets):
+        blended = [k for k in range(begin, begin + steps) if k in self.after]
+        if not blended:
             return {}
+        if self.keep.isnan().any():
+            raise BlendNotFound("the latents between two steps (a blend whose mask the "
+                                f"probes could not tell at {int(self.keep.isnan().sum())} "
+                                "positions)")
+        keep = self.keep.to(self.noised[blended[0] + 1].dtype)
         ones, zeros = torch.ones_like(like), torch.zeros_like(like)
-        keep = self.keep.to(like.dtype)
-        return {"blend_keep": torch.stack([keep if k in self.targets else ones
+        # in the pipeline's arithmetic: (1 - mask) * noised, in the noised image's dtype
+        targets = {k: ((1 - keep) * self.noised[k + 1]).to(like.dtype) for k in blended}
+        return {"blend_keep": torch.stack([keep.to(like.dtype) if k in targets else ones
                                            for k in range(begin, begin + steps)]),
-                "blend_target": torch.stack([self.targets.get(k, zeros).to(like.dtype)
+                "blend_target": torch.stack([targets.get(k, zeros)
                                              for k in range(begin, begin + steps)])}
-
-
-def _mask(before: torch.Tensor, after: torch.Tensor, noised: torch.Tensor) -> torch.Tensor:
-    """mask from after = (1 - mask) * noised + mask * before, where before differs from the
-    noised image (the probes make it differ: elsewhere the mask cannot be told)."""
-    apart = before != noised
-    if not bool(apart.all()):
-        raise BlendNotFound("the latents between two steps (a blend whose mask the first "
-                            "step cannot tell)")
-    return (after - noised) / (before - noised)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
