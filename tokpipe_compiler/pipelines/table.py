@@ -45,6 +45,8 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "HunyuanVideoPipeline": {},
     "QwenImagePipeline": {},
     "QwenImageEditPipeline": {},
+    "QwenImageImg2ImgPipeline": {},
+    "QwenImageInpaintPipeline": {},
 }
 
 WHY = {
