@@ -7,10 +7,11 @@ The pipeline's own `__call__` runs as written (prompt encoding, latents, guidanc
 scheduler's timesteps, the VAE). Its denoising loop runs as one ring (`ring_call`): no
 pipeline bubble between steps, each chunk's updated latents going straight back to the
 first stage. A call the ring cannot take (a pipeline outside `table`, a scheduler without
-a token-wise step, a step-end callback, guidance rescaling...) runs per call instead, with
-a warning that says why: the transformer, compiled in place with the tokpipe backend, is
-then one pipelined step per call. Under torchrun (or the project's launcher) every rank
-calls the pipeline with the same arguments and gets the whole result.
+a token-wise step, a step-end callback, guidance rescaling, a step the first step's probes
+show the ring cannot replay: that call starts again from the same random state) runs per
+call instead, with a warning that says why: the transformer, compiled in place with the
+tokpipe backend, is then one pipelined step per call. Under torchrun (or the project's
+launcher) every rank calls the pipeline with the same arguments and gets the whole result.
 
 A generation ends with the pipeline call: diffusers resets the stateful caches of its
 components when a call finishes (`maybe_free_model_hooks`), and the transformer's K/V
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -30,7 +32,7 @@ from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
 from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
-from tokpipe_compiler.pipelines.ring_call import RingCalls
+from tokpipe_compiler.pipelines.ring_call import RingCalls, RingUnavailable
 
 # The attributes that hold a pipeline's denoising transformers (Wan 2.2's low-noise expert
 # in the second).
@@ -81,14 +83,47 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
     cls = type(pipe)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with calls.generation_of(kwargs):
-            return cls.__call__(self, *args, **kwargs)
+        generators = _generators(cls.__call__, self, args, kwargs)
+        states = _random_states(generators)
+        try:
+            with calls.generation_of(kwargs):
+                return cls.__call__(self, *args, **kwargs)
+        except RingUnavailable as err:  # only probes ran: the same call again, per call
+            _restore(generators, states)
+            again = f"{err}; the call started again per call, from the same random state"
+            with calls.generation_of(kwargs, [again]):
+                return cls.__call__(self, *args, **kwargs)
 
     # A subclass of the pipeline's own class: only the instance's calls go through the ring.
     pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
                                                  "__module__": cls.__module__,
                                                  "__doc__": cls.__doc__})
     pipe._tokpipe_ring = calls
+
+
+def _generators(call: Any, pipe: Any, args: tuple, kwargs: dict) -> list[torch.Generator]:
+    """The torch generators a pipeline call draws from: its `generator` argument's."""
+    try:
+        given = inspect.signature(call).bind(pipe, *args, **kwargs).arguments.get("generator")
+    except TypeError:  # the pipeline's own call will say what is wrong
+        return []
+    found = given if isinstance(given, (list, tuple)) else [given]
+    return [g for g in found if isinstance(g, torch.Generator)]
+
+
+def _random_states(generators: list[torch.Generator]) -> tuple:
+    """The random state a call starts from: its generators' and the global ones."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return [g.get_state() for g in generators], torch.get_rng_state(), cuda
+
+
+def _restore(generators: list[torch.Generator], states: tuple) -> None:
+    own, cpu, cuda = states
+    for generator, state in zip(generators, own, strict=True):
+        generator.set_state(state)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def programs(pipe: Any) -> list:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,12 @@ from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.table import per_call_reasons
 
 
+class RingUnavailable(TokpipeError):
+    """Found at a step's probes: ring mode cannot replay this call's loop. Nothing real has
+    been computed yet, so the call starts again per call, from the same random state
+    (`parallelize`)."""
+
+
 @dataclass
 class Generation:
     """One pipeline call in progress. Its loop runs as segments, one per transformer it
@@ -105,12 +111,15 @@ class RingCalls:
         self.warned: set[str] = set()
 
     @contextlib.contextmanager
-    def generation_of(self, kwargs: dict[str, Any]) -> Iterator[None]:
-        """A pipeline call: a generation, per call or ring, for its duration."""
+    def generation_of(self, kwargs: dict[str, Any],
+                      reasons: Sequence[str] = ()) -> Iterator[None]:
+        """A pipeline call: a generation, per call or ring, for its duration (per call where
+        `reasons` say why)."""
         candidates = [float(v) for v in kwargs.values()
                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
         candidates.append(float(getattr(self.pipe, "_guidance_scale", 1.0) or 1.0))
-        self.generation = Generation(per_call_reasons(self.pipe, kwargs), candidates)
+        self.generation = Generation([*per_call_reasons(self.pipe, kwargs), *reasons],
+                                     candidates)
         # the pipeline's scheduler may have been replaced since the last call
         route(self.pipe.scheduler, self, {"set_timesteps": self.set_timesteps,
                                           "step": self.step, "scale_noise": self.noised,
@@ -210,15 +219,13 @@ class RingCalls:
             return []
         begin = step_of(self.pipe.scheduler.timesteps, t)
         if begin is None:
-            raise TokpipeError(f"{type(self.pipe).__name__}'s first step passes timestep "
-                               f"{torch.as_tensor(t).flatten()[0].item()}, which is not in its "
-                               "scheduler's schedule; ring mode replays the schedule: run it "
-                               "per call with parallelize(pipe, ring=False)")
+            raise RingUnavailable(f"{type(self.pipe).__name__}'s first step passes timestep "
+                                  f"{torch.as_tensor(t).flatten()[0].item()}, which is not in "
+                                  "its scheduler's schedule (ring mode replays the schedule)")
         schedule = loop_schedule(self.pipe.scheduler, self.timestep_args, begin)
         if schedule.table is None:
-            raise TokpipeError(f"ring mode cannot run {type(self.pipe).__name__}'s loop from "
-                               f"step {begin}: {'; '.join(schedule.reasons)}; run it per call "
-                               "with parallelize(pipe, ring=False)")
+            raise RingUnavailable(f"ring mode cannot run {type(self.pipe).__name__}'s loop "
+                                  f"from step {begin}: {'; '.join(schedule.reasons)}")
         return self._use(gen, schedule)
 
     def _identify(self, gen: Generation, noise_pred: torch.Tensor, sample: torch.Tensor,
@@ -229,9 +236,8 @@ class RingCalls:
             gen.glue = identify(gen.calls, gen.probes, noise_pred, sample, t, scale,
                                 gen.guidance_candidates)
         except GlueNotFound as err:
-            raise TokpipeError(f"ring mode could not replay {type(self.pipe).__name__}'s "
-                               f"denoising step: {err}; run it per call with "
-                               "parallelize(pipe, ring=False)") from err
+            raise RingUnavailable(f"ring mode could not replay {type(self.pipe).__name__}'s "
+                                  f"denoising step: {err}") from err
 
     def _prepare_segment(self, gen: Generation, start: Carried) -> None:
         """Plans the ring of the segment that starts at this step, from `start`."""
