@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
-from tests.fixtures.pipelines import RELEASED, generate
+from tests.fixtures.pipelines import generate
+from tests.fixtures.released_pipelines import RELEASED
 from tokpipe_compiler.runtime.launch import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
@@ -40,6 +41,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     "sd3-medium",  # joint text+image attention, inside its pipeline on two ranks
     pytest.param("sana-1600m", marks=pytest.mark.full),
     "flux-kontext",  # the image's tokens carried in the ring's sample, two calls per step
+    pytest.param("flux-inpaint", marks=pytest.mark.full),  # latents blended between steps
     pytest.param("wan2.2-a14b", marks=pytest.mark.full),  # two experts, a ring each
 ])
 def test_released_widths_in_their_pipeline_on_two_ranks(name):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines.ring_step import same
 
 EXACT = 1e-6  # relative: a blend replayed from the found mask gives the pipeline's latents
 
@@ -52,7 +53,7 @@ class Blends:
         keep = torch.where(apart, found, unknown) if self.keep is None else \
             torch.where(self.keep.isnan() & apart, found, self.keep)
         replayed = torch.where(apart, (1 - keep) * noised32 + keep * before32, noised32)
-        if not _close(replayed, after32):
+        if not same(replayed, after32, EXACT):
             raise BlendNotFound("the latents between two steps (not one blend with a noised "
                                 "image under one mask)")
         self.keep = keep
@@ -76,8 +77,3 @@ class Blends:
                                            for k in range(begin, begin + steps)]),
                 "blend_target": torch.stack([targets.get(k, zeros)
                                              for k in range(begin, begin + steps)])}
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    scale = max(b.abs().max().item(), 1e-30)
-    return (a - b).abs().max().item() <= EXACT * scale

@@ -187,7 +187,8 @@ class RingCalls:
                 return self._per_call_from_here(gen, original, args, kwargs, err)
         else:
             self._check_prediction(gen, noise_pred)
-        if gen.previous is not None and not _equal_values(sample, gen.previous):
+        # the pipeline may keep its latents in another dtype between steps
+        if gen.previous is not None and not same(sample, gen.previous.to(sample.dtype)):
             self._blended(gen, sample)
         output = original(*args, **kwargs)  # the scheduler's own bookkeeping, on probes
         gen.previous = prev_sample(output)
@@ -336,8 +337,3 @@ class RingCalls:
         if message not in self.warned:
             self.warned.add(message)
             warnings.warn(message, stacklevel=4)
-
-
-def _equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same latents, whatever dtype the pipeline keeps them in between steps."""
-    return a.shape == b.shape and torch.equal(a, b.to(a.dtype))
