@@ -57,11 +57,13 @@ def cut_sizes(info: TokenInfo, full: int, sizes: Sequence[int]) -> list[TokenInf
     return pieces
 
 
-def to_chunk(index: int, info: TokenInfo, full: int, units: int) -> int:
-    """A position on the full axis (a slice bound outside the chunked range) on a chunk."""
+def to_chunk(index: int, info: TokenInfo, full: int, units: int,
+             segments: bool = True) -> int:
+    """A position on the full axis (a slice bound outside the chunked range) on a chunk,
+    with its segments or without them."""
     if index <= info.lead:
-        return index
-    return index - full + info.extent(units)
+        return index if segments else 0
+    return index - full + info.extent(units) if segments else info.extent(units, False)
 
 
 def joined(pieces: Sequence[tuple[TokenInfo | None, int]]) -> TokenInfo | str:

@@ -6,7 +6,8 @@ becomes, for a chunk of 4 of 16 units,
     view = x.view(1, 64, 6, 64)
 Every token value's expected chunk shape is known from its TokenInfo; a fake-tensor run
 then checks that each node really produces it, so an op with a literal size that no rule
-rewrites fails here, by name, instead of computing a wrong answer.
+rewrites fails here, by name, instead of computing a wrong answer. A chunk that leaves the
+text segments to the step's last chunk gets a graph without them (`last_segments.py`).
 """
 
 from __future__ import annotations
@@ -23,34 +24,41 @@ from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TokenInfo
 from tokpipe_compiler.core.ops import op_key
-from tokpipe_compiler.passes import segments
 from tokpipe_compiler.passes.axis_rules import split_pieces
+from tokpipe_compiler.passes.last_segments import drop_segments
+from tokpipe_compiler.passes.segments import to_chunk
 from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis
 
 _SHAPE_ARG_OPS = {"method:view", "method:reshape", "method:expand", torch.reshape}
 _UNFLATTEN_OPS = {"method:unflatten", torch.unflatten}
 
 
-def chunk_shape(shape: torch.Size, info: TokenInfo, units: int) -> tuple[int, ...]:
+def chunk_shape(shape: torch.Size, info: TokenInfo, units: int,
+                segments: bool = True) -> tuple[int, ...]:
     if info.axis is None:
         return tuple(shape)  # a whole scalar (segments.whole): the same in every chunk
     out = list(shape)
-    out[info.axis] = info.extent(units)
+    out[info.axis] = info.extent(units, segments)
     return tuple(out)
 
 
-def specialize(stage_gm: torch.fx.GraphModule, units: int) -> torch.fx.GraphModule:
-    """A copy of `stage_gm` whose token values have `units` grid units."""
+def specialize(stage_gm: torch.fx.GraphModule, units: int,
+               segments: bool = True) -> torch.fx.GraphModule:
+    """A copy of `stage_gm` whose token values have `units` grid units, with the text
+    segments or (`segments=False`) without them."""
     graph = torch.fx.Graph()
     output = graph.graph_copy(stage_gm.graph, {})
     graph.output(output)
     for node in graph.nodes:
         info = node.meta.get(META_KEY, INVARIANT_INFO)
         if info.carries_tokens and isinstance(example_value(node), torch.Tensor):
-            _rewrite_sizes(node, chunk_shape(example_value(node).shape, info, units))
-        _rewrite_token_bounds(node, units)
-    gm = torch.fx.GraphModule(stage_gm, graph, class_name=f"{type(stage_gm).__name__}_{units}u")
-    check_shapes(gm, units)
+            _rewrite_sizes(node, chunk_shape(example_value(node).shape, info, units, segments))
+        _rewrite_token_bounds(node, units, segments)
+    if not segments:
+        drop_segments(graph)
+    name = f"{type(stage_gm).__name__}_{units}u{'' if segments else '_rows'}"
+    gm = torch.fx.GraphModule(stage_gm, graph, class_name=name)
+    check_shapes(gm, units, segments)
     return gm
 
 
@@ -66,7 +74,7 @@ def _rewrite_sizes(node: torch.fx.Node, shape: tuple[int, ...]) -> None:
         node.kwargs = {}
 
 
-def _rewrite_token_bounds(node: torch.fx.Node, units: int) -> None:
+def _rewrite_token_bounds(node: torch.fx.Node, units: int, segments: bool) -> None:
     """Slices and splits of a segmented token axis (`x[:, 16:]`, `x.split([5, 16], 1)`)
     have literal bounds on the full axis: move them to the chunk's axis."""
     src = arg(node, 0, "input")
@@ -81,17 +89,18 @@ def _rewrite_token_bounds(node: torch.fx.Node, units: int) -> None:
         moved = getitem_axis(items, info.axis, shape)
         if not isinstance(moved, str) and moved[1] is not None:
             start, stop, _ = items[moved[1]].indices(full)
-            items[moved[1]] = slice(segments.to_chunk(start, info, full, units),
-                                    segments.to_chunk(stop, info, full, units))
+            items[moved[1]] = slice(to_chunk(start, info, full, units, segments),
+                                    to_chunk(stop, info, full, units, segments))
             node.args = (src, tuple(items), *node.args[2:])
     elif split_pieces(node, info) is not None:
-        sizes = [piece.extent(units) for piece in split_pieces(node, info)]
+        sizes = [piece.extent(units, segments) for piece in split_pieces(node, info)]
         node.args = (src, sizes, *node.args[2:])
         node.kwargs = {k: v for k, v in node.kwargs.items()
                        if k not in ("split_size", "split_size_or_sections", "split_sizes")}
 
 
-def input_shapes(gm: torch.fx.GraphModule, units: int) -> list[tuple[tuple[int, ...], Any]]:
+def input_shapes(gm: torch.fx.GraphModule, units: int,
+                 segments: bool = True) -> list[tuple[tuple[int, ...], Any]]:
     """(shape, example value) of each placeholder at this chunk length."""
     shapes = []
     for node in gm.graph.nodes:
@@ -99,15 +108,16 @@ def input_shapes(gm: torch.fx.GraphModule, units: int) -> list[tuple[tuple[int, 
             continue
         value = example_value(node)
         info = node.meta.get(META_KEY, INVARIANT_INFO)
-        shape = chunk_shape(value.shape, info, units) if info.carries_tokens else value.shape
+        shape = (chunk_shape(value.shape, info, units, segments) if info.carries_tokens
+                 else value.shape)
         shapes.append((tuple(shape), value))
     return shapes
 
 
 class _ShapeCheck(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, units: int):
+    def __init__(self, gm: torch.fx.GraphModule, units: int, segments: bool):
         super().__init__(gm)
-        self.units = units
+        self.units, self.segments = units, segments
 
     def run_node(self, node: torch.fx.Node) -> Any:
         try:
@@ -123,7 +133,7 @@ class _ShapeCheck(torch.fx.Interpreter):
         info = node.meta.get(META_KEY, INVARIANT_INFO)
         full = example_value(node)
         if info.carries_tokens and isinstance(result, torch.Tensor):
-            expected = chunk_shape(full.shape, info, self.units)
+            expected = chunk_shape(full.shape, info, self.units, self.segments)
             if tuple(result.shape) != expected:
                 raise TokpipeError(
                     f"{describe(node)} gives shape {tuple(result.shape)} on a chunk of "
@@ -133,9 +143,9 @@ class _ShapeCheck(torch.fx.Interpreter):
         return result
 
 
-def check_shapes(gm: torch.fx.GraphModule, units: int) -> None:
+def check_shapes(gm: torch.fx.GraphModule, units: int, segments: bool = True) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fakes = [torch.empty(shape, dtype=value.dtype, device=value.device)
-                 for shape, value in input_shapes(gm, units)]
-        _ShapeCheck(gm, units).run(*fakes)
+                 for shape, value in input_shapes(gm, units, segments)]
+        _ShapeCheck(gm, units, segments).run(*fakes)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
@@ -13,11 +13,17 @@ from tokpipe_compiler.core.errors import TokpipeError
 
 @dataclass(frozen=True)
 class Chunk:
-    """Units [start, stop) of the token grid (a unit is one row of patches)."""
+    """Units [start, stop) of the token grid (a unit is one row of patches).
+
+    segments: whether the chunk computes the whole text segments of joint attention. In
+    stale mode only a step's last chunk does; the others attend to the segments' K/V in the
+    caches, as the last chunk of the step before left them (`with_last_segments`).
+    """
 
     index: int
     start: int
     stop: int
+    segments: bool = True
 
     @property
     def units(self) -> int:
@@ -66,6 +72,12 @@ def table_from_tokens(units: int, tokens: int, lengths: Sequence[int]) -> list[C
     return table_from_sizes([n // per_unit for n in lengths])
 
 
+def with_last_segments(table: Sequence[Chunk]) -> list[Chunk]:
+    """`table` with the text segments computed by its last chunk only."""
+    last = len(table) - 1
+    return [replace(c, segments=c.index == last) for c in table]
+
+
 def chunk_slice(x: torch.Tensor, axis: int, per_unit: int, outer: int = 1) -> torch.Tensor:
     """Marker for a per-token constant cut to the chunk. The split pass turns each call into
     a stage input that the runtime slices with `slice_to_chunk`; it never runs in a graph."""
@@ -84,19 +96,23 @@ def slice_to_chunk(x: torch.Tensor, axis: int, per_unit: int, chunk: Chunk,
 
 
 def assemble(pieces: Sequence[torch.Tensor], axis: int, outer: int = 1, lead: int = 0,
-             trail: int = 0) -> torch.Tensor:
+             trail: int = 0, segments: Sequence[bool] | None = None) -> torch.Tensor:
     """The inverse of `slice_to_chunk` over a chunk table: the chunks' pieces, in order,
     joined along `axis` within each of the `outer` blocks. With whole segments around the
-    chunked rows (`lead`/`trail` text tokens, of which every chunk computed its own copy),
-    the segments are the last chunk's: it ran after every other chunk of the step."""
+    chunked rows (`lead`/`trail` text tokens), the segments are the last chunk's: it ran
+    after every other chunk of the step. `segments`: which pieces hold segments (the
+    chunks' `segments`; all of them when not given)."""
     if len(pieces) == 1:
         return pieces[0]
     if lead or trail:
         last = pieces[-1]
-        rows = [p.narrow(axis, lead, p.shape[axis] - lead - trail) for p in pieces]
+        held = segments if segments is not None else [True] * len(pieces)
+        rows = [p.narrow(axis, lead, p.shape[axis] - lead - trail) if has else p
+                for p, has in zip(pieces, held, strict=True)]
         return torch.cat([last.narrow(axis, 0, lead), torch.cat(rows, axis),
                           last.narrow(axis, last.shape[axis] - trail, trail)], axis)
     if outer == 1:
         return torch.cat(list(pieces), axis)
     blocked = [p.unflatten(axis, (outer, -1)) for p in pieces]
     return torch.cat(blocked, axis + 1).flatten(axis, axis + 1)
+

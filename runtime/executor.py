@@ -38,7 +38,7 @@ KINDS = {COMPUTE: "compute", SEND: "send", RECV: "recv"}
 RANGE_PREFIX = "tokpipe/"
 _NO_RANGE = nullcontext()  # reusable: entering it does nothing
 
-StageRunner = Callable[[int, int, list[torch.Tensor]], Sequence[torch.Tensor]]
+StageRunner = Callable[[int, Chunk, list[torch.Tensor]], Sequence[torch.Tensor]]
 
 
 @dataclass
@@ -211,7 +211,7 @@ class Executor:
     def _compute(self, action: Action, chunk: Chunk, env: dict,
                  chunk_values: dict[str, torch.Tensor], visible: int) -> None:
         inputs = self.feeds.inputs(action.stage, chunk, visible, env, chunk_values)
-        outputs = self.run_stage(action.stage, chunk.units, inputs)
+        outputs = self.run_stage(action.stage, chunk, inputs)
         chunk_values.update(zip(self.stages[action.stage].outputs, outputs, strict=True))
 
 
@@ -238,8 +238,8 @@ def value_spec(stage: StageGraph, name: str, chunk: Chunk) -> TensorSpec:
     shape = list(value.shape)
     if info.axis is None:  # a whole scalar: the same in every chunk
         return TensorSpec(tuple(shape), value.dtype)
-    # text segments travel whole with every chunk, in each outer block
-    shape[info.axis] = info.extent(chunk.units)
+    # text segments travel whole, in each outer block, with the chunks that compute them
+    shape[info.axis] = info.extent(chunk.units, chunk.segments)
     return TensorSpec(tuple(shape), value.dtype)
 
 

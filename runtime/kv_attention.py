@@ -36,16 +36,19 @@ def _kv_attention(
     mask: torch.Tensor | None = None,
     lead: int = 0,
     trail: int = 0,
+    segments: bool = True,
 ) -> torch.Tensor:
     """q, k, v: [..., n, D] for the chunk's n tokens; caches [..., L, D].
 
     Keys visible to query i (global position offset + i): cache positions < visible, and,
     when `causal`, <= offset + i. `mask` holds the chunk's rows of the model's own mask.
-    `lead`/`trail`: tokens before/after the chunk's (text tokens of joint attention), whole
-    in every chunk: written to the cache's ends and always visible.
+    `lead`/`trail`: tokens before/after the chunk's (text tokens of joint attention), at the
+    cache's ends and always visible. `segments`: whether k and v hold them (the chunk
+    computes them and writes them to the cache) or not (the cache's are attended to).
     """
     if lead or trail:
-        return _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, trail)
+        return _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask,
+                          (lead, trail) if segments else (0, 0), (lead, trail))
     start, _, visible = (int(x) for x in chunk.tolist())
     offset, n, kv_len = start * per_unit, q.shape[-2], visible * per_unit
     if q.is_cuda and mask is None:
@@ -66,7 +69,7 @@ def _kv_attention(
 
 
 def _kv_attention_fake(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None,
-                       mask=None, lead=0, trail=0):
+                       mask=None, lead=0, trail=0, segments=True):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -74,17 +77,20 @@ kv_attention = define_op("kv_attention", _kv_attention, _kv_attention_fake,
                          mutates=("k_cache", "v_cache"))
 
 
-def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, lead, trail):
+def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, held, cached):
     """Attention over [lead segment, visible chunked cache, trail segment]. The queries are
-    the chunk's tokens, with or without the segments (text attending too, or not)."""
+    the chunk's tokens, with or without the segments (text attending too, or not). `held`:
+    the (lead, trail) segments k and v hold, written to the cache; `cached`: the cache's."""
     start, _, visible = (int(x) for x in chunk.tolist())
-    full, n = k_cache.shape[-2], k.shape[-2] - lead - trail
+    (lead, trail), (held_lead, held_trail) = cached, held
+    full, n = k_cache.shape[-2], k.shape[-2] - held_lead - held_trail
     offset = lead + start * per_unit
     with _cache_write_range():
         for cache, new in ((k_cache, k), (v_cache, v)):
-            cache[..., :lead, :].copy_(new[..., :lead, :])
-            cache[..., offset : offset + n, :].copy_(new[..., lead : lead + n, :])
-            cache[..., full - trail :, :].copy_(new[..., lead + n :, :])
+            cache[..., offset : offset + n, :].copy_(new[..., held_lead : held_lead + n, :])
+            if held_lead or held_trail:
+                cache[..., :lead, :].copy_(new[..., :lead, :])
+                cache[..., full - trail :, :].copy_(new[..., lead + n :, :])
     seen = torch.cat([torch.arange(lead + visible * per_unit, device=q.device),
                       torch.arange(full - trail, full, device=q.device)])
     keys, values = k_cache.index_select(-2, seen), v_cache.index_select(-2, seen)

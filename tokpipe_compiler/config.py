@@ -10,6 +10,7 @@ from tokpipe_compiler.runtime.transport import MAX_TIMEOUT
 
 MODES = ("stale", "causal", "sync")
 COMPILERS = ("inductor", "eager")
+TEXT_CHUNKS = ("last", "every")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class Config:
     timeout: seconds a rank waits for another before it raises, naming what it waited for.
     cuda_graphs: replay each chunk of a stage from a CUDA graph (GPU runs), so a chunk's
         kernel launches cost one replay; stages that cannot be captured warn and run as is.
+    text_chunks: which chunks of a stale step compute the text tokens of joint attention:
+        "last" (the others attend to the text's K/V as the step before left them, so the
+        text is computed once a step) or "every" (each chunk computes its own copy).
     """
 
     stages: int = 2
@@ -39,6 +43,7 @@ class Config:
     fallback: bool = False
     timeout: float = 300.0
     cuda_graphs: bool = False
+    text_chunks: str = "last"
 
     def __post_init__(self) -> None:
         _check_int("stages", self.stages, 1)
@@ -49,6 +54,7 @@ class Config:
         _check_choice("mode", self.mode, MODES)
         _check_int("warmup_steps", self.warmup_steps, 0)
         _check_choice("compiler", self.compiler, COMPILERS)
+        _check_choice("text_chunks", self.text_chunks, TEXT_CHUNKS)
         if self.token_input is not None and not isinstance(self.token_input, (str, int)):
             raise ValueError(
                 f"option 'token_input' must be an input name, a position or None, "

@@ -37,13 +37,13 @@ def inject(program, fault: str, after: int = 0) -> None:
     calls = {"n": 0}
     run_stage = program._run_stage
 
-    def faulty(stage: int, units: int, inputs: list[torch.Tensor]):
+    def faulty(stage: int, chunk, inputs: list[torch.Tensor]):
         calls["n"] += 1
         if calls["n"] > after:
             if fault == "dies":
                 os._exit(3)
             time.sleep(3600)
-        return run_stage(stage, units, inputs)
+        return run_stage(stage, chunk, inputs)
 
     program._run_stage = faulty
 

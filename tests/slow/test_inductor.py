@@ -34,7 +34,7 @@ def test_inductor_stages_equal_eager_stages(programs):
         (got,) = compiled(*args)
         (expected,) = eager(*args)
         assert_rel_close(got, expected)
-    assert set(compiled.stage_programs[0].compiled) == {2, 4}  # a chunk of 2 rows, all 4
+    assert set(compiled.stage_programs[0].compiled) == {(2, True), (4, True)}  # 2 rows, all 4
 
 
 def test_inductor_compiles_the_attention_custom_op(programs):

@@ -74,13 +74,15 @@ class TokenInfo:
     def segmented(self) -> bool:
         return bool(self.lead or self.trail)
 
-    def extent(self, units: int) -> int:
-        """Size of the token axis on a chunk of `units` grid units."""
-        return self.outer * self.block(units)
+    def extent(self, units: int, segments: bool = True) -> int:
+        """Size of the token axis on a chunk of `units` grid units, with or without the
+        segments (a chunk that leaves the text to the step's last chunk has none)."""
+        return self.outer * self.block(units, segments)
 
-    def block(self, units: int) -> int:
+    def block(self, units: int, segments: bool = True) -> int:
         """Elements of one outer block on a chunk of `units` grid units."""
-        return self.lead + units * self.per_unit + self.trail
+        rows = units * self.per_unit
+        return self.lead + rows + self.trail if segments else rows
 
     def moved(self, axis: int, kind: Kind = TOKEN) -> TokenInfo:
         """The same token layout on another axis."""

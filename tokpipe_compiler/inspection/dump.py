@@ -4,6 +4,7 @@
     plan.json                 every number of the summary
     prelude.py, stage_<i>.py  the graphs (full sequence length), as Python
     stage_<i>_inductor_<n>u.py  Inductor's output code, for stages compiled at n grid rows
+                                (`_<n>u_rows.py`: a chunk without the text segments)
     schedule.png              predicted schedule: a row per rank, a box per chunk and step
     partition.png             which layers run on which stage
 """
@@ -57,10 +58,11 @@ def inductor_source(fn: Any) -> str | None:
 def _inductor_code(program: Any, folder: Path) -> list[Path]:
     files = []
     for index, stage in enumerate(program.stage_programs):
-        for units, fn in sorted(stage.compiled.items()):
+        for (units, segments), fn in sorted(stage.compiled.items()):
             code = inductor_source(fn)
+            rows = "" if segments else "_rows"  # a chunk without the text segments
             if code is not None:
-                files.append(_write(folder / f"stage_{index}_inductor_{units}u.py", code))
+                files.append(_write(folder / f"stage_{index}_inductor_{units}u{rows}.py", code))
     return files
 
 

@@ -56,6 +56,9 @@ def _chunk_table(plan: Plan) -> list[str]:
         rows.append((str(c.index), f"[{c.start}, {c.stop})",
                      f"[{c.start * per_unit}, {c.stop * per_unit})",
                      str(plan.context_tokens(c)), human_count(flops)))
+    if not all(c.segments for c in plan.chunks):
+        return [*_table(rows), "text segments (joint attention): computed by each step's "
+                "last chunk; the others attend to their cached K/V"]
     return _table(rows)
 
 

@@ -27,12 +27,19 @@ import torch.fx
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.logs import LOG, log_plan
-from tokpipe_compiler.core.meta import ATTENTION, META_KEY, SOURCE_KEY, STAGE_KEY
+from tokpipe_compiler.core.meta import (
+    ATTENTION,
+    INVARIANT_INFO,
+    META_KEY,
+    SOURCE_KEY,
+    STAGE_KEY,
+)
 from tokpipe_compiler.costmodel import planning_costs
 from tokpipe_compiler.costmodel.chunk_choice import choose_causal, choose_stale
 from tokpipe_compiler.passes.annotate import Annotation, annotate, raise_unsupported
 from tokpipe_compiler.passes.chunk_attention import chunk_attention
 from tokpipe_compiler.passes.chunk_sums import chunk_sums
+from tokpipe_compiler.passes.last_segments import why_kept
 from tokpipe_compiler.passes.partition import Partition, partition
 from tokpipe_compiler.passes.split import split
 from tokpipe_compiler.planning.pass_runner import (
@@ -45,7 +52,12 @@ from tokpipe_compiler.planning.pass_runner import (
     sums_chunked,
 )
 from tokpipe_compiler.planning.plan import Plan, describe_stages
-from tokpipe_compiler.runtime.chunking import Chunk, chunk_table, table_from_tokens
+from tokpipe_compiler.runtime.chunking import (
+    Chunk,
+    chunk_table,
+    table_from_tokens,
+    with_last_segments,
+)
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 
 ANNOTATE = PassSpec("annotate", (SOURCE_KEY,), (META_KEY,), annotated)
@@ -69,6 +81,7 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     costs = planning_costs.stage_costs(cut, config.stages, tokens)  # before sdpa is rewritten
     caches = run_pass(CHUNK_ATTENTION, chunk_attention, gm, config.mode)
     caches = caches + run_pass(CHUNK_SUMS, chunk_sums, gm, config.mode)
+    chunks = text_chunks(gm, chunks, config)
     runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in c.names}
     graphs = run_pass(SPLIT, split, gm, config.stages, runtime_inputs)
     consumers = {s: {i_stage.index for i_stage in graphs.stages for i in i_stage.inputs
@@ -78,6 +91,20 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
                 caches, consumers, tokens, cut.imbalance, cut.warning)
     log_plan(plan)
     return plan
+
+
+def text_chunks(gm: torch.fx.GraphModule, chunks: list[Chunk], config: Config) -> list[Chunk]:
+    """The chunk table with the text segments of joint attention left to each step's last
+    chunk (`passes/last_segments.py`), where the mode and the graph allow it."""
+    if config.mode != "stale" or config.text_chunks != "last" or len(chunks) == 1:
+        return chunks
+    if not any(n.meta.get(META_KEY, INVARIANT_INFO).segmented for n in gm.graph.nodes):
+        return chunks
+    reason = why_kept(gm)
+    if reason:
+        LOG.info("every chunk computes the text segments: %s", reason)
+        return chunks
+    return with_last_segments(chunks)
 
 
 def token_batch(annotation: Annotation) -> int:

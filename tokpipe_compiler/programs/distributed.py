@@ -133,7 +133,7 @@ class DistributedProgram(PipelinedProgram):
         self._output_step = self.calls + step  # numbered as the executor numbers messages
         return super()._assemble(values, chunks, call_env, step)
 
-    def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
+    def _gather(self, spec, pieces: list[torch.Tensor], chunks: list) -> torch.Tensor:
         """The producer concatenates its chunks and sends the whole output to every other
         rank; they wait for it with the transport's timeout."""
         step = self._output_step
@@ -145,7 +145,7 @@ class DistributedProgram(PipelinedProgram):
         if spec.producer != self.rank:
             handle = self.transport.post_recv(key(self.rank), spec.producer, self._spec(spec))
             return handle.wait()
-        tensor = assemble_output(self.plan, spec, pieces).contiguous()
+        tensor = assemble_output(self.plan, spec, pieces, chunks).contiguous()
         for dst in range(self.world):
             if dst != self.rank:
                 self.transport.send(key(dst), tensor, dst)

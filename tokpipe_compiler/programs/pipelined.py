@@ -197,8 +197,8 @@ class PipelinedProgram:
         """Where the K/V caches live: with the inputs."""
         return _device_of(args)
 
-    def _run_stage(self, stage: int, units: int, inputs: list[torch.Tensor]):
-        return self.stage_programs[stage](units, inputs)
+    def _run_stage(self, stage: int, chunk: Chunk, inputs: list[torch.Tensor]):
+        return self.stage_programs[stage](chunk, inputs)
 
     def _assemble(self, values: dict, chunks: list[Chunk], call_env: dict, step: int) -> tuple:
         out = []
@@ -207,13 +207,13 @@ class PipelinedProgram:
                 out.append(spec.source)
             elif spec.kind == OutputKind.TOKEN:
                 out.append(self._gather(spec, [values[(step, c.index)].get(spec.source)
-                                               for c in chunks]))
+                                               for c in chunks], chunks))
             else:
                 out.append(call_env[spec.source])
         return tuple(out)
 
-    def _gather(self, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
-        return assemble_output(self.plan, spec, pieces)
+    def _gather(self, spec, pieces: list[torch.Tensor], chunks: list[Chunk]) -> torch.Tensor:
+        return assemble_output(self.plan, spec, pieces, chunks)
 
 
 def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
@@ -227,10 +227,12 @@ def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
     return edges
 
 
-def assemble_output(plan: Plan, spec, pieces: list[torch.Tensor]) -> torch.Tensor:
+def assemble_output(plan: Plan, spec, pieces: list[torch.Tensor],
+                    chunks: list[Chunk]) -> torch.Tensor:
     """A token output from its chunks' pieces, with the layout its stage gives it."""
     info = plan.graphs.stages[spec.producer].output_infos[spec.source]
-    return assemble(pieces, spec.axis, info.outer, info.lead, info.trail)
+    return assemble(pieces, spec.axis, info.outer, info.lead, info.trail,
+                    [c.segments for c in chunks])
 
 
 def _device_of(args: tuple) -> torch.device:

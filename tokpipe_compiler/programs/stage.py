@@ -1,5 +1,6 @@
-"""A stage as the runtime calls it: specialised and compiled per chunk length, on demand,
-and with `cuda_graphs` replayed from one CUDA graph per chunk (`runtime/cuda_graphs.py`)."""
+"""A stage as the runtime calls it: specialised and compiled per chunk length (and, where
+it carries text segments, per chunk with or without them), on demand, and with
+`cuda_graphs` replayed from one CUDA graph per chunk (`runtime/cuda_graphs.py`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from collections.abc import Sequence
 
 import torch
 
+from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY
 from tokpipe_compiler.core.stage_graph import CALL, StageGraph
 from tokpipe_compiler.passes.specialize import specialize
 from tokpipe_compiler.programs.compile import StageFn, compile_stage
 from tokpipe_compiler.runtime.branch_exchange import cfg_gather
+from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.runtime.cuda_graphs import COPIED, HOST, PERSISTENT, GraphedStage
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 
@@ -30,30 +33,39 @@ class StageProgram:
         self.cuda_graphs = cuda_graphs
         self.persistent = persistent
         self.graphs_refused = False  # warned once that this stage runs without graphs
-        self.specialised: dict[int, torch.fx.GraphModule] = {}
-        self.compiled: dict[int, StageFn] = {}
+        # Keyed by (units, segments): the chunk length and whether the chunk computes the
+        # text segments (a stage without segments has one form per length).
+        self.specialised: dict[tuple[int, bool], torch.fx.GraphModule] = {}
+        self.compiled: dict[tuple[int, bool], StageFn] = {}
+        self.segmented = any(n.meta.get(META_KEY, INVARIANT_INFO).segmented
+                             for n in graph.gm.graph.nodes)
         # The inputs whose strides depend on where they came from: a chunk cut from a
         # full tensor, or received or carried whole. Per-call values keep theirs from call
         # to call (Dynamo guards the arguments' strides; the prelude computes the rest).
         self.per_chunk = [i for i, spec in enumerate(graph.inputs) if spec.kind != CALL]
 
-    def graph_for(self, units: int) -> torch.fx.GraphModule:
-        if units not in self.specialised:
-            self.specialised[units] = specialize(self.graph.gm, units)
-        return self.specialised[units]
+    def key(self, chunk: Chunk) -> tuple[int, bool]:
+        return chunk.units, chunk.segments or not self.segmented
 
-    def __call__(self, units: int, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+    def graph_for(self, units: int, segments: bool = True) -> torch.fx.GraphModule:
+        key = (units, segments or not self.segmented)
+        if key not in self.specialised:
+            self.specialised[key] = specialize(self.graph.gm, *key)
+        return self.specialised[key]
+
+    def __call__(self, chunk: Chunk, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
         if self.compiler == "inductor":
             # Compiled code is specialised to its inputs' strides (and checks them). K/V
             # caches are contiguous, and passed as themselves: they are written in place.
             for i in self.per_chunk:
                 if isinstance(inputs[i], torch.Tensor):
                     inputs[i] = inputs[i].contiguous()
-        if units not in self.compiled:
-            fn = compile_stage(self.graph_for(units), inputs, self.compiler)
-            self.compiled[units] = self._graphed(fn, inputs) if self.cuda_graphs else fn
+        key = self.key(chunk)
+        if key not in self.compiled:
+            fn = compile_stage(self.graph_for(*key), inputs, self.compiler)
+            self.compiled[key] = self._graphed(fn, inputs) if self.cuda_graphs else fn
         with torch.no_grad():
-            return self.compiled[units](*inputs)
+            return self.compiled[key](*inputs)
 
     def _graphed(self, fn: StageFn, inputs: list) -> StageFn:
         """`fn` behind CUDA graphs, or `fn` itself (with a warning) where they cannot run."""

@@ -20,7 +20,7 @@ from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.pipelined import PipelinedProgram
 from tokpipe_compiler.runtime.chunking import Chunk, slice_to_chunk
 
-Record = dict[int, list[tuple[int, dict[str, torch.Tensor]]]]  # stage -> [(units, outputs)]
+Record = dict[int, list[tuple[Chunk, dict[str, torch.Tensor]]]]  # stage -> [(chunk, outputs)]
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,10 @@ def record_stage_outputs(program: PipelinedProgram, args: tuple) -> Record:
     originals = list(program.stage_programs)
 
     def recording(index: int, stage):
-        def run(units: int, inputs: list[torch.Tensor]):
-            outputs = stage(units, inputs)
+        def run(chunk: Chunk, inputs: list[torch.Tensor]):
+            outputs = stage(chunk, inputs)
             names = program.plan.graphs.stages[index].outputs
-            record.setdefault(index, []).append((units, dict(zip(names, outputs, strict=True))))
+            record.setdefault(index, []).append((chunk, dict(zip(names, outputs, strict=True))))
             return outputs
 
         return run
@@ -87,11 +87,13 @@ def record_stage_outputs(program: PipelinedProgram, args: tuple) -> Record:
 
 def _chunk_major(record: Record) -> list[tuple[Chunk, int, dict[str, torch.Tensor]]]:
     """(chunk, stage, outputs) sorted chunk by chunk, then stage by stage. A stage runs its
-    chunks in order, so a run's rows follow from the units of the runs before it."""
+    chunks in order, so a run's rows follow from the units of the runs before it (not
+    from the chunk it was handed, which is what a bug may have got wrong)."""
     out = []
     for stage, runs in record.items():
         start = 0
-        for index, (units, outputs) in enumerate(runs):
-            out.append((Chunk(index, start, start + units), stage, outputs))
-            start += units
+        for index, (chunk, outputs) in enumerate(runs):
+            out.append((Chunk(index, start, start + chunk.units, chunk.segments), stage,
+                        outputs))
+            start += chunk.units
     return sorted(out, key=lambda item: (item[0].index, item[1]))

@@ -1,0 +1,111 @@
+"""Joint attention's text tokens computed by every chunk against once a step.
+
+    python benchmarks/text_chunks.py [--text 512] [--side 32] [--chunks 2 4 8]
+        [--double 2] [--single 4] [--heads 8] [--reps 3] [--rounds 3]
+
+A Flux structure (`FluxTransformer2DModel`: double-stream blocks, then single-stream blocks
+over text and image joined) with its released text length (512 T5 tokens) and the image
+tokens of a `side` x `side` latent grid after 2x2 patches (side 64: 1024 tokens, 512 px;
+side 128: 4096 tokens, 1024 px), fewer blocks and narrower heads so that a step takes a
+fraction of a second on a CPU core. One process, one thread: tokpipe's stages run in turn,
+so a step costs the work of all of them and the ratio to serial is what chunking adds.
+
+Runs serial eager and tokpipe 2 stages x M chunks (stale, eager stage graphs) with
+`text_chunks="every"` (each chunk computes the text stream) and `"last"` (the step's last
+chunk does; the others attend to its cached K/V), timed in interleaved rounds. The work
+ratio the text adds is (image + M x text) / (image + text) with "every" and 1 with "last".
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.host_overhead
+
+import tokpipe_compiler as tp
+from benchmarks.host_overhead import interleaved_ms
+
+POOLED, T5, CHANNELS = 768, 4096, 64
+
+
+def flux(double: int, single: int, heads: int) -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=CHANNELS, num_layers=double, num_single_layers=single,
+        attention_head_dim=128, num_attention_heads=heads, joint_attention_dim=T5,
+        pooled_projection_dim=POOLED, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+    ).eval()
+
+
+def call_of(model: torch.nn.Module, text: int, side: int) -> Callable[[], object]:
+    """One denoising call: packed latents of a side x side grid (Flux's 2x2 packing)."""
+    gen = torch.Generator().manual_seed(1)
+    image = (side // 2) ** 2
+    ids = torch.zeros(side // 2, side // 2, 3)
+    ids[..., 1] += torch.arange(side // 2)[:, None]
+    ids[..., 2] += torch.arange(side // 2)[None, :]
+    kwargs = {"hidden_states": torch.randn(1, image, CHANNELS, generator=gen),
+              "encoder_hidden_states": torch.randn(1, text, T5, generator=gen),
+              "pooled_projections": torch.randn(1, POOLED, generator=gen),
+              "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]),
+              "img_ids": ids.reshape(-1, 3), "txt_ids": torch.zeros(text, 3),
+              "return_dict": False}
+    return lambda: model(**kwargs)
+
+
+def tokpipe_call(model: torch.nn.Module, chunks: int, text_chunks: str, text: int,
+                 side: int) -> Callable[[], object]:
+    backend = tp.backend(stages=2, chunks=chunks, mode="stale", warmup_steps=1,
+                         compiler="eager", text_chunks=text_chunks)
+    call = call_of(torch.compile(model, backend=backend, dynamic=False), text, side)
+    for _ in range(2):  # the warmup step, then a chunked one
+        call()
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text", type=int, default=512)
+    parser.add_argument("--side", type=int, default=64)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--double", type=int, default=2)
+    parser.add_argument("--single", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3, help="steps per call and round")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = flux(args.double, args.single, args.heads)
+    image = (args.side // 2) ** 2
+    with torch.no_grad():
+        calls = {"serial eager": call_of(model, args.text, args.side)}
+        for chunks in args.chunks:
+            for text_chunks in ("every", "last"):
+                calls[f"2x{chunks} text {text_chunks}"] = tokpipe_call(
+                    model, chunks, text_chunks, args.text, args.side)
+        steps = interleaved_ms(calls, args.rounds, args.reps)
+    base = statistics.median(steps["serial eager"])
+    print(f"\nFlux structure, {args.double} double + {args.single} single blocks, "
+          f"{args.heads} heads x 128, {args.text} text + {image} image tokens, batch 1; "
+          f"ms per step (median of {args.rounds} x {args.reps}, interleaved); "
+          "'text work' is the text stream's share as counted in tokens")
+    print(f"{'run':<20} {'step':>9} {'vs serial':>10} {'text work':>10}")
+    for name, times in steps.items():
+        step = statistics.median(times)
+        work = 1.0
+        if "every" in name:
+            chunks = int(name.split("x")[1].split()[0])
+            work = (image + chunks * args.text) / (image + args.text)
+        print(f"{name:<20} {step:>9.1f} {step / base:>9.2f}x {work:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
