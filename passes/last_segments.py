@@ -24,15 +24,10 @@ import torch.fx
 from tokpipe_compiler.core.args import arg
 from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.fx import example_value
-from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TOKEN_SUM, TokenInfo
-from tokpipe_compiler.runtime import halo_conv, token_sums
+from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TokenInfo
 from tokpipe_compiler.runtime.kv_attention import kv_attention
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
-# Ops that mix the rows of their token axis through a cache of their own: they would see a
-# chunk's rows without the segments' and have no cached copy of those.
-_ROW_MIXING = (halo_conv.halo_conv, token_sums.token_sum, token_sums.token_matmul,
-               token_sums.token_group_norm)
 
 
 def _info(node: object) -> TokenInfo:
@@ -56,7 +51,9 @@ def _joins_segments(node: torch.fx.Node) -> bool:
 
 
 def why_kept(gm: torch.fx.GraphModule) -> str:
-    """Why every chunk of a step must compute the text segments itself ('' if it need not)."""
+    """Why every chunk of a step must compute the text segments itself ('' if it need not).
+    Sums over a token axis that holds segments are refused before (annotate); what is left
+    is a value computed from the text that meets the image rows other than in attention."""
     for node in gm.graph.nodes:
         if only_segment(_info(node)):
             for user in node.users:
@@ -64,9 +61,6 @@ def why_kept(gm: torch.fx.GraphModule) -> str:
                         and not _joins_segments(user):
                     return f"{describe(user)} reads the text segment {node.name} " \
                            "other than by joining it to the image tokens"
-        segmented_input = any(_info(a).segmented for a in node.all_input_nodes)
-        if segmented_input and (node.target in _ROW_MIXING or _info(node).kind == TOKEN_SUM):
-            return f"{describe(node)} sums over a token axis that holds text segments"
     return ""
 
 

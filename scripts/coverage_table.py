@@ -26,16 +26,19 @@ SEMANTICS = """\
 ## What the modes mean for these models
 
 **Joint text+image attention** (SD3, Flux and its kin, CogVideoX, AuraFlow, HunyuanVideo ...):
-the text tokens are a whole, unchunked *segment* of the token axis that rides with every
-chunk (`TokenInfo.lead`/`trail`). A chunk's attention runs over [text K/V, visible image
-K/V cache]; the text queries attend too, so each chunk carries its own copy of the text
-stream through the stage, computed from that chunk's view of the caches. In `sync` (and
-warmup) that view is the whole fresh sequence: exact. In `stale` it is fresh image K/V for
-chunks 0..p and the previous step's for the rest, the same approximation PipeFusion makes
-for image tokens; the text stream of the last chunk sees every image token fresh. So the
-text stream is never older than the image K/V it is mixed with, unlike reusing the text
-computed with the first chunk. Cost: the text tokens are computed once per chunk (for
-SD3 at 1024px, 333 text tokens against 4096/M image tokens per chunk). An exact pipelined
+the text tokens are a whole, unchunked *segment* of the token axis (`TokenInfo.lead`/`trail`).
+A chunk's attention runs over [text K/V, visible image K/V cache]. In `sync` (and warmup)
+the one chunk is the whole fresh sequence: exact. In `stale` only a step's last chunk
+computes the text stream (`text_chunks="last"`, the default; `passes/last_segments.py`):
+its text queries see every image token of the step fresh, and it writes the text K/V to
+the caches. The other chunks run their graph without the text rows (the text stream is
+dead code there) and attend to the text K/V as the previous step's last chunk left them:
+one step old, the approximation PipeFusion makes for the image tokens of later chunks. So
+a step computes the text once, not once per chunk (Flux at 1024 px: 512 text tokens
+against 4096/M image tokens a chunk, 1.33x the step's work at M = 4 with a copy per
+chunk). `text_chunks="every"` gives every chunk its own copy of the text stream, computed
+from that chunk's view of the caches. A graph whose image rows read the text other than
+through attention keeps a copy per chunk. An exact pipelined
 text stream does not exist: text K/V of block l+1 depend on every image token of block l,
 so no chunk of block l+1 may start before all of block l is done; `sync` is the exact
 choice. Image-only queries over [text, image] keys (PRX) need no text stream at all. A

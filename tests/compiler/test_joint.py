@@ -11,6 +11,8 @@ from torch import nn
 from tests.fixtures.models import Block
 from tests.fixtures.tracing import assert_rel_close, rel_error, trace
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY
+from tokpipe_compiler.passes.last_segments import only_segment
 from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.planning.params import computes_from, prelude_reads
 
@@ -212,3 +214,49 @@ def test_text_joined_before_the_graph_is_a_segment_of_the_token_input():
         assert program.plan.units == 12
         program(*traced.args())
         assert_rel_close(program(*traced.args())[0], expected)
+
+
+def _linears(gm: torch.fx.GraphModule) -> int:
+    return sum(n.op == "call_function" and "linear" in str(n.target) for n in gm.graph.nodes)
+
+
+def test_chunks_but_the_last_run_without_the_text_stream(joint):
+    """In stale mode only a step's last chunk computes the text stream: the others' graph
+    holds none of it (no linear over text, no value that is only text), and on a repeated
+    input the output still equals eager."""
+    model, traced = joint
+    program = traced.program(mode="stale", stages=1, chunks=3, warmup_steps=1)
+    assert [c.segments for c in program.plan.chunks] == [False, False, True]
+    stage = program.stage_programs[0]
+    rows, whole = stage.graph_for(4, segments=False), stage.graph_for(4)
+    assert _linears(rows) == 2 * len(model.blocks)  # each block's image qkv and out
+    assert _linears(whole) > _linears(rows)
+    assert not [n for n in rows.graph.nodes
+                if n.op != "placeholder" and only_segment(n.meta.get(META_KEY, INVARIANT_INFO))]
+    for _ in range(2):
+        (out,) = program(*traced.args(x=inputs(5)[0], text=inputs(5)[1]))
+    assert_rel_close(out, eager(model, 5))
+
+
+class ScaledByText(TinyJoint):
+    """The image rows scaled by the first text token's attention output: a chunk without
+    the text would have nothing to scale by, so every chunk keeps computing the text."""
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        block = self.blocks[0]
+        q, k, v = block.split_heads(block.qkv(x))
+        qt, kt, vt = block.split_heads(block.qkv_text(text))
+        joint = [torch.cat(pair, dim=2) for pair in ((qt, q), (kt, k), (vt, v))]
+        a = F.scaled_dot_product_attention(*joint).transpose(1, 2).flatten(2)
+        return x + a[:, text.shape[1]:] * a[:, :1]
+
+
+def test_text_read_by_the_image_rows_stays_in_every_chunk():
+    torch.manual_seed(0)
+    model = ScaledByText().eval()
+    traced = trace(model, *inputs(0))
+    program = traced.program(mode="stale", stages=1, chunks=3, warmup_steps=1)
+    assert all(c.segments for c in program.plan.chunks)
+    for _ in range(2):
+        (out,) = program(*traced.args(x=inputs(5)[0], text=inputs(5)[1]))
+    assert_rel_close(out, eager(model, 5))
