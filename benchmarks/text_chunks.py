@@ -11,9 +11,9 @@ fraction of a second on a CPU core. One process, one thread: tokpipe's stages ru
 so a step costs the work of all of them and the ratio to serial is what chunking adds.
 
 Runs serial eager and tokpipe 2 stages x M chunks (stale, eager stage graphs) with
-`text_chunks="every"` (each chunk computes the text stream) and `"last"` (the step's last
-chunk does; the others attend to its cached K/V), timed in interleaved rounds. The work
-ratio the text adds is (image + M x text) / (image + text) with "every" and 1 with "last".
+`text_chunks="every"` (each chunk computes the text stream) and `"first"` (the step's first
+chunk does; the later ones attend to its cached K/V), timed in interleaved rounds. The work
+ratio the text adds is (image + M x text) / (image + text) with "every" and 1 with "first".
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main() -> None:
     with torch.no_grad():
         calls = {"serial eager": call_of(model, args.text, args.side)}
         for chunks in args.chunks:
-            for text_chunks in ("every", "last"):
+            for text_chunks in ("every", "first"):
                 calls[f"2x{chunks} text {text_chunks}"] = tokpipe_call(
                     model, chunks, text_chunks, args.text, args.side)
         steps = interleaved_ms(calls, args.rounds, args.reps)

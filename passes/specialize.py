@@ -7,7 +7,7 @@ becomes, for a chunk of 4 of 16 units,
 Every token value's expected chunk shape is known from its TokenInfo; a fake-tensor run
 then checks that each node really produces it, so an op with a literal size that no rule
 rewrites fails here, by name, instead of computing a wrong answer. A chunk that leaves the
-text segments to the step's last chunk gets a graph without them (`last_segments.py`).
+text segments to the step's first chunk gets a graph without them (`text_once.py`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TokenInfo
 from tokpipe_compiler.core.ops import op_key
 from tokpipe_compiler.passes.axis_rules import split_pieces
-from tokpipe_compiler.passes.last_segments import drop_segments
 from tokpipe_compiler.passes.segments import to_chunk
 from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis
+from tokpipe_compiler.passes.text_once import drop_segments
 
 _SHAPE_ARG_OPS = {"method:view", "method:reshape", "method:expand", torch.reshape}
 _UNFLATTEN_OPS = {"method:unflatten", torch.unflatten}

@@ -16,8 +16,8 @@ class Chunk:
     """Units [start, stop) of the token grid (a unit is one row of patches).
 
     segments: whether the chunk computes the whole text segments of joint attention. In
-    stale mode only a step's last chunk does; the others attend to the segments' K/V in the
-    caches, as the last chunk of the step before left them (`with_last_segments`).
+    stale mode only a step's first chunk does; the later ones attend to the segments' K/V
+    in the caches, as the first chunk left them (`with_first_segments`).
     """
 
     index: int
@@ -72,10 +72,9 @@ def table_from_tokens(units: int, tokens: int, lengths: Sequence[int]) -> list[C
     return table_from_sizes([n // per_unit for n in lengths])
 
 
-def with_last_segments(table: Sequence[Chunk]) -> list[Chunk]:
-    """`table` with the text segments computed by its last chunk only."""
-    last = len(table) - 1
-    return [replace(c, segments=c.index == last) for c in table]
+def with_first_segments(table: Sequence[Chunk]) -> list[Chunk]:
+    """`table` with the text segments computed by its first chunk only."""
+    return [replace(c, segments=c.index == 0) for c in table]
 
 
 def chunk_slice(x: torch.Tensor, axis: int, per_unit: int, outer: int = 1) -> torch.Tensor:
@@ -99,14 +98,15 @@ def assemble(pieces: Sequence[torch.Tensor], axis: int, outer: int = 1, lead: in
              trail: int = 0, segments: Sequence[bool] | None = None) -> torch.Tensor:
     """The inverse of `slice_to_chunk` over a chunk table: the chunks' pieces, in order,
     joined along `axis` within each of the `outer` blocks. With whole segments around the
-    chunked rows (`lead`/`trail` text tokens), the segments are the last chunk's: it ran
-    after every other chunk of the step. `segments`: which pieces hold segments (the
+    chunked rows (`lead`/`trail` text tokens), the segments are the last chunk's where
+    every chunk computed its own copy (it ran after every other chunk of the step), else
+    the one chunk's that computed them. `segments`: which pieces hold segments (the
     chunks' `segments`; all of them when not given)."""
     if len(pieces) == 1:
         return pieces[0]
     if lead or trail:
-        last = pieces[-1]
         held = segments if segments is not None else [True] * len(pieces)
+        last = pieces[-1] if held[-1] else pieces[held.index(True)]
         rows = [p.narrow(axis, lead, p.shape[axis] - lead - trail) if has else p
                 for p, has in zip(pieces, held, strict=True)]
         return torch.cat([last.narrow(axis, 0, lead), torch.cat(rows, axis),

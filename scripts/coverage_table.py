@@ -28,23 +28,25 @@ SEMANTICS = """\
 **Joint text+image attention** (SD3, Flux and its kin, CogVideoX, AuraFlow, HunyuanVideo ...):
 the text tokens are a whole, unchunked *segment* of the token axis (`TokenInfo.lead`/`trail`).
 A chunk's attention runs over [text K/V, visible image K/V cache]. In `sync` (and warmup)
-the one chunk is the whole fresh sequence: exact. In `stale` only a step's last chunk
-computes the text stream (`text_chunks="last"`, the default; `passes/last_segments.py`):
-its text queries see every image token of the step fresh, and it writes the text K/V to
-the caches. The other chunks run their graph without the text rows (the text stream is
-dead code there) and attend to the text K/V as the previous step's last chunk left them:
-one step old, the approximation PipeFusion makes for the image tokens of later chunks. So
-a step computes the text once, not once per chunk (Flux at 1024 px: 512 text tokens
-against 4096/M image tokens a chunk, 1.33x the step's work at M = 4 with a copy per
-chunk). `text_chunks="every"` gives every chunk its own copy of the text stream, computed
-from that chunk's view of the caches. A graph whose image rows read the text other than
+the one chunk is the whole fresh sequence: exact. In `stale` only a step's first chunk
+computes the text stream (`text_chunks="first"`, the default; `passes/text_once.py`): its
+text queries see its own image tokens fresh and the others' as the previous step left
+them, the approximation PipeFusion makes for image tokens, and it writes the text K/V to
+the caches. The later chunks run their graph without the text rows (the text stream is
+dead code there) and attend to the text K/V the first chunk wrote: this step's text. So a
+step computes the text once, not once per chunk (Flux at 1024 px: 512 text tokens against
+4096/M image tokens a chunk, 1.33x the step's work at M = 4 with a copy per chunk).
+`text_chunks="every"` gives every chunk its own copy of the text stream, computed from
+that chunk's view of the caches. The two give nearly the same images: on seven pipelines
+the outputs of the two differ by 1-7% of what each differs from serial (`BENCHMARKS.md`). A graph whose image rows read the text other than
 through attention keeps a copy per chunk. An exact pipelined
 text stream does not exist: text K/V of block l+1 depend on every image token of block l,
 so no chunk of block l+1 may start before all of block l is done; `sync` is the exact
 choice. Image-only queries over [text, image] keys (PRX) need no text stream at all. A
-graph that returns the text stream (a block's graph between graph breaks) returns the last
-chunk's copy. Text joined to the image before a graph break (OmniGen) reaches the next
-graph inside its token input: the slices that graph takes of it tell the text segment, and
+graph that returns the text stream (a block's graph between graph breaks) returns the
+first chunk's copy (the last chunk's with `"every"`, which saw every image token fresh).
+Text joined to the image before a graph break (OmniGen) reaches the next graph inside its
+token input: the slices that graph takes of it tell the text segment, and
 the input is cut per chunk around it.
 
 **Long skips** (HunyuanDiT, U-shaped): a skip value crosses stage boundaries as one

@@ -10,7 +10,7 @@ from tokpipe_compiler.runtime.transport import MAX_TIMEOUT
 
 MODES = ("stale", "causal", "sync")
 COMPILERS = ("inductor", "eager")
-TEXT_CHUNKS = ("last", "every")
+TEXT_CHUNKS = ("first", "every")
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ class Config:
     cuda_graphs: replay each chunk of a stage from a CUDA graph (GPU runs), so a chunk's
         kernel launches cost one replay; stages that cannot be captured warn and run as is.
     text_chunks: which chunks of a stale step compute the text tokens of joint attention:
-        "last" (the others attend to the text's K/V as the step before left them, so the
-        text is computed once a step) or "every" (each chunk computes its own copy).
+        "first" (the later chunks attend to the text's K/V as the first chunk left them, so
+        the text is computed once a step) or "every" (each chunk computes its own copy).
     """
 
     stages: int = 2
@@ -43,7 +43,7 @@ class Config:
     fallback: bool = False
     timeout: float = 300.0
     cuda_graphs: bool = False
-    text_chunks: str = "last"
+    text_chunks: str = "first"
 
     def __post_init__(self) -> None:
         _check_int("stages", self.stages, 1)

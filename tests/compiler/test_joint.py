@@ -12,8 +12,8 @@ from tests.fixtures.models import Block
 from tests.fixtures.tracing import assert_rel_close, rel_error, trace
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY
-from tokpipe_compiler.passes.last_segments import only_segment
 from tokpipe_compiler.passes.split import prelude_for
+from tokpipe_compiler.passes.text_once import only_segment
 from tokpipe_compiler.planning.params import computes_from, prelude_reads
 
 
@@ -103,12 +103,12 @@ class ReturnsText(TinyJoint):
         return x, text
 
 
-@pytest.mark.parametrize("text_chunks", ["last", "every"])
-def test_the_text_stream_returned_is_the_last_chunks(text_chunks):
-    """The text stream returned is the last chunk's (it attended to every chunk's K/V of the
-    step). In sync, and in stale on a repeated input (stale K/V are then fresh), it equals
-    eager. With text_chunks="last" the other chunks compute none of it (zero rows); with
-    "every" each computes its own copy, and the first's differs on a new input."""
+@pytest.mark.parametrize("text_chunks", ["first", "every"])
+def test_the_text_stream_returned_is_the_chunk_that_computed_its(text_chunks):
+    """In sync, and in stale on a repeated input (stale K/V are then fresh), the text
+    stream returned equals eager. With text_chunks="first" it is the first chunk's and the
+    later chunks compute none of it (zero rows); with "every" each chunk computes its own
+    copy and the last chunk's (it attended to every chunk's K/V of the step) is returned."""
     torch.manual_seed(0)
     model = ReturnsText().eval()
     traced = trace(model, *inputs(0))
@@ -126,11 +126,10 @@ def test_the_text_stream_returned_is_the_last_chunks(text_chunks):
     _, text = stale(*traced.args(x=inputs(2)[0], text=inputs(2)[1]))
     (name,) = [s.source for s in stale.plan.graphs.outputs][1:]
     first, last = (seen[0][0, chunk][name] for chunk in (0, 1))
-    assert torch.equal(text, last)
-    if text_chunks == "last":
-        assert first.shape[1] == 0
+    if text_chunks == "first":
+        assert torch.equal(text, first) and last.shape[1] == 0
     else:
-        assert first.shape == last.shape and not torch.allclose(text, first)
+        assert torch.equal(text, last) and not torch.allclose(text, first)
 
 
 class PositionsInPlace(nn.Module):
@@ -220,13 +219,13 @@ def _linears(gm: torch.fx.GraphModule) -> int:
     return sum(n.op == "call_function" and "linear" in str(n.target) for n in gm.graph.nodes)
 
 
-def test_chunks_but_the_last_run_without_the_text_stream(joint):
-    """In stale mode only a step's last chunk computes the text stream: the others' graph
-    holds none of it (no linear over text, no value that is only text), and on a repeated
-    input the output still equals eager."""
+def test_chunks_after_the_first_run_without_the_text_stream(joint):
+    """In stale mode only a step's first chunk computes the text stream: the later ones'
+    graph holds none of it (no linear over text, no value that is only text), and on a
+    repeated input the output still equals eager."""
     model, traced = joint
     program = traced.program(mode="stale", stages=1, chunks=3, warmup_steps=1)
-    assert [c.segments for c in program.plan.chunks] == [False, False, True]
+    assert [c.segments for c in program.plan.chunks] == [True, False, False]
     stage = program.stage_programs[0]
     rows, whole = stage.graph_for(4, segments=False), stage.graph_for(4)
     assert _linears(rows) == 2 * len(model.blocks)  # each block's image qkv and out

@@ -76,7 +76,7 @@ class TokenInfo:
 
     def extent(self, units: int, segments: bool = True) -> int:
         """Size of the token axis on a chunk of `units` grid units, with or without the
-        segments (a chunk that leaves the text to the step's last chunk has none)."""
+        segments (a chunk that leaves the text to the step's first chunk has none)."""
         return self.outer * self.block(units, segments)
 
     def block(self, units: int, segments: bool = True) -> int:

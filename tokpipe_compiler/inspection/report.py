@@ -58,7 +58,7 @@ def _chunk_table(plan: Plan) -> list[str]:
                      str(plan.context_tokens(c)), human_count(flops)))
     if not all(c.segments for c in plan.chunks):
         return [*_table(rows), "text segments (joint attention): computed by each step's "
-                "last chunk; the others attend to their cached K/V"]
+                "first chunk; the later ones attend to their cached K/V"]
     return _table(rows)
 
 

@@ -39,9 +39,9 @@ from tokpipe_compiler.costmodel.chunk_choice import choose_causal, choose_stale
 from tokpipe_compiler.passes.annotate import Annotation, annotate, raise_unsupported
 from tokpipe_compiler.passes.chunk_attention import chunk_attention
 from tokpipe_compiler.passes.chunk_sums import chunk_sums
-from tokpipe_compiler.passes.last_segments import why_kept
 from tokpipe_compiler.passes.partition import Partition, partition
 from tokpipe_compiler.passes.split import split
+from tokpipe_compiler.passes.text_once import why_kept
 from tokpipe_compiler.planning.pass_runner import (
     PassSpec,
     annotated,
@@ -56,7 +56,7 @@ from tokpipe_compiler.runtime.chunking import (
     Chunk,
     chunk_table,
     table_from_tokens,
-    with_last_segments,
+    with_first_segments,
 )
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 
@@ -94,9 +94,9 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
 
 
 def text_chunks(gm: torch.fx.GraphModule, chunks: list[Chunk], config: Config) -> list[Chunk]:
-    """The chunk table with the text segments of joint attention left to each step's last
-    chunk (`passes/last_segments.py`), where the mode and the graph allow it."""
-    if config.mode != "stale" or config.text_chunks != "last" or len(chunks) == 1:
+    """The chunk table with the text segments of joint attention left to each step's first
+    chunk (`passes/text_once.py`), where the mode and the graph allow it."""
+    if config.mode != "stale" or config.text_chunks != "first" or len(chunks) == 1:
         return chunks
     if not any(n.meta.get(META_KEY, INVARIANT_INFO).segmented for n in gm.graph.nodes):
         return chunks
@@ -104,7 +104,7 @@ def text_chunks(gm: torch.fx.GraphModule, chunks: list[Chunk], config: Config) -
     if reason:
         LOG.info("every chunk computes the text segments: %s", reason)
         return chunks
-    return with_last_segments(chunks)
+    return with_first_segments(chunks)
 
 
 def token_batch(annotation: Annotation) -> int:

@@ -1,17 +1,18 @@
-"""Text segments computed once a step: by its last chunk, not by every chunk.
+"""Text segments computed once a step: by its first chunk, not by every chunk.
 
 Joint attention carries the text tokens whole with every chunk (`segments.py`), so a step
 of M chunks computes the text stream M times: at 512 text tokens and 4096 image tokens
 (Flux at 1024 px), 4 chunks do 1.33x the work of one whole pass. In stale mode a chunk
 attends to the other chunks' K/V as the caches hold them; the text's can be held the same
-way. So only the step's last chunk computes the text (the copy the step keeps in any case:
-`chunking.assemble`); every other chunk runs its graph without the segments:
+way. So only the step's first chunk computes the text, and writes its K/V to the caches
+(`chunking.assemble` keeps its copy of the text stream); every later chunk runs its graph
+without the segments:
 
     q = cat([txt_q, img_q], 2)      [1, 2, 512 + n, 64]   ->   q = cat([img_q], 2)  [1, 2, n, 64]
     kv_attention(..., lead=512)                            ->   kv_attention(..., segments=False)
     txt = out[:, :512]; txt + ...                          ->   (dead)
 
-and attends to the text's K/V as the previous step's last chunk left them in the cache.
+and attends to the text's K/V as the first chunk of its step left them in the cache.
 A value that is only a segment (the text stream) gets zero rows there, and a stage output
 of that kind an empty tensor, which the transports send as nothing.
 """
@@ -84,7 +85,7 @@ def drop_segments(graph: torch.fx.Graph) -> None:
         if node.op == "call_function" and node.target is not kv_attention \
                 and only_segment(_info(node)):
             raise TokpipeError(f"{describe(node)} still computes the text segment in a "
-                               "chunk that leaves it to the step's last chunk")
+                               "chunk that leaves it to the step's first chunk")
 
 
 def _rows_input(graph: torch.fx.Graph) -> torch.fx.Node:
@@ -93,7 +94,7 @@ def _rows_input(graph: torch.fx.Graph) -> torch.fx.Node:
         if node.op == "placeholder" and _info(node).carries_tokens and _info(node).per_unit:
             return node
     raise TokpipeError("a stage without the chunk's rows among its inputs cannot leave the "
-                       "text segments to the step's last chunk")
+                       "text segments to the step's first chunk")
 
 
 def _empty_if_segment(graph: torch.fx.Graph, value: object,
