@@ -1,14 +1,16 @@
 """Joint attention's text tokens computed by every chunk against once a step.
 
-    python benchmarks/text_chunks.py [--text 512] [--side 32] [--chunks 2 4 8]
-        [--double 2] [--single 4] [--heads 8] [--reps 3] [--rounds 3]
+    python benchmarks/text_chunks.py [--text 512] [--side 64] [--chunks 2 4 8]
+        [--double 2] [--single 4] [--heads 4] [--reps 3] [--rounds 3]
+        [--device cuda --dtype bfloat16]
 
 A Flux structure (`FluxTransformer2DModel`: double-stream blocks, then single-stream blocks
 over text and image joined) with its released text length (512 T5 tokens) and the image
 tokens of a `side` x `side` latent grid after 2x2 patches (side 64: 1024 tokens, 512 px;
 side 128: 4096 tokens, 1024 px), fewer blocks and narrower heads so that a step takes a
-fraction of a second on a CPU core. One process, one thread: tokpipe's stages run in turn,
-so a step costs the work of all of them and the ratio to serial is what chunking adds.
+fraction of a second on a CPU core (on a GPU, `--heads 24` is FLUX.1's width). One
+process (one thread on the CPU): tokpipe's stages run in turn, so a step costs the work of
+all of them and the ratio to serial is what chunking adds.
 
 Runs serial eager and tokpipe 2 stages x M chunks (stale, eager stage graphs) with
 `text_chunks="every"` (each chunk computes the text stream) and `"first"` (the step's first
@@ -45,8 +47,10 @@ def flux(double: int, single: int, heads: int) -> torch.nn.Module:
     ).eval()
 
 
-def call_of(model: torch.nn.Module, text: int, side: int) -> Callable[[], object]:
-    """One denoising call: packed latents of a side x side grid (Flux's 2x2 packing)."""
+def call_of(model: torch.nn.Module, text: int, side: int, device: str,
+            dtype: torch.dtype) -> Callable[[], object]:
+    """One denoising call (waited for on a GPU): packed latents of a side x side grid
+    (Flux's 2x2 packing)."""
     gen = torch.Generator().manual_seed(1)
     image = (side // 2) ** 2
     ids = torch.zeros(side // 2, side // 2, 3)
@@ -58,14 +62,18 @@ def call_of(model: torch.nn.Module, text: int, side: int) -> Callable[[], object
               "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]),
               "img_ids": ids.reshape(-1, 3), "txt_ids": torch.zeros(text, 3),
               "return_dict": False}
-    return lambda: model(**kwargs)
+    kwargs = {k: v.to(device, dtype if v.is_floating_point() else v.dtype)
+              if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    if device == "cpu":
+        return lambda: model(**kwargs)
+    return lambda: (model(**kwargs), torch.cuda.synchronize())
 
 
-def tokpipe_call(model: torch.nn.Module, chunks: int, text_chunks: str, text: int,
-                 side: int) -> Callable[[], object]:
+def tokpipe_call(model: torch.nn.Module, chunks: int, text_chunks: str,
+                 *shape: object) -> Callable[[], object]:
     backend = tp.backend(stages=2, chunks=chunks, mode="stale", warmup_steps=1,
                          compiler="eager", text_chunks=text_chunks)
-    call = call_of(torch.compile(model, backend=backend, dynamic=False), text, side)
+    call = call_of(torch.compile(model, backend=backend, dynamic=False), *shape)
     for _ in range(2):  # the warmup step, then a chunked one
         call()
     return call
@@ -81,20 +89,25 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3, help="steps per call and round")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = flux(args.double, args.single, args.heads)
+    dtype = getattr(torch, args.dtype)
+    model = flux(args.double, args.single, args.heads).to(args.device, dtype)
     image = (args.side // 2) ** 2
+    shape = (args.text, args.side, args.device, dtype)
     with torch.no_grad():
-        calls = {"serial eager": call_of(model, args.text, args.side)}
+        calls = {"serial eager": call_of(model, *shape)}
         for chunks in args.chunks:
             for text_chunks in ("every", "first"):
                 calls[f"2x{chunks} text {text_chunks}"] = tokpipe_call(
-                    model, chunks, text_chunks, args.text, args.side)
+                    model, chunks, text_chunks, *shape)
         steps = interleaved_ms(calls, args.rounds, args.reps)
     base = statistics.median(steps["serial eager"])
     print(f"\nFlux structure, {args.double} double + {args.single} single blocks, "
-          f"{args.heads} heads x 128, {args.text} text + {image} image tokens, batch 1; "
+          f"{args.heads} heads x 128, {args.text} text + {image} image tokens, batch 1, "
+          f"{args.dtype} on {args.device}; "
           f"ms per step (median of {args.rounds} x {args.reps}, interleaved); "
           "'text work' is the text stream's share as counted in tokens")
     print(f"{'run':<20} {'step':>9} {'vs serial':>10} {'text work':>10}")

@@ -38,8 +38,9 @@ step computes the text once, not once per chunk (Flux at 1024 px: 512 text token
 4096/M image tokens a chunk, 1.33x the step's work at M = 4 with a copy per chunk).
 `text_chunks="every"` gives every chunk its own copy of the text stream, computed from
 that chunk's view of the caches. The two give nearly the same images: on seven pipelines
-the outputs of the two differ by 1-7% of what each differs from serial (`BENCHMARKS.md`). A graph whose image rows read the text other than
-through attention keeps a copy per chunk. An exact pipelined
+the outputs of the two differ by 1-7% of what each differs from serial (`BENCHMARKS.md`).
+A graph whose image rows read the text other than through attention keeps a copy per
+chunk. An exact pipelined
 text stream does not exist: text K/V of block l+1 depend on every image token of block l,
 so no chunk of block l+1 may start before all of block l is done; `sync` is the exact
 choice. Image-only queries over [text, image] keys (PRX) need no text stream at all. A
