@@ -81,6 +81,13 @@ def drop_segments(graph: torch.fx.Graph) -> None:
     with graph.inserting_before(output):
         output.args = (tuple(_empty_if_segment(graph, v, reference) for v in output.args[0]),)
     graph.eliminate_dead_code()
+    # Attention among text tokens alone (QwenImage 2.1's text segment over its own keys)
+    # writes no rows here and its output is unused: DCE keeps it only because it writes.
+    for node in list(graph.nodes):
+        if node.target is kv_attention and not node.users \
+                and only_segment(_info(arg(node, 1, "k"))):
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
     for node in graph.nodes:
         if node.op == "call_function" and node.target is not kv_attention \
                 and only_segment(_info(node)):
