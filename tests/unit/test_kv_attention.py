@@ -88,3 +88,34 @@ def test_causal_chunk_output_is_contiguous_and_shaped_like_q():
     caches = torch.zeros(2, 4, 9, 8), torch.zeros(2, 4, 9, 8)
     out = kv_attention(q, k, v, *caches, torch.tensor([3, 3, 6]), 1, True)
     assert out.shape == q.shape and out.is_contiguous()
+
+
+def test_a_chunk_without_the_text_attends_to_the_text_the_first_chunk_cached():
+    """Joint attention over [text, image], the text a lead segment. The caches hold the
+    whole sequence as a previous step on the same input left them; the first chunk brings
+    the text and its image rows, a later chunk (segments=False) only its image rows. Both
+    together equal one pass over the whole sequence (float64), and the later chunk writes
+    its own rows and no text row."""
+    gen = torch.Generator().manual_seed(0)
+    text, image, half = 3, 8, 4
+    q, k, v = (torch.randn(1, 2, text + image, 4, generator=gen, dtype=torch.float64)
+               for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v)
+    caches = [k.clone(), v.clone()]
+    first_rows, later_rows = slice(0, text + half), slice(text + half, text + image)
+    first = kv_attention(*(t[..., first_rows, :] for t in (q, k, v)), *caches,
+                         torch.tensor([0, half, image]), 1, False, None, None, text, 0)
+    for cache in caches:  # the later chunk's rows and the text: unwritten by it, or wrong
+        cache[..., later_rows, :] = float("nan")
+    caches[0][..., :text, :] += 1.0
+    second = kv_attention(*(t[..., later_rows, :] for t in (q, k, v)), *caches,
+                          torch.tensor([half, half, image]), 1, False, None, None, text, 0,
+                          segments=False)
+    assert torch.equal(caches[0][..., later_rows, :], k[..., later_rows, :])
+    assert torch.equal(caches[0][..., :text, :], k[..., :text, :] + 1.0)
+    caches[0][..., :text, :] -= 1.0
+    second = kv_attention(*(t[..., later_rows, :] for t in (q, k, v)), *caches,
+                          torch.tensor([half, half, image]), 1, False, None, None, text, 0,
+                          segments=False)
+    got = torch.cat([first, second], dim=-2)
+    assert (got - expected).abs().max() <= 1e-12 * expected.abs().max()
