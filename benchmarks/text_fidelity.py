@@ -50,11 +50,14 @@ def staled(name: str, text_chunks: str, chunks: int, steps: int) -> tuple[torch.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("pipelines", nargs="*", default=DEFAULT, choices=sorted(BUILDERS),
-                        metavar="PIPELINE")
+    parser.add_argument("pipelines", nargs="*", default=DEFAULT, metavar="PIPELINE",
+                        help=f"of {', '.join(sorted(BUILDERS))}")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--chunks", type=int, default=4)
     args = parser.parse_args()
+    unknown = sorted(set(args.pipelines) - set(BUILDERS))
+    if unknown:
+        parser.error(f"unknown pipelines {unknown}; choose from {sorted(BUILDERS)}")
     warnings.filterwarnings("ignore")
     print(f"stale, 2 stages, {args.steps} steps; relative max difference of the latents")
     print(f"{'pipeline':<16} {'chunks':>6} {'every vs serial':>16} {'first vs serial':>16} "
