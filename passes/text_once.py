@@ -29,6 +29,7 @@ from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TokenInfo
 from tokpipe_compiler.runtime.kv_attention import kv_attention
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
+_EVERY = "pass options={'text_chunks': 'every'} to compute the text in every chunk"
 
 
 def _info(node: object) -> TokenInfo:
@@ -92,7 +93,7 @@ def drop_segments(graph: torch.fx.Graph) -> None:
         if node.op == "call_function" and node.target is not kv_attention \
                 and only_segment(_info(node)):
             raise TokpipeError(f"{describe(node)} still computes the text segment in a "
-                               "chunk that leaves it to the step's first chunk")
+                               f"chunk that leaves it to the step's first chunk; {_EVERY}")
 
 
 def _rows_input(graph: torch.fx.Graph) -> torch.fx.Node:
@@ -101,7 +102,7 @@ def _rows_input(graph: torch.fx.Graph) -> torch.fx.Node:
         if node.op == "placeholder" and _info(node).carries_tokens and _info(node).per_unit:
             return node
     raise TokpipeError("a stage without the chunk's rows among its inputs cannot leave the "
-                       "text segments to the step's first chunk")
+                       f"text segments to the step's first chunk; {_EVERY}")
 
 
 def _empty_if_segment(graph: torch.fx.Graph, value: object,

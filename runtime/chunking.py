@@ -115,4 +115,3 @@ def assemble(pieces: Sequence[torch.Tensor], axis: int, outer: int = 1, lead: in
         return torch.cat(list(pieces), axis)
     blocked = [p.unflatten(axis, (outer, -1)) for p in pieces]
     return torch.cat(blocked, axis + 1).flatten(axis, axis + 1)
-
