@@ -44,11 +44,12 @@ class StageProgram:
         # to call (Dynamo guards the arguments' strides; the prelude computes the rest).
         self.per_chunk = [i for i, spec in enumerate(graph.inputs) if spec.kind != CALL]
 
-    def key(self, chunk: Chunk) -> tuple[int, bool]:
-        return chunk.units, chunk.segments or not self.segmented
+    def form(self, units: int, segments: bool = True) -> tuple[int, bool]:
+        """The (units, segments) form a chunk runs as: one per length without segments."""
+        return units, segments or not self.segmented
 
     def graph_for(self, units: int, segments: bool = True) -> torch.fx.GraphModule:
-        key = (units, segments or not self.segmented)
+        key = self.form(units, segments)
         if key not in self.specialised:
             self.specialised[key] = specialize(self.graph.gm, *key)
         return self.specialised[key]
@@ -60,7 +61,7 @@ class StageProgram:
             for i in self.per_chunk:
                 if isinstance(inputs[i], torch.Tensor):
                     inputs[i] = inputs[i].contiguous()
-        key = self.key(chunk)
+        key = self.form(chunk.units, chunk.segments)
         if key not in self.compiled:
             fn = compile_stage(self.graph_for(*key), inputs, self.compiler)
             self.compiled[key] = self._graphed(fn, inputs) if self.cuda_graphs else fn
