@@ -61,9 +61,19 @@ def gib(n: float) -> str:
 
 
 def chunks_text(tokens: list[int]) -> str:
-    if len(set(tokens[:-1])) <= 1 and tokens[-1] <= tokens[0]:
-        last = "" if tokens[-1] == tokens[0] else f" (last {tokens[-1]})"
-        return f"{len(tokens)} x {tokens[0]}{last}"
+    """'4 x 1024' (even), '512 + 3 x 1195 (last 1194)' (a lighter first chunk, which also
+    computes the text), '12: 384..256' (TeraPipe's, longer first)."""
+    def even(ts: list[int]) -> bool:
+        return len(set(ts[:-1])) <= 1 and ts[-1] <= ts[0]
+
+    def shown(ts: list[int]) -> str:
+        last = "" if ts[-1] == ts[0] else f" (last {ts[-1]})"
+        return f"{len(ts)} x {ts[0]}{last}"
+
+    if even(tokens):
+        return shown(tokens)
+    if len(tokens) > 1 and even(tokens[1:]) and tokens[0] < tokens[1]:
+        return f"{tokens[0]} + {shown(tokens[1:])}"
     return f"{len(tokens)}: {tokens[0]}..{tokens[-1]}"
 
 

@@ -4,8 +4,8 @@
     python scripts/plan_released.py flux1-dev sd3-medium --no-write
 
 For each config (tests/fixtures/released/) and 2, 4, 8 stages (as many chunks, stale mode):
-the plan's tokens and chunks, each stage's share of the cost (FLOPs of one chunk, as the
-partition weighs them) and the slowest over the mean, and the parameter bytes each stage's
+the plan's tokens and chunks, each stage's share of the cost (FLOPs of one step's chunks,
+what the partition balances) and the slowest over the mean, and the parameter bytes each stage's
 rank holds (`StagePlan.param_bytes`, float32).
 """
 
@@ -33,7 +33,8 @@ traced once at its released input size (batch 2), and planned for 2, 4 and 8 sta
 as many chunks (`mode="stale"`, `token_input="hidden_states"`).
 
 - **tokens**: the plan's sequence tokens; **expected**: the released image tokens.
-- **share**: each stage's FLOPs on one chunk over the total (the partition's weights).
+- **share**: each stage's FLOPs over one step's chunks over the total (what the
+  partition balances).
 - **max/mean**: the slowest stage over the mean; the plan is balanced at <= {balance:.2f}.
 - **params held (GiB)**: `StagePlan.param_bytes` of each stage's rank, float32.
 - (!): not as expected; the notes below the table say why.

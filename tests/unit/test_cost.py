@@ -11,7 +11,14 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tokpipe_compiler.core.meta import ATTENTION, INVARIANT_INFO, META_KEY, TokenInfo, token
+from tokpipe_compiler.core.meta import (
+    ATTENTION,
+    INVARIANT_INFO,
+    META_KEY,
+    TOKEN,
+    TokenInfo,
+    token,
+)
 from tokpipe_compiler.core.ops import RuleCrashed, op_key
 from tokpipe_compiler.costmodel import calibrate, cost
 from tokpipe_compiler.costmodel.cost import C, N, graph_cost, node_cost
@@ -102,6 +109,27 @@ def test_causal_attention_counts_half_its_own_block_plus_the_kernel_tile():
     assert calibrate.seconds(cost, tiled, 4, 12) > calibrate.seconds(cost, RATES, 4, 12)
     assert calibrate.time_fn(cost, tiled)(4, 12) == pytest.approx(
         calibrate.seconds(cost, tiled, 4, 12))
+
+
+def test_joint_attention_counts_the_text_where_the_chunk_computes_it():
+    """4 text tokens before 12 image tokens: a chunk's queries hold the text only where it
+    computes it (TEXT), its keys always hold it (fresh or cached), and a whole pass with
+    the text is the full-size count."""
+    joint = TokenInfo(TOKEN, 2, 1, lead=4)
+    g = traced(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+        {name: torch.randn(1, 2, 16, 8) for name in "qkv"},
+        {"q": joint, "k": joint, "v": joint,
+         "scaled_dot_product_attention": replace(joint, kind=ATTENTION)},
+    )
+    cost = node_cost(only(g, "scaled_dot_product_attention"), 12)
+    per_pair = 2 * (4 * 8 + 5)  # heads * (q.k and p.v, softmax) per (query, key)
+    assert cost.at(3, 12, text=0.0)[0] == per_pair * 3 * (4 + 12)
+    assert cost.at(3, 12, text=1.0)[0] == per_pair * (4 + 3) * (4 + 12)
+    assert cost.at(12, 12)[0] == per_pair * 16 * 16
+    assert calibrate.time_fn(cost, RATES)(3, 12, 0.0) == pytest.approx(
+        calibrate.seconds(cost, RATES, 3, 12, 0.0))
+    assert calibrate.seconds(cost, RATES, 3, 12, 0.0) < calibrate.seconds(cost, RATES, 3, 12)
 
 
 def test_cross_attention_keys_do_not_scale():

@@ -19,7 +19,7 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from tokpipe_compiler.costmodel.cost import TILE, C, Cost, N
+from tokpipe_compiler.costmodel.cost import TEXT, TILE, C, Cost, N
 
 CACHE_ENV = "TOKPIPE_CACHE_DIR"
 # Rates that load_or_measure returns instead of measuring (see assume_rates).
@@ -50,20 +50,22 @@ class DeviceRates:
         return self.matmul_flops * m / (m + self.matmul_half)
 
 
-def seconds(cost: Cost, rates: DeviceRates, n: int, c: int) -> float:
-    """Predicted time of `cost` for a chunk of n tokens attending over c tokens."""
-    flops, nbytes, mm, attn = cost.at(n, c, round(rates.causal_tile))
+def seconds(cost: Cost, rates: DeviceRates, n: int, c: int, text: float = 1.0) -> float:
+    """Predicted time of `cost` for a chunk of n tokens attending over c tokens that
+    computes `text` of the text segments (cost.TEXT)."""
+    flops, nbytes, mm, attn = cost.at(n, c, round(rates.causal_tile), text)
     return _combine(flops, nbytes, mm, attn, cost.launches, rates, n)
 
 
-def time_fn(cost: Cost, rates: DeviceRates) -> Callable[[int, int], float]:
-    """`seconds` as a fast function of (n, c), for dynamic programs that call it often."""
+def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
+    """`seconds` as a fast function of (n, c, text=1), for dynamic programs that call it
+    often."""
     exprs = (cost.flops, cost.bytes, cost.matmul_flops, cost.attention_flops)
     tiled = [sympy.sympify(e).subs(TILE, round(rates.causal_tile)) for e in exprs]
-    evaluate = sympy.lambdify((N, C), tiled, "math")
+    evaluate = sympy.lambdify((N, C, TEXT), tiled, "math")
 
-    def predict(n: int, c: int) -> float:
-        flops, nbytes, mm, attn = (float(v) for v in evaluate(n, c))
+    def predict(n: int, c: int, text: float = 1.0) -> float:
+        flops, nbytes, mm, attn = (float(v) for v in evaluate(n, c, text))
         return _combine(flops, nbytes, mm, attn, cost.launches, rates, n)
 
     return predict

@@ -25,6 +25,7 @@ from tokpipe_compiler.core.args import arg, varargs
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.ops import call_rule, merge_tables, op_key
 from tokpipe_compiler.costmodel.symbolic import (
+    TEXT,
     TILE,
     ZERO,
     C,
@@ -39,7 +40,7 @@ from tokpipe_compiler.costmodel.symbolic import (
     token_info,
 )
 
-__all__ = ["RULES", "TILE", "ZERO", "C", "Cost", "N", "dims", "graph_cost", "node_cost"]
+__all__ = ["RULES", "TEXT", "TILE", "ZERO", "C", "Cost", "N", "dims", "graph_cost", "node_cost"]
 
 # ---- rules -----------------------------------------------------------------------------
 

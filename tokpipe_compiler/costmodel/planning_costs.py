@@ -17,9 +17,11 @@ from tokpipe_compiler.costmodel.hardware import LINKS
 from tokpipe_compiler.passes.partition import Partition
 
 
-def flops_weight(tokens: int, chunk_tokens: int) -> Callable[[torch.fx.Node], float]:
-    """A node's FLOPs on one chunk of `chunk_tokens` attending over all `tokens`."""
-    return lambda node: node_cost(node, tokens).at(chunk_tokens, tokens)[0]
+def flops_weight(tokens: int, chunk_tokens: int,
+                 text: float = 1.0) -> Callable[[torch.fx.Node], float]:
+    """A node's FLOPs on one chunk of `chunk_tokens` attending over all `tokens` that
+    computes `text` of the text segments (`cost.TEXT`)."""
+    return lambda node: node_cost(node, tokens).at(chunk_tokens, tokens, 0, text)[0]
 
 
 def stage_costs(cut: Partition, stages: int, tokens: int) -> list[Cost]:

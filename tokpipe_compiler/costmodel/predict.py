@@ -108,14 +108,15 @@ def causal_cost(cost: Cost) -> Cost:
                 cost.launches)
 
 
-def chunk_table(plan: Plan, mode: str, device: DeviceModel) -> list[tuple[int, int]]:
-    """(tokens, context tokens) of each chunk: the plan's own (stale), or TeraPipe's slicing
-    at `device`'s rates over the causal costs, as chunks="auto" chooses in causal mode."""
+def chunk_table(plan: Plan, mode: str, device: DeviceModel) -> list[tuple[int, int, float]]:
+    """(tokens, context tokens, share of the text segments) of each chunk: the plan's own
+    (stale), or TeraPipe's slicing at `device`'s rates over the causal costs, as
+    chunks="auto" chooses in causal mode (every chunk with the whole text)."""
     if mode == "stale":
-        return [(plan.chunk_tokens(c), plan.tokens) for c in plan.chunks]
+        return [(plan.chunk_tokens(c), plan.tokens, float(c.segments)) for c in plan.chunks]
     times = [time_fn(causal_cost(s.cost), device.rates()) for s in plan.stages]
     table = choose_causal(plan.units, plan.tokens, times)
-    return [(c.units * plan.tokens // plan.units, c.stop * plan.tokens // plan.units)
+    return [(c.units * plan.tokens // plan.units, c.stop * plan.tokens // plan.units, 1.0)
             for c in table]
 
 
@@ -144,16 +145,16 @@ def predict(plan: Plan, mode: str, device: DeviceModel, link: LinkModel, steps: 
                           launch_s=LAUNCH_S)
     step = _step_seconds(costs, table, device)
     imbalance = max(step) * len(step) / sum(step)
-    return Prediction(mode, len(costs), [n for n, _ in table], sim.serial_s, sim.pipelined_s,
+    return Prediction(mode, len(costs), [n for n, _, _ in table], sim.serial_s, sim.pipelined_s,
                       imbalance, sim.bubble_fraction, memory(plan))
 
 
-def _step_seconds(costs: list[Cost], table: list[tuple[int, int]],
+def _step_seconds(costs: list[Cost], table: list[tuple[int, int, float]],
                   device: DeviceModel) -> list[float]:
     """Each stage's compute seconds over one step's chunks (launch floor included)."""
     rates = device.rates()
     out = []
     for cost in costs:
         fn = time_fn(cost, rates)
-        out.append(sum(max(fn(n, c), cost.launches * LAUNCH_S) for n, c in table))
+        out.append(sum(max(fn(*chunk), cost.launches * LAUNCH_S) for chunk in table))
     return out

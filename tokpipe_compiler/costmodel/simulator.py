@@ -60,7 +60,8 @@ def simulate_model(
     launch_s: seconds per kernel launch; a chunk takes at least its stage's launches.
     """
     n = max(tokens // chunks, 1)
-    return simulate_chunks(stage_costs, boundary_bytes_per_token, tokens, [(n, tokens)] * chunks,
+    return simulate_chunks(stage_costs, boundary_bytes_per_token, tokens,
+                           [(n, tokens, 1.0)] * chunks,
                            steps, warmup_steps, device, link, world, outside_s=outside_s,
                            overlap_sends=overlap_sends, launch_s=launch_s)
 
@@ -69,7 +70,7 @@ def simulate_chunks(
     stage_costs: list[Cost],
     boundary_bytes_per_token: list[float],
     tokens: int,
-    chunks: list[tuple[int, int]],
+    chunks: list[tuple[int, int, float]],
     steps: int,
     warmup_steps: int,
     device: DeviceModel,
@@ -81,18 +82,20 @@ def simulate_chunks(
     launch_s: float = 0.0,
 ) -> SimResult:
     """`simulate_model` with any chunk table: `chunks` holds each chunk's (tokens, context
-    tokens), e.g. TeraPipe's uneven causal chunks, each attending over those before it.
-    per_stage_s is then each stage's seconds summed over one step's chunks."""
+    tokens, share of the text segments it computes), e.g. TeraPipe's uneven causal chunks,
+    each attending over those before it, or a step whose first chunk alone computes joint
+    attention's text. per_stage_s is then each stage's seconds summed over one step's
+    chunks."""
     if len(stage_costs) != world or len(boundary_bytes_per_token) != world:
         raise ValueError(f"need one stage cost and one boundary size per rank ({world})")
     rates = device.rates()
 
-    def stage_seconds(cost: Cost, n: int, c: int) -> float:
-        return max(seconds(cost, rates, n, c), cost.launches * launch_s)
+    def stage_seconds(cost: Cost, n: int, c: int, text: float = 1.0) -> float:
+        return max(seconds(cost, rates, n, c, text), cost.launches * launch_s)
 
     serial = steps * stage_seconds(sum(stage_costs, Cost(0, 0)), tokens, tokens) + outside_s
-    compute = [[stage_seconds(cost, n, c) for n, c in chunks] for cost in stage_costs]
-    links = [[link.seconds(b * n) if world > 1 else 0.0 for n, _ in chunks]
+    compute = [[stage_seconds(cost, *chunk) for chunk in chunks] for cost in stage_costs]
+    links = [[link.seconds(b * n) if world > 1 else 0.0 for n, _, _ in chunks]
              for b in boundary_bytes_per_token]
     if not overlap_sends:  # the sender waits for its send: it is part of its stage time
         compute = [[t + send for t, send in zip(ts, ss, strict=True)]
@@ -127,8 +130,10 @@ def simulate(plan: Any, device: str | DeviceModel = "h200", link: str | LinkMode
                          f"explain() with stages={world}")
     per_token = plan.tokens / plan.units
     sends = [s.send_bytes_per_unit / per_token for s in plan.stages]
-    return simulate_model([s.cost for s in plan.stages], sends, plan.tokens, len(plan.chunks),
-                          steps, plan.config.warmup_steps, device, link, world)
+    chunks = [(plan.chunk_tokens(c), plan.context_tokens(c), float(c.segments))
+              for c in plan.chunks]
+    return simulate_chunks([s.cost for s in plan.stages], sends, plan.tokens, chunks, steps,
+                           plan.config.warmup_steps, device, link, world)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,12 @@
 """The cost model's symbols and shapes: a node's work as sympy expressions of the chunk
-length N and the attention context C, and the chunk shape of each FX value (its token axis
-of full size S becomes S * N / tokens; other axes keep their size)."""
+length N, the attention context C and the share TEXT of joint attention's text segments
+the chunk computes, and the chunk shape of each FX value: its token axis of full size S
+becomes S * N / tokens, and with text segments of G tokens around the image rows,
+TEXT * G + (S - G) * N / tokens (the context C always holds the whole text, fresh or
+cached); other axes keep their size.
+
+    q = cat([txt_q, img_q], 2)  [1, 2, 512 + 4096, 64]  ->  [1, 2, 512 TEXT + n, 64]
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,10 @@ N, C = sympy.symbols("n c", positive=True, integer=True)
 # tiles, not masked elements, so a chunk's own causal block costs min(n, tile) / 2 more keys
 # per query than its unmasked half. 0 (the default) counts useful work only.
 TILE = sympy.Symbol("tile", nonnegative=True, integer=True)
+# The share of the text segments a chunk computes: 1 where it computes them (every chunk
+# with text_chunks="every", a step's first chunk with "first", a whole pass), 0 where it
+# attends to their cached K/V; a stage's mean over a step's chunks weighs the partition.
+TEXT = sympy.Symbol("text", nonnegative=True)
 
 Dims = list[sympy.Expr]
 
@@ -46,9 +56,12 @@ class Cost:
             self.launches + other.launches,
         )
 
-    def at(self, n: int, c: int, tile: int = 0) -> tuple[float, float, float, float]:
-        """(flops, bytes, matmul_flops, attention_flops) as numbers for n and c."""
-        values = {N: sympy.Integer(n), C: sympy.Integer(c), TILE: sympy.Integer(tile)}
+    def at(self, n: int, c: int, tile: int = 0,
+           text: float = 1.0) -> tuple[float, float, float, float]:
+        """(flops, bytes, matmul_flops, attention_flops) as numbers for n, c and the
+        chunk's share of the text segments."""
+        values = {N: sympy.Integer(n), C: sympy.Integer(c), TILE: sympy.Integer(tile),
+                  TEXT: sympy.sympify(text)}
         exprs = (self.flops, self.bytes, self.matmul_flops, self.attention_flops)
         # xreplace: a plain substitution, an order of magnitude faster than subs on the
         # thousands of nodes a full-depth model plans.
@@ -88,7 +101,13 @@ def scaled(t: torch.Tensor, info: TokenInfo | None, tokens: int, sym: sympy.Symb
         return sizes
     if not -len(sizes) <= info.axis < len(sizes):
         return sizes
-    sizes[info.axis] = sym * sizes[info.axis] / tokens
+    full = sizes[info.axis]
+    text = info.outer * (info.lead + info.trail)
+    if not info.segmented or not full.is_Integer or int(full) < text:
+        sizes[info.axis] = sym * full / tokens
+        return sizes
+    share = 1 if sym == C else TEXT
+    sizes[info.axis] = share * text + sym * (full - text) / tokens
     return sizes
 
 

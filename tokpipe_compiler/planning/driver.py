@@ -74,14 +74,17 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     gm = copy_graph_module(gm)
     annotation = run_pass(ANNOTATE, annotate_or_raise, gm, config.token_input, config.mode)
     tokens = sequence_tokens(gm, annotation.units, token_batch(annotation))
-    chunks = plan_chunks(gm, annotation, tokens, config, ring_steps)
+    once = text_once(gm, config)
+    chunks = plan_chunks(gm, annotation, tokens, config, ring_steps, once)
+    if once and len(chunks) > 1:
+        chunks = with_first_segments(chunks)
     chunk_tokens = tokens * chunks[0].units // annotation.units
     cut = run_pass(PARTITION, assign_stages, gm, config.stages, tokens, chunk_tokens,
-                   planning_costs.send_cost(annotation.token_input))
+                   planning_costs.send_cost(annotation.token_input),
+                   text_share(chunks, chunk_tokens, tokens))
     costs = planning_costs.stage_costs(cut, config.stages, tokens)  # before sdpa is rewritten
     caches = run_pass(CHUNK_ATTENTION, chunk_attention, gm, config.mode)
     caches = caches + run_pass(CHUNK_SUMS, chunk_sums, gm, config.mode)
-    chunks = text_chunks(gm, chunks, config)
     runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in c.names}
     graphs = run_pass(SPLIT, split, gm, config.stages, runtime_inputs)
     consumers = {s: {i_stage.index for i_stage in graphs.stages for i in i_stage.inputs
@@ -93,18 +96,25 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     return plan
 
 
-def text_chunks(gm: torch.fx.GraphModule, chunks: list[Chunk], config: Config) -> list[Chunk]:
-    """The chunk table with the text segments of joint attention left to each step's first
-    chunk (`passes/text_once.py`), where the mode and the graph allow it."""
-    if config.mode != "stale" or config.text_chunks != "first" or len(chunks) == 1:
-        return chunks
+def text_once(gm: torch.fx.GraphModule, config: Config) -> bool:
+    """Whether each step's first chunk alone computes the text segments of joint attention
+    (`passes/text_once.py`), as the mode, the option and the graph allow; the chunk table
+    then marks its first chunk (`with_first_segments`)."""
+    if config.mode != "stale" or config.text_chunks != "first":
+        return False
     if not any(n.meta.get(META_KEY, INVARIANT_INFO).segmented for n in gm.graph.nodes):
-        return chunks
+        return False
     reason = why_kept(gm)
     if reason:
         LOG.info("every chunk computes the text segments: %s", reason)
-        return chunks
-    return with_first_segments(chunks)
+    return not reason
+
+
+def text_share(chunks: list[Chunk], chunk_tokens: int, tokens: int) -> float:
+    """The share of the text segments (`cost.TEXT`) that weighs a node at `chunk_tokens`
+    in the partition: the text's work of a step (once per chunk that computes it) in the
+    proportion a chunk's image rows have to the step's."""
+    return sum(c.segments for c in chunks) * chunk_tokens / max(tokens, 1)
 
 
 def token_batch(annotation: Annotation) -> int:
@@ -124,9 +134,9 @@ def annotate_or_raise(gm: torch.fx.GraphModule, token_input: str | int | None,
 
 
 def assign_stages(gm: torch.fx.GraphModule, stages: int, tokens: int, chunk_tokens: int,
-                  flops_per_byte: float) -> Partition:
+                  flops_per_byte: float, text: float = 1.0) -> Partition:
     """partition, its stages written on the nodes for split."""
-    cut = partition(gm, stages, planning_costs.flops_weight(tokens, chunk_tokens),
+    cut = partition(gm, stages, planning_costs.flops_weight(tokens, chunk_tokens, text),
                     chunk_tokens / max(tokens, 1), flops_per_byte)
     for node, stage in cut.stage_of.items():
         node.meta[STAGE_KEY] = stage
@@ -135,7 +145,7 @@ def assign_stages(gm: torch.fx.GraphModule, stages: int, tokens: int, chunk_toke
 
 def plan_chunks(
     gm: torch.fx.GraphModule, annotation: Annotation, tokens: int, config: Config,
-    ring_steps: int | None = None,
+    ring_steps: int | None = None, once: bool = False,
 ) -> list[Chunk]:
     units = annotation.units
     if config.mode == "sync":
@@ -146,14 +156,16 @@ def plan_chunks(
         return chunk_table(units, config.chunks)
     first = chunk_table(units, min(config.stages, units))[0]
     chunk_tokens = tokens * first.units // units
-    provisional = partition(gm, config.stages, planning_costs.flops_weight(tokens, chunk_tokens),
+    share = chunk_tokens / tokens if once else 1.0  # as text_share, for a table yet to come
+    provisional = partition(gm, config.stages,
+                            planning_costs.flops_weight(tokens, chunk_tokens, share),
                             chunk_tokens / max(tokens, 1))
     stage_times = planning_costs.stage_times(provisional, config.stages, tokens,
                                              annotation.token_input)
     if config.mode == "causal":
         chunks = choose_causal(units, tokens, stage_times)
     else:
-        chunks = choose_stale(units, tokens, stage_times, ring_steps)
+        chunks = choose_stale(units, tokens, stage_times, ring_steps, once)
     LOG.info("chunks='auto' (%s): %d chunks of %s grid units", config.mode, len(chunks),
              [c.units for c in chunks])
     return chunks

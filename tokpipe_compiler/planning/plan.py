@@ -86,7 +86,8 @@ class Plan:
 
     def stage_flops(self, stage: int, chunk: Chunk) -> float:
         cost = self.stages[stage].cost
-        return cost.at(self.chunk_tokens(chunk), self.context_tokens(chunk))[0]
+        return cost.at(self.chunk_tokens(chunk), self.context_tokens(chunk), 0,
+                       float(chunk.segments))[0]
 
     def send_bytes(self, stage: int, chunk: Chunk) -> int:
         return self.stages[stage].send_bytes_per_unit * chunk.units
