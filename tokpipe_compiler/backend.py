@@ -25,7 +25,7 @@ from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.pieces import origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.static import StaticGraph, has_symbolic_shapes, shape_key
-from tokpipe_compiler.programs.distributed import make_program
+from tokpipe_compiler.programs.distributed import make_program, planned_alike
 from tokpipe_compiler.programs.generations import timestep_index
 from tokpipe_compiler.programs.owners import PerOwner, owner_of, register
 from tokpipe_compiler.programs.pipelined import Session
@@ -141,9 +141,10 @@ class LazyProgram:
             static = StaticGraph(self.gm, args)
             gm, select = static.gm, static.select
         try:
-            if self.origin.piece:
-                return plan_piece(gm, config, self.origin), select
-            return build_plan(gm, config), select
+            with planned_alike(None, config.timeout):
+                if self.origin.piece:
+                    return plan_piece(gm, config, self.origin), select
+                return build_plan(gm, config), select
         except UnknownTokenInput as err:
             # Misspelt, unless the name is a parameter of a function Dynamo traced for this
             # model: then this graph is a piece (graph breaks) that does not read it.

@@ -25,7 +25,7 @@ from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
-from tokpipe_compiler.programs.distributed import make_program
+from tokpipe_compiler.programs.distributed import make_program, planned_alike
 
 
 class Ring:
@@ -97,7 +97,8 @@ class Ring:
         signature = _signature(values)
         if signature not in self._programs:
             traced = trace_step(self.step_fn, values)
-            plan = build_plan(traced.gm, self.config, ring_steps=max(ring_steps, 1))
+            with planned_alike(self.group, self.config.timeout):
+                plan = build_plan(traced.gm, self.config, ring_steps=max(ring_steps, 1))
             self._programs[signature] = (traced, make_program(plan, None, group=self.group))
         self._traced, self.program = self._programs[signature]
         return self.program

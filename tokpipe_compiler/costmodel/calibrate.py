@@ -24,6 +24,10 @@ from tokpipe_compiler.costmodel.cost import TEXT, TILE, C, Cost, N
 CACHE_ENV = "TOKPIPE_CACHE_DIR"
 # Rates that load_or_measure returns instead of measuring (see assume_rates).
 _ASSUMED: dict[str, DeviceRates] = {}
+# What load_or_measure hands its rates to, with the rates it has passed on (see
+# shared_rates); innermost last.
+Share = Callable[[str, Callable[[], "DeviceRates"]], "DeviceRates"]
+_SHARING: list[tuple[Share, dict]] = []
 
 
 @dataclass
@@ -203,6 +207,16 @@ def load_or_measure(
         return _ASSUMED[device]
     if torch.device(device).type == "meta":
         device = "cpu"
+    if not _SHARING:
+        return _local(device, threads, refresh)
+    share, passed = _SHARING[-1]
+    key = (device, threads)
+    if key not in passed:
+        passed[key] = share(device, lambda: _local(device, threads, refresh))
+    return passed[key]
+
+
+def _local(device: str, threads: int | None, refresh: bool) -> DeviceRates:
     path = cache_path(device, threads)
     if path.exists() and not refresh:
         try:
@@ -216,6 +230,18 @@ def load_or_measure(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(rates), indent=1))
     return rates
+
+
+@contextmanager
+def shared_rates(share: Share) -> Iterator[None]:
+    """Within the block, load_or_measure returns `share(device, local)`, where `local()`
+    gives the rates it would return, asking once per device and thread count (the ranks of
+    a process group plan with rank 0's: `programs.distributed.planned_alike`)."""
+    _SHARING.append((share, {}))
+    try:
+        yield
+    finally:
+        _SHARING.pop()
 
 
 @contextmanager

@@ -1,0 +1,163 @@
+"""What the ranks of one pipeline agree on before they run: the calibrated rates they plan
+with (rank 0's), and at a program's first call a fingerprint of the options, the plan and
+the inputs. Both travel over the program's transport, so every wait is bounded by its
+timeout and fails with a named error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+import zlib
+from collections.abc import Callable
+from dataclasses import astuple, fields
+from typing import Any
+
+import torch
+
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.costmodel.calibrate import DeviceRates
+from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.programs.pipelined import input_arguments
+from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as_bytes
+
+FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
+RATES_STEP = -1  # the rates travel before any step's message
+
+
+def exchange_rates(transport, device: str, local: Callable[[], DeviceRates]) -> DeviceRates:
+    """Rank 0's rates of `device` (`local()` there) on every rank: rank 0 sends them to each
+    other rank, which measures nothing."""
+    spec = TensorSpec((len(fields(DeviceRates)),), torch.float64)
+    what = f"rank 0's calibrated rates of {device}, which every rank plans with"
+    if transport.rank == 0:
+        mine = local()
+        data = torch.tensor(astuple(mine), dtype=torch.float64, device=transport.device)
+        for peer in range(1, transport.world_size):
+            transport.send(MessageKey(RATES_STEP, peer, WHOLE, "rates", what), data, peer)
+        transport.flush()
+        return mine
+    key = MessageKey(RATES_STEP, transport.rank, WHOLE, "rates", what)
+    values = transport.post_recv(key, 0, spec).wait().cpu().tolist()
+    return DeviceRates(*values)
+
+
+def fingerprint(plan: Plan, args: tuple) -> dict[str, Any]:
+    """What every rank must share, as plain data: the options (but the timeout), the plan's
+    layout and graphs, the shapes and dtypes of the inputs and checksums of the user's."""
+    names = input_arguments(plan)
+    token = plan.graphs.input_names.index(plan.token_input)
+    user = {str(names[i]): arg for i, arg in enumerate(args) if names[i] is not None}
+    weights = [_describe(arg) for i, arg in enumerate(args) if names[i] is None]
+    graphs = [plan.graphs.prelude.code, *(stage.gm.code for stage in plan.graphs.stages)]
+    return {
+        "options": {k: repr(v) for k, v in plan.config.as_dict().items() if k != "timeout"},
+        "plan": {"stages": len(plan.stages), "units": plan.units, "tokens": plan.tokens,
+                 "chunks": [c.units for c in plan.chunks], "token input": plan.token_input,
+                 "graphs": _crc("\n".join(graphs))},
+        "inputs": {name: _describe(arg) for name, arg in user.items()},
+        "weights": _crc(json.dumps(weights)),
+        "token": str(names[token]),
+        "checksums": {name: _checksum(arg) for name, arg in user.items()},
+    }
+
+
+def exchange_fingerprints(transport, mine: dict[str, Any], step: int) -> list[dict[str, Any]]:
+    """Every rank's fingerprint, in rank order. Messages have a fixed size, and each pair
+    posts in one order (the lower rank sends first), which NCCL needs and gloo accepts."""
+    rank, world = transport.rank, transport.world_size
+    spec = TensorSpec((FINGERPRINT_BYTES,), torch.uint8)
+    data = _encode(mine).to(transport.device)
+
+    def key(dst: int) -> MessageKey:
+        what = f"the fingerprint of the first call at step {step} (options, plan, inputs)"
+        return MessageKey(step, dst, WHOLE, "fingerprint", what)
+
+    handles = {}
+    for peer in range(world):
+        if peer == rank:
+            continue
+        if rank < peer:
+            transport.send(key(peer), data, peer)
+        handles[peer] = transport.post_recv(key(rank), peer, spec)
+        if rank > peer:
+            transport.send(key(peer), data, peer)
+    received = {peer: _decode(handle.wait()) for peer, handle in handles.items()}
+    transport.flush()
+    return [mine if r == rank else received[r] for r in range(world)]
+
+
+def check_agreement(every: list[dict[str, Any]]) -> None:
+    """Raises if the ranks' fingerprints differ in anything that shapes the messages, or in
+    the token input's values; warns if only other inputs' values differ."""
+    differences = [line for part in ("options", "plan", "inputs")
+                   for line in _differences(part, [fp[part] for fp in every])]
+    if any(fp["weights"] != every[0]["weights"] for fp in every):
+        differences.append("weights: the shapes or dtypes of the weights differ between ranks")
+    if differences:
+        raise TokpipeError(
+            "the ranks disagree at the first call of a pipelined program, so they cannot run "
+            "one pipeline:\n  " + "\n  ".join(differences) + "\nEvery rank must compile the "
+            "same model with the same options and call it with inputs of the same shapes "
+            "and dtypes.")
+    sums = _differences("checksums", [fp["checksums"] for fp in every])
+    token = every[0]["token"]
+    if any(f"input {token!r}" in line for line in sums):
+        raise TokpipeError(
+            f"the token input {token!r} has other values on other ranks, but every rank must "
+            "be called with the same inputs:\n  " + "\n  ".join(sums) + "\nSeed the random "
+            "generator identically on every rank before drawing the latents (e.g. "
+            "torch.manual_seed(seed)), or draw them on one rank and broadcast them.")
+    if sums:
+        warnings.warn("inputs differ between ranks (the output is computed from each stage's "
+                      "rank's own copy, so it matches no single rank's inputs):\n  "
+                      + "\n  ".join(sums), stacklevel=3)
+
+
+def _differences(part: str, values: list[dict[str, Any]]) -> list[str]:
+    """'<part> <field>: rank 0 <value>, rank 1 <value>' for each field that differs."""
+    lines = []
+    for field in sorted({f for v in values for f in v}):
+        seen = [v.get(field, "missing") for v in values]
+        if any(s != seen[0] for s in seen):
+            label = {"inputs": "input", "checksums": "input"}.get(part, part)
+            ranks = ", ".join(f"rank {r} {s}" for r, s in enumerate(seen))
+            what = "checksum " if part == "checksums" else ""
+            lines.append(f"{label} {field!r}: {what}{ranks}")
+    return lines
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return repr(value)
+
+
+def _checksum(value: Any) -> str:
+    """CRC32 of the bytes (a tensor's on the CPU: only at a first call)."""
+    if isinstance(value, torch.Tensor):
+        return f"{zlib.crc32(as_bytes(value.detach().cpu()).numpy()):08x}"
+    return _crc(repr(value))
+
+
+def _crc(text: str) -> str:
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
+def _encode(fp: dict[str, Any]) -> torch.Tensor:
+    """JSON padded to FINGERPRINT_BYTES; a fingerprint too long keeps its digests only."""
+    text = json.dumps(fp)
+    if len(text.encode()) > FINGERPRINT_BYTES:
+        sums = fp["checksums"]
+        fp = {k: (v if k in ("plan", "weights", "token") else _crc(json.dumps(v)))
+              for k, v in fp.items()}
+        fp["inputs"] = {"(all, digest)": fp["inputs"]}
+        token = fp["token"]
+        fp["checksums"] = {token: sums.get(token, ""), "(the others, digest)": fp["checksums"]}
+        text = json.dumps(fp)
+    data = text.encode().ljust(FINGERPRINT_BYTES)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor) -> dict[str, Any]:
+    return json.loads(bytes(data.cpu().numpy()).decode())
