@@ -127,6 +127,22 @@ def test_joint_attention_counts_the_text_where_the_chunk_computes_it():
     assert cost.at(3, 12, text=0.0)[0] == per_pair * 3 * (4 + 12)
     assert cost.at(3, 12, text=1.0)[0] == per_pair * (4 + 3) * (4 + 12)
     assert cost.at(12, 12)[0] == per_pair * 16 * 16
+    assert cost.text_rows == 4 and graph_cost(g.nodes, 12).text_rows == 4
+
+
+def test_the_text_rows_count_in_the_rate_of_a_chunks_matrix_products():
+    """A matmul's rate grows with its rows: a chunk of one image token and 4 text rows
+    runs its linear at the rate of 5 rows, and without the text at the rate of 1."""
+    joint = TokenInfo(TOKEN, 1, 1, lead=4)
+    g = traced(lambda x, w: F.linear(x, w), {"x": torch.randn(1, 16, 8), "w": torch.randn(8, 8)},
+               {"x": joint, "linear": joint})
+    cost = node_cost(only(g, "linear"), 12)
+    mm_only = replace(cost, bytes=sympy.Integer(0), launches=0)
+    small = replace(RATES, matmul_half=16.0)
+    for text, rows in ((1.0, 5), (0.0, 1)):
+        mm = cost.at(1, 12, text=text)[2]
+        assert calibrate.seconds(mm_only, small, 1, 12, text) == pytest.approx(
+            mm / small.matmul_rate(rows))
     assert calibrate.time_fn(cost, RATES)(3, 12, 0.0) == pytest.approx(
         calibrate.seconds(cost, RATES, 3, 12, 0.0))
     assert calibrate.seconds(cost, RATES, 3, 12, 0.0) < calibrate.seconds(cost, RATES, 3, 12)

@@ -58,7 +58,7 @@ def seconds(cost: Cost, rates: DeviceRates, n: int, c: int, text: float = 1.0) -
     """Predicted time of `cost` for a chunk of n tokens attending over c tokens that
     computes `text` of the text segments (cost.TEXT)."""
     flops, nbytes, mm, attn = cost.at(n, c, round(rates.causal_tile), text)
-    return _combine(flops, nbytes, mm, attn, cost.launches, rates, n)
+    return _combine(flops, nbytes, mm, attn, cost.launches, rates, n + text * cost.text_rows)
 
 
 def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
@@ -70,17 +70,20 @@ def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
 
     def predict(n: int, c: int, text: float = 1.0) -> float:
         flops, nbytes, mm, attn = (float(v) for v in evaluate(n, c, text))
-        return _combine(flops, nbytes, mm, attn, cost.launches, rates, n)
+        return _combine(flops, nbytes, mm, attn, cost.launches, rates,
+                        n + text * cost.text_rows)
 
     return predict
 
 
 def _combine(
     flops: float, nbytes: float, mm: float, attn: float, launches: int,
-    rates: DeviceRates, n: int,
+    rates: DeviceRates, rows: float,
 ) -> float:  # fmt: skip
+    """Seconds of the chunk's work; `rows`: its tokens with the text it computes, which set
+    the rate of its matrix products."""
     compute = (
-        mm / rates.matmul_rate(max(n, 1))
+        mm / rates.matmul_rate(max(rows, 1))
         + attn / rates.attention_flops
         + (flops - mm - attn) / rates.matmul_flops
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import sympy
@@ -232,7 +233,11 @@ def node_cost(node: torch.fx.Node, tokens: int) -> Cost:
     if node.op in _ROLES_WITHOUT_WORK or not tensors(example_value(node)):
         return ZERO
     rule = RULES.get(op_key(node), _DEFAULT)
-    return call_rule("cost", rule, node, tokens)  # a crash is a bug in the rule: it raises
+    cost = call_rule("cost", rule, node, tokens)  # a crash is a bug in the rule: it raises
+    info = token_info(node)
+    if info is not None and info.carries_tokens and info.segmented:
+        cost = replace(cost, text_rows=info.lead + info.trail)
+    return cost
 
 
 def graph_cost(nodes: Iterable[torch.fx.Node], tokens: int) -> Cost:
@@ -244,4 +249,5 @@ def graph_cost(nodes: Iterable[torch.fx.Node], tokens: int) -> Cost:
         sympy.Add(*(c.matmul_flops for c in costs)),
         sympy.Add(*(c.attention_flops for c in costs)),
         sum(c.launches for c in costs),
+        max((c.text_rows for c in costs), default=0),
     )

@@ -104,8 +104,7 @@ def causal_cost(cost: Cost) -> Cost:
     def sub(expr: sympy.Expr) -> sympy.Expr:
         return sympy.sympify(expr).subs(C, keys)
 
-    return Cost(sub(cost.flops), cost.bytes, cost.matmul_flops, sub(cost.attention_flops),
-                cost.launches)
+    return replace(cost, flops=sub(cost.flops), attention_flops=sub(cost.attention_flops))
 
 
 def chunk_table(plan: Plan, mode: str, device: DeviceModel) -> list[tuple[int, int, float]]:

@@ -80,8 +80,9 @@ def pixart_stage_costs(world: int) -> tuple[list[Cost], list[float]]:
 
 
 def _times(cost: Cost, k: int) -> Cost:
-    return Cost(k * cost.flops, k * cost.bytes, k * cost.matmul_flops,
-                k * cost.attention_flops, k * cost.launches)  # fmt: skip
+    return replace(cost, flops=k * cost.flops, bytes=k * cost.bytes,
+                   matmul_flops=k * cost.matmul_flops, attention_flops=k * cost.attention_flops,
+                   launches=k * cost.launches)
 
 
 def outside_seconds(rates: DeviceRates) -> float:

@@ -38,7 +38,9 @@ class Cost:
 
     flops counts all arithmetic; matmul_flops and attention_flops are the parts of it done
     by matrix-multiply and attention kernels (they run at their own rates). launches counts
-    the nodes that run a kernel (views launch nothing).
+    the nodes that run a kernel (views launch nothing). text_rows: the rows of joint
+    attention's text segments a chunk that computes them carries (the most of any node):
+    they count in the rows of its matrix products, whose rate grows with their rows.
     """
 
     flops: sympy.Expr
@@ -46,6 +48,7 @@ class Cost:
     matmul_flops: sympy.Expr = sympy.S.Zero
     attention_flops: sympy.Expr = sympy.S.Zero
     launches: int = 0
+    text_rows: int = 0
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(
@@ -54,6 +57,7 @@ class Cost:
             self.matmul_flops + other.matmul_flops,
             self.attention_flops + other.attention_flops,
             self.launches + other.launches,
+            max(self.text_rows, other.text_rows),
         )
 
     def at(self, n: int, c: int, tile: int = 0,
