@@ -220,6 +220,7 @@ def load_or_measure(
 
 
 def _local(device: str, threads: int | None, refresh: bool) -> DeviceRates:
+    """This process's rates: read from the cache, or measured and cached."""
     path = cache_path(device, threads)
     if path.exists() and not refresh:
         try:
