@@ -70,3 +70,24 @@ def test_released_widths_hybrid_cfg_on_four_ranks():
     alone = _hybrid("pixart-alpha", cfg=1)
     for result in launch(_hybrid_rank, 4, args=("pixart-alpha",), timeout=1200):
         assert _relative(result, alone) <= 1e-5
+
+
+def _auto_rank(rank: int, world: int, name: str) -> tuple[torch.Tensor, list]:
+    from tokpipe_compiler.pipelines.parallelize import programs
+
+    pipe, kwargs = RELEASED[name]()
+    tp.pipelines.parallelize(pipe, **{**OPTIONS, "chunks": "auto"}, mode="stale")
+    out = generate(pipe, kwargs, steps=STEPS)
+    return out, [[(c.units, c.segments) for c in p.plan.chunks] for p in programs(pipe)]
+
+
+@pytest.mark.full
+def test_released_joint_attention_with_auto_chunks_on_two_ranks():
+    """chunks="auto" at SD3-medium's widths (333 text tokens, batched guidance): both ranks
+    plan one table, whose first chunk alone computes the text, and return the same latents."""
+    (first, first_tables), (second, second_tables) = launch(
+        _auto_rank, 2, args=("sd3-medium",), timeout=900)
+    assert first_tables == second_tables
+    for table in first_tables:
+        assert [has for _, has in table] == [True] + [False] * (len(table) - 1)
+    assert torch.equal(first, second)
