@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -91,3 +94,51 @@ def test_capture_runs_without_grad():
 
     capture(f, (x(3),), fresh=True)
     assert seen == [False]
+
+
+def test_capture_keeps_nothing_of_what_it_traced():
+    """Dynamo keeps a cache entry per traced frame for as long as the code object lives (a
+    model class's forward: the process); a capture's entry must not hold its graphs, whose
+    example inputs are the model's weights."""
+    weights = []
+    for _ in range(3):
+        model = Named()
+        capture(model, (x(2, 4), x(1), {"scale": x(4)}))
+        weights.append(weakref.ref(model.proj.weight))
+        del model
+    gc.collect()
+    assert all(ref() is None for ref in weights)
+
+
+def test_many_captures_of_one_function_leave_the_users_compiled_code_alone():
+    """A step function defined once and closing over a new model each time (a pipeline's
+    ring step) is captured past Dynamo's recompile limit without resetting Dynamo: the
+    user's own compiled function is not compiled again, and no captured model stays."""
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    def user(a):
+        return a.cos() * 2
+
+    compiled_user = torch.compile(user, backend=counting, dynamic=False)
+    compiled_user(x(3))
+
+    def step_over(model):
+        def step(a):
+            return model(a) + 1
+        return step
+
+    weights = []
+    for _ in range(torch._dynamo.config.recompile_limit + 2):
+        model = torch.nn.Linear(3, 3)
+        (captured,) = capture(step_over(model), (x(3),))
+        assert captured.arguments.count(None) == 2  # the weight and bias
+        weights.append(weakref.ref(model.weight))
+        del model, captured
+    compiled_user(x(3))
+    assert len(compiles) == 1
+    gc.collect()
+    assert all(ref() is None for ref in weights)

@@ -1,4 +1,5 @@
-"""Compiled models come and go without leaking: 50 compile/run/del cycles.
+"""Compiled models come and go without leaking: 50 compile/run/del cycles, and parallelized
+pipelines (each a ring whose step function is defined once) past Dynamo's recompile limit.
 
 The cycles run in a fresh process: its resident memory is this test's alone, and its
 `gc.collect()` scans a small heap (in the suite's process, after hundreds of tests, the 50
@@ -55,3 +56,39 @@ def test_memory_is_flat_over_compile_run_del_cycles():
     assert not any(alive), "a model's weights outlived it"
     # Leaking one model's weights and caches per cycle would add ~50 MB over 40 cycles.
     assert resident[-1] - resident[9] < 20, resident
+
+
+def pipeline_cycles(count: int) -> tuple[list[bool], list[str]]:
+    """Per cycle a new pipeline parallelized and run as a ring: whether its transformer's
+    weights outlived it; and the warnings logged (a reset of Dynamo says so)."""
+    import logging
+
+    import tokpipe_compiler as tp
+    from tests.fixtures.pipelines import generate, pixart_alpha
+
+    torch.set_num_threads(1)
+    logged: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("tokpipe_compiler").addHandler(handler)
+    weights = []
+    for _ in range(count):
+        pipe, kwargs = pixart_alpha()
+        tp.pipelines.parallelize(pipe, stages=2, chunks=2, compiler="eager")
+        generate(pipe, kwargs, steps=3)
+        weights.append(weakref.ref(next(pipe.transformer.parameters())))
+        del pipe, kwargs
+        gc.collect()
+    return [ref() is not None for ref in weights], logged
+
+
+def test_parallelized_pipelines_are_freed_past_the_recompile_limit():
+    """Every ring's step function has one code object, on which Dynamo keeps the entries of
+    each trace; they held each pipeline's transformer, and the 9th pipeline hit Dynamo's
+    recompile limit and reset every compiled function in the process."""
+    count = torch._dynamo.config.recompile_limit + 2
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        alive, logged = pool.submit(pipeline_cycles, count).result(timeout=600)
+    assert len(alive) == count and not any(alive), alive
+    assert not [m for m in logged if "reset" in m], logged

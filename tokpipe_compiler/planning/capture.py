@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -81,22 +82,76 @@ def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict, fullgraph: b
                  run: bool) -> list[Captured]:
     """The graphs of one compiled call; [] when Dynamo hit its recompile limit."""
     graphs: list[Captured] = []
+    codes: list[types.CodeType] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
+        codes.append(_traced_code())
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         graphs.append(Captured(record_sources(gm), list(example_inputs), names))
         return gm.forward if run else _stop_here
 
+    compiled = torch.compile(fn, backend=record, dynamic=False, fullgraph=fullgraph,
+                             **_OWN_REGION)
     try:
         # A hard failure at the limit, not a partly traced call that looks complete.
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), torch.no_grad():
-            torch.compile(fn, backend=record, dynamic=False, fullgraph=fullgraph)(
-                *args, **kwargs)
+            compiled(*args, **kwargs)
     except FailOnRecompileLimitHit:
         return []
     except _Traced:
         pass
-    return graphs
+    finally:
+        _forget(compiled, codes, record)
+    found = list(graphs)
+    graphs.clear()  # the backend's closure outlives the call wherever _forget cannot reach
+    return found
+
+
+# Each capture's cache entries in a region of their own: they never count against the
+# recompile limit of the user's own torch.compile of the same function, nor theirs against
+# ours (a capture of the 9th pipeline would otherwise fail the limit and reset Dynamo).
+_OWN_REGION = ({"isolate_recompiles": True}
+               if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
+
+
+def _traced_code() -> types.CodeType | None:
+    """The code object of the frame Dynamo is tracing (called from a backend)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except Exception:  # a Dynamo internal: without it, nothing is dropped
+        return None
+
+
+def _forget(compiled: Callable[..., Any], codes: list[types.CodeType | None],
+            backend: Callable[..., Any]) -> None:
+    """Drops the cache entries a capture left on the code objects it traced.
+
+    Dynamo keeps an entry per compiled frame for as long as its code object lives, which
+    for a function defined once (a pipeline's ring step, a model class's forward) is the
+    process; the entry holds the backend, whose graphs hold their example inputs: the
+    model's weights. Every pipeline parallelized in a process would stay in memory. An
+    entry is dropped the way Dynamo drops one whose guarded object died (an internal
+    API: where it is missing, the entries stay, without the graphs)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+    except ImportError:
+        return
+    region = getattr(compiled, "_isolate_recompiles_id", None)
+    for code in {c for c in codes if c is not None}:
+        entries = (_debug_get_cache_entry_list(code) if region is None else
+                   torch._C._dynamo.eval_frame._get_cache_entries_for_region(code, region))
+        for entry in entries:
+            if getattr(entry.backend, "compiler_fn", None) is not backend:
+                continue
+            manager = entry.guard_manager
+            try:
+                manager.extra_state.invalidate(
+                    manager.cache_entry, DeletedGuardManagerWrapper("tokpipe capture done"))
+            except AttributeError:
+                return
 
 
 class _Traced(Exception):
