@@ -66,6 +66,15 @@ class Ring:
         values = {**inputs, **{k: v[0] for k, v in per_step.items()}}
         program = self.prepare(inputs, per_step, steps)
         program.reset()
+        try:
+            outputs = self._steps(program, values, per_step, steps, progress)
+        finally:  # the generation is over: its K/V caches are of no further use
+            program.end_generation()
+        return tuple(outputs[: len(self.carry)])
+
+    def _steps(self, program, values: dict[str, Any], per_step: dict[str, torch.Tensor],
+               steps: int, progress: Callable[[int], None] | None) -> tuple:
+        """The warmup steps one call each, then the rest as one ring; the last outputs."""
         carried = self._carried_outputs(program)
         warmup = min(self.config.warmup_steps, steps)
         outputs: tuple = ()
@@ -77,7 +86,7 @@ class Ring:
         if steps > warmup:
             step_args = [self._args(values, per_step, k) for k in range(warmup, steps)]
             outputs = program.run_ring(step_args, carried, progress=progress, first=warmup)
-        return tuple(outputs[: len(self.carry)])
+        return outputs
 
     def prepare(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor],
                 steps: int | None = None):

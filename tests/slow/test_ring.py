@@ -64,6 +64,22 @@ def test_ring_progress_reports_every_step():
     assert seen == list(range(STEPS))
 
 
+def test_ring_frees_its_kv_caches_when_the_generation_ends():
+    """What the pipeline runs after the loop (the VAE decode, its memory peak) gets the
+    K/V memory back; the memory report still says what the generation held."""
+    from tokpipe_compiler.inspection.memory import format_memory, memory_report
+
+    step, latents, labels, per_step = make_step()
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    outs = [ring.run({"latents": latents, "labels": labels}, per_step=per_step)[0]
+            for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])  # a second generation in fresh buffers
+    assert not ring.program.branches
+    report = memory_report(ring.program)
+    assert report.released and "then freed" in format_memory(report)
+    assert all(s.branches == 1 and s.kv_measured == s.kv_predicted > 0 for s in report.stages)
+
+
 def test_ring_rejects_stale_without_warmup_and_missing_carry():
     step, _, labels, per_step = make_step()
     with pytest.raises(ValueError, match="warmup_steps"):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.inspection.report import human_bytes
+from tokpipe_compiler.programs.pipelined import held_bytes
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class StageMemory:
     stage: int
     weights_predicted: int
     kv_predicted: int  # one guidance branch
-    kv_measured: int  # every branch held now
+    kv_measured: int  # every branch held now (or, released, when the generation ended)
     branches: int
 
 
@@ -35,6 +36,7 @@ class MemoryReport:
     stages: list[StageMemory]
     peak: int  # bytes, the process's (see peak_bytes)
     peak_source: str
+    released: bool = False  # the K/V buffers were freed as the generation ended (a ring's)
 
 
 def memory_report(program) -> MemoryReport:
@@ -42,17 +44,17 @@ def memory_report(program) -> MemoryReport:
     its own stage on a rank)."""
     plan = program.plan
     mine = range(len(plan.stages)) if program.world == 1 else [program.rank]
-    branches = list(program.branches.values())
+    released = program.released if not program.branches else None
+    held, branches = ((released.held, released.branches) if released else
+                      (held_bytes(program.branches), len(program.branches)))
     rows = []
     for index in mine:
         stage = plan.stages[index]
         names = {n for spec in stage.caches for n in spec.names}
-        held = sum(t.numel() * t.element_size() for caches in branches
-                   for name, t in caches.buffers.items() if name in names)
-        rows.append(StageMemory(index, stage.param_bytes, stage.kv_cache_bytes, held,
-                                len(branches)))
-    peak, source = peak_bytes(_device(program))
-    return MemoryReport(_process_rank(program), rows, peak, source)
+        rows.append(StageMemory(index, stage.param_bytes, stage.kv_cache_bytes,
+                                sum(held.get(name, 0) for name in names), branches))
+    peak, source = peak_bytes(released.device if released else _device(program))
+    return MemoryReport(_process_rank(program), rows, peak, source, released is not None)
 
 
 def _process_rank(program) -> int:
@@ -80,7 +82,8 @@ def _device(program) -> torch.device:
 
 
 def format_memory(report: MemoryReport) -> str:
-    lines = [f"rank {report.rank}: peak {human_bytes(report.peak)} ({report.peak_source})",
+    lines = [f"rank {report.rank}: peak {human_bytes(report.peak)} ({report.peak_source})"
+             + ("; K/V held until the generation ended, then freed" if report.released else ""),
              "stage  weights held  K/V predicted (per branch)  K/V held  branches"]
     for s in report.stages:
         lines.append(f"{s.stage:>5}  {human_bytes(s.weights_predicted):>12}  "

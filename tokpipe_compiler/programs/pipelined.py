@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -72,6 +72,7 @@ class PipelinedProgram:
         ]
         self.cache_specs = plan.caches
         self.branches: dict[int, KVCaches] = {}  # guidance branch -> its K/V caches
+        self.released: Released | None = None  # the last generation's, once freed
         self.branch = 0
         arguments = input_arguments(plan)
         self.clock = StepClock(timestep_index(arguments),
@@ -98,6 +99,17 @@ class PipelinedProgram:
         self._new_generation()
         self.branch = 0
         self.clock.reset()
+
+    def end_generation(self) -> None:
+        """The generation is over (a ring ran its last step): its K/V buffers are freed, so
+        that what the pipeline runs next (the VAE decode, its memory peak) has the memory;
+        `released` keeps what they held, for the memory report. Under CUDA graphs they
+        stay: the graphs read and write them in place."""
+        if self.plan.config.cuda_graphs or not self.branches:
+            return
+        device = next(t.device for c in self.branches.values() for t in c.buffers.values())
+        self.released = Released(held_bytes(self.branches), len(self.branches), device)
+        self.branches.clear()
 
     def _new_generation(self) -> None:
         """Every branch's K/V forgotten. Under CUDA graphs the buffers stay (zeroed): the
@@ -214,6 +226,23 @@ class PipelinedProgram:
 
     def _gather(self, spec, pieces: list[torch.Tensor], chunks: list[Chunk]) -> torch.Tensor:
         return assemble_output(self.plan, spec, pieces, chunks)
+
+
+class Released(NamedTuple):
+    """What a generation's K/V buffers held when `end_generation` freed them."""
+
+    held: dict[str, int]  # bytes per buffer name, over every guidance branch
+    branches: int
+    device: torch.device
+
+
+def held_bytes(branches: dict[int, KVCaches]) -> dict[str, int]:
+    """Bytes of each cache buffer, summed over the guidance branches' sets."""
+    held: dict[str, int] = {}
+    for caches in branches.values():
+        for name, tensor in caches.buffers.items():
+            held[name] = held.get(name, 0) + tensor.numel() * tensor.element_size()
+    return held
 
 
 def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
