@@ -105,10 +105,11 @@ class PipelinedProgram:
         that what the pipeline runs next (the VAE decode, its memory peak) has the memory;
         `released` keeps what they held, for the memory report. Under CUDA graphs they
         stay: the graphs read and write them in place."""
-        if self.plan.config.cuda_graphs or not self.branches:
+        buffers = [t for caches in self.branches.values() for t in caches.buffers.values()]
+        if self.plan.config.cuda_graphs or not buffers:  # a stage without attention has none
             return
-        device = next(t.device for c in self.branches.values() for t in c.buffers.values())
-        self.released = Released(held_bytes(self.branches), len(self.branches), device)
+        self.released = Released(held_bytes(self.branches), len(self.branches),
+                                 buffers[0].device)
         self.branches.clear()
 
     def _new_generation(self) -> None:
