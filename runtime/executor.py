@@ -32,7 +32,7 @@ from tokpipe_compiler.runtime.kv_attention import (
     CHUNK_VISIBLE,
 )
 from tokpipe_compiler.runtime.schedule import COMPUTE, RECV, SEND, Action
-from tokpipe_compiler.runtime.transport import MessageKey, TensorSpec
+from tokpipe_compiler.runtime.transport import SEND_LAG_STEPS, MessageKey, TensorSpec
 
 KINDS = {COMPUTE: "compute", SEND: "send", RECV: "recv"}
 RANGE_PREFIX = "tokpipe/"
@@ -125,11 +125,15 @@ class Executor:
         profiling = _profiler_enabled()
         whole = len(chunks) == 1
         posting = f"{RANGE_PREFIX}post_receives" if profiling else ""
-        with self._range(profiling, posting):
-            posted = self._post_receives(actions, chunks, step_base)
+        receives = _Receives(actions)
+        posted: dict[Action, list] = {}
         step_ends = {max(i for i, a in enumerate(actions) if a.kind == COMPUTE and a.step == s)
                      for s in {a.step for a in actions}}
         for index, action in enumerate(actions):
+            if receives.due(action.step):
+                with self._range(profiling, posting):
+                    for recv in receives.take(action.step):
+                        posted[recv] = self._post_receive(recv, chunks[recv.chunk], step_base)
             start = time.perf_counter()
             here = values[(action.step, action.chunk)]
             name = self._range_name(action, step_base, whole, posted) if profiling else ""
@@ -167,19 +171,13 @@ class Executor:
             values = len(self._outgoing_names(action))
         return range_name(action, step_base + action.step, whole, values)
 
-    def _post_receives(self, actions: Sequence[Action], chunks: Sequence[Chunk], base: int):
-        """Every receive of the run, posted before any compute (gloo sends complete only
-        once the matching receive is posted)."""
-        posted = {}
-        for action in actions:
-            if action.kind != RECV:
-                continue
-            handles = []
-            for name, spec in self._incoming(action, chunks[action.chunk]):
-                key = MessageKey(base + action.step, self.rank, action.chunk, name)
-                handles.append((key, self.transport.post_recv(key, action.peer, spec)))
-            posted[action] = handles
-        return posted
+    def _post_receive(self, action: Action, chunk: Chunk, base: int) -> list:
+        """(key, handle) of each value the receive brings, posted now."""
+        handles = []
+        for name, spec in self._incoming(action, chunk):
+            key = MessageKey(base + action.step, self.rank, action.chunk, name)
+            handles.append((key, self.transport.post_recv(key, action.peer, spec)))
+        return handles
 
     def _incoming(self, action: Action, chunk: Chunk) -> list[tuple[str, TensorSpec]]:
         producer = self.stages[action.stage]
@@ -213,6 +211,31 @@ class Executor:
         inputs = self.feeds.inputs(action.stage, chunk, visible, env, chunk_values)
         outputs = self.run_stage(action.stage, chunk, inputs)
         chunk_values.update(zip(self.stages[action.stage].outputs, outputs, strict=True))
+
+
+class _Receives:
+    """A run's receives, posted ahead of need by a window of steps: those of the steps up
+    to SEND_LAG_STEPS after the one being run. A sender waits for its sends of SEND_LAG_STEPS
+    steps back to complete (gloo: to be received), which the window has posted, since a
+    chunk reaches step s only after every stage ran step s - 1 (the window includes
+    whole per-call runs, of one step). Posting the whole run at once would hold receive
+    buffers for every step of a long ring. Receives are posted in schedule order: under
+    NCCL that is the order the senders send in."""
+
+    def __init__(self, actions: Sequence[Action]):
+        self._waiting = [a for a in actions if a.kind == RECV]
+        self._next = 0
+
+    def due(self, step: int) -> bool:
+        return self._next < len(self._waiting) and \
+            self._waiting[self._next].step <= step + SEND_LAG_STEPS
+
+    def take(self, step: int) -> list[Action]:
+        """The receives not yet posted of steps up to `step` + SEND_LAG_STEPS."""
+        start = self._next
+        while self.due(step):
+            self._next += 1
+        return self._waiting[start:self._next]
 
 
 def range_name(action: Action, step: int, whole: bool, values: int = 0) -> str:

@@ -8,20 +8,17 @@ TokpipeError that names both ranks and the message, never a hang.
 Shapes and dtypes are agreed once from the plan (`TensorSpec`), so a message carries raw
 bytes only. Messages between a pair of ranks match by tag where the backend has tags (gloo)
 and by posting order where it has none (NCCL): both ends must post a pair's messages in the
-same order, which the schedule guarantees.
+same order, which the schedule guarantees; each direction of a pair has a communicator of its
+own (`links.py`), so a receive posted ahead never holds back a send the other way.
 
 Sends are completed as a run goes: starting a send of step s first waits for this rank's
 sends of steps <= s - SEND_LAG_STEPS, so a ring holds about two steps of sent tensors however
 long it runs. A schedule must therefore post a step's receives before the sender is
-SEND_LAG_STEPS steps further on (the executor posts a whole run's receives up front).
+SEND_LAG_STEPS steps further on.
 
-Two backend facts shape how a schedule must post:
-- gloo: a send completes only once the peer has posted the matching receive, so post
-  receives before `flush`ing sends, or two ranks that send to each other wait for ever.
-  After a timed-out wait gloo closes the connection to that peer for good.
-- NCCL: both directions of a pair share one stream, so a pending receive from a peer holds
-  back later sends to it. With two ranks sending to each other, the two ends must agree on
-  one order of all their sends and receives.
+gloo: a send completes only once the peer has posted the matching receive, so post receives
+before `flush`ing sends, or two ranks that send to each other wait for ever. After a
+timed-out wait gloo closes the connection to that peer for good.
 """
 
 from __future__ import annotations
@@ -40,12 +37,14 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.runtime.links import Links, TorchLinks, Work
 
 _MAX_TAG = 2**31 - 1  # torch passes tags to the backend as a C int
 # How many steps behind the newest send a started send may stay incomplete (see above).
 SEND_LAG_STEPS = 2
 # `MessageKey.chunk` of a message that is not one chunk's (a whole output, a fingerprint).
 WHOLE = -1
+CONNECT_STEP = -2  # the step of the messages that connect a transport's pairs
 
 ErrorFn = Callable[[str], TokpipeError]
 
@@ -161,7 +160,7 @@ class _DistRecv:
         self._owner, self._key, self._src, self._spec = owner, key, src, spec
         self._data = torch.empty(spec.nbytes, dtype=torch.uint8, device=owner.device)
         self._works = [
-            owner._post(dist.irecv, piece, src, message_tag(key, i), self._error)
+            owner._post(owner.links.irecv, piece, src, message_tag(key, i), self._error)
             for i, piece in enumerate(pieces(self._data, owner.max_message_bytes))
         ]
 
@@ -178,20 +177,22 @@ class _DistRecv:
 class _PendingSend:
     key: MessageKey
     dst: int
-    works: list[dist.Work]
+    works: list[Work]
     data: torch.Tensor  # keeps the sent memory alive until the backend is done with it
 
 
 class DistributedTransport:
-    """torch.distributed isend/irecv between the ranks of `group` (default: the world).
+    """torch.distributed isend/irecv between the ranks of `group` (default: the world), or
+    over other `links` (`links.Links`: an emulated backend in tests).
 
     Tensors live on the rank's device: the current CUDA device under NCCL, CPU otherwise.
     Messages larger than `max_message_bytes` go in pieces (single huge messages hang some
     NCCL setups) and are reassembled into one tensor.
     """
 
-    def __init__(self, timeout: float = 60.0, max_message_bytes: int = 16 * 2**20, group=None):
-        if not dist.is_initialized():
+    def __init__(self, timeout: float = 60.0, max_message_bytes: int = 16 * 2**20, group=None,
+                 links: Links | None = None):
+        if links is None and not dist.is_initialized():
             raise TokpipeError(
                 "DistributedTransport needs torch.distributed initialised: run under torchrun "
                 "and call init_process_group_from_env(), or use runtime.launch.launch()."
@@ -199,21 +200,42 @@ class DistributedTransport:
         if max_message_bytes < 1:
             raise TokpipeError(f"max_message_bytes must be positive, got {max_message_bytes}")
         check_timeout(timeout)
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.links = links if links is not None else TorchLinks(group)
+        self.rank, self.world_size = self.links.rank, self.links.world_size
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
-        self.backend = str(dist.get_backend(group))
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.backend == "nccl"
-            else torch.device("cpu")
-        )
+        self.backend = self.links.backend
+        self.device = self.links.device
         # gloo's point-to-point is_completed() stays false until wait() is called, so gloo
         # must use wait(timeout); NCCL's wait has no usable timeout, so others are polled.
         self._native_timeout = self.backend == "gloo"
         self._sends: list[_PendingSend] = []
+        if not self.links.connected:
+            self.connect()
+            self.links.connected = True
+
+    def connect(self) -> None:
+        """A first message to and from every peer, pairs taken in one order on every rank
+        (by the lower rank, then the higher): under NCCL a pair's first message creates its
+        communicator and waits for the other end's (`links.py`)."""
+        spec = TensorSpec((1,), torch.uint8)
+        first = torch.ones(1, dtype=torch.uint8, device=self.device)
+
+        def key(dst: int) -> MessageKey:
+            return MessageKey(CONNECT_STEP, dst, WHOLE, "connect",
+                              f"the first message between ranks {self.rank} and {dst}")
+
+        handles = []
+        for peer in range(self.world_size):
+            if peer < self.rank:
+                handles.append(self.post_recv(key(self.rank), peer, spec))
+                self.send(key(peer), first, peer)
+            elif peer > self.rank:
+                self.send(key(peer), first, peer)
+                handles.append(self.post_recv(key(self.rank), peer, spec))
+        for handle in handles:
+            handle.wait()
+        self.flush()
 
     def post_recv(self, key: MessageKey, src: int, spec: TensorSpec) -> RecvHandle:
         """Posts the receive now; `wait()` on the handle bounds the wait by `timeout`."""
@@ -232,7 +254,7 @@ class DistributedTransport:
         self._complete_before(key.step - SEND_LAG_STEPS)
         data = as_bytes(tensor)
         works = [
-            self._post(dist.isend, piece, dst, message_tag(key, i), error)
+            self._post(self.links.isend, piece, dst, message_tag(key, i), error)
             for i, piece in enumerate(pieces(data, self.max_message_bytes))
         ]
         self._sends.append(_PendingSend(key, dst, works, data))
@@ -250,11 +272,10 @@ class DistributedTransport:
 
     def _post(
         self, op: Callable, piece: torch.Tensor, peer: int, tag: int, error: ErrorFn
-    ) -> dist.Work:
+    ) -> Work:
         # NCCL ignores the tag; there, matching relies on both ends' posting order.
-        peer_key = "group_dst" if op is dist.isend else "group_src"
         try:
-            work = op(piece, group=self.group, tag=tag, **{peer_key: peer})
+            work = op(piece, peer, tag)
         except (RuntimeError, ValueError) as e:  # e.g. gloo closes a pair after a timeout
             raise error(f"could not post ({_first_line(e)})") from e
         if work is None:
@@ -287,7 +308,7 @@ class DistributedTransport:
         while self._sends and all(w.is_completed() for w in self._sends[0].works):
             self._finish(self._sends.pop(0), time.monotonic() + self.timeout)
 
-    def _wait_all(self, works: list[dist.Work], deadline: float, error: ErrorFn) -> None:
+    def _wait_all(self, works: list[Work], deadline: float, error: ErrorFn) -> None:
         wait = _wait_native if self._native_timeout else _wait_polling
         try:
             for work in works:
@@ -296,7 +317,7 @@ class DistributedTransport:
             raise error(failed.reason) from None
 
 
-def _wait_native(work: dist.Work, deadline: float, timeout: float) -> None:
+def _wait_native(work: Work, deadline: float, timeout: float) -> None:
     # gloo raises on timeout (and then closes the pair for good); returning False is
     # treated the same in case a version reports it that way.
     remaining = max(deadline - time.monotonic(), 1e-3)
@@ -308,7 +329,7 @@ def _wait_native(work: dist.Work, deadline: float, timeout: float) -> None:
         raise _Failed(f"timed out after {timeout:g} s")
 
 
-def _wait_polling(work: dist.Work, deadline: float, timeout: float) -> None:
+def _wait_polling(work: Work, deadline: float, timeout: float) -> None:
     # NCCL's wait() only orders streams and has no usable timeout: poll the work's event.
     # is_completed() is also true for a failed work, so wait() still has to run.
     pause = 1e-4

@@ -26,7 +26,7 @@ SPEC = TensorSpec((64 * 1024,), torch.float32)  # 256 KiB a message
 
 def window_rank(rank: int, world: int, steps: int) -> int | bool:
     """Rank 0 sends `steps` x CHUNKS messages to rank 1, which posted every receive first
-    (as the executor does). Rank 0 returns its most pending sends, rank 1 whether all
+    (the most a receiver posts ahead). Rank 0 returns its most pending sends, rank 1 whether all
     arrived intact."""
     t = DistributedTransport(timeout=20.0)
     keys = [MessageKey(s, 1, c, "hidden") for s in range(steps) for c in range(CHUNKS)]

@@ -60,9 +60,12 @@ class DistributedProgram(PipelinedProgram):
     default; a subgroup runs one pipeline of several, e.g. one per guidance branch)."""
 
     def __init__(self, plan: Plan, session: Session | None = None, owner: int | None = None,
-                 group: Any = None):
+                 group: Any = None, transport: DistributedTransport | None = None):
         super().__init__(plan, session, owner)
-        self.rank, world = distributed_world(group)
+        # `transport`: over other links than torch.distributed's (tests emulate NCCL)
+        self.transport = transport or DistributedTransport(timeout=plan.config.timeout,
+                                                           group=group)
+        self.rank, world = self.transport.rank, self.transport.world_size
         stages = len(plan.stages)
         if world != stages:
             raise TokpipeError(
@@ -71,7 +74,6 @@ class DistributedProgram(PipelinedProgram):
             )
         self.world = world
         self.cache_specs = plan.stages[self.rank].caches  # this rank's layers only
-        self.transport = DistributedTransport(timeout=plan.config.timeout, group=group)
         graph = plan.graphs.stages[self.rank]
         self.prelude = Prelude(*prelude_for(plan.graphs, {self.rank}), plan.config.compiler)
         self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
