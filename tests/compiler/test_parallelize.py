@@ -84,6 +84,18 @@ def test_a_wide_image_equals_serial(family):
                      serial) <= 1e-5
 
 
+def test_more_resolutions_than_dynamos_recompile_limit_each_run_pipelined():
+    """Per call, each resolution is a recompile of the transformer's forward, whose code
+    every diffusers transformer shares (its decorator's wrapper): past Dynamo's limit of 8
+    for the whole process, a ninth ran unpipelined. Each parallelized transformer has a
+    limit of its own, and a higher one (pipelines bin resolutions into dozens)."""
+    pipe, kwargs = _ring(pixart_alpha, mode="sync", ring=False)
+    sizes = [48 + 16 * i for i in range(torch._dynamo.config.recompile_limit + 2)]
+    for height in sizes:
+        generate(pipe, {**kwargs, "height": height}, steps=2)
+    assert len(tp.programs(pipe.transformer)) == len(sizes)
+
+
 def test_each_ring_is_planned_once_and_reused():
     pipe, kwargs = _ring(pixart_alpha, mode="stale")
     first = generate(pipe, kwargs, seed=1)

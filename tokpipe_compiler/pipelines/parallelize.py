@@ -29,6 +29,7 @@ import torch
 
 from tokpipe_compiler.backend import TokpipeBackend
 from tokpipe_compiler.config import Config
+from tokpipe_compiler.core.compile_calls import own_recompiles
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
 from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
@@ -38,6 +39,10 @@ from tokpipe_compiler.pipelines.ring_call import RingCalls, RingUnavailable
 # in the second).
 DENOISERS = ("transformer", "transformer_2")
 _RESET = "_reset_stateful_cache"  # what DiffusionPipeline calls on each component at the end
+# Input signatures (resolutions, batch sizes) a transformer is compiled for per call before
+# Dynamo runs it unpipelined: PixArt's and Sana's pipelines bin resolutions into dozens of
+# aspect ratios, and each is one recompile.
+RECOMPILES = 64
 
 
 def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -> Any:
@@ -61,8 +66,9 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
         if getattr(denoiser, "_compiled_call_impl", None) is not None:
             raise TokpipeError(f"{type(pipe).__name__}.{name} is compiled already; "
                                "parallelize the pipeline before compiling its transformer")
-    for denoiser in denoisers.values():  # each with its own programs
-        denoiser.compile(backend=TokpipeBackend(**options), dynamic=False)
+    for denoiser in denoisers.values():  # each with its own programs and recompile limit
+        denoiser.compile(backend=TokpipeBackend(**options), dynamic=False,
+                         **own_recompiles(RECOMPILES))
         _reset_with_the_pipeline(denoiser)
     if ring:
         hybrid = cfg == 2 and config.stages > 1

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 from torch._dynamo.exc import FailOnRecompileLimitHit
 
+from tokpipe_compiler.core.compile_calls import own_recompiles
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import argument_of, record_sources
 
@@ -110,8 +111,7 @@ def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict, fullgraph: b
 # Each capture's cache entries in a region of their own: they never count against the
 # recompile limit of the user's own torch.compile of the same function, nor theirs against
 # ours (a capture of the 9th pipeline would otherwise fail the limit and reset Dynamo).
-_OWN_REGION = ({"isolate_recompiles": True}
-               if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
+_OWN_REGION = own_recompiles()
 
 
 def _traced_code() -> types.CodeType | None:

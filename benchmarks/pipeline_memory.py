@@ -1,0 +1,72 @@
+"""What a process holds as it parallelizes and runs pipeline after pipeline.
+
+    python benchmarks/pipeline_memory.py [--model wan2.1-1.3b] [--pipelines 4] [--steps 3]
+
+A released-width transformer (one block, a small grid: tests/fixtures/released_pipelines.py)
+inside its diffusers pipeline, with guidance. In one process, one thread: a new pipeline is
+built, parallelized (2 stages x 2 chunks, stale, eager stages), run once and dropped, again
+and again; the same with the pipeline left serial. After each: the resident set (after
+`gc.collect()`; diffusers' pipelines are reference cycles) and the K/V the ring's program
+holds now and held during the generation. A process that kept what each pipeline traced
+grows by one transformer per pipeline; a ring that kept its caches after its last step
+holds them through the VAE decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.pipelines import generate
+from tests.fixtures.released_pipelines import RELEASED
+from tokpipe_compiler.inspection.memory import memory_report
+from tokpipe_compiler.inspection.report import human_bytes
+
+
+def resident() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def run(name: str, parallel: bool, steps: int) -> tuple[str, str]:
+    """One pipeline built, run and dropped: (K/V held now, K/V held by the generation)."""
+    pipe, kwargs = RELEASED[name]()
+    if parallel:
+        tp.pipelines.parallelize(pipe, stages=2, chunks=2, mode="stale", compiler="eager")
+    generate(pipe, kwargs, steps=steps)
+    held = during = "-"
+    if parallel:
+        (program,) = [p for p in tp.pipelines.programs(pipe) if p.released or p.branches]
+        report = memory_report(program)
+        now = sum(t.numel() * t.element_size() for c in program.branches.values()
+                  for t in c.buffers.values())
+        held, during = human_bytes(now), human_bytes(sum(s.kv_measured for s in report.stages))
+    del pipe, kwargs
+    gc.collect()
+    return held, during
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="wan2.1-1.3b", choices=sorted(RELEASED))
+    parser.add_argument("--pipelines", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    start = resident()
+    print(f"{args.model}, one block, in one process; resident set over the start "
+          f"({human_bytes(start)}) after each pipeline is dropped")
+    print(f"{'run':<10} {'pipeline':>8} {'resident':>10} {'K/V now':>10} {'K/V during':>11}")
+    for parallel in (False, True):
+        for i in range(args.pipelines):
+            held, during = run(args.model, parallel, args.steps)
+            kind = "ring" if parallel else "serial"
+            print(f"{kind:<10} {i + 1:>8} {human_bytes(resident() - start):>10} "
+                  f"{held:>10} {during:>11}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
