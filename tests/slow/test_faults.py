@@ -124,6 +124,7 @@ def check_bounded(errors: dict, faulty: int, world: int, fault: str) -> None:
 
 OUTPUT = re.compile(r"waiting for stage (\d)'s output '\w+' of step \d+ \(all chunks\) "
                     r"from rank \1")
+LAST_CARRY = re.compile(rf"waiting for step {2 * RING_STEPS - 1} chunk \d+ '\w+' from rank 1")
 
 
 @pytest.mark.parametrize("fault", ["stalls", "dies"])
@@ -141,7 +142,10 @@ def test_last_stage_fault_per_call_raises_on_the_others(fault):
 def test_last_stage_fault_at_the_last_ring_step(fault):
     errors, elapsed = run_fault(ring_rank, 2, 1, fault)
     check_bounded(errors, 1, 2, fault)
-    assert OUTPUT.search(errors[0][0]), errors[0][0]
+    # rank 0 got every carried chunk and waits for the output; or, where the dying rank's
+    # last carry never left it (gloo sends once the receive's notice reached the sender's
+    # thread), for that chunk of the last step
+    assert OUTPUT.search(errors[0][0]) or LAST_CARRY.search(errors[0][0]), errors[0][0]
     assert elapsed < 240  # mostly starting the ranks (each rank's wait is bounded above)
 
 
