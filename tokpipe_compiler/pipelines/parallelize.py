@@ -29,11 +29,11 @@ import torch
 
 from tokpipe_compiler.backend import TokpipeBackend
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.core.compile_calls import own_recompiles
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
 from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
 from tokpipe_compiler.pipelines.ring_call import RingCalls, RingUnavailable
+from tokpipe_compiler.planning.compile_calls import own_recompiles
 
 # The attributes that hold a pipeline's denoising transformers (Wan 2.2's low-noise expert
 # in the second).

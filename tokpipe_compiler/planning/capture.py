@@ -18,9 +18,9 @@ import torch
 import torch.fx
 from torch._dynamo.exc import FailOnRecompileLimitHit
 
-from tokpipe_compiler.core.compile_calls import own_recompiles
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import argument_of, record_sources
+from tokpipe_compiler.planning.compile_calls import own_recompiles
 
 log = logging.getLogger("tokpipe_compiler")
 
