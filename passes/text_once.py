@@ -38,11 +38,6 @@ def _info(node: object) -> TokenInfo:
     return INVARIANT_INFO
 
 
-def only_segment(info: TokenInfo) -> bool:
-    """A token value none of whose rows are the chunk's own: the text stream."""
-    return info.carries_tokens and info.segmented and not info.per_unit
-
-
 def _joins_segments(node: torch.fx.Node) -> bool:
     """A concatenation along the token axis that puts segments around a chunk's rows."""
     info = _info(node)
@@ -57,9 +52,9 @@ def why_kept(gm: torch.fx.GraphModule) -> str:
     Sums over a token axis that holds segments are refused before (annotate); what is left
     is a value computed from the text that meets the image rows other than in attention."""
     for node in gm.graph.nodes:
-        if only_segment(_info(node)):
+        if _info(node).only_segment:
             for user in node.users:
-                if user.op != "output" and not only_segment(_info(user)) \
+                if user.op != "output" and not _info(user).only_segment \
                         and not _joins_segments(user):
                     return f"{describe(user)} reads the text segment {node.name} " \
                            "other than by joining it to the image tokens"
@@ -86,12 +81,12 @@ def drop_segments(graph: torch.fx.Graph) -> None:
     # writes no rows here and its output is unused: DCE keeps it only because it writes.
     for node in list(graph.nodes):
         if node.target is kv_attention and not node.users \
-                and only_segment(_info(arg(node, 1, "k"))):
+                and _info(arg(node, 1, "k")).only_segment:
             graph.erase_node(node)
     graph.eliminate_dead_code()
     for node in graph.nodes:
         if node.op == "call_function" and node.target is not kv_attention \
-                and only_segment(_info(node)):
+                and _info(node).only_segment:
             raise TokpipeError(f"{describe(node)} still computes the text segment in a "
                                f"chunk that leaves it to the step's first chunk; {_EVERY}")
 
@@ -107,7 +102,7 @@ def _rows_input(graph: torch.fx.Graph) -> torch.fx.Node:
 
 def _empty_if_segment(graph: torch.fx.Graph, value: object,
                       reference: torch.fx.Node) -> object:
-    if not isinstance(value, torch.fx.Node) or not only_segment(_info(value)):
+    if not isinstance(value, torch.fx.Node) or not _info(value).only_segment:
         return value
     full = example_value(value)
     shape = list(full.shape)

@@ -3,6 +3,8 @@ chunk (a segment before or after the chunked tokens), for any stages and chunks.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,8 +14,8 @@ from tests.fixtures.models import Block
 from tests.fixtures.tracing import assert_rel_close, rel_error, trace
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY
+from tokpipe_compiler.core.stage_graph import BOUNDARY
 from tokpipe_compiler.passes.split import prelude_for
-from tokpipe_compiler.passes.text_once import only_segment
 from tokpipe_compiler.planning.params import computes_from, prelude_reads
 
 
@@ -231,10 +233,39 @@ def test_chunks_after_the_first_run_without_the_text_stream(joint):
     assert _linears(rows) == 2 * len(model.blocks)  # each block's image qkv and out
     assert _linears(whole) > _linears(rows)
     assert not [n for n in rows.graph.nodes
-                if n.op != "placeholder" and only_segment(n.meta.get(META_KEY, INVARIANT_INFO))]
+                if n.op != "placeholder" and n.meta.get(META_KEY, INVARIANT_INFO).only_segment]
     for _ in range(2):
         (out,) = program(*traced.args(x=inputs(5)[0], text=inputs(5)[1]))
     assert_rel_close(out, eager(model, 5))
+
+
+def test_the_plan_counts_the_text_rows_the_first_chunk_sends(joint):
+    """What a stage sends per chunk, in the plan and the simulator, is what the runtime
+    sizes its messages by: the first chunk's boundary values carry the text stream, the
+    later chunks' do not; on a slow link that first send costs time."""
+    from tokpipe_compiler.costmodel.hardware import DEVICES, LinkModel
+    from tokpipe_compiler.costmodel.simulator import simulate, simulate_chunks
+    from tokpipe_compiler.runtime.executor import value_spec
+
+    _, traced = joint
+    plan = traced.program(mode="stale", stages=2, chunks=3, warmup_steps=1).plan
+    sent = {(i.producer, i.name) for g in plan.graphs.stages for i in g.inputs
+            if i.kind == BOUNDARY}
+    for stage in plan.graphs.stages[:-1]:
+        names = [name for producer, name in sent if producer == stage.index]
+        for chunk in plan.chunks:
+            specs = [value_spec(stage, name, chunk) for name in names]
+            runtime = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
+            assert plan.send_bytes(stage.index, chunk) == runtime
+    assert plan.stages[0].send_text_bytes == 5 * 16 * 4  # the text stream, 5 x 16 floats
+    slow, h200 = LinkModel("slow", 1e4, 0.0), DEVICES["h200"]
+    per_token = plan.tokens / plan.units
+    image_only = simulate_chunks(
+        [s.cost for s in plan.stages], [s.send_bytes_per_unit / per_token for s in plan.stages],
+        plan.tokens, [(plan.chunk_tokens(c), plan.tokens, float(c.segments)) for c in plan.chunks],
+        20, 1, h200, slow, 2)
+    text_s = slow.seconds(plan.stages[0].send_text_bytes)  # on the first chunk of each step
+    assert simulate(plan, h200, slow).pipelined_s > image_only.pipelined_s + 19 * text_s / 2
 
 
 class ScaledByText(TinyJoint):

@@ -148,6 +148,28 @@ def test_the_text_rows_count_in_the_rate_of_a_chunks_matrix_products():
     assert calibrate.seconds(cost, RATES, 3, 12, 0.0) < calibrate.seconds(cost, RATES, 3, 12)
 
 
+def test_the_text_streams_launches_are_left_out_of_chunks_without_the_text():
+    """A node that computes only the text stream (no image rows) runs only where the chunk
+    computes the text: its launches count at text=1, not at text=0, and a chunk's launch
+    overhead follows."""
+    text_only = TokenInfo(TOKEN, 1, 0, lead=4)
+    joint = TokenInfo(TOKEN, 1, 1, lead=4)
+    g = traced(lambda t, x: (F.gelu(t), F.gelu(x)),
+               {"t": torch.randn(1, 4, 8), "x": torch.randn(1, 16, 8)},
+               {"t": text_only, "x": joint, "gelu": text_only, "gelu_1": joint})
+    total = graph_cost(g.nodes, 12)
+    assert (total.launches, total.text_launches) == (2, 1)
+    assert (total.launches_at(1.0), total.launches_at(0.0), total.launches_at(0.25)) == (
+        2, 1, 1.25)
+    overhead = calibrate.seconds(total, RATES, 3, 12) - calibrate.seconds(total, RATES, 3, 12,
+                                                                          0.0)
+    text_work = calibrate.seconds(replace(total, launches=0, text_launches=0), RATES, 3, 12) \
+        - calibrate.seconds(replace(total, launches=0, text_launches=0), RATES, 3, 12, 0.0)
+    assert overhead == pytest.approx(text_work + RATES.per_op_overhead)
+    assert calibrate.time_fn(total, RATES)(3, 12, 0.0) == pytest.approx(
+        calibrate.seconds(total, RATES, 3, 12, 0.0))
+
+
 def test_cross_attention_keys_do_not_scale():
     cost = node_cost(only(_sdpa_graph(6, False), "scaled_dot_product_attention"), 12)
     assert C not in cost.flops.free_symbols

@@ -74,6 +74,12 @@ class TokenInfo:
     def segmented(self) -> bool:
         return bool(self.lead or self.trail)
 
+    @property
+    def only_segment(self) -> bool:
+        """A token value none of whose rows are the chunk's own: the text stream, which a
+        chunk that leaves the text to the step's first chunk does not compute."""
+        return self.carries_tokens and self.segmented and not self.per_unit
+
     def extent(self, units: int, segments: bool = True) -> int:
         """Size of the token axis on a chunk of `units` grid units, with or without the
         segments (a chunk that leaves the text to the step's first chunk has none)."""

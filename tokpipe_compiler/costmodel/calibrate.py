@@ -58,7 +58,8 @@ def seconds(cost: Cost, rates: DeviceRates, n: int, c: int, text: float = 1.0) -
     """Predicted time of `cost` for a chunk of n tokens attending over c tokens that
     computes `text` of the text segments (cost.TEXT)."""
     flops, nbytes, mm, attn = cost.at(n, c, round(rates.causal_tile), text)
-    return _combine(flops, nbytes, mm, attn, cost.launches, rates, n + text * cost.text_rows)
+    return _combine(flops, nbytes, mm, attn, cost.launches_at(text), rates,
+                    n + text * cost.text_rows)
 
 
 def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
@@ -70,14 +71,14 @@ def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
 
     def predict(n: int, c: int, text: float = 1.0) -> float:
         flops, nbytes, mm, attn = (float(v) for v in evaluate(n, c, text))
-        return _combine(flops, nbytes, mm, attn, cost.launches, rates,
+        return _combine(flops, nbytes, mm, attn, cost.launches_at(text), rates,
                         n + text * cost.text_rows)
 
     return predict
 
 
 def _combine(
-    flops: float, nbytes: float, mm: float, attn: float, launches: int,
+    flops: float, nbytes: float, mm: float, attn: float, launches: float,
     rates: DeviceRates, rows: float,
 ) -> float:  # fmt: skip
     """Seconds of the chunk's work; `rows`: its tokens with the text it computes, which set

@@ -236,7 +236,8 @@ def node_cost(node: torch.fx.Node, tokens: int) -> Cost:
     cost = call_rule("cost", rule, node, tokens)  # a crash is a bug in the rule: it raises
     info = token_info(node)
     if info is not None and info.carries_tokens and info.segmented:
-        cost = replace(cost, text_rows=info.lead + info.trail)
+        text_launches = cost.launches if info.only_segment else 0
+        cost = replace(cost, text_rows=info.lead + info.trail, text_launches=text_launches)
     return cost
 
 
@@ -250,4 +251,5 @@ def graph_cost(nodes: Iterable[torch.fx.Node], tokens: int) -> Cost:
         sympy.Add(*(c.attention_flops for c in costs)),
         sum(c.launches for c in costs),
         max((c.text_rows for c in costs), default=0),
+        sum(c.text_launches for c in costs),
     )

@@ -122,7 +122,7 @@ def chunk_table(plan: Plan, mode: str, device: DeviceModel) -> list[tuple[int, i
 def memory(plan: Plan) -> list[Memory]:
     """Per stage's rank: weights and K/V as the plan predicts them, and the boundary values
     of two steps (received from the stage before, sent to the next)."""
-    sends = [s.send_bytes_per_unit * plan.units for s in plan.stages]
+    sends = [s.send_bytes_per_unit * plan.units + s.send_text_bytes for s in plan.stages]
     return [Memory(s.param_bytes, s.kv_cache_bytes,
                    2 * (sends[i] + (sends[i - 1] if i else 0)))
             for i, s in enumerate(plan.stages)]
@@ -141,7 +141,8 @@ def predict(plan: Plan, mode: str, device: DeviceModel, link: LinkModel, steps: 
     warmup = warmup_steps if mode == "stale" else 0
     sim = simulate_chunks(costs, sends, plan.tokens, table, steps, warmup, device, link,
                           len(costs), outside_s=outside_s, overlap_sends=False,
-                          launch_s=LAUNCH_S)
+                          launch_s=LAUNCH_S,
+                          text_bytes=[s.send_text_bytes for s in plan.stages])
     step = _step_seconds(costs, table, device)
     imbalance = max(step) * len(step) / sum(step)
     return Prediction(mode, len(costs), [n for n, _, _ in table], sim.serial_s, sim.pipelined_s,
@@ -155,5 +156,6 @@ def _step_seconds(costs: list[Cost], table: list[tuple[int, int, float]],
     out = []
     for cost in costs:
         fn = time_fn(cost, rates)
-        out.append(sum(max(fn(*chunk), cost.launches * LAUNCH_S) for chunk in table))
+        out.append(sum(max(fn(*chunk), cost.launches_at(chunk[2]) * LAUNCH_S)
+                       for chunk in table))
     return out

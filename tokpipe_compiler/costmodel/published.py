@@ -82,7 +82,7 @@ def pixart_stage_costs(world: int) -> tuple[list[Cost], list[float]]:
 def _times(cost: Cost, k: int) -> Cost:
     return replace(cost, flops=k * cost.flops, bytes=k * cost.bytes,
                    matmul_flops=k * cost.matmul_flops, attention_flops=k * cost.attention_flops,
-                   launches=k * cost.launches)
+                   launches=k * cost.launches, text_launches=k * cost.text_launches)
 
 
 def outside_seconds(rates: DeviceRates) -> float:

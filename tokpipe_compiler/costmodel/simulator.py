@@ -80,29 +80,34 @@ def simulate_chunks(
     outside_s: float = 0.0,
     overlap_sends: bool = True,
     launch_s: float = 0.0,
+    text_bytes: list[float] | None = None,
 ) -> SimResult:
     """`simulate_model` with any chunk table: `chunks` holds each chunk's (tokens, context
     tokens, share of the text segments it computes), e.g. TeraPipe's uneven causal chunks,
     each attending over those before it, or a step whose first chunk alone computes joint
-    attention's text. per_stage_s is then each stage's seconds summed over one step's
-    chunks."""
+    attention's text. text_bytes[s]: what stage s sends of the text rows, scaled by a
+    chunk's share (the first chunk's send carries the text). per_stage_s is then each
+    stage's seconds summed over one step's chunks."""
     if len(stage_costs) != world or len(boundary_bytes_per_token) != world:
         raise ValueError(f"need one stage cost and one boundary size per rank ({world})")
     rates = device.rates()
 
+    text_bytes = text_bytes or [0.0] * world
+
     def stage_seconds(cost: Cost, n: int, c: int, text: float = 1.0) -> float:
-        return max(seconds(cost, rates, n, c, text), cost.launches * launch_s)
+        return max(seconds(cost, rates, n, c, text), cost.launches_at(text) * launch_s)
 
     serial = steps * stage_seconds(sum(stage_costs, Cost(0, 0)), tokens, tokens) + outside_s
     compute = [[stage_seconds(cost, *chunk) for chunk in chunks] for cost in stage_costs]
-    links = [[link.seconds(b * n) if world > 1 else 0.0 for n, _, _ in chunks]
-             for b in boundary_bytes_per_token]
+    links = [[link.seconds(b * n + t * share) if world > 1 else 0.0 for n, _, share in chunks]
+             for b, t in zip(boundary_bytes_per_token, text_bytes, strict=True)]
     if not overlap_sends:  # the sender waits for its send: it is part of its stage time
         compute = [[t + send for t, send in zip(ts, ss, strict=True)]
                    for ts, ss in zip(compute, links, strict=True)]
         links = [[0.0] * len(chunks) for _ in range(world)]
     sync = sum(stage_seconds(cost, tokens, tokens) for cost in stage_costs) + sum(
-        link.seconds(b * tokens) for b in boundary_bytes_per_token[:-1]
+        link.seconds(b * tokens + t)
+        for b, t in zip(boundary_bytes_per_token[:-1], text_bytes, strict=False)
     )
     pipelined_steps = max(steps - warmup_steps, 0)
     span = pipeline_time.seconds(compute, pipelined_steps, ring=True, send=links)
@@ -133,7 +138,8 @@ def simulate(plan: Any, device: str | DeviceModel = "h200", link: str | LinkMode
     chunks = [(plan.chunk_tokens(c), plan.context_tokens(c), float(c.segments))
               for c in plan.chunks]
     return simulate_chunks([s.cost for s in plan.stages], sends, plan.tokens, chunks, steps,
-                           plan.config.warmup_steps, device, link, world)
+                           plan.config.warmup_steps, device, link, world,
+                           text_bytes=[s.send_text_bytes for s in plan.stages])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,9 +38,11 @@ class Cost:
 
     flops counts all arithmetic; matmul_flops and attention_flops are the parts of it done
     by matrix-multiply and attention kernels (they run at their own rates). launches counts
-    the nodes that run a kernel (views launch nothing). text_rows: the rows of joint
-    attention's text segments a chunk that computes them carries (the most of any node):
-    they count in the rows of its matrix products, whose rate grows with their rows.
+    the nodes that run a kernel (views launch nothing); text_launches, those of them that
+    compute only joint attention's text stream, which a chunk leaving the text to the
+    step's first chunk does not run. text_rows: the rows of the text segments a chunk that
+    computes them carries (the most of any node): they count in the rows of its matrix
+    products, whose rate grows with their rows.
     """
 
     flops: sympy.Expr
@@ -49,6 +51,7 @@ class Cost:
     attention_flops: sympy.Expr = sympy.S.Zero
     launches: int = 0
     text_rows: int = 0
+    text_launches: int = 0
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(
@@ -58,7 +61,13 @@ class Cost:
             self.attention_flops + other.attention_flops,
             self.launches + other.launches,
             max(self.text_rows, other.text_rows),
+            self.text_launches + other.text_launches,
         )
+
+    def launches_at(self, text: float = 1.0) -> float:
+        """Kernel launches of a chunk that computes `text` of the text segments (a share
+        over a step's chunks: the mean)."""
+        return self.launches - (1.0 - text) * self.text_launches
 
     def at(self, n: int, c: int, tile: int = 0,
            text: float = 1.0) -> tuple[float, float, float, float]:

@@ -170,12 +170,14 @@ def compare(plan: Plan, events: Timeline | Iterable[Event],
     rows = []
     for stage in plan.stages:
         measured = [e.duration for e in chunked if e.stage == stage.index]
-        predicted = [seconds(stage.cost, rates, plan.chunk_tokens(c), plan.context_tokens(c))
-                     for c in plan.chunks]
+        predicted = [seconds(stage.cost, rates, plan.chunk_tokens(c), plan.context_tokens(c),
+                             float(c.segments)) for c in plan.chunks]
+        launches = statistics.median(stage.cost.launches_at(float(c.segments))
+                                     for c in plan.chunks)
         rows.append(StageTiming(stage.index, len(measured),
                                 statistics.median(measured) if measured else float("nan"),
                                 statistics.median(predicted),
-                                stage.cost.launches * rates.per_op_overhead,
+                                launches * rates.per_op_overhead,
                                 plan.chunk_tokens(plan.chunks[0])))
     return rows
 

@@ -40,6 +40,8 @@ class StagePlan:
     cost: Cost  # one chunk of N tokens over C tokens of context (passes/cost.py)
     send_bytes_per_unit: int  # bytes to later stages per token-grid unit
     caches: list[AnyCacheSpec] = field(default_factory=list)
+    # bytes of joint attention's text rows sent, once, by a chunk that computes the text
+    send_text_bytes: int = 0
     layer_flops: list[tuple[str, float]] = field(default_factory=list)  # partition's weights
 
     @property
@@ -90,7 +92,10 @@ class Plan:
                        float(chunk.segments))[0]
 
     def send_bytes(self, stage: int, chunk: Chunk) -> int:
-        return self.stages[stage].send_bytes_per_unit * chunk.units
+        """Bytes stage `stage` sends to later stages for `chunk`, its text rows included
+        where the chunk computes them."""
+        sends = self.stages[stage]
+        return sends.send_bytes_per_unit * chunk.units + sends.send_text_bytes * chunk.segments
 
     @property
     def model_param_bytes(self) -> int:
@@ -225,6 +230,7 @@ def describe_stages(
             prelude_param_bytes=held.prelude,
             cost=costs[stage.index],
             send_bytes_per_unit=_send_bytes(stage, graphs),
+            send_text_bytes=_send_bytes(stage, graphs, text=True),
             caches=sorted({by_cache[i.name] for i in stage.inputs if i.name in by_cache},
                           key=lambda c: c.layer),
             layer_flops=_layer_flops(cut, stage.index),
@@ -254,7 +260,9 @@ def _layer_flops(cut: Partition, stage: int) -> list[tuple[str, float]]:
     return out
 
 
-def _send_bytes(stage: StageGraph, graphs: SplitGraphs) -> int:
+def _send_bytes(stage: StageGraph, graphs: SplitGraphs, text: bool = False) -> int:
+    """Bytes `stage` sends to later stages per token-grid unit, or (`text`) of the text
+    segments' rows, which a chunk that computes them sends once whatever its length."""
     sent = {i.name for g in graphs.stages for i in g.inputs
             if i.kind == BOUNDARY and i.producer == stage.index}
     total = 0
@@ -262,8 +270,9 @@ def _send_bytes(stage: StageGraph, graphs: SplitGraphs) -> int:
         if node.name in sent and node.op != "placeholder":
             value = example_value(node)
             info = stage.output_infos[node.name]
-            if info.axis is None or not info.per_unit:
-                continue  # a value sent whole does not grow with the chunk
+            if info.axis is None or not info.carries_tokens:
+                continue  # a value sent whole does not change with the chunk
             rows = value.numel() // value.shape[info.axis]
-            total += rows * info.per_unit * info.outer * value.element_size()
+            per_block = info.lead + info.trail if text else info.per_unit or 0
+            total += rows * per_block * info.outer * value.element_size()
     return total
