@@ -16,7 +16,7 @@ from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.pieces import Origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.owners import programs_of as owned_programs
-from tokpipe_compiler.programs.pipelined import PipelinedProgram
+from tokpipe_compiler.programs.pipelined import PipelinedProgram, made_order
 
 # Attributes that lead from a torch.compile'd module to the backend Dynamo holds.
 _LINKS = ("dynamo_ctx", "callback", "_torchdynamo_orig_backend", "_torchdynamo_orig_callable",
@@ -41,22 +41,26 @@ def reset(compiled: Any) -> None:
 
 
 def programs(compiled: Any) -> list[PipelinedProgram]:
-    """The pipelined programs behind `compiled` (one per Dynamo graph planned so far),
-    each with its `plan` and the `timeline` of its calls."""
+    """The pipelined programs behind `compiled` (one per Dynamo graph planned so far, the
+    first planned first), each with its `plan` and the `timeline` of its calls."""
     if isinstance(compiled, PipelinedProgram):
         return [compiled]
     if isinstance(compiled, (TokpipeBackend, LazyProgram)):
-        return list(compiled.session.programs)
+        return sorted(compiled.session.programs, key=made_order)
     module = getattr(compiled, "_orig_mod", compiled)
-    if isinstance(module, torch.nn.Module) and owned_programs(module):
-        return owned_programs(module)  # this model's, not another's of the same class
     session = _find_session(compiled)
+    owned = owned_programs(module) if isinstance(module, torch.nn.Module) else []
+    if owned:
+        # This model's, not another's of the same class; and of this torch.compile call,
+        # not of another compile of the same model with other options.
+        mine = [p for p in owned if session is None or p.session is session]
+        return sorted(mine or owned, key=made_order)
     if session is None:
         raise TokpipeError(
             f"found no tokpipe program behind {type(compiled).__name__}; pass what "
             "torch.compile(..., backend='tokpipe') returned (after its first call), a "
             "module compiled in place, or the backend object")
-    return list(session.programs)
+    return sorted(session.programs, key=made_order)
 
 
 def _find_session(obj: Any):

@@ -32,9 +32,10 @@ from tokpipe_compiler.programs.pipelined import Session
 
 log = logging.getLogger("tokpipe_compiler")
 
-# Sessions of string-backend compiles, keyed by the identity of their `options` dict (the
-# one object Dynamo hands every recompile of the same torch.compile call).
-_SESSIONS: dict[int, tuple[Any, Session]] = {}
+# Sessions of string-backend compiles, one per distinct `options`: Dynamo takes two
+# torch.compile calls with equal options for one backend (`_TorchCompileWrapper.__eq__`)
+# and serves the second from the first one's graphs, so their programs are one session's.
+_SESSIONS: list[tuple[Any, Session]] = []
 
 
 class TokpipeBackend:
@@ -56,16 +57,28 @@ class TokpipeBackend:
 def tokpipe(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
             **_: Any):
     """The function registered as the "tokpipe" Dynamo backend."""
-    key = id(options)
-    if key not in _SESSIONS:
-        _SESSIONS[key] = (options, Session())
-    session = _SESSIONS[key][1]
+    session = session_for_options(options)
+    if session is None:
+        session = Session()
+        _SESSIONS.append((options, session))
     return LazyProgram(gm, lambda: Config.from_options(options), session)
 
 
 def session_for_options(options: dict | None) -> Session | None:
-    entry = _SESSIONS.get(id(options))
-    return entry[1] if entry is not None else None
+    """The session of compiles with options equal to `options` (None: none yet)."""
+    for known, session in _SESSIONS:
+        if known is options or _equal(known, options):
+            return session
+    return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """`a == b` as Dynamo compares backend options; False where that is not a bool (an
+    option holding a tensor)."""
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 # Per session: the parameter names of every function Dynamo traced for it (a model's forward

@@ -80,6 +80,41 @@ def test_two_models_of_one_class_stay_independent():
     assert tp.programs(compiled_a)[0] is not tp.programs(compiled_b)[0]
 
 
+def test_one_model_compiled_twice_lists_and_resets_each_compiles_own_programs():
+    """One model compiled with two option sets (a comparison of chunk counts, say): each
+    compiled model lists its own program, first made first, and resetting one leaves the
+    other's generation alone. Dynamo serves a compile with options equal to an earlier
+    compile's from that compile's graph (here those of the tests before): the programs are
+    found all the same."""
+    model, two = compiled_dit(chunks=2)
+    four = torch.compile(model, backend="tokpipe", options={**OPTIONS, "chunks": 4},
+                         dynamic=False)
+    inputs = dit_inputs(model, 8)
+    with torch.no_grad():
+        for compiled in (two, four):
+            compiled(*inputs)
+    (of_two,), (of_four,) = tp.programs(two), tp.programs(four)
+    assert (len(of_two.plan.chunks), len(of_four.plan.chunks)) == (2, 4)
+    tp.reset(four)
+    assert of_four.clock.step == -1 and of_two.clock.step == 0
+    assert tp.programs(model) == [of_two, of_four]
+
+
+def test_a_function_compiled_again_with_equal_options_finds_its_programs():
+    """Dynamo runs the second compile on the first one's graph (equal options): the second
+    compiled function still lists the program it ran."""
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    inputs = dit_inputs(model, 8)
+    found = []
+    for _ in range(2):
+        step = torch.compile(lambda *a: model(*a), backend="tokpipe", options=dict(OPTIONS),
+                             dynamic=False)
+        with torch.no_grad():
+            step(*inputs)
+        found.append(tp.programs(step))
+    assert found[0] and found[0] == found[1]
+
+
 def test_programs_are_freed_with_their_model():
     refs = []
     for seed in range(3):

@@ -11,6 +11,7 @@ another program of the same model with other shapes.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -62,7 +63,10 @@ class PipelinedProgram:
 
     rank, world, transport = 0, 1, None
 
+    _made = itertools.count()  # tells the order programs were made in (`made_order`)
+
     def __init__(self, plan: Plan, session: Session | None = None, owner: int | None = None):
+        self.made = next(PipelinedProgram._made)
         self.plan = plan
         self.session = session
         self.owner = owner  # id of the weight that tells the model this program runs
@@ -283,3 +287,8 @@ def persistent_inputs(plan: Plan) -> frozenset[str]:
 def input_arguments(plan: Plan) -> list[str | int | None]:
     """The forward's argument each graph input holds, in call order (None for weights)."""
     return [argument_of(n) for n in plan.graphs.prelude.graph.nodes if n.op == "placeholder"]
+
+
+def made_order(program: PipelinedProgram) -> int:
+    """Sort key: programs in the order they were made (weak sets keep no order)."""
+    return program.made
