@@ -6,8 +6,8 @@ serial Inductor, on one device.
         [--cuda-graphs]
 
 The model is the family's diffusers class at its released widths and text length (the
-config in tests/fixtures/released/), with --layers blocks and random weights, called as its
-pipeline calls it with guidance (batch 2). One device runs every stage in turn, so the
+config in tokpipe_compiler/released/configs/), with --layers blocks and random weights,
+called as its pipeline calls it with guidance (batch 2). One device runs every stage in turn, so the
 pipelined step cannot beat the serial one: the ratio shows what chunking and the runtime
 cost at this size (a pipeline of S devices can at best reach S / ratio). Each tokpipe row
 is stale mode, warmup 1, stages compiled with Inductor; it also prints how far the
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tokpipe_compiler as tp
-from tests.fixtures import released
+from tokpipe_compiler import released
 
 
 def to_device(value: Any, device: str, dtype: torch.dtype) -> Any:

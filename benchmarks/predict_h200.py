@@ -3,7 +3,7 @@
     python benchmarks/predict_h200.py                    # every config: a markdown table
     python benchmarks/predict_h200.py flux1-dev --stages 2 4
 
-Each released config (tests/fixtures/released/, the shared config folder's files) is built
+Each released config (tokpipe_compiler/released/configs/, the shared config folder's files) is built
 at full size and depth on the meta device in bf16, traced once at its released input shape
 (batch 2 where the pipeline runs classifier-free guidance) and planned once per stage count
 (stale mode, chunks="auto" chosen at the H200's rates for the ring); causal mode reuses
@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.fixtures import released  # noqa: E402
+from tokpipe_compiler import released  # noqa: E402
 from tokpipe_compiler.core.errors import TokpipeError  # noqa: E402
 from tokpipe_compiler.costmodel.hardware import LINKS, DeviceModel  # noqa: E402
 from tokpipe_compiler.costmodel.predict import (  # noqa: E402

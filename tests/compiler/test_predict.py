@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.fixtures import released
+from tokpipe_compiler import released
 from tokpipe_compiler.costmodel.hardware import DEVICES, LINKS
 from tokpipe_compiler.costmodel.predict import (
     causal_cost,

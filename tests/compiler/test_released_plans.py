@@ -1,4 +1,5 @@
-"""The released models (tests/fixtures/released/) at full size and depth, on the meta device:
+"""The released models (tokpipe_compiler/released/configs/) at full size and depth, on the
+meta device:
 the fixture builds what was released, and every plan (2, 4, 8 stages) covers the released
 image tokens with stages within 10% of an even split, or says why not.
 
@@ -17,9 +18,9 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
-from tests.fixtures import released
 from tests.fixtures.released_plans import BALANCE, STAGES, plan, trace
 from tests.fixtures.zoo import ZOO
+from tokpipe_compiler import released
 from tokpipe_compiler.costmodel import calibrate
 
 # Stand-ins that run by default: a plain DiT, long skips (HunyuanDiT), two kinds of blocks

@@ -10,10 +10,10 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.compiler.test_joint import TinyJoint
-from tests.fixtures import released
 from tests.fixtures.models import TinyDiT, dit_inputs
 from tests.fixtures.tracing import assert_rel_close, trace
 from tests.fixtures.zoo import ZOO, build
+from tokpipe_compiler import released
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
 from tokpipe_compiler.core.fx import argument_of, is_user_input, node_shape
 from tokpipe_compiler.passes.token_input import (

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
-from tests.fixtures import released
 from tests.fixtures.ranks import launch_cases, selected
+from tokpipe_compiler import released
 
 pytestmark = pytest.mark.slow
 
