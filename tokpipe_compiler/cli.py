@@ -2,7 +2,8 @@
 
     tokpipe inspect SPEC --stages N --chunks M --mode MODE --out DIR
 
-prints the plan the backend would run for SPEC and writes its dump (plan.save) to DIR.
+prints the plan the backend would run for SPEC (a released model by name, a diffusers
+class, or a function of yours) and writes its dump (plan.save) to DIR.
 With --run K it also runs K denoising calls in this process and writes trace.json (Chrome
 trace) and the measured-against-predicted time per stage.
 """
@@ -16,8 +17,11 @@ from pathlib import Path
 import torch
 
 from tokpipe_compiler.cli_models import EXAMPLES, SpecError, load_spec
+from tokpipe_compiler.cli_released import ReleasedBuild
 from tokpipe_compiler.config import COMPILERS, MODES, parse_chunks
 from tokpipe_compiler.core.errors import TokpipeError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +59,16 @@ def _parser() -> argparse.ArgumentParser:
         "inspect", help="print the plan and write its dump", epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     inspect.add_argument("spec", metavar="SPEC",
-                         help="diffusers:ClassName, module:function or file.py:function")
+                         help="released:name (or released:config.json), diffusers:ClassName, "
+                              "module:function or file.py:function")
     inspect.add_argument("--config", help="JSON config of a diffusers:ClassName model")
+    inspect.add_argument("--layers", type=_count(1), metavar="N",
+                         help="released models: N blocks of each kind (default: as released)")
+    inspect.add_argument("--grid", type=_count(1), nargs="+", metavar="SIZE",
+                         help="released models: the latent grid, H W or F H W (default: as "
+                              "released)")
+    inspect.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                         help="released models: the weights' dtype (default float32)")
     inspect.add_argument("--stages", type=_count(1), default=2)
     inspect.add_argument("--chunks", type=parse_chunks, default=4,
                         help="a count, auto, or token lengths like 1728,960,768,640")
@@ -112,7 +124,9 @@ def _add_generate(commands) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     from tokpipe_compiler.api import explain, programs
 
-    model, call_args, call_kwargs = load_spec(args.spec, args.config)
+    build = ReleasedBuild(args.layers, tuple(args.grid) if args.grid else None,
+                          DTYPES[args.dtype])
+    model, call_args, call_kwargs = load_spec(args.spec, args.config, build, bool(args.run))
     options = {"stages": args.stages, "chunks": args.chunks, "mode": args.mode,
                "warmup_steps": args.warmup_steps, "compiler": args.compiler}
     plan = explain(model, call_args, call_kwargs, **options)

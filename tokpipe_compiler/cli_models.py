@@ -1,7 +1,13 @@
 """SPEC strings of the command line: what model to inspect, with example inputs.
 
+    released:flux1-dev [--layers N] [--grid H W]            a released config (bundled, or
+    released:path/to/config.json                            a file in their format): its
+                                                            widths, inputs as its pipeline
+                                                            passes them
     diffusers:DiTTransformer2DModel [--config config.json]   a diffusers class; inputs are
-                                                            made from its config
+                                                            made from its config (a config
+                                                            in the released format is read
+                                                            as released:config.json)
     my_models:tiny_dit                                      a function returning
                                                             (model, args, kwargs)
     path/to/file.py:tiny_dit                                the same, from a file
@@ -21,7 +27,16 @@ from typing import Any
 
 import torch
 
+from tokpipe_compiler.cli_released import (
+    ReleasedBuild,
+    is_released_file,
+    load_released,
+    same_class,
+)
+
 EXAMPLES = """examples:
+  tokpipe inspect released:flux1-dev --stages 4 --chunks auto      (full size, no memory)
+  tokpipe inspect released:sd3-medium --layers 2 --grid 32 32 --run 3
   tokpipe inspect diffusers:DiTTransformer2DModel --config dit.json --stages 2 --chunks 4
   tokpipe inspect my_models:tiny_dit --stages 2 --chunks 4 --mode stale --out plan_dump
       (my_models.py defines tiny_dit() returning (model, args, kwargs))
@@ -37,11 +52,25 @@ class SpecError(ValueError):
         super().__init__(f"{message}\n{EXAMPLES}")
 
 
-def load_spec(spec: str, config: str | None = None) -> Loaded:
-    """(model in eval mode, args, kwargs) for a SPEC."""
+def load_spec(spec: str, config: str | None = None, build: ReleasedBuild | None = None,
+              run: bool = False) -> Loaded:
+    """(model in eval mode, args, kwargs) for a SPEC. `build`: the depth, grid and dtype of
+    a released model; `run`: the model will run (real weights), not only be planned."""
     source, sep, name = spec.partition(":")
     if not sep or not source or not name:
-        raise SpecError(f"SPEC {spec!r} is not 'diffusers:ClassName' or 'module:function'")
+        raise SpecError(f"SPEC {spec!r} is not 'released:name', 'diffusers:ClassName' or "
+                        "'module:function'")
+    if source == "diffusers" and config is not None and is_released_file(config):
+        source, name, config = "released", same_class(name, config), None
+    if source == "released":
+        if config is not None:
+            raise SpecError("--config applies to diffusers:ClassName specs; a released "
+                            "spec names its config (released:name or released:file.json)")
+        return load_released(name, build or ReleasedBuild(), run)
+    if build is not None and build != ReleasedBuild():
+        raise SpecError("--layers, --grid and --dtype apply to released models only "
+                        "(released:name, or diffusers:ClassName --config in the released "
+                        "format)")
     if source == "diffusers":
         return _diffusers(name, config)
     if config is not None:

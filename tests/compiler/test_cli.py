@@ -1,4 +1,5 @@
-"""The tokpipe command on a diffusers class, on a module:function spec, and on bad specs."""
+"""The tokpipe command on a released model, a diffusers class, a module:function spec, and on
+bad specs."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_inspect_a_function_and_run_it(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ("nocolon", "is not 'diffusers:ClassName' or 'module:function'"),
+    ("nocolon", "is not 'released:name', 'diffusers:ClassName' or 'module:function'"),
     ("diffusers:NoSuchModel", "diffusers has no model class 'NoSuchModel'"),
     ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
     ("my_models:missing", "has no function 'missing'"),
@@ -120,3 +121,60 @@ def test_an_unwritable_out_folder_is_named(tmp_path, capsys, monkeypatch):
     assert main(["inspect", "my_models:tiny_dit", "--out", str(blocker / "dump")]) == 2
     err = capsys.readouterr().err
     assert "tokpipe: error:" in err and "dump" in err and "Traceback" not in err
+
+
+def test_inspect_a_released_model_at_full_size_on_meta(capsys):
+    """released:NAME plans the whole released model (24 blocks of SD3-medium, 4096 image
+    tokens, guidance batch) without memory, in the dtype asked for."""
+    argv = ["inspect", "released:sd3-medium", "--stages", "2", "--chunks", "2",
+            "--dtype", "bfloat16"]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "sd3-medium: SD3Transformer2DModel at its released widths, released depth, " \
+           "latent grid 128 x 128, batch 2 (guidance), bfloat16 on meta" in printed.err
+    assert "4096 tokens" in printed.out and "transformer_blocks.12-23" in printed.out
+    assert "parameters 3.9 GiB" in printed.out  # 2.03B in bfloat16 and the pos. table
+
+
+def test_a_released_format_config_builds_the_released_model(tmp_path, capsys):
+    """A config file in the released format (class, config, inputs) given to a diffusers
+    spec is read as one, not passed whole to from_config (which ignored it: a model of the
+    class's defaults, 18 blocks for SD3, planned without a word)."""
+    from tokpipe_compiler import released
+
+    config = tmp_path / "my-sd3.json"
+    config.write_text(json.dumps(released.load("sd3-medium")))
+    argv = ["inspect", "diffusers:SD3Transformer2DModel", "--config", str(config),
+            "--stages", "2", "--chunks", "2"]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "transformer_blocks.12-23" in printed.out and "batch 2" in printed.err
+    assert main(["inspect", "diffusers:FluxTransformer2DModel", "--config", str(config)]) == 2
+    assert "is a SD3Transformer2DModel config, not FluxTransformer2DModel" in \
+        capsys.readouterr().err
+
+
+def test_run_a_released_model_with_fewer_blocks(capsys):
+    argv = ["inspect", "released:dit-xl-2-256", "--layers", "1", "--grid", "16", "16",
+            "--stages", "1", "--chunks", "2", "--run", "2"]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "1 block(s) per kind, latent grid 16 x 16, batch 2 (guidance), float32 on cpu" in \
+        printed.err
+    assert "measured/predicted" in printed.out and "transformer_blocks.0 " not in printed.out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["released:no-such-model"], "no released config 'no-such-model'; the bundled ones are"),
+    (["released:missing.json"], "no released-format config file 'missing.json'"),
+    (["my_models:tiny_dit", "--layers", "2"], "--layers, --grid and --dtype apply to released"),
+    (["released:flux1-dev", "--run", "1"], "flux1-dev at its released depth holds 44.3 GiB"),
+])
+def test_bad_released_specs_fail_clearly(argv, message, tmp_path, capsys, monkeypatch):
+    from tokpipe_compiler import cli_released
+
+    (tmp_path / "my_models.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli_released, "available_memory", lambda: 16 * 2**30)
+    assert main(["inspect", *argv]) == 2
+    assert message in capsys.readouterr().err

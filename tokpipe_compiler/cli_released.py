@@ -1,0 +1,109 @@
+"""Released models on the command line: `released:NAME` specs, and diffusers specs whose
+--config is in the released format (class, config, inputs), built at their released widths
+and called with the inputs their pipeline passes.
+
+Planned only, a model is built on the meta device: full size and depth cost no memory
+(FLUX.1-dev's 12B parameters plan in seconds). Run (`--run`), it gets random weights on
+the CPU, so a full-size model that would not fit is refused with the way out (--layers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokpipe_compiler import released
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.costmodel.released_runs import RUNS
+
+# A run may take at most this share of the memory available now for the model's weights
+# (activations, K/V caches and the eager reference need the rest).
+RUN_MEMORY_SHARE = 0.4
+
+
+@dataclass(frozen=True)
+class ReleasedBuild:
+    """How to build a released model: `layers` blocks per depth field (None: as released),
+    the latent `grid`, (H, W) or (F, H, W) (None: as released), and the weights' `dtype`
+    (released models run in bfloat16; diffusers builds float32)."""
+
+    layers: int | None = None
+    grid: tuple[int, ...] | None = None
+    dtype: torch.dtype = torch.float32
+
+
+def is_released_file(path: str) -> bool:
+    """Whether the JSON file at `path` is in the released format."""
+    try:
+        return released.is_released_format(json.loads(Path(path).read_text()))
+    except (OSError, ValueError):
+        return False  # the diffusers loader reports an unreadable file
+
+
+def same_class(class_name: str, path: str) -> str:
+    """`path`, after checking that the released config there is of `class_name`."""
+    found = released.load(path)["class"]
+    if found != class_name:
+        raise TokpipeError(f"--config {path} is a {found} config, not {class_name}: name "
+                           f"diffusers:{found}, or use released:{path}")
+    return path
+
+
+def load_released(name: str, build: ReleasedBuild,
+                  run: bool) -> tuple[torch.nn.Module, tuple, dict]:
+    """(model, args, kwargs) of a released model: on the meta device to plan, on the CPU
+    with random weights to run."""
+    spec = released.load(name)
+    # A file named as a bundled config runs as that model's pipeline does.
+    run_of = RUNS.get(Path(name).stem if name.endswith(".json") else name)
+    batch = run_of.batch if run_of is not None else 2
+    device = "cpu" if run else "meta"
+    if run:
+        _check_memory(name, build)
+    model = released.build(name, build.layers, device, build.grid)
+    if build.dtype != torch.float32:  # as built; diffusers warns on any .to(dtype)
+        model = model.to(build.dtype)
+    kwargs = {key: value.to(build.dtype) if _floating(value) else value
+              for key, value in released.inputs(name, batch=batch, grid=build.grid,
+                                                device=device).items()}
+    grid = build.grid or released.full_grid(name)
+    depth = "released depth" if build.layers is None else f"{build.layers} block(s) per kind"
+    print(f"{name}: {spec['class']} at its released widths, {depth}, latent grid "
+          f"{' x '.join(map(str, grid))}, batch {batch}"
+          f"{' (guidance)' if batch == 2 else ''}, {str(build.dtype).removeprefix('torch.')}"
+          f" on {device}", file=sys.stderr)
+    return model, (), kwargs
+
+
+def _floating(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _check_memory(name: str, build: ReleasedBuild) -> None:
+    model = released.build(name, build.layers, "meta", build.grid)
+    size = sum(p.numel() for p in model.parameters()) * build.dtype.itemsize
+    available = available_memory()
+    if size > RUN_MEMORY_SHARE * available:
+        depth = ("at its released depth" if build.layers is None
+                 else f"with {build.layers} block(s) of each kind")
+        raise TokpipeError(
+            f"{name} {depth} holds {size / 2**30:.1f} GiB of weights; {available / 2**30:.1f}"
+            " GiB is available: pass --layers (e.g. --layers 2) to run fewer blocks, or "
+            "plan without --run (the meta device holds no weights)")
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation now (Linux's MemAvailable; free
+    pages elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
