@@ -7,7 +7,12 @@ from typing import Any
 
 import torch
 
-from tokpipe_compiler.backend import LazyProgram, TokpipeBackend, session_for_options
+from tokpipe_compiler.backend import (
+    CompileSessions,
+    LazyProgram,
+    TokpipeBackend,
+    sessions_for_options,
+)
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
@@ -48,22 +53,25 @@ def programs(compiled: Any) -> list[PipelinedProgram]:
     if isinstance(compiled, (TokpipeBackend, LazyProgram)):
         return sorted(compiled.session.programs, key=made_order)
     module = getattr(compiled, "_orig_mod", compiled)
-    session = _find_session(compiled)
+    found = _find_sessions(compiled)
     owned = owned_programs(module) if isinstance(module, torch.nn.Module) else []
-    if owned:
-        # This model's, not another's of the same class; and of this torch.compile call,
-        # not of another compile of the same model with other options.
-        mine = [p for p in owned if session is None or p.session is session]
-        return sorted(mine or owned, key=made_order)
-    if session is None:
+    # This model's, not another's of the same class; and of this torch.compile call (or
+    # the call with equal options whose graphs Dynamo served it from), not of a compile of
+    # the same model with other options.
+    mine = [p for p in owned if found is None or p.session in found.every]
+    if mine:
+        return sorted(mine, key=made_order)
+    if found is None:
         raise TokpipeError(
             f"found no tokpipe program behind {type(compiled).__name__}; pass what "
             "torch.compile(..., backend='tokpipe') returned (after its first call), a "
             "module compiled in place, or the backend object")
-    return sorted(session.programs, key=made_order)
+    sessions = [found.own] if found.own is not None else found.alike
+    return sorted({p for session in sessions for p in session.programs}, key=made_order)
 
 
-def _find_session(obj: Any):
+def _find_sessions(obj: Any) -> CompileSessions | None:
+    """The sessions of the torch.compile call (or backend object) behind `obj`."""
     queue, seen = deque([(obj, 0)]), set()
     while queue:
         item, depth = queue.popleft()
@@ -71,11 +79,11 @@ def _find_session(obj: Any):
             continue
         seen.add(id(item))
         if isinstance(item, TokpipeBackend):
-            return item.session
+            return CompileSessions(item.session, [])
         kwargs = getattr(item, "kwargs", None)
         if isinstance(kwargs, dict) and "options" in kwargs:
-            found = session_for_options(kwargs["options"])
-            if found is not None:
+            found = sessions_for_options(kwargs["options"])
+            if found.every:
                 return found
         children = [getattr(item, name, None) for name in _LINKS]
         # torch.compile of a plain function keeps its Dynamo context in the wrapper's closure.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -32,10 +32,23 @@ from tokpipe_compiler.programs.pipelined import Session
 
 log = logging.getLogger("tokpipe_compiler")
 
-# Sessions of string-backend compiles, one per distinct `options`: Dynamo takes two
-# torch.compile calls with equal options for one backend (`_TorchCompileWrapper.__eq__`)
-# and serves the second from the first one's graphs, so their programs are one session's.
+# Sessions of string-backend compiles, one per torch.compile call, told by the identity of
+# its `options` dict (the one object Dynamo hands every recompile of that call).
 _SESSIONS: list[tuple[Any, Session]] = []
+
+
+class CompileSessions(NamedTuple):
+    """Where the programs of one torch.compile call are: `own`, its session, once Dynamo
+    traced a graph for it; `alike`, those of calls with equal options. Dynamo takes equal
+    options for one backend (`_TorchCompileWrapper.__eq__`) and serves a call from another
+    call's graphs, whose programs are then in that call's session."""
+
+    own: Session | None
+    alike: list[Session]
+
+    @property
+    def every(self) -> list[Session]:
+        return ([self.own] if self.own is not None else []) + self.alike
 
 
 class TokpipeBackend:
@@ -57,19 +70,19 @@ class TokpipeBackend:
 def tokpipe(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
             **_: Any):
     """The function registered as the "tokpipe" Dynamo backend."""
-    session = session_for_options(options)
+    session = sessions_for_options(options).own
     if session is None:
         session = Session()
         _SESSIONS.append((options, session))
     return LazyProgram(gm, lambda: Config.from_options(options), session)
 
 
-def session_for_options(options: dict | None) -> Session | None:
-    """The session of compiles with options equal to `options` (None: none yet)."""
-    for known, session in _SESSIONS:
-        if known is options or _equal(known, options):
-            return session
-    return None
+def sessions_for_options(options: dict | None) -> CompileSessions:
+    """The sessions of the torch.compile call whose options are `options`."""
+    own = next((session for known, session in _SESSIONS if known is options), None)
+    alike = [session for known, session in _SESSIONS
+             if known is not options and _equal(known, options)]
+    return CompileSessions(own, alike)
 
 
 def _equal(a: Any, b: Any) -> bool:
