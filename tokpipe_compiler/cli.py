@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tokpipe_compiler.cli_models import EXAMPLES, SpecError, load_spec
-from tokpipe_compiler.cli_released import ReleasedBuild
+from tokpipe_compiler.cli_released import TARGET_LINKS, ReleasedBuild, planned_for, predicted
 from tokpipe_compiler.config import COMPILERS, MODES, parse_chunks
 from tokpipe_compiler.core.errors import TokpipeError
 
@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                               "released)")
     inspect.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                          help="released models: the weights' dtype (default float32)")
+    inspect.add_argument("--for", dest="target", choices=tuple(TARGET_LINKS),
+                         help="released models, planned without --run: choose chunks=auto at "
+                              "this GPU's rates and print its predicted times")
     inspect.add_argument("--stages", type=_count(1), default=2)
     inspect.add_argument("--chunks", type=parse_chunks, default=4,
                         help="a count, auto, or token lengths like 1728,960,768,640")
@@ -129,8 +132,16 @@ def _inspect(args: argparse.Namespace) -> int:
     model, call_args, call_kwargs = load_spec(args.spec, args.config, build, bool(args.run))
     options = {"stages": args.stages, "chunks": args.chunks, "mode": args.mode,
                "warmup_steps": args.warmup_steps, "compiler": args.compiler}
-    plan = explain(model, call_args, call_kwargs, **options)
+    if args.target is not None and (args.run or not _on_meta(model)):
+        raise SpecError("--for plans a released model on the meta device: give a "
+                        "released:name spec, without --run")
+    if args.target is not None and args.mode != "stale":
+        raise SpecError(f"--for predicts stale-mode (PipeFusion) runs, not {args.mode}")
+    with planned_for(args.target):
+        plan = explain(model, call_args, call_kwargs, **options)
     print(plan)
+    if args.target is not None:
+        print(predicted(plan, args.target))
     program = None
     if args.run:
         program = _run(model, call_args, call_kwargs, options, args.run, programs)
@@ -144,6 +155,10 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"\nwrote {len(files)} files to {args.out}/: "
               + ", ".join(f.name for f in files))
     return 0
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
 
 
 def _run(model, call_args, call_kwargs, options, calls: int, programs):

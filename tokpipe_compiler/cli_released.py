@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +23,9 @@ from tokpipe_compiler import released
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.costmodel.released_runs import RUNS
 
+# The link a target device's ranks are joined by: NVLink on SXM parts, PCIe on the others.
+TARGET_LINKS = {"h200": "nvlink4", "a100-pcie": "pcie4", "l20": "pcie4"}
+TARGET_STEPS = 20  # steps of the predicted run
 # A run may take at most this share of the memory available now for the model's weights
 # (activations, K/V caches and the eager reference need the rest).
 RUN_MEMORY_SHARE = 0.4
@@ -107,3 +112,30 @@ def available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def planned_for(target: str | None) -> AbstractContextManager:
+    """Planning on the meta device as for `target` (a preset of costmodel.hardware):
+    chunks="auto" chooses at its rates; without a target, at this CPU's."""
+    if target is None:
+        return nullcontext()
+    from tokpipe_compiler.costmodel.calibrate import assume_rates
+    from tokpipe_compiler.costmodel.predict import target_device
+
+    return assume_rates("meta", target_device(target).rates())
+
+
+def predicted(plan: Any, target: str) -> str:
+    """One line: serial and pipelined seconds of TARGET_STEPS steps of stale `plan` on one
+    `target` per stage, as the calibrated simulator predicts the released runs
+    (BENCHMARKS.md), and the busiest GPU's memory."""
+    from tokpipe_compiler.costmodel.hardware import LINKS
+    from tokpipe_compiler.costmodel.predict import predict, target_device
+
+    link = TARGET_LINKS[target]
+    result = predict(plan, "stale", target_device(target), LINKS[link], TARGET_STEPS,
+                     warmup_steps=plan.config.warmup_steps)
+    return (f"predicted on {len(plan.stages)} x {target} ({link}), {TARGET_STEPS} steps of "
+            f"the transformer: serial {result.serial_s:.2f} s, pipelined "
+            f"{result.pipelined_s:.2f} s ({result.speedup:.2f}x); the busiest GPU holds "
+            f"{result.peak_memory.total / 2**30:.1f} GiB (weights, K/V, boundary values)")

@@ -136,6 +136,29 @@ def test_inspect_a_released_model_at_full_size_on_meta(capsys):
     assert "parameters 3.9 GiB" in printed.out  # 2.03B in bfloat16 and the pos. table
 
 
+def test_plan_a_released_model_for_a_gpu(capsys):
+    """--for h200: chunks="auto" chosen at the H200's rates, and the predicted run printed
+    (two GPUs cannot more than double the transformer's speed)."""
+    import re
+
+    argv = ["inspect", "released:sd3-medium", "--stages", "2", "--chunks", "auto",
+            "--dtype", "bfloat16", "--for", "h200"]
+    assert main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("predicted on"))
+    found = re.fullmatch(r"predicted on 2 x h200 \(nvlink4\), 20 steps of the transformer: "
+                         r"serial ([\d.]+) s, pipelined ([\d.]+) s \(([\d.]+)x\); the "
+                         r"busiest GPU holds ([\d.]+) GiB \(weights, K/V, boundary values\)",
+                         line)
+    assert found, line
+    serial, pipelined, speedup, memory = map(float, found.groups())
+    assert 1.0 < speedup < 2.0 and serial > pipelined > 0
+    assert 2.0 < memory < 4.0  # half of 3.9 GiB of weights, the K/V of 12 blocks, buffers
+    for extra, message in ((["--run", "1", "--layers", "1"], "--for plans a released model"),
+                           (["--mode", "sync"], "--for predicts stale-mode")):
+        assert main([*argv, *extra]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_a_released_format_config_builds_the_released_model(tmp_path, capsys):
     """A config file in the released format (class, config, inputs) given to a diffusers
     spec is read as one, not passed whole to from_config (which ignored it: a model of the
