@@ -21,7 +21,7 @@ from tokpipe_compiler.cli_released import TARGET_LINKS, ReleasedBuild, planned_f
 from tokpipe_compiler.config import COMPILERS, MODES, parse_chunks
 from tokpipe_compiler.core.errors import TokpipeError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype: names of torch dtypes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--grid", type=_count(1), nargs="+", metavar="SIZE",
                          help="released models: the latent grid, H W or F H W (default: as "
                               "released)")
-    inspect.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+    inspect.add_argument("--dtype", choices=DTYPES, default="float32",
                          help="released models: the weights' dtype (default float32)")
     inspect.add_argument("--for", dest="target", choices=tuple(TARGET_LINKS),
                          help="released models, planned without --run: choose chunks=auto at "
@@ -111,7 +111,7 @@ def _add_generate(commands) -> None:
     gen.add_argument("--per-call", action="store_true",
                      help="every step a pipelined call (default: the loop as one ring)")
     gen.add_argument("--compiler", choices=COMPILERS, default="inductor")
-    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    gen.add_argument("--dtype", choices=DTYPES, default="float32")
     gen.add_argument("--ranks", type=_count(1), default=1,
                      help="processes to start here (default 1: this one, or torchrun's)")
     gen.add_argument("--threads", type=_count(1), default=1, help="CPU threads per rank")
@@ -127,16 +127,17 @@ def _add_generate(commands) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     from tokpipe_compiler.api import explain, programs
 
+    if args.target is not None and args.mode != "stale":
+        raise SpecError(f"--for predicts stale-mode (PipeFusion) runs, not {args.mode}")
+    if args.target is not None and args.run:  # checked before a run's weights are made
+        raise SpecError(_FOR_META)
     build = ReleasedBuild(args.layers, tuple(args.grid) if args.grid else None,
-                          DTYPES[args.dtype])
+                          getattr(torch, args.dtype))
     model, call_args, call_kwargs = load_spec(args.spec, args.config, build, bool(args.run))
     options = {"stages": args.stages, "chunks": args.chunks, "mode": args.mode,
                "warmup_steps": args.warmup_steps, "compiler": args.compiler}
-    if args.target is not None and (args.run or not _on_meta(model)):
-        raise SpecError("--for plans a released model on the meta device: give a "
-                        "released:name spec, without --run")
-    if args.target is not None and args.mode != "stale":
-        raise SpecError(f"--for predicts stale-mode (PipeFusion) runs, not {args.mode}")
+    if args.target is not None and not _on_meta(model):
+        raise SpecError(_FOR_META)
     with planned_for(args.target):
         plan = explain(model, call_args, call_kwargs, **options)
     print(plan)
@@ -155,6 +156,10 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"\nwrote {len(files)} files to {args.out}/: "
               + ", ".join(f.name for f in files))
     return 0
+
+
+_FOR_META = "--for plans a released model on the meta device: give a released:name spec, " \
+    "without --run"
 
 
 def _on_meta(model: torch.nn.Module) -> bool:

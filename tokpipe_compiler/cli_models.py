@@ -29,9 +29,9 @@ import torch
 
 from tokpipe_compiler.cli_released import (
     ReleasedBuild,
+    check_same_class,
     is_released_file,
     load_released,
-    same_class,
 )
 
 EXAMPLES = """examples:
@@ -61,7 +61,8 @@ def load_spec(spec: str, config: str | None = None, build: ReleasedBuild | None 
         raise SpecError(f"SPEC {spec!r} is not 'released:name', 'diffusers:ClassName' or "
                         "'module:function'")
     if source == "diffusers" and config is not None and is_released_file(config):
-        source, name, config = "released", same_class(name, config), None
+        check_same_class(name, config)
+        source, name, config = "released", config, None
     if source == "released":
         if config is not None:
             raise SpecError("--config applies to diffusers:ClassName specs; a released "

@@ -50,13 +50,12 @@ def is_released_file(path: str) -> bool:
         return False  # the diffusers loader reports an unreadable file
 
 
-def same_class(class_name: str, path: str) -> str:
-    """`path`, after checking that the released config there is of `class_name`."""
+def check_same_class(class_name: str, path: str) -> None:
+    """Raises unless the released config at `path` is of `class_name`."""
     found = released.load(path)["class"]
     if found != class_name:
         raise TokpipeError(f"--config {path} is a {found} config, not {class_name}: name "
                            f"diffusers:{found}, or use released:{path}")
-    return path
 
 
 def load_released(name: str, build: ReleasedBuild,
