@@ -20,6 +20,7 @@ from tokpipe_compiler.cli_models import EXAMPLES, SpecError, load_spec
 from tokpipe_compiler.cli_released import TARGET_LINKS, ReleasedBuild, planned_for, predicted
 from tokpipe_compiler.config import COMPILERS, MODES, parse_chunks
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.released import NAMES as RELEASED_NAMES
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype: names of torch dtypes
 
@@ -98,6 +99,14 @@ def _add_generate(commands) -> None:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a local diffusers pipeline folder")
     source.add_argument("--tiny", choices=TINY, help="a small built-in pipeline")
+    source.add_argument("--released", metavar="NAME",
+                        help="a released model in its pipeline, random weights: "
+                             f"{', '.join(RELEASED_NAMES)}")
+    gen.add_argument("--layers", type=_count(1), metavar="N",
+                     help="--released: N blocks of each kind (default: --stages)")
+    gen.add_argument("--grid", type=_count(1), nargs="+", metavar="SIZE",
+                     help="--released: the latent grid, H W or F H W (default 16 16, "
+                          "2 16 16 for video)")
     gen.add_argument("--prompt")
     gen.add_argument("--class-label", type=int, default=1, help="DiT pipelines (default 1)")
     gen.add_argument("--guidance-scale", type=float)

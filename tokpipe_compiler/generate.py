@@ -2,10 +2,15 @@
 
     tokpipe generate --model PATH --prompt "a cat" --stages 2 --ranks 2 --out out/
     tokpipe generate --tiny dit --steps 4 --ranks 2 --compare
+    tokpipe generate --released flux1-dev --layers 1 --steps 4 --ranks 2 --compare
 
 --model takes a local pipeline folder (DiffusionPipeline.from_pretrained; nothing is
-downloaded); --tiny builds a small pipeline with seeded random weights. --ranks N runs N
-processes on this machine (under torchrun, leave it out: each process is one rank).
+downloaded); --tiny builds a small pipeline with seeded random weights; --released NAME
+puts a released transformer (released widths, random weights, --layers blocks, a small
+--grid) into its family's pipeline, guided, with random prompt embeddings at the released
+text length and no VAE: it makes latents, to time and compare, not images to save.
+--ranks N runs N processes on this machine (under torchrun, leave it out: each process is
+one rank).
 """
 
 from __future__ import annotations
@@ -41,7 +46,42 @@ def tiny_dit_pipeline() -> Any:
                                  id2label={i: str(i) for i in range(10)})
 
 
-def load_pipeline(args: argparse.Namespace) -> Any:
+def check_args(args: argparse.Namespace) -> None:
+    """Raises on options that do not go with the pipeline's source, before any is built."""
+    if args.released is None:
+        for given, flag in ((args.layers, "--layers"), (args.grid, "--grid")):
+            if given is not None:
+                raise TokpipeError(f"{flag} sizes a --released pipeline; --model and --tiny "
+                                   "pipelines come as they are")
+        return
+    from tokpipe_compiler import released
+
+    released.load(args.released)  # an unknown name fails here, naming the bundled ones
+    if args.prompt is not None:
+        raise TokpipeError("--released pipelines have no text encoder: their prompt is "
+                           "random embeddings at the released text length; leave out "
+                           "--prompt")
+    if args.out is not None:
+        raise TokpipeError("--released pipelines have no VAE: they make latents, not "
+                           "images; leave out --out (--compare times and compares them)")
+
+
+def load_pipeline(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The pipeline and the keyword arguments of its call."""
+    if args.released is not None:
+        from tokpipe_compiler.released.pipelines import pipeline
+
+        layers = args.stages if args.layers is None else args.layers  # a block a stage
+        pipe, kwargs = pipeline(args.released, layers=layers, grid=args.grid, seed=args.seed,
+                                dtype=_dtype(args))
+        if args.guidance_scale is not None:
+            kwargs["guidance_scale"] = args.guidance_scale
+        return pipe, {**kwargs, "num_inference_steps": args.steps}
+    pipe = _load_weights(args)
+    return pipe, call_kwargs(pipe, args)
+
+
+def _load_weights(args: argparse.Namespace) -> Any:
     if args.tiny:
         return tiny_dit_pipeline().to(_dtype(args))
     import diffusers
@@ -59,7 +99,7 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
 
 def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
     """What the pipeline's __call__ takes: a class label (DiT) or a prompt."""
-    kwargs: dict[str, Any] = {"num_inference_steps": args.steps}
+    kwargs: dict[str, Any] = {"num_inference_steps": args.steps, "output_type": "np"}
     if type(pipe).__name__ == "DiTPipeline":
         kwargs["class_labels"] = [args.class_label]
     elif args.prompt is None:
@@ -76,8 +116,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from tokpipe_compiler.pipelines.parallelize import parallelize
 
     torch.set_num_threads(args.threads)
-    pipe = load_pipeline(args)
-    kwargs = call_kwargs(pipe, args)
+    pipe, kwargs = load_pipeline(args)
     result: dict[str, Any] = {}
     if args.compare:
         _timed(pipe, {**kwargs, "num_inference_steps": 1}, args.seed)  # first-call costs
@@ -106,7 +145,7 @@ def _memory(pipe: Any) -> str:
 
 def _timed(pipe: Any, kwargs: dict, seed: int) -> tuple[float, list]:
     start = time.perf_counter()
-    out = pipe(**kwargs, generator=torch.Generator().manual_seed(seed), output_type="np")
+    out = pipe(**kwargs, generator=torch.Generator().manual_seed(seed))
     return time.perf_counter() - start, list(out.images if hasattr(out, "images") else out.frames)
 
 
@@ -125,8 +164,10 @@ def _profiled(pipe: Any, kwargs: dict, args: argparse.Namespace, rank: int) -> s
 
 
 def _relative(a: list, b: list) -> float:
-    x = torch.as_tensor(__import__("numpy").stack(a))
-    y = torch.as_tensor(__import__("numpy").stack(b))
+    """The largest difference of a from b over b's largest magnitude (images: arrays;
+    latents: tensors)."""
+    x = torch.stack([torch.as_tensor(item).float() for item in a])
+    y = torch.stack([torch.as_tensor(item).float() for item in b])
     return float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
 
 
@@ -147,6 +188,7 @@ def save(images: list, out: Path) -> list[str]:
 
 def generate(args: argparse.Namespace) -> int:
     """The command: in this process (one rank, or torchrun's), or on --ranks processes."""
+    check_args(args)
     if args.ranks > 1:
         from tokpipe_compiler.runtime.launch import launch
 
@@ -167,7 +209,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     if "serial_s" in result:
         print(f"serial: {result['serial_s']:.2f} s; speedup "
               f"{result['serial_s'] / result['pipelined_s']:.2f}x; largest difference "
-              f"{result['difference']:.2e} of the largest pixel")
+              f"{result['difference']:.2e} of the largest "
+              f"{'latent value' if args.released else 'pixel'}")
     print(result["memory"])
     if result.get("trace"):
         print(f"profile: {result['trace']}")

@@ -201,3 +201,15 @@ def test_bad_released_specs_fail_clearly(argv, message, tmp_path, capsys, monkey
     monkeypatch.setattr(cli_released, "available_memory", lambda: 16 * 2**30)
     assert main(["inspect", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--released", "sd3-medium", "--prompt", "a cat"], "leave out --prompt"),
+    (["--released", "sd3-medium", "--out", "x"], "they make latents, not images"),
+    (["--tiny", "dit", "--layers", "2"], "--layers sizes a --released pipeline"),
+    (["--tiny", "dit", "--grid", "8", "8"], "--grid sizes a --released pipeline"),
+    (["--released", "pixart-alpha"], "did you mean pixart-alpha-xl-2-1024-ms?"),
+])
+def test_generate_released_options_that_do_not_fit_are_named(argv, message, capsys):
+    assert main(["generate", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -35,7 +35,7 @@ def test_bfloat16_in_one_process_is_near_the_serial_pipeline(capsys):
     """--dtype reaches the tiny pipeline too; in bfloat16 the ring's float32 scheduler
     update differs from diffusers' by bfloat16 rounding."""
     args = _parser().parse_args(["generate", "--tiny", "dit", "--dtype", "bfloat16"])
-    assert load_pipeline(args).transformer.dtype == torch.bfloat16
+    assert load_pipeline(args)[0].transformer.dtype == torch.bfloat16
     assert main(["generate", "--tiny", "dit", "--steps", "3", "--mode", "sync", "--dtype",
                  "bfloat16", "--compiler", "eager", "--compare"]) == 0
     out = capsys.readouterr().out
@@ -54,3 +54,15 @@ def test_one_process_profile(tmp_path, capsys):
 def test_errors_are_named(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path)]) == 2
     assert "no model_index.json" in capsys.readouterr().err
+
+
+def test_a_released_joint_attention_pipeline_on_two_ranks_equals_serial(capsys):
+    """SD3-medium's widths and 333 text tokens in its pipeline, guided, on two gloo ranks:
+    sync gives the serial pipeline's latents within 1e-5 relative."""
+    assert main(["generate", "--released", "sd3-medium", "--steps", "3", "--mode", "sync",
+                 "--ranks", "2", "--compiler", "eager", "--compare"]) == 0
+    out = capsys.readouterr().out
+    difference = float(re.search(r"largest difference (\S+) of the largest latent", out)[1])
+    assert difference <= 1e-5, out
+    assert "rank 0: peak" in out and "rank 1: peak" in out
+
