@@ -76,6 +76,8 @@ def load_pipeline(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                                 dtype=_dtype(args))
         if args.guidance_scale is not None:
             kwargs["guidance_scale"] = args.guidance_scale
+        if "class_labels" in kwargs:  # DiT
+            kwargs["class_labels"] = [args.class_label]
         return pipe, {**kwargs, "num_inference_steps": args.steps}
     pipe = _load_weights(args)
     return pipe, call_kwargs(pipe, args)

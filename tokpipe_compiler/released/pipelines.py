@@ -95,7 +95,9 @@ def _dit(parts: Parts) -> Built:
     vae = d.AutoencoderKL(  # DiT's pipeline decodes whatever output_type asks for
         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
         block_out_channels=(8, 8), latent_channels=parts.spec["inputs"]["latent_channels"],
-        norm_num_groups=4).eval().to(parts.dtype)
+        norm_num_groups=4).eval()
+    if parts.dtype != torch.float32:  # diffusers warns on any .to(dtype)
+        vae = vae.to(parts.dtype)
     pipe = d.DiTPipeline(transformer=parts.transformer, vae=vae,
                          scheduler=d.DDIMScheduler(clip_sample=False))
     return pipe, {"class_labels": [207], "guidance_scale": 4.0}
