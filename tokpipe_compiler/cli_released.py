@@ -68,7 +68,8 @@ def load_released(name: str, build: ReleasedBuild,
     batch = run_of.batch if run_of is not None else 2
     device = "cpu" if run else "meta"
     if run:
-        _check_memory(name, build)
+        check_memory(name, build, way_out="or plan without --run (the meta device holds no "
+                     "weights)")
     model = released.build(name, build.layers, device, build.grid)
     if build.dtype != torch.float32:  # as built; diffusers warns on any .to(dtype)
         model = model.to(build.dtype)
@@ -88,17 +89,20 @@ def _floating(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-def _check_memory(name: str, build: ReleasedBuild) -> None:
+def check_memory(name: str, build: ReleasedBuild, copies: int = 1, way_out: str = "") -> None:
+    """Raises, naming --layers, unless `copies` of the model's weights (one a process) fit
+    in this machine's available memory with room to run."""
     model = released.build(name, build.layers, "meta", build.grid)
-    size = sum(p.numel() for p in model.parameters()) * build.dtype.itemsize
+    size = sum(p.numel() for p in model.parameters()) * build.dtype.itemsize * copies
     available = available_memory()
     if size > RUN_MEMORY_SHARE * available:
         depth = ("at its released depth" if build.layers is None
                  else f"with {build.layers} block(s) of each kind")
+        held = f", in {copies} processes," if copies > 1 else ""
         raise TokpipeError(
-            f"{name} {depth} holds {size / 2**30:.1f} GiB of weights; {available / 2**30:.1f}"
-            " GiB is available: pass --layers (e.g. --layers 2) to run fewer blocks, or "
-            "plan without --run (the meta device holds no weights)")
+            f"{name} {depth}{held} holds {size / 2**30:.1f} GiB of weights; "
+            f"{available / 2**30:.1f} GiB is available: pass --layers (e.g. --layers 2) to "
+            f"run fewer blocks{', ' + way_out if way_out else ''}")
 
 
 def available_memory() -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.released.pipelines import pipeline, small_grid
 
 TINY = ("dit",)
 
@@ -64,16 +66,19 @@ def check_args(args: argparse.Namespace) -> None:
     if args.out is not None:
         raise TokpipeError("--released pipelines have no VAE: they make latents, not "
                            "images; leave out --out (--compare times and compares them)")
+    from tokpipe_compiler.cli_released import ReleasedBuild, check_memory
+
+    # every rank holds the whole pipeline: --ranks copies here (under torchrun, one)
+    build = ReleasedBuild(released_layers(args), args.grid and tuple(args.grid), _dtype(args))
+    check_memory(args.released, build, copies=args.ranks)
 
 
 def load_pipeline(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The pipeline and the keyword arguments of its call."""
     if args.released is not None:
-        from tokpipe_compiler.released.pipelines import pipeline
 
-        layers = args.stages if args.layers is None else args.layers  # a block a stage
-        pipe, kwargs = pipeline(args.released, layers=layers, grid=args.grid, seed=args.seed,
-                                dtype=_dtype(args))
+        pipe, kwargs = pipeline(args.released, layers=released_layers(args), grid=args.grid,
+                                seed=args.seed, dtype=_dtype(args))
         if args.guidance_scale is not None:
             kwargs["guidance_scale"] = args.guidance_scale
         if "class_labels" in kwargs:  # DiT
@@ -81,6 +86,11 @@ def load_pipeline(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         return pipe, {**kwargs, "num_inference_steps": args.steps}
     pipe = _load_weights(args)
     return pipe, call_kwargs(pipe, args)
+
+
+def released_layers(args: argparse.Namespace) -> int:
+    """--layers, by default a block a stage."""
+    return args.stages if args.layers is None else args.layers
 
 
 def _load_weights(args: argparse.Namespace) -> Any:
@@ -119,14 +129,19 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     pipe, kwargs = load_pipeline(args)
+    if rank == 0 and args.released is not None:
+        print(_describe_released(args, pipe, kwargs), file=sys.stderr)
+    # Short calls first, to trace and compile; two steps, since PixArt-alpha's pipeline
+    # takes a one-step call for its one-step (DMD) scheduler's.
+    short = {**kwargs, "num_inference_steps": min(2, args.steps)}
     result: dict[str, Any] = {}
     if args.compare:
-        _timed(pipe, {**kwargs, "num_inference_steps": 1}, args.seed)  # first-call costs
+        _timed(pipe, short, args.seed)  # first-call costs
         result["serial_s"], serial = _timed(pipe, kwargs, args.seed)
     parallelize(pipe, stages=args.stages, chunks=args.chunks, mode=args.mode,
                 warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg,
                 ring=not args.per_call)
-    _timed(pipe, {**kwargs, "num_inference_steps": min(2, args.steps)}, args.seed)  # compile
+    _timed(pipe, short, args.seed)
     if args.profile:
         result["trace"] = _profiled(pipe, kwargs, args, rank)
     result["pipelined_s"], images = _timed(pipe, kwargs, args.seed)
@@ -136,6 +151,16 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0 and args.out is not None:
         result["files"] = save(images, Path(args.out))
     return result
+
+
+def _describe_released(args: argparse.Namespace, pipe: Any, kwargs: dict[str, Any]) -> str:
+    """One line: what --released built."""
+    text = kwargs.get("prompt_embeds")
+    grid = " x ".join(map(str, args.grid or small_grid(args.released)))
+    return (f"{args.released} in {type(pipe).__name__}: {type(pipe.transformer).__name__} at its "
+            f"released widths, {released_layers(args)} block(s) of each kind, latent grid "
+            f"{grid}{f', {text.shape[1]} text tokens' if text is not None else ''}, guidance "
+            f"{kwargs['guidance_scale']}, {args.dtype}, random weights")
 
 
 def _memory(pipe: Any) -> str:

@@ -25,6 +25,7 @@ from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
 
 
@@ -47,7 +48,11 @@ class Ring:
                              "the first step must fill the K/V caches")
         self.program = None  # the program of the latest run
         self._traced: Captured | None = None
-        # One traced program per input signature: another batch or resolution traces anew.
+        # One trace per input signature (another batch or resolution traces anew), a plan
+        # per signature and step count where chunks="auto" chooses for it, and a program
+        # per signature and chunk table.
+        self._traces: dict[tuple, Captured] = {}
+        self._plans: dict[tuple, Plan] = {}
         self._programs: dict[tuple, tuple[Captured, Any]] = {}
 
     def run(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor] | None = None,
@@ -98,18 +103,27 @@ class Ring:
         return self._program(values, generation - self.config.warmup_steps)
 
     def programs(self) -> list:
-        """Every program this ring has planned (one per input signature)."""
+        """Every program this ring has made (one per input signature and chunk table)."""
         return [program for _, program in self._programs.values()]
 
     def _program(self, values: dict[str, Any], ring_steps: int):
-        """The program for these inputs' shapes and dtypes, traced and planned once."""
+        """The program for these inputs' shapes and dtypes, traced once; with chunks="auto",
+        planned for this generation's ring steps (planning once per step count), a new
+        program only where the chosen chunks differ."""
         signature = _signature(values)
-        if signature not in self._programs:
-            traced = trace_step(self.step_fn, values)
+        if signature not in self._traces:
+            self._traces[signature] = trace_step(self.step_fn, values)
+        traced = self._traces[signature]
+        steps = max(ring_steps, 1) if self.config.chunks == "auto" else None
+        if (signature, steps) not in self._plans:
             with planned_alike(self.group, self.config.timeout):
-                plan = build_plan(traced.gm, self.config, ring_steps=max(ring_steps, 1))
-            self._programs[signature] = (traced, make_program(plan, None, group=self.group))
-        self._traced, self.program = self._programs[signature]
+                self._plans[signature, steps] = build_plan(traced.gm, self.config,
+                                                           ring_steps=steps or 1)
+        plan = self._plans[signature, steps]
+        key = (signature, tuple(plan.chunks))
+        if key not in self._programs:
+            self._programs[key] = (traced, make_program(plan, None, group=self.group))
+        self._traced, self.program = self._programs[key]
         return self.program
 
     def _args(self, values: dict[str, Any], per_step: dict[str, torch.Tensor], k: int) -> tuple:

@@ -213,3 +213,13 @@ def test_bad_released_specs_fail_clearly(argv, message, tmp_path, capsys, monkey
 def test_generate_released_options_that_do_not_fit_are_named(argv, message, capsys):
     assert main(["generate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_refuses_a_released_pipeline_whose_ranks_would_not_fit(capsys, monkeypatch):
+    from tokpipe_compiler import cli_released
+
+    monkeypatch.setattr(cli_released, "available_memory", lambda: 16 * 2**30)
+    assert main(["generate", "--released", "flux1-dev", "--layers", "4", "--ranks", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "with 4 block(s) of each kind, in 2 processes, holds" in err
+    assert "pass --layers" in err

@@ -234,3 +234,28 @@ def test_ring_holds_two_steps_of_values_however_long():
                  per_step={"timestep": torch.arange(steps, 0, -1) * 50})
         peaks.append(ring.program.peak_values_held)
     assert peaks[0] == peaks[1] <= 3 * OPTIONS["chunks"] + 1, peaks
+
+
+@pytest.mark.parametrize("chunks", [4, "auto"])
+def test_generations_of_other_lengths_reuse_the_trace(chunks, monkeypatch):
+    """One trace for every generation length; a plan per length only where chunks="auto"
+    chooses for it, and a program per chunk table it chose."""
+    import tokpipe_compiler.ring as ring_module
+
+    calls: list[int | None] = []
+    real = ring_module.build_plan
+
+    def counted(gm, config, ring_steps=None):
+        calls.append(ring_steps)
+        return real(gm, config, ring_steps=ring_steps)
+
+    monkeypatch.setattr(ring_module, "build_plan", counted)
+    step, latents, labels, per_step = make_step()
+    ring = tp.Ring(step, carry=["latents"], **{**OPTIONS, "chunks": chunks})
+    for steps in (2, STEPS, 2):
+        ring.run({"latents": latents, "labels": labels},
+                 per_step={k: v[:steps] for k, v in per_step.items()})
+    assert len(ring._traces) == 1
+    assert calls == ([1] if chunks == 4 else [1, STEPS - 1])
+    tables = {tuple(p.plan.chunks) for p in ring.programs()}
+    assert len(ring.programs()) == len(tables)  # one program per chunk table chosen

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.pipelines.schedulers import StepTable, step_table
+from tokpipe_compiler.pipelines.step_structure import widened
 
 
 @dataclass
@@ -34,7 +35,9 @@ def loop_schedule(scheduler: Any, timestep_args: tuple[tuple, dict], begin: int)
     timesteps = torch.as_tensor(scheduler.timesteps)[begin:]
     schedule = LoopSchedule(timesteps, None)
     try:
-        schedule.table = step_table(scheduler, *args, begin_index=begin, **kwargs)
+        table = step_table(scheduler, *args, begin_index=begin, **kwargs)
+        # a multistep update's longest structure: one traced ring step for any step count
+        schedule.table = widened(table, scheduler, **kwargs)
     except (ValueError, TypeError) as err:
         schedule.reasons.append(str(err))
     else:
