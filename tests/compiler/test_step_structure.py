@@ -26,15 +26,16 @@ def _loop(table, x: torch.Tensor) -> list[torch.Tensor]:
     return xs
 
 
-@pytest.mark.parametrize("steps", [2, 3, 4, 8])
-@pytest.mark.parametrize("name", ["unipc-wan", "unipc-order3", "dpm-eps", "dpm-order3",
-                                  "deis", "pndm", "ddim-eps", "flow-flux"])
+NAMES = ["unipc-wan", "unipc-order3", "dpm-eps", "dpm-order3", "deis", "pndm", "ddim-eps",
+         "flow-flux"]
+CASES = [(name, steps) for name in NAMES for steps in (2, 3, 4, 8)
+         if not (name == "pndm" and steps < 4)]  # PNDM's set_timesteps needs 4 or more
+
+
+@pytest.mark.parametrize(("name", "steps"), CASES)
 def test_a_widened_table_has_the_long_structure_and_the_same_numbers(name, steps):
     scheduler, kwargs = make(name, steps)
-    try:
-        table = step_table(scheduler, steps, **kwargs)
-    except ValueError:
-        pytest.skip(f"{name} cannot take {steps} steps")
+    table = step_table(scheduler, steps, **kwargs)
     wide = widened(table, scheduler, **kwargs)
     long = step_table(scheduler, LONG_STEPS, **make(name, LONG_STEPS)[1])
     assert wide.state_size == max(table.state_size, long.state_size)
