@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.released import load as load_released_spec
 from tokpipe_compiler.released.pipelines import pipeline, small_grid
 
 TINY = ("dit",)
@@ -56,9 +57,7 @@ def check_args(args: argparse.Namespace) -> None:
                 raise TokpipeError(f"{flag} sizes a --released pipeline; --model and --tiny "
                                    "pipelines come as they are")
         return
-    from tokpipe_compiler import released
-
-    released.load(args.released)  # an unknown name fails here, naming the bundled ones
+    load_released_spec(args.released)  # an unknown name fails here, naming the bundled ones
     if args.prompt is not None:
         raise TokpipeError("--released pipelines have no text encoder: their prompt is "
                            "random embeddings at the released text length; leave out "
@@ -76,7 +75,6 @@ def check_args(args: argparse.Namespace) -> None:
 def load_pipeline(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The pipeline and the keyword arguments of its call."""
     if args.released is not None:
-
         pipe, kwargs = pipeline(args.released, layers=released_layers(args), grid=args.grid,
                                 seed=args.seed, dtype=_dtype(args))
         if args.guidance_scale is not None:

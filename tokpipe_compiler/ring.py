@@ -25,8 +25,8 @@ from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
-from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
+from tokpipe_compiler.runtime.chunking import Chunk
 
 
 class Ring:
@@ -52,8 +52,8 @@ class Ring:
         # per signature and step count where chunks="auto" chooses for it, and a program
         # per signature and chunk table.
         self._traces: dict[tuple, Captured] = {}
-        self._plans: dict[tuple, Plan] = {}
-        self._programs: dict[tuple, tuple[Captured, Any]] = {}
+        self._chosen: dict[tuple, tuple[Chunk, ...]] = {}  # (signature, steps) -> chunk table
+        self._programs: dict[tuple, Any] = {}  # (signature, chunk table) -> program
 
     def run(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor] | None = None,
             steps: int | None = None, progress: Callable[[int], None] | None = None) -> tuple:
@@ -104,7 +104,7 @@ class Ring:
 
     def programs(self) -> list:
         """Every program this ring has made (one per input signature and chunk table)."""
-        return [program for _, program in self._programs.values()]
+        return list(self._programs.values())
 
     def _program(self, values: dict[str, Any], ring_steps: int):
         """The program for these inputs' shapes and dtypes, traced once; with chunks="auto",
@@ -113,17 +113,15 @@ class Ring:
         signature = _signature(values)
         if signature not in self._traces:
             self._traces[signature] = trace_step(self.step_fn, values)
-        traced = self._traces[signature]
+        self._traced = self._traces[signature]
         steps = max(ring_steps, 1) if self.config.chunks == "auto" else None
-        if (signature, steps) not in self._plans:
+        if (signature, steps) not in self._chosen:
             with planned_alike(self.group, self.config.timeout):
-                self._plans[signature, steps] = build_plan(traced.gm, self.config,
-                                                           ring_steps=steps or 1)
-        plan = self._plans[signature, steps]
-        key = (signature, tuple(plan.chunks))
-        if key not in self._programs:
-            self._programs[key] = (traced, make_program(plan, None, group=self.group))
-        self._traced, self.program = self._programs[key]
+                plan = build_plan(self._traced.gm, self.config, ring_steps=steps or 1)
+            table = self._chosen[signature, steps] = tuple(plan.chunks)
+            if (signature, table) not in self._programs:
+                self._programs[signature, table] = make_program(plan, None, group=self.group)
+        self.program = self._programs[signature, self._chosen[signature, steps]]
         return self.program
 
     def _args(self, values: dict[str, Any], per_step: dict[str, torch.Tensor], k: int) -> tuple:

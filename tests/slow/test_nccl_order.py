@@ -73,16 +73,16 @@ def dit_ring(stages: int, chunks: int, steps: int = 4):
 def on_emulated_ranks(ring: tp.Ring, inputs: dict, per_step: dict,
                       hub: EmulatedNccl | None = None) -> list[torch.Tensor]:
     """The ring run by one thread rank per stage, each with its stage's program over the
-    emulated NCCL (a copy of the ring holding that program for the traced signature)."""
+    emulated NCCL (a copy of the ring holding that program for the traced signature and
+    chunk table)."""
     stages = len(ring.program.plan.stages)
     hub = hub or EmulatedNccl(stages)
-    (signature, (traced, _)), = ring._programs.items()
+    (key, _), = ring._programs.items()  # (signature, chunk table) -> program
 
     def rank_main(rank: int) -> torch.Tensor:
         transport = DistributedTransport(timeout=20.0, links=hub.links(rank))
         mine = copy.copy(ring)
-        mine._programs = {signature: (traced, DistributedProgram(ring.program.plan,
-                                                                 transport=transport))}
+        mine._programs = {key: DistributedProgram(ring.program.plan, transport=transport)}
         return mine.run(inputs, per_step=per_step)[0]
 
     return run_ranks(stages, rank_main)
