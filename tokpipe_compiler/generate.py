@@ -123,7 +123,7 @@ def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """One rank's part: an optional serial generation, then the pipelined one."""
-    from tokpipe_compiler.pipelines.parallelize import parallelize
+    from tokpipe_compiler.pipelines.parallelize import parallelize, programs
 
     torch.set_num_threads(args.threads)
     pipe, kwargs = load_pipeline(args)
@@ -139,10 +139,16 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     parallelize(pipe, stages=args.stages, chunks=args.chunks, mode=args.mode,
                 warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg,
                 ring=not args.per_call)
-    _timed(pipe, short, args.seed)
+    # A ring with chunks="auto" chooses its chunks for the generation's length: a shorter
+    # warmup would make (and compile) a program the timed call does not use.
+    by_length = args.chunks == "auto" and not args.per_call
+    _timed(pipe, kwargs if by_length else short, args.seed)
     if args.profile:
         result["trace"] = _profiled(pipe, kwargs, args, rank)
+    made = len(programs(pipe))
     result["pipelined_s"], images = _timed(pipe, kwargs, args.seed)
+    result["made_while_timed"] = len(programs(pipe)) - made
+    result["chunks"] = sorted({len(p.plan.chunks) for p in programs(pipe)})
     result["memory"] = _memory(pipe)
     if args.compare:
         result["difference"] = _relative(images, serial)
@@ -163,7 +169,7 @@ def _describe_released(args: argparse.Namespace, pipe: Any, kwargs: dict[str, An
 
 def _memory(pipe: Any) -> str:
     from tokpipe_compiler.inspection.memory import format_memory, memory_report
-    from tokpipe_compiler.pipelines import programs
+    from tokpipe_compiler.pipelines.parallelize import programs
 
     return "\n".join(format_memory(memory_report(p)) for p in programs(pipe))
 
@@ -229,8 +235,13 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"pipelined ({args.stages} stages x {args.chunks} chunks, {args.mode}): "
+    chunks = args.chunks if args.chunks != "auto" else \
+        f"auto ({' or '.join(map(str, result['chunks']))})"
+    print(f"pipelined ({args.stages} stages x {chunks} chunks, {args.mode}): "
           f"{result['pipelined_s']:.2f} s for {args.steps} steps")
+    if result["made_while_timed"]:
+        print(f"warning: the timed call made {result['made_while_timed']} new program(s); "
+              "its time includes planning and compiling them", file=sys.stderr)
     if "serial_s" in result:
         print(f"serial: {result['serial_s']:.2f} s; speedup "
               f"{result['serial_s'] / result['pipelined_s']:.2f}x; largest difference "

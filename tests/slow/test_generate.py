@@ -51,6 +51,17 @@ def test_one_process_profile(tmp_path, capsys):
     assert "saved 1 file(s)" in capsys.readouterr().out
 
 
+def test_auto_chunks_time_the_program_their_warmup_made(capsys):
+    """chunks="auto" chooses by the generation's length (here a 1-step ring gets other
+    chunks than a 7-step one): the warmup runs the timed length, so the timed call makes
+    no program and one chunk count is reported."""
+    assert main(["generate", "--tiny", "dit", "--steps", "8", "--chunks", "auto",
+                 "--compiler", "eager"]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(r"2 stages x auto \(\d+\) chunks", out), out  # one chunk count
+    assert "new program" not in err, err
+
+
 def test_errors_are_named(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path)]) == 2
     assert "no model_index.json" in capsys.readouterr().err
