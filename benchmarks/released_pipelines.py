@@ -53,13 +53,15 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.steps} steps, 2 stages x {args.chunks} chunks, {args.mode}, "
           f"{args.compiler} stages, one thread a rank")
-    print(f"{'model':<28}{'grid':>12}{'serial s':>10}{'ring s':>9}{'speedup':>9}"
+    print(f"{'model':<28}{'grid':>12}{'chunks':>8}{'serial s':>10}{'ring s':>9}{'speedup':>9}"
           f"{'difference':>12}")
     for name in args.names:
         r = measure(name, args)
-        print(f"{name:<28}{' x '.join(map(str, r['grid'])):>12}{r['serial_s']:>10.2f}"
+        chunks = "/".join(map(str, r["chunks"])) + ("*" if r["made_while_timed"] else "")
+        print(f"{name:<28}{' x '.join(map(str, r['grid'])):>12}{chunks:>8}{r['serial_s']:>10.2f}"
               f"{r['pipelined_s']:>9.2f}{r['serial_s'] / r['pipelined_s']:>8.2f}x"
               f"{r['difference']:>12.1e}", flush=True)
+    print("chunks: the count each ring program has (* the timed call made a program)")
 
 
 if __name__ == "__main__":
