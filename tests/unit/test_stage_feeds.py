@@ -62,7 +62,7 @@ def test_the_prelude_compiles_with_inductor_and_computes_what_eager_does():
     args = (torch.randn(4), torch.randn(4))
     compiled = Prelude(gm, ["a", "b"], "inductor")
     out = compiled(*args)
-    assert compiled._fn is not gm  # compiled, not the FX graph
+    assert compiled._fn is not compiled.gm  # compiled, not the FX graph
     expected = dict(zip(["a", "b"], gm(*args), strict=True))
     for name in expected:
         torch.testing.assert_close(out[name], expected[name], rtol=1e-5, atol=0)
@@ -79,5 +79,27 @@ def test_a_prelude_inductor_cannot_compile_runs_eagerly_with_a_warning(monkeypat
     with pytest.warns(UserWarning, match="prelude runs eagerly.*unsupported op"):
         out = fallback(*args)
     assert torch.equal(out["a"], gm(*args)[0])
-    assert fallback._fn is gm
-    assert Prelude(gm, ["a", "b"], "eager")._fn is gm  # eager: never compiled
+    assert fallback._fn is fallback.gm
+    eager = Prelude(gm, ["a", "b"], "eager")
+    assert eager._fn is eager.gm  # eager: never compiled
+
+
+def test_inputs_the_prelude_passes_on_skip_its_compiled_graph():
+    """Weights a stage reads are prelude outputs too: they are handed over as they are, and
+    the compiled graph takes only the inputs it computes from and returns what it computes
+    (28-block PixArt: 154 of 608 inputs, 254 of 708 outputs)."""
+
+    def conditioning(t, w, unused_weight, passed_weight):
+        return torch.sin(t) * w, passed_weight, (t + 1).relu(), t
+
+    gm = torch.fx.symbolic_trace(conditioning)
+    args = tuple(torch.randn(4) for _ in range(4))
+    for compiler in ("eager", "inductor"):
+        prelude = Prelude(gm, ["a", "p", "b", "t"], compiler)
+        out = prelude(*args)
+        assert [n.name for n in prelude.gm.graph.nodes if n.op == "placeholder"] == ["t", "w"]
+        assert out["p"] is args[3] and out["t"] is args[0]
+        expected = dict(zip(["a", "p", "b", "t"], gm(*args), strict=True))
+        assert out.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(out[name], expected[name], rtol=1e-5, atol=0)

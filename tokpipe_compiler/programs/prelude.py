@@ -20,27 +20,63 @@ from tokpipe_compiler.programs.compile import compile_stage
 class Prelude:
     """`gm` (returning the values named `outputs`) compiled by `compiler` on first call.
 
+    Many of a prelude's outputs are its own inputs passed on (the weights the stages read):
+    those are handed over as they are, and only the values it computes go through the
+    compiled graph, which takes only the inputs it computes from. Passed through a compiled
+    graph, each would cost a size and stride check and an output alias every call (608
+    inputs and 708 outputs for a 28-block PixArt, 454 of them passed on).
+
     A prelude Inductor cannot compile runs eagerly from then on, with a warning.
     """
 
     def __init__(self, gm: torch.fx.GraphModule, outputs: list[str], compiler: str):
-        self.gm = gm
-        self.outputs = outputs
         self.compiler = compiler
-        self._fn: Callable[..., Sequence] | None = gm if compiler == "eager" else None
+        self.passed, self.reads, self.computed, self.gm = _without_pass_through(gm, outputs)
+        self._fn: Callable[..., Sequence] | None = self.gm if compiler == "eager" else None
 
     def __call__(self, *args) -> dict:
         """The prelude's values by name."""
+        values = {name: args[i] for name, i in self.passed}
+        if not self.computed:
+            return values
+        reads = [args[i] for i in self.reads]
         if self._fn is None:
-            self._fn = self._compiled(list(args))
-        return dict(zip(self.outputs, self._fn(*args), strict=True))
+            self._fn = self._compiled(reads)
+        values.update(zip(self.computed, self._fn(*reads), strict=True))
+        return values
 
     def _compiled(self, args: list) -> Callable[..., Sequence]:
-        if not self.outputs:
-            return self.gm
         try:
             return compile_stage(self.gm, args, self.compiler)
         except Exception as e:
             warnings.warn(f"tokpipe: the per-call prelude runs eagerly: inductor could not "
                           f"compile it ({type(e).__name__}: {str(e)[:200]})", stacklevel=3)
             return self.gm
+
+
+def _without_pass_through(gm: torch.fx.GraphModule, outputs: list[str]
+                          ) -> tuple[list[tuple[str, int]], list[int], list[str],
+                                     torch.fx.GraphModule]:
+    """(outputs that are inputs, as (name, input index); the indices of the inputs the rest
+    computes from; the names of the computed outputs; a graph of those inputs returning the
+    computed outputs)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {node: i for i, node in enumerate(placeholders)}
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    passed = [(name, index[v]) for name, v in zip(outputs, values, strict=True) if v in index]
+    computed = [(name, v) for name, v in zip(outputs, values, strict=True) if v not in index]
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(tuple(env[v] if isinstance(v, torch.fx.Node) else v for _, v in computed))
+    reads = []
+    for node in placeholders:
+        if env[node].users:
+            reads.append(index[node])
+        else:
+            graph.erase_node(env[node])
+    return passed, reads, [name for name, _ in computed], torch.fx.GraphModule(gm, graph,
+                                                                              "prelude")
