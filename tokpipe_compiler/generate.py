@@ -123,7 +123,7 @@ def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """One rank's part: an optional serial generation, then the pipelined one."""
-    from tokpipe_compiler.pipelines.parallelize import parallelize, programs
+    from tokpipe_compiler.pipelines.parallelize import parallelize
 
     torch.set_num_threads(args.threads)
     pipe, kwargs = load_pipeline(args)
@@ -145,11 +145,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     _timed(pipe, kwargs if by_length else short, args.seed)
     if args.profile:
         result["trace"] = _profiled(pipe, kwargs, args, rank)
-    made = len(programs(pipe))
+    made = len(_programs(pipe))
     result["pipelined_s"], images = _timed(pipe, kwargs, args.seed)
-    result["made_while_timed"] = len(programs(pipe)) - made
-    result["chunks"] = sorted({len(p.plan.chunks) for p in programs(pipe)})
-    result["memory"] = _memory(pipe)
+    after = _programs(pipe)
+    result["made_while_timed"] = len(after) - made
+    result["chunks"] = sorted({len(p.plan.chunks) for p in after})
+    result["memory"] = _memory(after, rank)
     if args.compare:
         result["difference"] = _relative(images, serial)
     if rank == 0 and args.out is not None:
@@ -167,11 +168,23 @@ def _describe_released(args: argparse.Namespace, pipe: Any, kwargs: dict[str, An
             f"{kwargs['guidance_scale']}, {args.dtype}, random weights")
 
 
-def _memory(pipe: Any) -> str:
-    from tokpipe_compiler.inspection.memory import format_memory, memory_report
+def _programs(pipe: Any) -> list:
+    """The pipelined programs behind `pipe`: none where CFG parallelism runs each guidance
+    branch whole on its own rank (--cfg 2 --stages 1)."""
     from tokpipe_compiler.pipelines.parallelize import programs
 
-    return "\n".join(format_memory(memory_report(p)) for p in programs(pipe))
+    try:
+        return programs(pipe)
+    except TokpipeError:
+        return []
+
+
+def _memory(made: list, rank: int) -> str:
+    from tokpipe_compiler.inspection.memory import format_memory, memory_report
+
+    if not made:
+        return f"rank {rank}: no pipelined program (each guidance branch runs whole)"
+    return "\n".join(format_memory(memory_report(p)) for p in made)
 
 
 def _timed(pipe: Any, kwargs: dict, seed: int) -> tuple[float, list]:
@@ -235,9 +248,10 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
-    chunks = args.chunks if args.chunks != "auto" else \
-        f"auto ({' or '.join(map(str, result['chunks']))})"
-    print(f"pipelined ({args.stages} stages x {chunks} chunks, {args.mode}): "
+    chunks = f"auto ({' or '.join(map(str, result['chunks']))})" \
+        if args.chunks == "auto" and result["chunks"] else args.chunks
+    cfg = f", guidance branches on {args.cfg} rank groups" if args.cfg > 1 else ""
+    print(f"pipelined ({args.stages} stages x {chunks} chunks, {args.mode}{cfg}): "
           f"{result['pipelined_s']:.2f} s for {args.steps} steps")
     if result["made_while_timed"]:
         print(f"warning: the timed call made {result['made_while_timed']} new program(s); "

@@ -62,6 +62,18 @@ def test_auto_chunks_time_the_program_their_warmup_made(capsys):
     assert "new program" not in err, err
 
 
+def test_cfg_parallel_alone_has_no_pipelined_program_to_report(capsys):
+    """--cfg 2 --stages 1: each rank runs one guidance branch whole; the run reports that
+    instead of failing on the missing program, and equals the serial pipeline."""
+    assert main(["generate", "--tiny", "dit", "--steps", "3", "--cfg", "2", "--stages", "1",
+                 "--ranks", "2", "--compiler", "eager", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "guidance branches on 2 rank groups" in out, out
+    assert "rank 1: no pipelined program" in out, out
+    difference = float(re.search(r"largest difference (\S+)", out)[1])
+    assert difference <= 1e-5, out
+
+
 def test_errors_are_named(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path)]) == 2
     assert "no model_index.json" in capsys.readouterr().err
