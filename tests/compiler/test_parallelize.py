@@ -6,6 +6,7 @@ with the same options, within 1e-5 of the output's largest value.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -241,6 +242,34 @@ def test_cfg_parallel_in_one_process_equals_serial(family):
     pipe, kwargs = make()
     tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
     assert _relative(generate(pipe, kwargs), serial) <= 1e-5
+    with pytest.raises(tp.TokpipeError, match="each guidance branch whole"):
+        tp.pipelines.programs(pipe)
+
+
+@pytest.mark.parametrize(("family", "cfg", "stages"), [
+    ("wan", 1, 2), ("flux", 1, 2), ("wan", 2, 2), ("wan", 2, 1)])
+def test_several_images_from_one_prompts_embeddings_equal_serial(family, cfg, stages):
+    """Given one prompt's embeddings and asked for two images, Wan's and Flux's pipelines
+    (two transformer calls a step, one per guidance branch) pass the text with one row for
+    a latent batch of two, which the transformer broadcasts. The ring gives each sample
+    its row to batch the branches; ring mode once refused these calls."""
+    per_prompt = "num_videos_per_prompt" if family == "wan" else "num_images_per_prompt"
+    pipe, kwargs = FAMILIES[family]()
+    kwargs = {**kwargs, per_prompt: 2}
+    serial = generate(pipe, kwargs)
+    assert serial.shape[0] == 2
+    pipe, _ = FAMILIES[family]()
+    tp.pipelines.parallelize(pipe, cfg=cfg, stages=stages, chunks=2, mode="sync",
+                             compiler="eager")
+    assert _relative(generate(pipe, kwargs), serial) <= 1e-5
+
+
+def test_a_parallelized_pipeline_keeps_its_call_signature():
+    pipe, _ = FAMILIES["sd3"]()
+    own = inspect.signature(pipe.__call__)
+    tp.pipelines.parallelize(pipe, **OPTIONS)
+    assert inspect.signature(pipe.__call__) == own
+    assert "num_images_per_prompt" in pipe.__call__.__doc__
 
 
 @pytest.mark.parametrize("family", ["dit", pytest.param("wan22", marks=pytest.mark.full)])

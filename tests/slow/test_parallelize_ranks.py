@@ -85,6 +85,21 @@ def test_cfg_parallel_on_two_ranks_equals_one_process(family, two_rank_runs):
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
 
 
+def _two_videos(rank: int = 0, world: int = 1) -> torch.Tensor:
+    pipe, kwargs = FAMILIES["wan"]()
+    tp.pipelines.parallelize(pipe, **OPTIONS)
+    return generate(pipe, {**kwargs, "num_videos_per_prompt": 2}, steps=4)
+
+
+def test_two_videos_from_one_prompts_embeddings_on_two_ranks(two_rank_runs):
+    """One prompt's embeddings (one row) for a batch of two videos, two transformer calls
+    a step: the ring gives each sample its row of each branch's text, on every rank."""
+    alone = _two_videos()
+    assert alone.shape[0] == 2
+    for result in two_rank_runs["two videos"]:
+        assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+
+
 HYBRID = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -118,6 +133,8 @@ def two_rank_runs(request) -> dict:
                   for p in selected(request, test_two_ranks_in_bfloat16_equal_one_process)})
     cases.update({("cfg", p["family"]): (_cfg_rank, (p["family"],))
                   for p in selected(request, test_cfg_parallel_on_two_ranks_equals_one_process)})
+    if selected(request, test_two_videos_from_one_prompts_embeddings_on_two_ranks):
+        cases["two videos"] = (_two_videos, ())
     if selected(request, test_cfg_parallel_checks_the_world_size):
         cases["wrong world"] = (_wrong_world, ())
     return launch_cases(cases, 2, timeout=600 * len(cases))

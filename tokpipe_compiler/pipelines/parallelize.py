@@ -88,6 +88,7 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
                            functools.partial(calls.transformer, name))
     cls = type(pipe)
 
+    @functools.wraps(cls.__call__)  # the pipeline's own signature and docstring
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         generators = _generators(cls.__call__, self, args, kwargs)
         states = _random_states(generators)
@@ -143,6 +144,10 @@ def programs(pipe: Any) -> list:
     for denoiser in find_denoisers(pipe).values():
         with contextlib.suppress(TokpipeError):  # none: never called per call
             found += call_programs(denoiser)
+    if not found and calls is not None and all(
+            rings.cfg == 2 and rings.config.stages == 1 for rings in calls.denoisers.values()):
+        raise TokpipeError(f"{type(pipe).__name__} runs each guidance branch whole on its "
+                           "own rank (cfg=2, stages=1): it has no pipelined program")
     if not found:
         raise TokpipeError(f"{type(pipe).__name__} has no tokpipe program yet: parallelize "
                            "it and call it first")

@@ -103,9 +103,19 @@ def _batched(name: str, cond: Any, uncond: Any, *, batch: int) -> Any:
         return torch.cat([cond, uncond])
     if same(cond, uncond):
         return cond
+    if _broadcast(cond) and _broadcast(uncond):
+        # One row for the whole batch, which the model broadcasts (a pipeline given one
+        # prompt's embeddings and asked for several images): one row per sample batches
+        # the branches and computes the same.
+        return torch.cat([cond.expand(batch, *cond.shape[1:]),
+                          uncond.expand(batch, *uncond.shape[1:])])
     raise TokpipeError(f"the two guidance branches pass different {name!r} that is not "
                        "batched along the latent's batch; ring mode cannot batch them: run it "
                        "per call with parallelize(pipe, ring=False)")
+
+
+def _broadcast(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 1
 
 
 def carry_condition(glue: Glue, sample: torch.Tensor,
