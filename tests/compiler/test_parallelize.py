@@ -247,14 +247,20 @@ def test_cfg_parallel_in_one_process_equals_serial(family):
 
 
 @pytest.mark.parametrize(("family", "cfg", "stages"), [
-    ("wan", 1, 2), ("flux", 1, 2), ("wan", 2, 2), ("wan", 2, 1)])
+    ("wan", 1, 2), ("cogview4", 1, 2), ("wan_image2video", 1, 2), ("wan", 2, 2),
+    *(pytest.param(*case, marks=pytest.mark.full)
+      for case in [("flux", 1, 2), ("hunyuan_video", 1, 2), ("wan", 2, 1)])])
 def test_several_images_from_one_prompts_embeddings_equal_serial(family, cfg, stages):
-    """Given one prompt's embeddings and asked for two images, Wan's and Flux's pipelines
-    (two transformer calls a step, one per guidance branch) pass the text with one row for
-    a latent batch of two, which the transformer broadcasts. The ring gives each sample
-    its row to batch the branches; ring mode once refused these calls."""
-    per_prompt = "num_videos_per_prompt" if family == "wan" else "num_images_per_prompt"
+    """Given one prompt's embeddings and asked for two images, the pipelines that call the
+    transformer twice a step (once per guidance branch) pass the text with one row for a
+    latent batch of two, which the transformer broadcasts (Wan, Flux, HunyuanVideo);
+    CogView4's repeats the prompt's rows and not the negative prompt's; Wan's
+    image-to-video joins one row of image embeddings to the text. The ring gives each
+    sample its row of every such input to batch the branches; ring mode once refused these
+    calls or failed to trace them."""
     pipe, kwargs = FAMILIES[family]()
+    per_prompt = next(name for name in ("num_images_per_prompt", "num_videos_per_prompt")
+                      if name in inspect.signature(pipe.__call__).parameters)
     kwargs = {**kwargs, per_prompt: 2}
     serial = generate(pipe, kwargs)
     assert serial.shape[0] == 2

@@ -91,31 +91,49 @@ def fixed_inputs(glue: Glue, calls: list[dict[str, Any]], batch: int) -> dict[st
         {CONDITION: condition_part(glue, calls[0][glue.latent_arg])}
     if len(calls) == 1:
         return {**{n: calls[0][n] for n in names}, **condition}
+    pairs = [pair for name in names
+             for pair in zip(*(pytree.tree_leaves(call[name]) for call in calls), strict=True)]
+    spread = any(_spreads(cond, uncond, batch) for cond, uncond in pairs)
     fixed = {name: torch.cat([value, value]) for name, value in condition.items()}
     for name in names:
-        cond, uncond = calls[0][name], calls[1][name]
-        fixed[name] = pytree.tree_map(functools.partial(_batched, name, batch=batch), cond, uncond)
+        batched = functools.partial(_batched, name, batch=batch, spread=spread)
+        fixed[name] = pytree.tree_map(batched, calls[0][name], calls[1][name])
     return fixed
 
 
-def _batched(name: str, cond: Any, uncond: Any, *, batch: int) -> Any:
-    if isinstance(cond, torch.Tensor) and cond.dim() and cond.shape[0] == batch:
-        return torch.cat([cond, uncond])
+# A tensor input with one row where the latent has `batch` is one row for the whole batch,
+# which the model broadcasts: a pipeline given one prompt's embeddings and asked for several
+# images passes them so, for one branch or both. Batching the branches then needs a row per
+# sample of each branch; and once one input has them, every input of one row does (the
+# model may join them: Wan's image and text embeddings), as with a batch of one.
+
+
+def _spreads(cond: Any, uncond: Any, batch: int) -> bool:
+    """Whether batching this input needs a one-row input spread to a row per sample."""
+    rows = [_rows(cond), _rows(uncond)]
+    if batch == 1 or 1 not in rows or not set(rows) <= {1, batch}:
+        return False
+    return batch in rows or not same(cond, uncond)
+
+
+def _batched(name: str, cond: Any, uncond: Any, *, batch: int, spread: bool) -> Any:
+    """One input of the two branches' calls as one input of the batched call."""
+    rows = [_rows(cond), _rows(uncond)]
+    if set(rows) <= {1, batch} and (batch in rows or spread or not same(cond, uncond)):
+        return torch.cat([_per_sample(cond, batch), _per_sample(uncond, batch)])
     if same(cond, uncond):
         return cond
-    if _broadcast(cond) and _broadcast(uncond):
-        # One row for the whole batch, which the model broadcasts (a pipeline given one
-        # prompt's embeddings and asked for several images): one row per sample batches
-        # the branches and computes the same.
-        return torch.cat([cond.expand(batch, *cond.shape[1:]),
-                          uncond.expand(batch, *uncond.shape[1:])])
     raise TokpipeError(f"the two guidance branches pass different {name!r} that is not "
                        "batched along the latent's batch; ring mode cannot batch them: run it "
                        "per call with parallelize(pipe, ring=False)")
 
 
-def _broadcast(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 1
+def _rows(value: Any) -> int | None:
+    return value.shape[0] if isinstance(value, torch.Tensor) and value.dim() else None
+
+
+def _per_sample(value: torch.Tensor, batch: int) -> torch.Tensor:
+    return value.expand(batch, *value.shape[1:])
 
 
 def carry_condition(glue: Glue, sample: torch.Tensor,
