@@ -121,3 +121,7 @@ def test_parallelize_errors_name_the_problem():
                                        scheduler=diffusers.DDIMScheduler())
     with pytest.raises(tp.TokpipeError, match="no denoising transformer"):
         tp.pipelines.parallelize(unet_like)
+    wrapped = dit_pipeline()
+    wrapped.transformer = torch.compile(wrapped.transformer, backend="tokpipe")
+    with pytest.raises(tp.TokpipeError, match=r"torch.compile wrapper.*_orig_mod"):
+        tp.pipelines.parallelize(wrapped)

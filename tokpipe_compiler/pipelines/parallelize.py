@@ -26,6 +26,7 @@ import inspect
 from typing import Any
 
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
 from tokpipe_compiler.backend import TokpipeBackend
 from tokpipe_compiler.config import Config
@@ -66,6 +67,10 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
         if getattr(denoiser, "_compiled_call_impl", None) is not None:
             raise TokpipeError(f"{type(pipe).__name__}.{name} is compiled already; "
                                "parallelize the pipeline before compiling its transformer")
+        if isinstance(denoiser, OptimizedModule):
+            raise TokpipeError(f"{type(pipe).__name__}.{name} is a torch.compile wrapper; "
+                               f"parallelize the pipeline with the module itself "
+                               f"(pipe.{name} = pipe.{name}._orig_mod)")
     for denoiser in denoisers.values():  # each with its own programs and recompile limit
         denoiser.compile(backend=TokpipeBackend(**options), dynamic=False,
                          **own_recompiles(RECOMPILES))
