@@ -110,6 +110,8 @@ def _add_generate(commands) -> None:
     gen.add_argument("--prompt")
     gen.add_argument("--class-label", type=int, default=1, help="DiT pipelines (default 1)")
     gen.add_argument("--guidance-scale", type=float)
+    gen.add_argument("--images", type=_count(1), default=1, metavar="N",
+                     help="images (or videos) from the one prompt, batched (default 1)")
     gen.add_argument("--steps", type=_count(1), default=20)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stages", type=_count(1), default=2)

@@ -16,6 +16,7 @@ one rank).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import time
@@ -80,7 +81,11 @@ def load_pipeline(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         if args.guidance_scale is not None:
             kwargs["guidance_scale"] = args.guidance_scale
         if "class_labels" in kwargs:  # DiT
-            kwargs["class_labels"] = [args.class_label]
+            kwargs["class_labels"] = [args.class_label] * args.images
+        else:  # the prompt's rows repeated, as a text encoder repeats them per image
+            kwargs = {name: value.repeat(args.images, *(1,) * (value.dim() - 1))
+                      if "prompt" in name and isinstance(value, torch.Tensor) else value
+                      for name, value in kwargs.items()}
         return pipe, {**kwargs, "num_inference_steps": args.steps}
     pipe = _load_weights(args)
     return pipe, call_kwargs(pipe, args)
@@ -111,14 +116,27 @@ def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
     """What the pipeline's __call__ takes: a class label (DiT) or a prompt."""
     kwargs: dict[str, Any] = {"num_inference_steps": args.steps, "output_type": "np"}
     if type(pipe).__name__ == "DiTPipeline":
-        kwargs["class_labels"] = [args.class_label]
+        kwargs["class_labels"] = [args.class_label] * args.images
     elif args.prompt is None:
         raise TokpipeError(f"{type(pipe).__name__} needs --prompt")
     else:
         kwargs["prompt"] = args.prompt
+        kwargs.update(_per_prompt(pipe, args.images))
     if args.guidance_scale is not None:
         kwargs["guidance_scale"] = args.guidance_scale
     return kwargs
+
+
+def _per_prompt(pipe: Any, images: int) -> dict[str, int]:
+    """The pipeline's own argument for `images` images (or videos) of one prompt."""
+    if images == 1:
+        return {}
+    takes = inspect.signature(type(pipe).__call__).parameters
+    for name in ("num_images_per_prompt", "num_videos_per_prompt"):
+        if name in takes:
+            return {name: images}
+    raise TokpipeError(f"{type(pipe).__name__} takes no number of images per prompt; "
+                       "leave out --images")
 
 
 def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -252,7 +270,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         if args.chunks == "auto" and result["chunks"] else args.chunks
     cfg = f", guidance branches on {args.cfg} rank groups" if args.cfg > 1 else ""
     print(f"pipelined ({args.stages} stages x {chunks} chunks, {args.mode}{cfg}): "
-          f"{result['pipelined_s']:.2f} s for {args.steps} steps")
+          f"{result['pipelined_s']:.2f} s for {args.steps} steps"
+          f"{f', {args.images} images' if args.images > 1 else ''}")
     if result["made_while_timed"]:
         print(f"warning: the timed call made {result['made_while_timed']} new program(s); "
               "its time includes planning and compiling them", file=sys.stderr)

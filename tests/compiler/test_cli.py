@@ -223,3 +223,19 @@ def test_generate_refuses_a_released_pipeline_whose_ranks_would_not_fit(capsys, 
     err = capsys.readouterr().err
     assert "with 4 block(s) of each kind, in 2 processes, holds" in err
     assert "pass --layers" in err
+
+
+def test_generate_images_go_by_the_pipelines_own_argument():
+    from tokpipe_compiler.core.errors import TokpipeError
+    from tokpipe_compiler.generate import _per_prompt
+
+    class Video:
+        def __call__(self, prompt: str, num_videos_per_prompt: int = 1): ...
+
+    class Single:
+        def __call__(self, prompt: str): ...
+
+    assert _per_prompt(Video(), 3) == {"num_videos_per_prompt": 3}
+    assert _per_prompt(Single(), 1) == {}
+    with pytest.raises(TokpipeError, match="Single takes no number of images per prompt"):
+        _per_prompt(Single(), 2)

@@ -20,15 +20,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 # Per call across ranks is tested without the command (tests/slow/test_distributed.py).
 @pytest.mark.parametrize("loop", ["ring", pytest.param("per-call", marks=pytest.mark.full)])
 def test_two_ranks_sync_equal_the_serial_pipeline(tmp_path, capsys, loop):
+    """Two images of one class label (--images 2: a latent batch of two, four rows with
+    guidance)."""
     extra = ["--per-call"] if loop == "per-call" else []
     assert main(["generate", "--tiny", "dit", "--steps", "3", "--mode", "sync", "--ranks", "2",
-                 "--compiler", "eager", "--compare", "--out", str(tmp_path), *extra]) == 0
+                 "--compiler", "eager", "--compare", "--images", "2", "--out", str(tmp_path),
+                 *extra]) == 0
     out = capsys.readouterr().out
+    assert "for 3 steps, 2 images" in out, out
     difference = float(re.search(r"largest difference (\S+)", out)[1])
     assert difference <= 1e-5, out
     assert "rank 0: peak" in out and "rank 1: peak" in out  # each rank's memory
-    image = np.asarray(Image.open(tmp_path / "image_0.png"))
-    assert image.shape == (64, 64, 3) and image.std() > 0
+    images = [np.asarray(Image.open(tmp_path / f"image_{i}.png")) for i in range(2)]
+    assert all(image.shape == (64, 64, 3) and image.std() > 0 for image in images)
+    assert not np.array_equal(*images)  # each from its own noise
 
 
 def test_bfloat16_in_one_process_is_near_the_serial_pipeline(capsys):
@@ -80,11 +85,13 @@ def test_errors_are_named(tmp_path, capsys):
 
 
 def test_a_released_joint_attention_pipeline_on_two_ranks_equals_serial(capsys):
-    """SD3-medium's widths and 333 text tokens in its pipeline, guided, on two gloo ranks:
-    sync gives the serial pipeline's latents within 1e-5 relative."""
+    """SD3-medium's widths and 333 text tokens in its pipeline, guided, two images of one
+    prompt, on two gloo ranks: sync gives the serial pipeline's latents within 1e-5
+    relative."""
     assert main(["generate", "--released", "sd3-medium", "--steps", "3", "--mode", "sync",
-                 "--ranks", "2", "--compiler", "eager", "--compare"]) == 0
+                 "--ranks", "2", "--compiler", "eager", "--compare", "--images", "2"]) == 0
     out = capsys.readouterr().out
+    assert "2 images" in out, out
     difference = float(re.search(r"largest difference (\S+) of the largest latent", out)[1])
     assert difference <= 1e-5, out
     assert "rank 0: peak" in out and "rank 1: peak" in out
