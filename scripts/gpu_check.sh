@@ -74,11 +74,12 @@ want pipeline && part "PixArt-alpha widths, in-process pipeline" 160 python3 ben
     --layers 4 --grid 128 128 --chunks 2 8 --steps 6 --cuda-graphs
 want graphs && part "Chunking overhead, CUDA graphs" 50 python3 benchmarks/overhead.py --device cuda \
     --dtype bfloat16 --tokens 1024 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10 --cuda-graphs
-want overhead && part "Chunking overhead" 50 python3 benchmarks/overhead.py --device cuda --dtype bfloat16 \
+want overhead && part "Chunking overhead" 40 python3 benchmarks/overhead.py --device cuda --dtype bfloat16 \
     --tokens 1024 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10
-want text && part "Joint attention: text once a step" 60 python3 benchmarks/text_chunks.py --device cuda \
+want text && part "Joint attention: text once a step" 50 python3 benchmarks/text_chunks.py --device cuda \
     --dtype bfloat16 --side 128 --heads 24 --chunks 2 4 8 --rounds 3 --reps 5
-want kernels && part "Kernel tests (compiled)" 100 python3 -m pytest -v -x -p no:cacheprovider \
+want kernels && TOKPIPE_KERNEL_EXAMPLES=25 part "Kernel tests (compiled, 25 examples a property)" 120 \
+    python3 -m pytest -v -x -p no:cacheprovider \
     --durations=5 tests/unit/test_triton_attention.py
 want bench && part "Kernel benchmark" 60 python3 benchmarks/gpu_kernels.py
 echo "report: $REPORT" >&2
