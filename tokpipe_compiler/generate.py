@@ -105,7 +105,9 @@ def _load_weights(args: argparse.Namespace) -> Any:
     if not (path / "model_index.json").is_file():
         raise TokpipeError(f"--model {path}: no model_index.json there; pass a local "
                            "diffusers pipeline folder (save_pretrained writes one)")
-    return diffusers.DiffusionPipeline.from_pretrained(path, torch_dtype=_dtype(args))
+    from tokpipe_compiler.pipelines.loading import from_pretrained
+
+    return from_pretrained(diffusers.DiffusionPipeline, path, _dtype(args))
 
 
 def _dtype(args: argparse.Namespace) -> torch.dtype:

@@ -42,8 +42,10 @@ def load(path: Path | str = WEIGHTS) -> tuple[Any, Any]:
     """(model in eval mode, float32; DDIM scheduler) from a folder `save` wrote."""
     from diffusers import DDIMScheduler, DiTTransformer2DModel
 
-    model = DiTTransformer2DModel.from_pretrained(path, torch_dtype=torch.float32,
-                                                  low_cpu_mem_usage=False).eval()
+    from tokpipe_compiler.pipelines.loading import from_pretrained
+
+    model = from_pretrained(DiTTransformer2DModel, path, torch.float32,
+                            low_cpu_mem_usage=False).eval()
     return model, DDIMScheduler.from_pretrained(path)
 
 
