@@ -108,6 +108,9 @@ def _add_generate(commands) -> None:
                      help="--released: the latent grid, H W or F H W (default 16 16, "
                           "2 16 16 for video)")
     gen.add_argument("--prompt")
+    gen.add_argument("--negative-prompt")
+    gen.add_argument("--size", type=_count(1), nargs=2, metavar=("HEIGHT", "WIDTH"),
+                     help="--model: the image size in pixels (default: the pipeline's)")
     gen.add_argument("--class-label", type=int, default=1, help="DiT pipelines (default 1)")
     gen.add_argument("--guidance-scale", type=float)
     gen.add_argument("--images", type=_count(1), default=1, metavar="N",

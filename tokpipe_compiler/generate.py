@@ -57,12 +57,18 @@ def check_args(args: argparse.Namespace) -> None:
             if given is not None:
                 raise TokpipeError(f"{flag} sizes a --released pipeline; --model and --tiny "
                                    "pipelines come as they are")
+        if args.tiny == "dit":
+            _check_class_label_args(args)
         return
     load_released_spec(args.released)  # an unknown name fails here, naming the bundled ones
-    if args.prompt is not None:
-        raise TokpipeError("--released pipelines have no text encoder: their prompt is "
-                           "random embeddings at the released text length; leave out "
-                           "--prompt")
+    for given, flag in ((args.prompt, "--prompt"), (args.negative_prompt, "--negative-prompt")):
+        if given is not None:
+            raise TokpipeError("--released pipelines have no text encoder: their prompts are "
+                               "random embeddings at the released text length; leave out "
+                               f"{flag}")
+    if args.size is not None:
+        raise TokpipeError("--released pipelines are sized by --grid (in latent units); "
+                           "leave out --size")
     if args.out is not None:
         raise TokpipeError("--released pipelines have no VAE: they make latents, not "
                            "images; leave out --out (--compare times and compares them)")
@@ -118,15 +124,27 @@ def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
     """What the pipeline's __call__ takes: a class label (DiT) or a prompt."""
     kwargs: dict[str, Any] = {"num_inference_steps": args.steps, "output_type": "np"}
     if type(pipe).__name__ == "DiTPipeline":
+        _check_class_label_args(args)
         kwargs["class_labels"] = [args.class_label] * args.images
     elif args.prompt is None:
         raise TokpipeError(f"{type(pipe).__name__} needs --prompt")
     else:
         kwargs["prompt"] = args.prompt
         kwargs.update(_per_prompt(pipe, args.images))
+        if args.negative_prompt is not None:
+            kwargs["negative_prompt"] = args.negative_prompt
+        if args.size is not None:
+            kwargs["height"], kwargs["width"] = args.size
     if args.guidance_scale is not None:
         kwargs["guidance_scale"] = args.guidance_scale
     return kwargs
+
+
+def _check_class_label_args(args: argparse.Namespace) -> None:
+    for given, flag in ((args.negative_prompt, "--negative-prompt"), (args.size, "--size")):
+        if given is not None:
+            raise TokpipeError(f"DiTPipeline draws a class label at its one size; leave out "
+                               f"{flag}")
 
 
 def _per_prompt(pipe: Any, images: int) -> dict[str, int]:

@@ -209,6 +209,9 @@ def test_bad_released_specs_fail_clearly(argv, message, tmp_path, capsys, monkey
     (["--tiny", "dit", "--layers", "2"], "--layers sizes a --released pipeline"),
     (["--tiny", "dit", "--grid", "8", "8"], "--grid sizes a --released pipeline"),
     (["--released", "pixart-alpha"], "did you mean pixart-alpha-xl-2-1024-ms?"),
+    (["--released", "sd3-medium", "--negative-prompt", "x"], "leave out --negative-prompt"),
+    (["--released", "sd3-medium", "--size", "64", "64"], "sized by --grid"),
+    (["--tiny", "dit", "--size", "64", "64"], "DiTPipeline draws a class label"),
 ])
 def test_generate_released_options_that_do_not_fit_are_named(argv, message, capsys):
     assert main(["generate", *argv]) == 2
@@ -239,3 +242,20 @@ def test_generate_images_go_by_the_pipelines_own_argument():
     assert _per_prompt(Single(), 1) == {}
     with pytest.raises(TokpipeError, match="Single takes no number of images per prompt"):
         _per_prompt(Single(), 2)
+
+
+def test_generate_passes_the_prompt_options_to_the_pipeline_call():
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate import call_kwargs
+
+    class TextToImage:
+        def __call__(self, prompt: str, negative_prompt: str | None = None,
+                     height: int | None = None, width: int | None = None,
+                     num_images_per_prompt: int = 1): ...
+
+    args = _parser().parse_args(["generate", "--model", "x", "--prompt", "a cat",
+                                 "--negative-prompt", "blur", "--size", "48", "64",
+                                 "--images", "2", "--steps", "3"])
+    assert call_kwargs(TextToImage(), args) == {
+        "prompt": "a cat", "negative_prompt": "blur", "height": 48, "width": 64,
+        "num_images_per_prompt": 2, "num_inference_steps": 3, "output_type": "np"}

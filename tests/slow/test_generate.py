@@ -81,20 +81,22 @@ def test_cfg_parallel_alone_has_no_pipelined_program_to_report(capsys):
 
 def test_a_local_pipeline_folder_with_its_text_encoder_on_two_ranks(tmp_path, capsys):
     """--model PATH: a saved PixArt-alpha pipeline with its tokenizer and T5 encoder, a
-    prompt, two images of it, on two gloo ranks: sync gives the serial pipeline's pixels
-    within 1e-5, and the images are saved."""
+    prompt and a negative prompt, two images of it at a size of our choosing, on two gloo
+    ranks: sync gives the serial pipeline's pixels within 1e-5, and the images are
+    saved."""
     pytest.importorskip("transformers")
     from tests.fixtures.local_pipelines import save_pixart
 
     folder = save_pixart(tmp_path / "pixart")
     assert main(["generate", "--model", str(folder), "--prompt", "a cat on the mat",
-                 "--steps", "3", "--mode", "sync", "--ranks", "2", "--compiler", "eager",
-                 "--compare", "--images", "2", "--out", str(tmp_path / "out")]) == 0
+                 "--negative-prompt", "blue sky", "--size", "48", "64", "--steps", "3",
+                 "--mode", "sync", "--ranks", "2", "--compiler", "eager", "--compare",
+                 "--images", "2", "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     difference = float(re.search(r"largest difference (\S+) of the largest pixel", out)[1])
     assert difference <= 1e-5, out
     images = [np.asarray(Image.open(tmp_path / "out" / f"image_{i}.png")) for i in range(2)]
-    assert all(image.shape == (64, 64, 3) and image.std() > 0 for image in images)
+    assert all(image.shape == (48, 64, 3) and image.std() > 0 for image in images)
     assert not np.array_equal(*images)
 
 
