@@ -32,8 +32,8 @@ if DEVICE == "cpu" and not ta.INTERPRETED:
     )
 
 # Examples per property test. On a GPU each new shape class (the divisibility of the
-# strides and sizes Triton specializes on) is a compile of its own, about a second each:
-# scripts/gpu_check.sh runs fewer to fit its time.
+# strides and sizes Triton specializes on) is a compile of its own, and 50 examples make
+# about 27 of them: scripts/gpu_check.sh runs fewer to fit its time.
 EXAMPLES = int(os.environ.get("TOKPIPE_KERNEL_EXAMPLES", "50"))
 # atol = rtol, against the float64 reference.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

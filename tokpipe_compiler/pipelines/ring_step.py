@@ -117,9 +117,11 @@ def _spreads(cond: Any, uncond: Any, batch: int) -> bool:
 
 
 def _batched(name: str, cond: Any, uncond: Any, *, batch: int, spread: bool) -> Any:
-    """One input of the two branches' calls as one input of the batched call."""
+    """One input of the two branches' calls as one input of the batched call. `spread`:
+    whether any input needs a row per sample (`_spreads`; this one's different rows of
+    one, if they differ, made it so)."""
     rows = [_rows(cond), _rows(uncond)]
-    if set(rows) <= {1, batch} and (batch in rows or spread or not same(cond, uncond)):
+    if set(rows) <= {1, batch} and (batch in rows or spread):
         return torch.cat([_per_sample(cond, batch), _per_sample(uncond, batch)])
     if same(cond, uncond):
         return cond
