@@ -285,11 +285,27 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def chunks_ran(counts: list[int], args: argparse.Namespace) -> str:
+    """The chunk counts the programs ran, with what was asked where they differ (sync mode
+    runs each step as one chunk)."""
+    asked = ",".join(map(str, args.chunks)) if isinstance(args.chunks, tuple) else str(args.chunks)
+    if not counts:
+        return f"{asked} chunks"
+    ran = " or ".join(map(str, counts))
+    if args.chunks == "auto":
+        return f"auto ({ran}) chunks"
+    if isinstance(args.chunks, int) and counts == [args.chunks]:
+        return f"{ran} chunks"
+    if isinstance(args.chunks, tuple) and args.mode != "sync":
+        return f"{ran} chunks ({asked} tokens)"
+    why = ": sync mode runs each step whole" if args.mode == "sync" else ""
+    return f"{ran} chunk{'s' if counts != [1] else ''} ({asked} asked{why})"
+
+
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
-    chunks = f"auto ({' or '.join(map(str, result['chunks']))})" \
-        if args.chunks == "auto" and result["chunks"] else args.chunks
+    chunks = chunks_ran(result["chunks"], args)
     cfg = f", guidance branches on {args.cfg} rank groups" if args.cfg > 1 else ""
-    print(f"pipelined ({args.stages} stages x {chunks} chunks, {args.mode}{cfg}): "
+    print(f"pipelined ({args.stages} stages x {chunks}, {args.mode}{cfg}): "
           f"{result['pipelined_s']:.2f} s for {args.steps} steps"
           f"{f', {args.images} images' if args.images > 1 else ''}")
     if result["made_while_timed"]:

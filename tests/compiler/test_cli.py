@@ -259,3 +259,20 @@ def test_generate_passes_the_prompt_options_to_the_pipeline_call():
     assert call_kwargs(TextToImage(), args) == {
         "prompt": "a cat", "negative_prompt": "blur", "height": 48, "width": 64,
         "num_images_per_prompt": 2, "num_inference_steps": 3, "output_type": "np"}
+
+
+@pytest.mark.parametrize("argv, counts, shown", [
+    (["--chunks", "4"], [4], "4 chunks"),
+    (["--chunks", "auto"], [2, 3], "auto (2 or 3) chunks"),
+    (["--chunks", "4", "--mode", "sync"], [1], "1 chunk (4 asked: sync mode runs each step whole)"),
+    (["--chunks", "96,32"], [2], "2 chunks (96,32 tokens)"),
+    (["--chunks", "96,32", "--mode", "sync"], [1],
+     "1 chunk (96,32 asked: sync mode runs each step whole)"),
+    (["--chunks", "4", "--cfg", "2"], [], "4 chunks"),
+])
+def test_generate_reports_the_chunks_its_programs_ran(argv, counts, shown):
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate import chunks_ran
+
+    args = _parser().parse_args(["generate", "--tiny", "dit", *argv])
+    assert chunks_ran(counts, args) == shown
