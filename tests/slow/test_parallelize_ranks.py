@@ -100,6 +100,28 @@ def test_two_videos_from_one_prompts_embeddings_on_two_ranks(two_rank_runs):
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
 
 
+def _lora_added(rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    from tests.fixtures.changes import add_lora
+
+    pipe, kwargs = FAMILIES["flux"]()
+    tp.pipelines.parallelize(pipe, **OPTIONS)
+    before = generate(pipe, kwargs, steps=4)
+    add_lora(pipe.transformer)
+    with pytest.warns(UserWarning, match="changed since its rings were traced"):
+        return before, generate(pipe, kwargs, steps=4)
+
+
+def test_a_lora_added_between_generations_on_two_ranks(two_rank_runs):
+    """Every rank adds the adapter after a generation: each traces its ring anew and the
+    ranks compute what one process computes with the adapter."""
+    pytest.importorskip("peft")
+    alone = _lora_added()
+    assert (alone[1] - alone[0]).abs().max() > 1e-3 * alone[0].abs().max()
+    for result in two_rank_runs["lora"]:
+        for got, want in zip(result, alone, strict=True):
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 HYBRID = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -135,6 +157,8 @@ def two_rank_runs(request) -> dict:
                   for p in selected(request, test_cfg_parallel_on_two_ranks_equals_one_process)})
     if selected(request, test_two_videos_from_one_prompts_embeddings_on_two_ranks):
         cases["two videos"] = (_two_videos, ())
+    if selected(request, test_a_lora_added_between_generations_on_two_ranks):
+        cases["lora"] = (_lora_added, ())
     if selected(request, test_cfg_parallel_checks_the_world_size):
         cases["wrong world"] = (_wrong_world, ())
     return launch_cases(cases, 2, timeout=600 * len(cases))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines import cfg_parallel
 from tokpipe_compiler.pipelines.glue import Glue, model_timesteps
+from tokpipe_compiler.pipelines.module_state import ModuleState, changed_parts, module_state
 from tokpipe_compiler.pipelines.probes import output_structure
 from tokpipe_compiler.pipelines.ring_step import (
     carry_condition,
@@ -70,6 +72,7 @@ class DenoiserRings:
         self.rings: dict[Any, Ring] = {}
         self._shapes: dict[Any, Any] = {}  # call signature -> output structure (fake run)
         self._branch_forward: Callable[..., Any] | None = None
+        self._state: ModuleState | None = None  # the transformer's `module_state` its rings traced
 
     def output_structure(self, call: dict[str, Any]) -> Any:
         """The transformer's output for this call, as Specs (cached per signature)."""
@@ -83,6 +86,7 @@ class DenoiserRings:
                 start: Carried) -> RunSegment:
         """The ring of the step `glue` identified from `calls`, planned now; `table` holds
         the steps from the segment's first to the loop's last."""
+        self._follow_the_module()
         sample = start.sample
         fixed = fixed_inputs(glue, calls, sample.shape[0])
         if self.cfg == 2 and glue.combine == "none":
@@ -131,6 +135,21 @@ class DenoiserRings:
             return Carried(latents, tuple(out[1:]))
 
         return run
+
+    def _follow_the_module(self) -> None:
+        """Drop the rings (traced with the transformer's weights and modules as they were)
+        when the transformer changed other than in place since: a LoRA loaded, a weight
+        assigned anew, a processor swapped."""
+        state = module_state(self.denoiser)
+        if self._state is not None and state != self._state and (self.rings or self._shapes):
+            warnings.warn(f"tokpipe: {type(self.pipe).__name__}.{self.name} changed since its "
+                          f"rings were traced (in {changed_parts(self._state, state)}): "
+                          "tracing and planning them anew, so this call compiles again",
+                          stacklevel=2)
+            self.rings.clear()
+            self._shapes.clear()
+            self._branch_forward = None
+        self._state = state
 
     def _branches_in_turn(self, table: StepTable, start: Carried,
                           fixed: dict[str, Any]) -> RunSegment:

@@ -1,0 +1,106 @@
+"""What a ring's trace of a transformer depends on besides its inputs: which tensors are its
+weights, its module tree, and its modules' plain attributes.
+
+A ring traces the transformer once and keeps the graph: its weights are the very tensors
+the module held then. Changing a weight in place (`load_state_dict`, `fuse_lora`, `.to`)
+reaches the graph; anything else does not: a parameter assigned anew, a LoRA adapter added
+or removed, an attention processor swapped, an adapter's scale set. Dynamo guards on these
+for a compiled call; the ring compares the transformer's `ModuleState` before each
+generation and traces anew when it changed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# nn.Module's own bookkeeping (parameters, buffers and submodules are compared by name and
+# identity instead), and what compiling and parallelizing set once.
+_INTERNALS = frozenset({
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+    "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook", "_forward_hooks",
+    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_compiled_call_impl",
+    "_reset_stateful_cache",
+})
+_HOOKS = "_diffusers_hook"
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          enum.Enum)
+_DEPTH, _WIDTH = 3, 64  # how far containers are read by value; deeper or larger: by identity
+
+
+@dataclass(eq=False)
+class ModuleState:
+    """`key` changes when anything a trace of the module reads may have changed, other
+    than tensor values changed in place; `held` keeps the objects `key` names by address
+    alive, so that no other object takes an address while the state is kept."""
+
+    key: tuple
+    held: list = field(repr=False)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ModuleState) and other.key == self.key
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def module_state(module: torch.nn.Module) -> ModuleState:
+    """The state of `module` and its submodules: two calls with nothing changed in between
+    are equal."""
+    held: list = []
+    key = tuple((name, type(m), _tensors(m, held), _attributes(m, held))
+                for name, m in module.named_modules(remove_duplicate=False))
+    return ModuleState(key, held)
+
+
+def changed_parts(before: ModuleState, after: ModuleState, most: int = 3) -> str:
+    """The modules whose state differs, for a message: up to `most` names, and a count of
+    the others."""
+    names_before = {entry[0]: entry for entry in before.key}
+    names_after = {entry[0]: entry for entry in after.key}
+    differ = [name or "the root module" for name in dict.fromkeys([*names_before, *names_after])
+              if names_before.get(name) != names_after.get(name)]
+    others = len(differ) - most
+    return ", ".join(differ[:most]) + (f" and {others} other module(s)" if others > 0 else "")
+
+
+def _tensors(module: torch.nn.Module, held: list) -> tuple:
+    """Its own parameters and buffers by name and identity."""
+    own = [*module._parameters.items(), *module._buffers.items()]
+    held.extend(t for _, t in own)
+    return tuple((name, id(t)) for name, t in own)
+
+
+def _attributes(module: torch.nn.Module, held: list) -> tuple:
+    plain = tuple((key, _token(value, 0, held)) for key, value in sorted(vars(module).items())
+                  if key not in _INTERNALS and key != _HOOKS)
+    return (*plain, _hooks(module))
+
+
+def _hooks(module: torch.nn.Module) -> tuple:
+    """diffusers' hook registry by the names of its hooks, none where it has none: a
+    pipeline's first call creates it empty (a hook added also wraps the module's forward,
+    which is read by identity)."""
+    return (_HOOKS, tuple(getattr(getattr(module, _HOOKS, None), "_hook_order", ())))
+
+
+def _token(value: Any, depth: int, held: list) -> Any:
+    """The value itself where it is plain; containers item by item (to a depth); anything
+    else (a tensor attribute, an attention processor, a function) by identity."""
+    if isinstance(value, (float, complex)):
+        return (type(value), repr(value))  # nan equals itself
+    if isinstance(value, _PLAIN):
+        return (type(value), value)
+    if depth < _DEPTH and isinstance(value, (tuple, list, set, frozenset)) \
+            and len(value) <= _WIDTH:
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return (type(value), tuple(_token(v, depth + 1, held) for v in items))
+    if depth < _DEPTH and isinstance(value, dict) and len(value) <= _WIDTH:
+        return (dict, tuple((_token(k, depth + 1, held), _token(v, depth + 1, held))
+                            for k, v in value.items()))
+    held.append(value)
+    return (type(value), id(value))
