@@ -17,7 +17,6 @@ where used. A partition whose slowest stage is over `IMBALANCE_WARNING` of an ev
 from __future__ import annotations
 
 import bisect
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
@@ -28,6 +27,7 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.logs import LOG
 from tokpipe_compiler.core.meta import META_KEY
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.passes.split import is_chunk_source
 
 # Cuts may give up this share of an even stage of balance to send fewer bytes.
@@ -76,7 +76,7 @@ def partition(gm: torch.fx.GraphModule, stages: int, weight: Callable[[torch.fx.
     imbalance, why = _imbalance(order, weights, cuts, stages, allowed, sends)
     if why:
         LOG.info("partition: %s", why)  # users see the warning; the log is for TOKPIPE_LOGS
-        warnings.warn(f"tokpipe: {why}", ImbalanceWarning, stacklevel=2)
+        warn(f"tokpipe: {why}", ImbalanceWarning)
     return Partition(stage_of, tuple(cuts), tuple(order), tuple(weights), imbalance, why)
 
 

@@ -33,7 +33,6 @@ thread queries events while a capture runs.
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +40,8 @@ from operator import itemgetter
 from typing import Any
 
 import torch
+
+from tokpipe_compiler.core.warn import warn
 
 # A host tensor of more values than this is data, not a descriptor: not graphed.
 MAX_HOST_VALUES = 64
@@ -185,8 +186,8 @@ class GraphedStage:
         return [out.clone() for out in graph.outputs]
 
     def _give_up(self, reason: str, inputs: Sequence[Any]) -> Sequence[torch.Tensor]:
-        warnings.warn(f"tokpipe: cuda_graphs: stage {self.name} runs without CUDA graphs "
-                      f"({reason})", stacklevel=3)
+        warn(f"tokpipe: cuda_graphs: stage {self.name} runs without CUDA graphs "
+             f"({reason})")
         self.enabled = False
         self.graphs.clear()
         return self.fn(*inputs)

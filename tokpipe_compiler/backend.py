@@ -9,7 +9,6 @@ BackendCompilerFailed, and lets the plan see the real inputs.
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from typing import Any, NamedTuple
 
@@ -19,6 +18,7 @@ import torch.fx
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
 from tokpipe_compiler.core.fx import argument_of, is_parameter, record_sources
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.capture import frame_parameters
 from tokpipe_compiler.planning.driver import build_plan
@@ -176,14 +176,13 @@ class LazyProgram:
             # model: then this graph is a piece (graph breaks) that does not read it.
             if not self._may_read(err.choice) and not config.fallback:
                 raise
-            warnings.warn(f"tokpipe: running this graph unpipelined: {err}", stacklevel=4)
+            warn(f"tokpipe: running this graph unpipelined: {err}")
         except (NoTokenInput, NothingToPipeline) as err:
-            warnings.warn(f"tokpipe: running this graph unpipelined: {err}", stacklevel=4)
+            warn(f"tokpipe: running this graph unpipelined: {err}")
         except TokpipeError as err:
             if not config.fallback:
                 raise
-            warnings.warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}",
-                          stacklevel=4)
+            warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}")
         return None, None
 
 

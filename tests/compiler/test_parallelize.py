@@ -147,6 +147,25 @@ def test_a_scheduler_without_a_token_wise_step_runs_per_call_and_says_why():
     assert _relative(out, serial) <= 1e-5
 
 
+def test_a_transformer_with_a_diffusers_cache_runs_per_call_and_says_why():
+    """diffusers' step caches (here First Block Cache) skip blocks by comparing whole
+    tensors with earlier steps', which a ring cannot replay: per call, as the cache decides,
+    with a warning that names the cache and points at the line that called the pipeline."""
+    from diffusers import FirstBlockCacheConfig
+
+    make = FAMILIES["flux"]
+    serial, kwargs = make()
+    serial.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    expected = generate(serial, kwargs, steps=4)
+    pipe, _ = _ring(make, mode="sync")
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    with pytest.warns(UserWarning, match="runs per call.*FirstBlockCacheConfig on") as record:
+        out = generate(pipe, kwargs, steps=4)
+    assert _relative(out, expected) <= 1e-5
+    said = [w for w in record if "runs per call" in str(w.message)]
+    assert said[0].filename.endswith("fixtures/pipelines.py")  # generate()'s pipeline call
+
+
 def test_a_step_the_compiler_cannot_chunk_raises_or_falls_back_when_asked():
     """Sana in causal mode (linear attention sums over every token, those after the chunk
     too): the ring's plan fails after the first step's probes. The compiler's error, as

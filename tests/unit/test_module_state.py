@@ -53,13 +53,18 @@ def _module(model):
     model[0].proj = torch.nn.Linear(4, 4)
 
 
+def _convert(model):
+    model[1].to(torch.float64)  # the same tensors, converted in place
+
+
 def _train(model):
     model.train(not model.training)
 
 
 def test_each_change_changes_the_state_and_is_named():
     for change, where in [(_assign, "1.proj"), (_buffer, "0"), (_scale, "0"),
-                          (_processor, "1"), (_module, "0.proj"), (_train, "the root module")]:
+                          (_processor, "1"), (_module, "0.proj"), (_convert, "1"),
+                          (_train, "the root module")]:
         model = _model()
         before = module_state(model)
         change(model)

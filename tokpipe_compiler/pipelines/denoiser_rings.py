@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.pipelines import cfg_parallel
 from tokpipe_compiler.pipelines.glue import Glue, model_timesteps
 from tokpipe_compiler.pipelines.module_state import ModuleState, changed_parts, module_state
@@ -142,10 +142,9 @@ class DenoiserRings:
         assigned anew, a processor swapped."""
         state = module_state(self.denoiser)
         if self._state is not None and state != self._state and (self.rings or self._shapes):
-            warnings.warn(f"tokpipe: {type(self.pipe).__name__}.{self.name} changed since its "
-                          f"rings were traced (in {changed_parts(self._state, state)}): "
-                          "tracing and planning them anew, so this call compiles again",
-                          stacklevel=2)
+            warn(f"tokpipe: {type(self.pipe).__name__}.{self.name} changed since its "
+                 f"rings were traced (in {changed_parts(self._state, state)}): "
+                 "tracing and planning them anew, so this call compiles again")
             self.rings.clear()
             self._shapes.clear()
             self._branch_forward = None

@@ -2,11 +2,12 @@
 weights, its module tree, and its modules' plain attributes.
 
 A ring traces the transformer once and keeps the graph: its weights are the very tensors
-the module held then. Changing a weight in place (`load_state_dict`, `fuse_lora`, `.to`)
-reaches the graph; anything else does not: a parameter assigned anew, a LoRA adapter added
-or removed, an attention processor swapped, an adapter's scale set. Dynamo guards on these
-for a compiled call; the ring compares the transformer's `ModuleState` before each
-generation and traces anew when it changed.
+the module held then, specialized to their dtypes and shapes. Values written in place
+(`load_state_dict`, `fuse_lora`) reach the graph; other changes do not: a conversion
+(`.to(dtype)` keeps the tensors, in another dtype), a parameter assigned anew, a LoRA
+adapter added or removed, an attention processor swapped, an adapter's scale set. Dynamo
+guards on these for a compiled call; the ring compares the transformer's `ModuleState`
+before each generation and traces anew when it changed.
 """
 
 from __future__ import annotations
@@ -69,10 +70,12 @@ def changed_parts(before: ModuleState, after: ModuleState, most: int = 3) -> str
 
 
 def _tensors(module: torch.nn.Module, held: list) -> tuple:
-    """Its own parameters and buffers by name and identity."""
-    own = [*module._parameters.items(), *module._buffers.items()]
+    """Its own parameters and buffers by name and identity, with what a trace specializes
+    on (`.to()` converts a module's tensors in place: the same objects in another dtype)."""
+    own = [(name, t) for name, t in [*module._parameters.items(), *module._buffers.items()]
+           if t is not None]
     held.extend(t for _, t in own)
-    return tuple((name, id(t)) for name, t in own)
+    return tuple((name, id(t), t.dtype, t.device, t.shape) for name, t in own)
 
 
 def _attributes(module: torch.nn.Module, held: list) -> tuple:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.pipelines.blends import BlendNotFound, Blends
 from tokpipe_compiler.pipelines.denoiser_rings import (
     Carried,
@@ -65,7 +65,7 @@ from tokpipe_compiler.pipelines.scheduler_route import (
     with_sample,
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable
-from tokpipe_compiler.pipelines.table import per_call_reasons
+from tokpipe_compiler.pipelines.table import cache_reasons, per_call_reasons
 
 
 class RingUnavailable(TokpipeError):
@@ -118,7 +118,8 @@ class RingCalls:
         candidates = [float(v) for v in kwargs.values()
                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
         candidates.append(float(getattr(self.pipe, "_guidance_scale", 1.0) or 1.0))
-        self.generation = Generation([*per_call_reasons(self.pipe, kwargs), *reasons],
+        caches = cache_reasons({name: rings.denoiser for name, rings in self.denoisers.items()})
+        self.generation = Generation([*per_call_reasons(self.pipe, kwargs), *caches, *reasons],
                                      candidates)
         # the pipeline's scheduler may have been replaced since the last call
         route(self.pipe.scheduler, self, {"set_timesteps": self.set_timesteps,
@@ -336,4 +337,4 @@ class RingCalls:
     def _warn(self, message: str) -> None:
         if message not in self.warned:
             self.warned.add(message)
-            warnings.warn(message, stacklevel=4)
+            warn(message)

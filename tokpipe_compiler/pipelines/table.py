@@ -72,3 +72,13 @@ def per_call_reasons(pipe: Any, kwargs: dict[str, Any]) -> list[str]:
         if option in kwargs and kwargs[option] != neutral:
             reasons.append(f"{option}={kwargs[option]!r}: {WHY[option]}")
     return reasons
+
+
+def cache_reasons(denoisers: dict[str, Any]) -> list[str]:
+    """Why a transformer with one of diffusers' step caches on (`enable_cache`) runs per
+    call: the cache decides each step, from whole tensors of earlier steps, which blocks
+    to skip; the ring computes every step from the first step's form."""
+    return [f"{name} has diffusers' {type(getattr(module, '_cache_config', None)).__name__} "
+            "on, which decides each step from earlier steps' whole tensors which blocks to "
+            "skip"
+            for name, module in denoisers.items() if getattr(module, "is_cache_enabled", False)]

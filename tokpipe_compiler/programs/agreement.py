@@ -7,7 +7,6 @@ timeout and fails with a named error instead of hanging.
 from __future__ import annotations
 
 import json
-import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import astuple, fields
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.pipelined import input_arguments
@@ -109,9 +109,9 @@ def check_agreement(every: list[dict[str, Any]]) -> None:
             "generator identically on every rank before drawing the latents (e.g. "
             "torch.manual_seed(seed)), or draw them on one rank and broadcast them.")
     if sums:
-        warnings.warn("inputs differ between ranks (the output is computed from each stage's "
-                      "rank's own copy, so it matches no single rank's inputs):\n  "
-                      + "\n  ".join(sums), stacklevel=3)
+        warn("inputs differ between ranks (the output is computed from each stage's "
+             "rank's own copy, so it matches no single rank's inputs):\n  "
+             + "\n  ".join(sums))
 
 
 def _differences(part: str, values: list[dict[str, Any]]) -> list[str]:

@@ -9,11 +9,11 @@ live here), where the serial model compiles them with the rest.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch.fx
 
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.programs.compile import compile_stage
 
 
@@ -49,8 +49,8 @@ class Prelude:
         try:
             return compile_stage(self.gm, args, self.compiler)
         except Exception as e:
-            warnings.warn(f"tokpipe: the per-call prelude runs eagerly: inductor could not "
-                          f"compile it ({type(e).__name__}: {str(e)[:200]})", stacklevel=3)
+            warn(f"tokpipe: the per-call prelude runs eagerly: inductor could not "
+                 f"compile it ({type(e).__name__}: {str(e)[:200]})")
             return self.gm
 
 

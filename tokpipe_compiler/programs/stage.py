@@ -4,13 +4,13 @@ it carries text segments, per chunk with or without them), on demand, and with
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY
 from tokpipe_compiler.core.stage_graph import CALL, StageGraph
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.passes.specialize import specialize
 from tokpipe_compiler.programs.compile import StageFn, compile_stage
 from tokpipe_compiler.runtime.branch_exchange import cfg_gather
@@ -80,8 +80,8 @@ class StageProgram:
         else:
             return GraphedStage(fn, self.input_kinds(), name)
         if not self.graphs_refused:
-            warnings.warn(f"tokpipe: cuda_graphs: stage {name} runs without CUDA graphs "
-                          f"({reason})", stacklevel=4)
+            warn(f"tokpipe: cuda_graphs: stage {name} runs without CUDA graphs "
+                 f"({reason})")
         self.graphs_refused = True
         return fn
 
