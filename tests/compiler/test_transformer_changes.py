@@ -14,8 +14,8 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
-from tests.fixtures.conditioned import CONDITIONED
 from tests.fixtures.changes import CHANGES, add_lora
+from tests.fixtures.conditioned import CONDITIONED
 from tests.fixtures.pipelines import generate
 
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
