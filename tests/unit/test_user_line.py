@@ -35,3 +35,24 @@ def test_a_trace_only_inside_torch_names_its_innermost_frame():
 
 def test_no_trace():
     assert user_line(node_with_trace("")) == "<unknown source line>"
+
+
+def test_a_warning_names_the_line_outside_the_package_and_its_libraries():
+    """`warn` from deep inside (here: a function of a tokpipe_compiler module called through
+    contextlib) is attributed to the line that called into the package."""
+    import contextlib
+    import warnings
+
+    from tokpipe_compiler.core.warn import warn
+
+    inside = {"__name__": "tokpipe_compiler.pipelines.somewhere", "warn": warn,
+              "contextlib": contextlib}
+    exec("@contextlib.contextmanager\n"
+         "def generation():\n"
+         "    warn('tokpipe: runs per call')\n"
+         "    yield\n", inside)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with inside["generation"]():  # the user's line
+            pass
+    assert [w.filename for w in record] == [__file__]
