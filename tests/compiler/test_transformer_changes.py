@@ -7,7 +7,9 @@ within 1e-5 relative, float32). Nothing changed: nothing is traced again."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -48,6 +50,7 @@ def test_a_changed_transformer_is_traced_anew(family, change, before):
         before(p.transformer)
     first = generate(serial, kwargs, steps=3)
     assert _relative(generate(pipe, kwargs, steps=3), first) <= 1e-5
+    traced = [weakref.ref(r) for r in pipe._tokpipe_ring.denoisers["transformer"].rings.values()]
     for p in (pipe, serial):
         CHANGES[change](p.transformer)
     changed = generate(serial, kwargs, steps=3)
@@ -55,6 +58,8 @@ def test_a_changed_transformer_is_traced_anew(family, change, before):
     with pytest.warns(UserWarning, match=TRACED_ANEW):
         ring = generate(pipe, kwargs, steps=3)
     assert _relative(ring, changed) <= 1e-5
+    gc.collect()
+    assert traced and all(r() is None for r in traced)  # the old rings (and weights) freed
 
 
 # Those whose pipelines create diffusers' (empty) hook registry on the transformer at the
