@@ -32,6 +32,10 @@ from tokpipe_compiler.runtime.chunking import Chunk
 class Ring:
     """A step function compiled once and run for whole generations.
 
+    The step is traced once per input signature, with the weights it reads: values written
+    into them in place reach the ring; after assigning new parameters or modules, make a
+    new Ring.
+
     carry: names of the inputs that the step's outputs become, in output order.
     group: the torch.distributed group whose ranks run the stages (default: the world).
     options: the backend's options (stages, chunks, mode, warmup_steps, compiler, timeout).
