@@ -21,8 +21,11 @@ caches go with them, so two calls with one seed give one image twice.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +43,7 @@ from tokpipe_compiler.planning.compile_calls import own_recompiles
 # in the second).
 DENOISERS = ("transformer", "transformer_2")
 _RESET = "_reset_stateful_cache"  # what DiffusionPipeline calls on each component at the end
+_PARALLELIZED = "_tokpipe_parallelized"  # a transformer's `Parallelized`
 # Input signatures (resolutions, batch sizes) a transformer is compiled for per call before
 # Dynamo runs it unpipelined: PixArt's and Sana's pipelines bin resolutions into dozens of
 # aspect ratios, and each is one recompile.
@@ -64,17 +68,14 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
                            "ring=False")
     denoisers = find_denoisers(pipe)
     for name, denoiser in denoisers.items():
-        if getattr(denoiser, "_compiled_call_impl", None) is not None:
-            raise TokpipeError(f"{type(pipe).__name__}.{name} is compiled already; "
-                               "parallelize the pipeline before compiling its transformer")
-        if isinstance(denoiser, OptimizedModule):
-            raise TokpipeError(f"{type(pipe).__name__}.{name} is a torch.compile wrapper; "
-                               f"parallelize the pipeline with the module itself "
-                               f"(pipe.{name} = pipe.{name}._orig_mod)")
+        _check_denoiser(pipe, name, denoiser, config)
     for denoiser in denoisers.values():  # each with its own programs and recompile limit
-        denoiser.compile(backend=TokpipeBackend(**options), dynamic=False,
-                         **own_recompiles(RECOMPILES))
-        _reset_with_the_pipeline(denoiser)
+        if getattr(denoiser, _PARALLELIZED, None) is None:
+            denoiser.compile(backend=TokpipeBackend(**options), dynamic=False,
+                             **own_recompiles(RECOMPILES))
+            object.__setattr__(denoiser, _PARALLELIZED,
+                               Parallelized(config, denoiser._compiled_call_impl))
+            _reset_with_the_pipeline(denoiser)
     if ring:
         hybrid = cfg == 2 and config.stages > 1
         _install_ring(pipe, denoisers, options, cfg,
@@ -82,19 +83,51 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     return pipe
 
 
+@dataclass(frozen=True)
+class Parallelized:
+    """What `parallelize` leaves on a transformer: its options, and its per-call path (the
+    module compiled with the tokpipe backend), which every pipeline sharing it uses."""
+
+    config: Config
+    per_call: Callable[..., Any]
+
+
+def _check_denoiser(pipe: Any, name: str, denoiser: torch.nn.Module, config: Config) -> None:
+    """A transformer parallelize can take: not compiled otherwise; one parallelized for a
+    pipeline that shares it (diffusers' `from_pipe`) with the same options."""
+    shared = getattr(denoiser, _PARALLELIZED, None)
+    if shared is not None:
+        differ = [f"{f.name}={getattr(shared.config, f.name)!r}"
+                  for f in dataclasses.fields(config)
+                  if getattr(shared.config, f.name) != getattr(config, f.name)]
+        if differ:
+            raise TokpipeError(f"{type(pipe).__name__}.{name} is parallelized already, for "
+                               f"a pipeline that shares it (as from_pipe shares components), "
+                               f"with {', '.join(differ)}; parallelize this one with the "
+                               "same options")
+        return
+    if getattr(denoiser, "_compiled_call_impl", None) is not None:
+        raise TokpipeError(f"{type(pipe).__name__}.{name} is compiled already; "
+                           "parallelize the pipeline before compiling its transformer")
+    if isinstance(denoiser, OptimizedModule):
+        raise TokpipeError(f"{type(pipe).__name__}.{name} is a torch.compile wrapper; "
+                           f"parallelize the pipeline with the module itself "
+                           f"(pipe.{name} = pipe.{name}._orig_mod)")
+
+
 def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dict[str, Any],
                   cfg: int, branches: Branches | None) -> None:
     """Route the pipeline's call, its transformers and its scheduler through `RingCalls`."""
-    rings = {name: DenoiserRings(pipe, name, module, module._compiled_call_impl, options, cfg,
-                                 branches) for name, module in denoisers.items()}
+    rings = {name: DenoiserRings(pipe, name, module, getattr(module, _PARALLELIZED).per_call,
+                                 options, cfg, branches) for name, module in denoisers.items()}
     calls = RingCalls(pipe, rings, cfg)
-    for name, module in denoisers.items():
-        object.__setattr__(module, "_compiled_call_impl",
-                           functools.partial(calls.transformer, name))
+    calls.take_transformers()
     cls = type(pipe)
 
     @functools.wraps(cls.__call__)  # the pipeline's own signature and docstring
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "_tokpipe_ring", None) is not calls:  # made from this one (from_pipe)
+            return cls.__call__(self, *args, **kwargs)
         generators = _generators(cls.__call__, self, args, kwargs)
         states = _random_states(generators)
         try:

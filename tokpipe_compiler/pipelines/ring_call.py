@@ -25,6 +25,7 @@ with one warning that says why.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -109,6 +110,14 @@ class RingCalls:
         self.generation: Generation | None = None
         self.timestep_args: tuple = ((), {})
         self.warned: set[str] = set()
+        self._routes = {name: functools.partial(self.transformer, name) for name in denoisers}
+
+    def take_transformers(self) -> None:
+        """Route the transformers' calls here. A transformer shared with another
+        parallelized pipeline (diffusers' `from_pipe`) goes to the pipeline called last;
+        outside its calls, a generation of neither, it runs per call."""
+        for name, rings in self.denoisers.items():
+            object.__setattr__(rings.denoiser, "_compiled_call_impl", self._routes[name])
 
     @contextlib.contextmanager
     def generation_of(self, kwargs: dict[str, Any],
@@ -121,6 +130,7 @@ class RingCalls:
         caches = cache_reasons({name: rings.denoiser for name, rings in self.denoisers.items()})
         self.generation = Generation([*per_call_reasons(self.pipe, kwargs), *caches, *reasons],
                                      candidates)
+        self.take_transformers()
         # the pipeline's scheduler may have been replaced since the last call
         route(self.pipe.scheduler, self, {"set_timesteps": self.set_timesteps,
                                           "step": self.step, "scale_noise": self.noised,

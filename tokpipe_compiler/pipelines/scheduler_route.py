@@ -21,12 +21,15 @@ Hook = Callable[..., Any]  # hook(original bound method, *args, **kwargs)
 
 def route(scheduler: Any, owner: Any, hooks: dict[str, Hook]) -> None:
     """Route `scheduler`'s methods named in `hooks` (those it has) through the hooks of
-    `owner` (once). A subclass, not instance attributes: copies of the scheduler (step
+    `owner` (once; routed to another owner before, it is routed anew). A subclass, not instance attributes: copies of the scheduler (step
     tables probe copies) must run their own methods, and pipelines inspect the methods'
     signatures."""
     if getattr(type(scheduler), "_tokpipe_calls", None) is owner:
         return
-    base, instance = type(scheduler), weakref.ref(scheduler)
+    # A scheduler shared by two parallelized pipelines (diffusers' from_pipe) is routed to
+    # each in turn: always from its own class, so that no earlier owner's hooks stay.
+    base = getattr(type(scheduler), "_tokpipe_base", type(scheduler))
+    instance = weakref.ref(scheduler)
 
     def routed(name: str, hook: Hook) -> Callable[..., Any]:
         method = getattr(base, name)
@@ -42,7 +45,7 @@ def route(scheduler: Any, owner: Any, hooks: dict[str, Hook]) -> None:
     methods = {name: routed(name, hook) for name, hook in hooks.items()
                if callable(getattr(base, name, None))}
     scheduler.__class__ = type(base.__name__, (base,), {
-        **methods, "_tokpipe_calls": owner,
+        **methods, "_tokpipe_calls": owner, "_tokpipe_base": base,
         "__module__": base.__module__, "__doc__": base.__doc__})
 
 

@@ -1,0 +1,67 @@
+"""Pipelines that share their components (diffusers' `from_pipe`: one transformer, one
+scheduler, several tasks): each parallelized pipeline runs its own rings on the shared
+transformer, called in any order, and equals its serial twin within 1e-5 (float32, sync)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.conditioned import flux_img2img
+from tests.fixtures.pipelines import flux, generate
+
+OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _image_to_image_and_text_to_image() -> tuple:
+    """Flux image-to-image parallelized, a text-to-image pipeline made from it, and serial
+    twins of both (sharing their own components likewise)."""
+    from diffusers import FluxPipeline
+
+    image, image_kwargs = flux_img2img()
+    serial = copy.deepcopy(image)
+    tp.pipelines.parallelize(image, **OPTIONS)
+    text = FluxPipeline.from_pipe(image)
+    return (image, FluxPipeline.from_pipe(serial), serial, text, image_kwargs,
+            flux()[1])  # Flux's text-to-image call (its fixture's transformer is another)
+
+
+def test_pipelines_made_from_one_another_each_run_their_rings():
+    image, serial_text, serial_image, text, image_kwargs, text_kwargs = \
+        _image_to_image_and_text_to_image()
+    assert text.transformer is image.transformer and text.scheduler is image.scheduler
+    tp.pipelines.parallelize(text, **OPTIONS)
+    depth = None
+    for pipe, serial, kwargs in [(image, serial_image, image_kwargs),
+                                 (text, serial_text, text_kwargs),
+                                 (image, serial_image, image_kwargs),
+                                 (text, serial_text, text_kwargs)]:
+        out = generate(pipe, kwargs, steps=4)
+        assert _relative(out, generate(serial, kwargs, steps=4)) <= 1e-5
+        # routed to each pipeline in turn, never through an earlier owner's hooks
+        depth = depth or len(type(pipe.scheduler).__mro__)
+        assert len(type(pipe.scheduler).__mro__) == depth
+    for pipe in (image, text):
+        assert pipe._tokpipe_ring.denoisers["transformer"].rings  # each ran its own ring
+
+
+def test_a_pipeline_made_from_a_parallelized_one_runs_per_call_unless_parallelized():
+    """Its transformer is the parallelized one: outside that pipeline's calls, per call."""
+    image, serial_text, _, text, _, text_kwargs = _image_to_image_and_text_to_image()
+    out = generate(text, text_kwargs, steps=3)
+    assert _relative(out, generate(serial_text, text_kwargs, steps=3)) <= 1e-5
+    assert not image._tokpipe_ring.denoisers["transformer"].rings
+
+
+def test_a_shared_transformer_takes_only_the_options_it_was_parallelized_with():
+    image, _, _, text, _, _ = _image_to_image_and_text_to_image()
+    with pytest.raises(tp.TokpipeError, match=r"parallelized already, for a pipeline that "
+                                              r"shares it .*with chunks=2, mode='sync'"):
+        tp.pipelines.parallelize(text, **{**OPTIONS, "chunks": 4, "mode": "stale"})
