@@ -61,7 +61,7 @@ def test_a_pipeline_made_from_a_parallelized_one_runs_per_call_unless_paralleliz
 
 
 def test_a_shared_transformer_takes_only_the_options_it_was_parallelized_with():
-    image, _, _, text, _, _ = _image_to_image_and_text_to_image()
+    *_, text, _, _ = _image_to_image_and_text_to_image()
     with pytest.raises(tp.TokpipeError, match=r"parallelized already, for a pipeline that "
                                               r"shares it .*with chunks=2, mode='sync'"):
         tp.pipelines.parallelize(text, **{**OPTIONS, "chunks": 4, "mode": "stale"})

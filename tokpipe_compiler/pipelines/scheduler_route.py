@@ -21,9 +21,9 @@ Hook = Callable[..., Any]  # hook(original bound method, *args, **kwargs)
 
 def route(scheduler: Any, owner: Any, hooks: dict[str, Hook]) -> None:
     """Route `scheduler`'s methods named in `hooks` (those it has) through the hooks of
-    `owner` (once; routed to another owner before, it is routed anew). A subclass, not instance attributes: copies of the scheduler (step
-    tables probe copies) must run their own methods, and pipelines inspect the methods'
-    signatures."""
+    `owner` (once; one routed to another owner before is routed anew). A subclass, not
+    instance attributes: copies of the scheduler (step tables probe copies) must run their
+    own methods, and pipelines inspect the methods' signatures."""
     if getattr(type(scheduler), "_tokpipe_calls", None) is owner:
         return
     # A scheduler shared by two parallelized pipelines (diffusers' from_pipe) is routed to
