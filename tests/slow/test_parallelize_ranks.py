@@ -122,6 +122,26 @@ def test_a_lora_added_between_generations_on_two_ranks(two_rank_runs):
             assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+def _from_pipe(rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+    from diffusers import FluxPipeline
+
+    image, image_kwargs = CONDITIONED["flux_img2img"]()
+    tp.pipelines.parallelize(image, **OPTIONS)
+    text = tp.pipelines.parallelize(FluxPipeline.from_pipe(image), **OPTIONS)
+    text_kwargs = FAMILIES["flux"]()[1]
+    return [generate(image, image_kwargs, steps=4), generate(text, text_kwargs, steps=4),
+            generate(image, image_kwargs, steps=4)]
+
+
+def test_pipelines_made_from_one_another_on_two_ranks(two_rank_runs):
+    """Image-to-image, then text-to-image made from it (one transformer, one scheduler),
+    then image-to-image again: each rank computes what one process computes."""
+    alone = _from_pipe()
+    for result in two_rank_runs["from_pipe"]:
+        for got, want in zip(result, alone, strict=True):
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 HYBRID = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -159,6 +179,8 @@ def two_rank_runs(request) -> dict:
         cases["two videos"] = (_two_videos, ())
     if selected(request, test_a_lora_added_between_generations_on_two_ranks):
         cases["lora"] = (_lora_added, ())
+    if selected(request, test_pipelines_made_from_one_another_on_two_ranks):
+        cases["from_pipe"] = (_from_pipe, ())
     if selected(request, test_cfg_parallel_checks_the_world_size):
         cases["wrong world"] = (_wrong_world, ())
     return launch_cases(cases, 2, timeout=600 * len(cases))
