@@ -57,13 +57,17 @@ def _convert(model):
     model[1].to(torch.float64)  # the same tensors, converted in place
 
 
+def _hook(model):
+    model[0].proj.register_forward_hook(lambda module, args, out: out * 2)
+
+
 def _train(model):
     model.train(not model.training)
 
 
 def test_each_change_changes_the_state_and_is_named():
     for change, where in [(_assign, "1.proj"), (_buffer, "0"), (_scale, "0"),
-                          (_processor, "1"), (_module, "0.proj"), (_convert, "1"),
+                          (_processor, "1"), (_module, "0.proj"), (_convert, "1"), (_hook, "0.proj"),
                           (_train, "the root module")]:
         model = _model()
         before = module_state(model)

@@ -18,15 +18,14 @@ from typing import Any
 
 import torch
 
-# nn.Module's own bookkeeping (parameters, buffers and submodules are compared by name and
-# identity instead), and what compiling and parallelizing set once.
+# nn.Module's own bookkeeping that a forward call does not read (parameters, buffers and
+# submodules are compared by name and identity instead; forward hooks are read as any
+# attribute), and what parallelizing routes (the compiled call, the generation's end).
 _INTERNALS = frozenset({
     "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
-    "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook", "_forward_hooks",
-    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_compiled_call_impl",
-    "_reset_stateful_cache",
+    "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks", "_compiled_call_impl", "_reset_stateful_cache",
 })
 _HOOKS = "_diffusers_hook"
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
@@ -53,7 +52,10 @@ def module_state(module: torch.nn.Module) -> ModuleState:
     """The state of `module` and its submodules: two calls with nothing changed in between
     are equal."""
     held: list = []
-    key = tuple((name, type(m), _tensors(m, held), _attributes(m, held))
+    # Each module's part as a hash: a few hundred small tuples kept instead of tens of
+    # thousands (the collector walks what is kept). The hashed values are ints, strings,
+    # types and dtypes: equal parts hash equal; a collision of unequal ones is 2**-64.
+    key = tuple((name, hash((type(m), _tensors(m, held), _attributes(m, held))))
                 for name, m in module.named_modules(remove_duplicate=False))
     return ModuleState(key, held)
 
