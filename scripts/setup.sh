@@ -10,7 +10,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 if ! "$PY" -c "import diffusers, hypothesis, pytest, PIL, matplotlib, sympy, ruff, triton, \
-    sklearn, safetensors, tqdm, transformers, xdist" 2>/dev/null; then
+    sklearn, safetensors, tqdm, transformers, xdist, peft" 2>/dev/null; then
   "$PY" -m pip install -q -e ".[test,demo]"
 fi
 # The package must be this checkout's, not one installed from elsewhere. Asked from another
