@@ -84,12 +84,15 @@ class Executor:
     visible(chunk): cache units the chunk may attend to (the mode's semantics).
     carried: input name -> output name fed back as that input at the next step (ring mode).
     transport: moves values between ranks (None when every stage is local).
+    computed(action, values): called after each compute with the chunk's values (a ring's
+    per-step view of an output, `programs.step_watch`).
     """
 
     def __init__(self, stages: list[StageGraph], run_stage: StageRunner, rank: int = 0,
                  transport=None, timeline: Timeline | None = None,
                  carried: dict[str, str] | None = None,
-                 progress: Callable[[int], None] | None = None, *, feeds: StageFeeds):
+                 progress: Callable[[int], None] | None = None, *, feeds: StageFeeds,
+                 computed: Callable[[Action, dict], None] | None = None):
         self.stages = stages
         self.run_stage = run_stage
         self.rank = rank
@@ -97,6 +100,7 @@ class Executor:
         self.timeline = timeline if timeline is not None else Timeline()
         self.carried = carried or {}
         self.progress = progress
+        self.computed = computed
         self.feeds = feeds  # built once per program, not per run (see StageFeeds)
         self.peak_held = 0  # the most (step, chunk) value sets held at once in a run
 
@@ -142,6 +146,8 @@ class Executor:
                     chunk = chunks[action.chunk]
                     self._compute(action, chunk, env_for(action.step), here, visible(chunk))
                     self._keep_carries(action, here, values)
+                    if self.computed is not None:
+                        self.computed(action, here)
                     # Two steps back this chunk's values are sent and carried: a ring of
                     # any length holds about two steps of them, not all.
                     values.pop((action.step - 2, action.chunk), None)

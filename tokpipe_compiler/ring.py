@@ -26,6 +26,7 @@ from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
+from tokpipe_compiler.programs.step_watch import Watch
 from tokpipe_compiler.runtime.chunking import Chunk
 
 
@@ -60,11 +61,16 @@ class Ring:
         self._programs: dict[tuple, Any] = {}  # (signature, chunk table) -> program
 
     def run(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor] | None = None,
-            steps: int | None = None, progress: Callable[[int], None] | None = None) -> tuple:
+            steps: int | None = None, progress: Callable[[int], None] | None = None,
+            each_step: Callable[[int, torch.Tensor], None] | None = None) -> tuple:
         """Runs `steps` steps (default: the length of the per-step tensors) from `inputs`
         (the carried inputs' first values and the inputs fixed for the generation).
         `per_step[name][k]` is input `name` at step k. Returns the carried values after the
-        last step, in `carry` order."""
+        last step, in `carry` order.
+
+        progress(k): this rank finished step k. each_step(k, value): the first carried
+        value (the token input) after step k, whole, on every rank: as the step's last
+        chunk is computed on the rank that computes it, after the run on the others."""
         per_step = per_step or {}
         steps = _check_steps(steps, per_step)
         missing = [name for name in self.carry if name not in inputs]
@@ -76,13 +82,14 @@ class Ring:
         program = self.prepare(inputs, per_step, steps)
         program.reset()
         try:
-            outputs = self._steps(program, values, per_step, steps, progress)
+            outputs = self._steps(program, values, per_step, steps, progress, each_step)
         finally:  # the generation is over: its K/V caches are of no further use
             program.end_generation()
         return tuple(outputs[: len(self.carry)])
 
     def _steps(self, program, values: dict[str, Any], per_step: dict[str, torch.Tensor],
-               steps: int, progress: Callable[[int], None] | None) -> tuple:
+               steps: int, progress: Callable[[int], None] | None,
+               each_step: Callable[[int, torch.Tensor], None] | None) -> tuple:
         """The warmup steps one call each, then the rest as one ring; the last outputs."""
         carried = self._carried_outputs(program)
         warmup = min(self.config.warmup_steps, steps)
@@ -92,9 +99,14 @@ class Ring:
             values.update(self._carried_values(outputs))
             if progress is not None:
                 progress(k)
+            if each_step is not None:
+                each_step(k, values[self.carry[0]])
         if steps > warmup:
             step_args = [self._args(values, per_step, k) for k in range(warmup, steps)]
-            outputs = program.run_ring(step_args, carried, progress=progress, first=warmup)
+            first_output = program.plan.graphs.outputs[0].source  # carry[0]'s next value
+            watch = None if each_step is None else Watch(first_output, each_step)
+            outputs = program.run_ring(step_args, carried, progress=progress, first=warmup,
+                                       watch=watch)
         return outputs
 
     def prepare(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor],

@@ -17,6 +17,7 @@ from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED, wan22_5b_image2video
 from tests.fixtures.pipelines import generate, hunyuan, pixart_alpha, sd3
 from tokpipe_compiler.pipelines import table
+from tokpipe_compiler.pipelines.step_callbacks import StepCallbacks
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -131,10 +132,14 @@ def test_a_second_expert_runs_its_steps_as_a_ring_of_its_own(boundary_ratio):
 
 
 def test_a_second_expert_runs_per_call_when_the_generation_does():
-    """Per call (here a step-end callback), both experts still run pipelined."""
+    """Per call (here for diffusers' guidance cutoff callback, which never cuts off at
+    ratio 1), both experts still run pipelined."""
+    from diffusers.callbacks import SDCFGCutoffCallback
+
     pipe, kwargs = _ring(FAMILIES["wan22"], mode="sync")
-    with pytest.warns(UserWarning, match="callback_on_step_end"):
-        out = generate(pipe, {**kwargs, "callback_on_step_end": lambda p, i, t, d: d})
+    cutoff = SDCFGCutoffCallback(cutoff_step_ratio=1.0)
+    with pytest.warns(UserWarning, match="callback_on_step_end=SDCFGCutoffCallback"):
+        out = generate(pipe, {**kwargs, "callback_on_step_end": cutoff})
     assert _relative(out, generate(*FAMILIES["wan22"]())) <= 1e-5
     assert len(tp.pipelines.programs(pipe)) == 2  # one per expert, none a ring
 
@@ -239,8 +244,9 @@ def test_a_step_that_changes_within_a_generation_raises():
 
 def test_latents_changed_between_steps_other_than_by_a_blend_raise(monkeypatch):
     """Inpainting blends the latents with a noised image between steps, which the ring
-    replays; any other change (here a step-end callback let through) must raise."""
-    monkeypatch.setattr(table, "EVERY", {})
+    replays; any other change (here a step-end callback let through to the probes) must
+    raise."""
+    monkeypatch.setattr(StepCallbacks, "call_kwargs", lambda self, kwargs: kwargs)
 
     def callback(pipe, step, t, tensors):
         return {"latents": tensors["latents"] * 1.01}

@@ -142,6 +142,40 @@ def test_pipelines_made_from_one_another_on_two_ranks(two_rank_runs):
             assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+def _callbacks(rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+    """What step-end callbacks see: a ring's steps, a ring interrupted at step 1, and cfg=2's
+    steps (each branch on its own rank)."""
+    seen: list[torch.Tensor] = []
+
+    def keep(pipe, i, t, tensors, interrupt_at=None):
+        seen.append(tensors["latents"].clone())
+        pipe._interrupt = i == interrupt_at
+        return tensors
+
+    pipe, kwargs = FAMILIES["flux"]()
+    tp.pipelines.parallelize(pipe, **OPTIONS)
+    ring = generate(pipe, {**kwargs, "callback_on_step_end": keep}, steps=4)
+    interrupted = generate(pipe, {**kwargs, "callback_on_step_end":
+                                  lambda *a: keep(*a, interrupt_at=1)}, steps=4)
+    ring_seen, seen[:] = torch.stack(seen), []
+    cfg, cfg_kwargs = FAMILIES["wan"]()
+    tp.pipelines.parallelize(cfg, cfg=2, stages=1, compiler="eager")
+    generate(cfg, {**cfg_kwargs, "callback_on_step_end": keep}, steps=4)
+    return [ring_seen, ring, interrupted, torch.stack(seen)]
+
+
+def test_step_callbacks_on_two_ranks(two_rank_runs):
+    """Every rank's callback sees each step's latents as one process's does (the rank that
+    computes them as each step is done, the other after the ring), and an interrupt ends
+    the generation at its step on both."""
+    alone = _callbacks()
+    assert alone[0].shape[0] == 4 + 2 and alone[3].shape[0] == 4
+    for result in two_rank_runs["callbacks"]:
+        for got, want in zip(result, alone, strict=True):
+            assert got.shape == want.shape
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 HYBRID = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -181,6 +215,8 @@ def two_rank_runs(request) -> dict:
         cases["lora"] = (_lora_added, ())
     if selected(request, test_pipelines_made_from_one_another_on_two_ranks):
         cases["from_pipe"] = (_from_pipe, ())
+    if selected(request, test_step_callbacks_on_two_ranks):
+        cases["callbacks"] = (_callbacks, ())
     if selected(request, test_cfg_parallel_checks_the_world_size):
         cases["wrong world"] = (_wrong_world, ())
     return launch_cases(cases, 2, timeout=600 * len(cases))

@@ -64,6 +64,40 @@ def test_ring_progress_reports_every_step():
     assert seen == list(range(STEPS))
 
 
+def loop_steps(fn, latents, labels, per_step) -> list[torch.Tensor]:
+    """The latents after each step of the per-call loop."""
+    x, seen = latents, []
+    with torch.no_grad():
+        for k in range(STEPS):
+            (x,) = fn(x, per_step["timestep"][k], per_step["c"][k], labels)
+            seen.append(x.clone())
+    return seen
+
+
+def ring_steps(options: dict) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor]:
+    """What a ring's `each_step` sees, in order, and what the ring returns."""
+    step, latents, labels, per_step = make_step()
+    seen: list[tuple[int, torch.Tensor]] = []
+    (out,) = tp.Ring(step, carry=["latents"], **options).run(
+        {"latents": latents, "labels": labels}, per_step=per_step,
+        each_step=lambda k, value: seen.append((k, value.clone())))
+    return seen, out
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_ring_shows_each_step_as_the_per_call_loop_has_it(chunks):
+    torch._dynamo.reset()
+    options = {**OPTIONS, "chunks": chunks}
+    step, latents, labels, per_step = make_step()
+    compiled = torch.compile(step, backend=tp.backend(**options), dynamic=False)
+    expected = loop_steps(compiled, latents, labels, per_step)
+    seen, out = ring_steps(options)
+    assert [k for k, _ in seen] == list(range(STEPS))
+    for (_, got), want in zip(seen, expected, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(seen[-1][1], out)
+
+
 def test_ring_frees_its_kv_caches_when_the_generation_ends():
     """What the pipeline runs after the loop (the VAE decode, its memory peak) gets the
     K/V memory back; the memory report still says what the generation held."""
@@ -101,6 +135,24 @@ def test_ring_across_ranks_equals_in_process_bit_for_bit(world):
     expected = ring_run(options)
     for got in launch(_ring_on_rank, world, args=(options,), timeout=240):
         assert torch.equal(got, expected)
+
+
+def _ring_steps_on_rank(rank: int, world: int, options: dict) -> list:
+    return ring_steps(options)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_ring_shows_each_step_on_every_rank():
+    """The rank that computes the latents sees each step as it is done, the other after the
+    run; both see what one process sees."""
+    options = {**OPTIONS, "timeout": 60.0}
+    torch.set_num_threads(1)
+    expected, _ = ring_steps(options)
+    for seen in launch(_ring_steps_on_rank, 2, args=(options,), timeout=240):
+        assert [k for k, _ in seen] == list(range(STEPS))
+        for (_, got), (_, want) in zip(seen, expected, strict=True):
+            assert torch.equal(got, want)
 
 
 def scheduler_step(name: str):

@@ -81,12 +81,14 @@ def half(inputs: dict[str, Any], branch: int, batch: int) -> dict[str, Any]:
 
 def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch.Tensor,
         fixed: dict[str, Any], timesteps: torch.Tensor, timeout: float,
-        state: Sequence[torch.Tensor] = (), blends: dict[str, torch.Tensor] | None = None
+        state: Sequence[torch.Tensor] = (), blends: dict[str, torch.Tensor] | None = None,
+        each_step: Callable[[int, torch.Tensor], None] | None = None
         ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Every step of `table` from `sample` (and the scheduler's `state`, zeros where none is
     given), the branches split over two ranks (or run in turn in this process); returns the
     last latents and state, on every rank. blends: the per-step blends after the update
-    (`blends.Blends.per_step`), if any."""
+    (`blends.Blends.per_step`), if any; each_step(k, latents): sees the latents after step
+    k."""
     batch = sample.shape[0] * glue.copies
     per_step = model_timesteps(glue, timesteps, batch).to(sample.device)
     distributed = dist.is_available() and dist.is_initialized()
@@ -108,4 +110,6 @@ def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch
         state = list(state)
         if blends:
             sample = blends["blend_target"][k] + blends["blend_keep"][k] * sample
+        if each_step is not None:
+            each_step(k, sample)
     return sample, tuple(state)

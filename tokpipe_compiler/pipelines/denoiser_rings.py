@@ -54,9 +54,13 @@ class Carried:
     state: tuple[torch.Tensor, ...] = ()
 
 
+# The latents after each step of a segment (counted from its first), as the pipeline holds
+# them: what its step-end callbacks see.
+EachStep = Callable[[int, torch.Tensor], None]
 # A prepared segment: (the step's glue as the segment's last step left it, steps, the
-# blends after its steps as per-step inputs, if any) -> the values after those steps.
-RunSegment = Callable[[Glue, int, dict[str, torch.Tensor]], Carried]
+# blends after its steps as per-step inputs, if any, what sees each step's latents, if
+# anything) -> the values after those steps.
+RunSegment = Callable[[Glue, int, dict[str, torch.Tensor], EachStep | None], Carried]
 
 
 class DenoiserRings:
@@ -117,7 +121,15 @@ class DenoiserRings:
                 raise
             raise UnpipelinedStep(f"the ring's step cannot be pipelined: {err}") from err
 
-        def run(final: Glue, steps: int, blends: dict[str, torch.Tensor]) -> Carried:
+        def latents_of(carried_sample: torch.Tensor) -> torch.Tensor:
+            if not glue.condition_positions:
+                return carried_sample
+            # the carried condition's positions dropped
+            dim = glue.condition_dim
+            return carried_sample.narrow(dim, 0, sample.shape[dim])
+
+        def run(final: Glue, steps: int, blends: dict[str, torch.Tensor],
+                each_step: EachStep | None = None) -> Carried:
             blended = ring
             if blends:
                 if glue.condition_positions:
@@ -125,14 +137,12 @@ class DenoiserRings:
                                        "carries the condition's positions; run the pipeline "
                                        "per call with parallelize(pipe, ring=False)")
                 blended = self._ring(glue, spec, constants, table, branch, blended=True)
+            see = None if each_step is None else (
+                lambda k, value: each_step(k, latents_of(value)))
             with self._exchange():
                 out = blended.run(inputs, {**per_step(final, steps), **blends},
-                                  progress=self._progress(steps))
-            latents = out[0]
-            if glue.condition_positions:  # the carried condition's positions dropped
-                dim = glue.condition_dim
-                latents = latents.narrow(dim, 0, sample.shape[dim])
-            return Carried(latents, tuple(out[1:]))
+                                  progress=self._progress(steps), each_step=see)
+            return Carried(latents_of(out[0]), tuple(out[1:]))
 
         return run
 
@@ -155,11 +165,12 @@ class DenoiserRings:
         """cfg=2 on one stage per branch: the whole transformer per branch (`cfg_parallel`)."""
         forward = self._forward_per_branch()
 
-        def run(final: Glue, steps: int, blends: dict[str, torch.Tensor]) -> Carried:
+        def run(final: Glue, steps: int, blends: dict[str, torch.Tensor],
+                each_step: EachStep | None = None) -> Carried:
             part = table.steps(0, steps)
             latents, state = cfg_parallel.run(forward, final, part, start.sample, fixed,
                                               part.timesteps, self.config.timeout, start.state,
-                                              blends)
+                                              blends, each_step)
             return Carried(latents, state)
 
         return run

@@ -6,12 +6,14 @@
 The pipeline's own `__call__` runs as written (prompt encoding, latents, guidance, the
 scheduler's timesteps, the VAE). Its denoising loop runs as one ring (`ring_call`): no
 pipeline bubble between steps, each chunk's updated latents going straight back to the
-first stage. A call the ring cannot take (a pipeline outside `table`, a scheduler without
-a token-wise step, a step-end callback, guidance rescaling, a step the first step's probes
-show the ring cannot replay: that call starts again from the same random state) runs per
-call instead, with a warning that says why: the transformer, compiled in place with the
-tokpipe backend, is then one pipelined step per call. Under torchrun (or the project's
-launcher) every rank calls the pipeline with the same arguments and gets the whole result.
+first stage; step callbacks see each step's latents as the ring completes it
+(`step_callbacks`). A call the ring cannot take (a pipeline outside `table`, a scheduler
+without a token-wise step, diffusers' cutoff callbacks, guidance rescaling, a step the
+first step's probes show the ring cannot replay: that call starts again from the same
+random state) runs per call instead, with a warning that says why: the transformer,
+compiled in place with the tokpipe backend, is then one pipelined step per call. Under
+torchrun (or the project's launcher) every rank calls the pipeline with the same arguments
+and gets the whole result.
 
 A generation ends with the pipeline call: diffusers resets the stateful caches of its
 components when a call finishes (`maybe_free_model_hooks`), and the transformer's K/V
@@ -36,7 +38,8 @@ from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
 from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
-from tokpipe_compiler.pipelines.ring_call import RingCalls, RingUnavailable
+from tokpipe_compiler.pipelines.probes import RingUnavailable
+from tokpipe_compiler.pipelines.ring_call import RingCalls
 from tokpipe_compiler.planning.compile_calls import own_recompiles
 
 # The attributes that hold a pipeline's denoising transformers (Wan 2.2's low-noise expert
@@ -131,13 +134,13 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
         generators = _generators(cls.__call__, self, args, kwargs)
         states = _random_states(generators)
         try:
-            with calls.generation_of(kwargs):
-                return cls.__call__(self, *args, **kwargs)
+            with calls.generation_of(kwargs) as call_kwargs:
+                return cls.__call__(self, *args, **call_kwargs)
         except RingUnavailable as err:  # only probes ran: the same call again, per call
             _restore(generators, states)
             again = f"{err}; the call started again per call, from the same random state"
-            with calls.generation_of(kwargs, [again]):
-                return cls.__call__(self, *args, **kwargs)
+            with calls.generation_of(kwargs, [again]) as call_kwargs:
+                return cls.__call__(self, *args, **call_kwargs)
 
     # A subclass of the pipeline's own class: only the instance's calls go through the ring.
     pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,

@@ -21,6 +21,12 @@ from tokpipe_compiler.pipelines.glue import first_tensor
 PROBE_SEED = 0x70C  # every rank draws the same probes
 
 
+class RingUnavailable(TokpipeError):
+    """Found at a step's probes: ring mode cannot replay this call's loop. Nothing real has
+    been computed yet, so the call starts again per call, from the same random state
+    (`parallelize`)."""
+
+
 @dataclass(frozen=True)
 class Spec:
     """A tensor's shape, dtype and device (a pytree leaf)."""

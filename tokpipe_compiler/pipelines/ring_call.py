@@ -57,7 +57,7 @@ from tokpipe_compiler.pipelines.loop_schedule import (
     loop_schedule,
     step_of,
 )
-from tokpipe_compiler.pipelines.probes import bind_call, probe, with_probe
+from tokpipe_compiler.pipelines.probes import RingUnavailable, bind_call, probe, with_probe
 from tokpipe_compiler.pipelines.ring_step import same
 from tokpipe_compiler.pipelines.scheduler_route import (
     prev_sample,
@@ -66,13 +66,8 @@ from tokpipe_compiler.pipelines.scheduler_route import (
     with_sample,
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable
+from tokpipe_compiler.pipelines.step_callbacks import LEGACY, ON_STEP_END, StepCallbacks
 from tokpipe_compiler.pipelines.table import cache_reasons, per_call_reasons
-
-
-class RingUnavailable(TokpipeError):
-    """Found at a step's probes: ring mode cannot replay this call's loop. Nothing real has
-    been computed yet, so the call starts again per call, from the same random state
-    (`parallelize`)."""
 
 
 @dataclass
@@ -95,10 +90,22 @@ class Generation:
     previous: torch.Tensor | None = None  # the last scheduler step's latents (on probes)
     blends: Blends = field(default_factory=Blends)  # the latents blended between steps
     carried: Carried | None = None  # the real values the current segment starts from
+    callbacks: StepCallbacks | None = None  # the user's step callbacks, if any
+    finished: bool = False  # the last segment's ring has run: the loop's values are real
 
     @property
     def ring(self) -> bool:
         return not self.reasons
+
+    @property
+    def probing(self) -> bool:
+        """Whether the loop runs on probes now (a ring generation before its last ring)."""
+        return self.ring and not self.finished
+
+    @property
+    def interrupted(self) -> torch.Tensor | None:
+        """The latents of the step a callback interrupted the generation at, if one did."""
+        return None if self.callbacks is None else self.callbacks.interrupted
 
 
 class RingCalls:
@@ -121,9 +128,10 @@ class RingCalls:
 
     @contextlib.contextmanager
     def generation_of(self, kwargs: dict[str, Any],
-                      reasons: Sequence[str] = ()) -> Iterator[None]:
+                      reasons: Sequence[str] = ()) -> Iterator[dict[str, Any]]:
         """A pipeline call: a generation, per call or ring, for its duration (per call where
-        `reasons` say why)."""
+        `reasons` say why). Yields the call's arguments, its step callbacks replaced by the
+        generation's stand-in (`step_callbacks`) where it is a ring."""
         candidates = [float(v) for v in kwargs.values()
                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
         candidates.append(float(getattr(self.pipe, "_guidance_scale", 1.0) or 1.0))
@@ -135,10 +143,15 @@ class RingCalls:
         route(self.pipe.scheduler, self, {"set_timesteps": self.set_timesteps,
                                           "step": self.step, "scale_noise": self.noised,
                                           "add_noise": self.noised})
-        if self.generation.reasons:
-            self._warn_per_call(self.generation.reasons)
+        gen = self.generation
+        if gen.reasons:
+            self._warn_per_call(gen.reasons)
+        elif kwargs.get(ON_STEP_END) is not None or kwargs.get(LEGACY) is not None:
+            gen.callbacks = StepCallbacks(self.pipe, kwargs, lambda: gen.step,
+                                          lambda: gen.probing)
+            kwargs = gen.callbacks.call_kwargs(kwargs)
         try:
-            yield
+            yield kwargs
         finally:
             self.generation = None
 
@@ -184,6 +197,10 @@ class RingCalls:
 
     def step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         gen = self.generation
+        if gen is not None and gen.interrupted is not None:
+            # a callback ended the generation where one transformer handed over to another:
+            # the loop skips the steps after this one
+            return with_sample(original(*args, **kwargs), gen.interrupted)
         if gen is None or not gen.ring or not gen.calls:
             return original(*args, **kwargs)
         noise_pred, t, sample = step_arguments(original, args, kwargs)
@@ -205,7 +222,11 @@ class RingCalls:
         gen.previous = prev_sample(output)
         last = gen.step == len(gen.timesteps) - 1
         gen.step, gen.calls, gen.probes = gen.step + 1, [], []
-        return with_sample(output, self._end_segment(gen).sample) if last else output
+        if not last:
+            return output
+        latents = self._end_segment(gen).sample
+        gen.finished = True
+        return with_sample(output, latents if gen.interrupted is None else gen.interrupted)
 
     # -- the generation ---------------------------------------------------------------------
 
@@ -267,10 +288,14 @@ class RingCalls:
     def _end_segment(self, gen: Generation) -> Carried:
         """Runs the current segment's ring over its steps (up to the one before
         `gen.step`): the latents and scheduler state after them."""
-        steps = gen.step - gen.begin
+        steps, begin, callbacks = gen.step - gen.begin, gen.begin, gen.callbacks
+        each_step = None if callbacks is None else (
+            lambda k, latents: callbacks.see(begin + k, latents))
         gen.carried = gen.run(gen.glue, steps, gen.blends.per_step(gen.begin, steps,
-                                                                   gen.previous))
+                                                                   gen.previous), each_step)
         gen.run = None
+        if callbacks is not None:
+            callbacks.raise_error()
         return gen.carried
 
     def _blended(self, gen: Generation, sample: torch.Tensor) -> None:

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# Call options no pipeline may set for ring mode: they read or change the latents between
-# steps, which the ring computes ahead.
-EVERY = {"callback_on_step_end": None, "callback": None}
-
 RING_PIPELINES: dict[str, dict[str, Any]] = {
     "DiTPipeline": {},
     "PixArtAlphaPipeline": {},
@@ -50,10 +46,6 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
 }
 
 WHY = {
-    "callback_on_step_end": "a step-end callback may read or change the latents between "
-                            "steps, which the ring computes ahead",
-    "callback": "a step callback may read the latents between steps, which the ring "
-                "computes ahead",
     "skip_guidance_layers": "skip-layer guidance adds a third transformer call on some "
                             "steps only",
     "guidance_rescale": "guidance rescaling takes statistics over all tokens",
@@ -68,10 +60,23 @@ def per_call_reasons(pipe: Any, kwargs: dict[str, Any]) -> list[str]:
         covered = ", ".join(sorted(RING_PIPELINES))
         return [f"{name} is not in the ring table (covered: {covered})"]
     reasons = []
-    for option, neutral in {**EVERY, **RING_PIPELINES[name]}.items():
+    for option, neutral in RING_PIPELINES[name].items():
         if option in kwargs and kwargs[option] != neutral:
             reasons.append(f"{option}={kwargs[option]!r}: {WHY[option]}")
-    return reasons
+    return reasons + _callback_reasons(kwargs.get("callback_on_step_end"))
+
+
+def _callback_reasons(callback: Any) -> list[str]:
+    """diffusers' own step-end callbacks (`diffusers.callbacks`: guidance and IP-adapter
+    cutoffs) change the step at their cutoff, which a ring cannot follow; other callbacks
+    run in the ring (`step_callbacks`)."""
+    members = getattr(callback, "callbacks", [callback])  # MultiPipelineCallbacks
+    changing = [type(c).__name__ for c in members
+                if type(c).__module__ == "diffusers.callbacks"]
+    if not changing:
+        return []
+    return [f"callback_on_step_end={', '.join(changing)}: diffusers' cutoff callbacks change "
+            "the guidance or the embeddings partway through the generation"]
 
 
 def cache_reasons(denoisers: dict[str, Any]) -> list[str]:

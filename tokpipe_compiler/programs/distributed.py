@@ -33,6 +33,7 @@ from tokpipe_compiler.programs.agreement import (
 )
 from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, assemble_output
 from tokpipe_compiler.programs.prelude import Prelude
+from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
     DistributedTransport,
@@ -86,10 +87,39 @@ class DistributedProgram(PipelinedProgram):
         return super().__call__(*args)
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
-                 progress: Callable[[int], None] | None = None, first: int = 0) -> tuple:
+                 progress: Callable[[int], None] | None = None, first: int = 0,
+                 watch: Watch | None = None) -> tuple:
         if step_args:
             self._agree(step_args[0])
-        return super().run_ring(step_args, carried, progress, first)
+        return super().run_ring(step_args, carried, progress, first, watch)
+
+    def _step_pieces(self, watch: Watch, first: int) -> StepPieces:
+        pieces = super()._step_pieces(watch, first)
+        pieces.keep = self._output_spec(watch.output).producer == self.rank and self.world > 1
+        return pieces
+
+    def _share_steps(self, pieces: StepPieces, steps: int) -> None:
+        """The rank that computed the watched output sends every step's value to the others
+        in one message, after the run (a message per step would hold the ring up); they see
+        the steps then."""
+        spec = self._output_spec(pieces.watch.output)
+        what = f"stage {spec.producer}'s output {spec.source!r} after each of {steps} steps"
+
+        def key(dst: int) -> MessageKey:
+            return MessageKey(self.calls, dst, WHOLE, f"{spec.source}/steps", what)
+
+        if spec.producer == self.rank:
+            every = torch.stack(pieces.kept)
+            for dst in range(self.world):
+                if dst != self.rank:
+                    self.transport.send(key(dst), every, dst)
+            self.transport.flush()
+            return
+        one = self._spec(spec)
+        every = self.transport.post_recv(key(self.rank), spec.producer,
+                                         TensorSpec((steps, *one.shape), one.dtype)).wait()
+        for k in range(steps):
+            pieces.watch.see(pieces.first + k, every[k])
 
     def _agree(self, args: tuple) -> None:
         """At the first call: every rank's fingerprint to every other; raises on all ranks

@@ -18,12 +18,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import argument_of
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.generations import SharedTimesteps, StepClock, timestep_index
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.stage import StageProgram
+from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.caches import KVCaches
 from tokpipe_compiler.runtime.chunking import Chunk, assemble, chunk_table
 from tokpipe_compiler.runtime.executor import Executor, StageFeeds, Timeline
@@ -142,10 +144,12 @@ class PipelinedProgram:
         return outputs
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
-                 progress: Callable[[int], None] | None = None, first: int = 0) -> tuple:
+                 progress: Callable[[int], None] | None = None, first: int = 0,
+                 watch: Watch | None = None) -> tuple:
         """Steps after warmup as one ring: each chunk's carried outputs (input name ->
         output name) feed the same chunk of the next step as soon as they are computed.
-        `progress(k)` is called as this rank finishes step `first + k`."""
+        `progress(k)` is called as this rank finishes step `first + k`; `watch` sees an
+        output's whole value after each step."""
         envs: dict[int, dict] = {}
 
         def env_for(step: int) -> dict:
@@ -155,13 +159,34 @@ class PipelinedProgram:
             return envs[step]
 
         steps = len(step_args)
+        pieces = None if watch is None else self._step_pieces(watch, first)
         with torch.no_grad():
             report = None if progress is None else (lambda k: progress(first + k))
-            values = self._run(env_for, self.plan.chunks, steps, carried, report)
+            values = self._run(env_for, self.plan.chunks, steps, carried, report, pieces)
             outputs = self._assemble(values, self.plan.chunks, env_for(steps - 1), steps - 1)
+            if pieces is not None:
+                self._share_steps(pieces, steps)
         self._advance(steps)
         self.clock.advance(steps)
         return outputs
+
+    def _step_pieces(self, watch: Watch, first: int) -> StepPieces:
+        """What assembles `watch.output` per step on this rank (every stage is local here)."""
+        spec = self._output_spec(watch.output)
+        chunks = self.plan.chunks
+        return StepPieces(watch, chunks, lambda p: assemble_output(self.plan, spec, p, chunks),
+                          first)
+
+    def _share_steps(self, pieces: StepPieces, steps: int) -> None:
+        """Where another rank computed the watched output, its steps are seen here after
+        the run (one process: every step was seen as it was computed)."""
+
+    def _output_spec(self, name: str):
+        for spec in self.plan.graphs.outputs:
+            if spec.kind == OutputKind.TOKEN and spec.source == name:
+                return spec
+        raise TokpipeError(f"the step's output {name!r} is not a token-wise output of the "
+                           "pipelined graph: a ring cannot show it step by step")
 
     def _advance(self, steps: int) -> None:
         self.calls += steps
@@ -175,11 +200,12 @@ class PipelinedProgram:
         return self.whole if mode == "sync" or warm else self.plan.chunks
 
     def _run(self, env_for, chunks: list[Chunk], steps: int = 1,
-             carried: dict[str, str] | None = None, progress=None) -> dict:
+             carried: dict[str, str] | None = None, progress=None,
+             computed: StepPieces | None = None) -> dict:
         actions = self._actions(len(chunks), steps, carried or {})
         executor = Executor(self.plan.graphs.stages, self._run_stage, rank=self.rank,
                             transport=self.transport, timeline=self.timeline, carried=carried,
-                            progress=progress, feeds=self.feeds)
+                            progress=progress, feeds=self.feeds, computed=computed)
         values = executor.run(actions, chunks, env_for,
                               self._visible(chunks), step_base=self.calls)
         self.peak_values_held = executor.peak_held  # (step, chunk) value sets, at most

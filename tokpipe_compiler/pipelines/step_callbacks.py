@@ -1,0 +1,160 @@
+"""A pipeline's step callbacks in a ring generation.
+
+The pipeline's loop runs on probes before the ring computes anything, so a callback it
+called then would see made-up latents. `StepCallbacks` stands in for the user's: during
+that loop it records each call (the loop step, the timestep, the tensors asked for); the
+ring then shows it each step's latents as they are computed (`Ring.run(each_step=)`), and
+it calls the user's callback with them and the recorded rest. The last step's callback, which
+the pipeline calls after the ring with real latents, goes straight through.
+
+A ring computes every step from the first step's form, so it cannot follow a callback that
+changes the generation: tensors it returns changed or the guidance scale set anew raise
+once the ring has run (on every rank alike; a callback that does so runs with
+`parallelize(pipe, ring=False)`). An interrupt (`pipe._interrupt = True`) ends the
+generation at its step, as in the pipeline's own loop: the ring runs its steps to the end
+(ranks cannot stop one another mid-ring) and the pipeline gets the latents of that step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines.probes import RingUnavailable
+from tokpipe_compiler.pipelines.ring_step import same
+
+ON_STEP_END = "callback_on_step_end"
+LEGACY = "callback"  # PixArt's `callback(step_index, timestep, latents)`
+_MISSING = object()
+
+
+@dataclass
+class _Call:
+    """One callback call of the probe loop, to make with real latents."""
+
+    legacy: bool
+    index: Any  # the step index the pipeline passed
+    timestep: Any
+    tensors: dict[str, Any]  # what the callback asked for (callback_kwargs)
+    dtype: torch.dtype | None  # the latents' as the pipeline held them
+
+
+class StepCallbacks:
+    """Stands in for a generation's step callbacks (see the module's docstring).
+
+    loop_step(): the steps the loop has taken (the step a callback follows is one less).
+    probing(): whether the loop's values are probes (else they are real, and the
+    callbacks go straight through)."""
+
+    def __init__(self, pipe: Any, kwargs: dict[str, Any], loop_step: Callable[[], int],
+                 probing: Callable[[], bool]):
+        self.pipe, self.loop_step, self.probing = pipe, loop_step, probing
+        self.on_step_end = kwargs.get(ON_STEP_END)
+        self.legacy = kwargs.get(LEGACY)
+        self.interrupted: torch.Tensor | None = None  # the latents of the step it ended at
+        self.error: Exception | None = None
+        self._calls: dict[int, list[_Call]] = {}
+        self._first: dict[str, Any] = {}  # each asked tensor as the first step had it
+
+    def call_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The pipeline call's arguments with the callbacks replaced by this one's."""
+        out = dict(kwargs)
+        if self.on_step_end is not None:
+            out[ON_STEP_END] = self._on_step_end
+            inputs = getattr(self.on_step_end, "tensor_inputs", None)
+            if inputs is not None and "callback_on_step_end_tensor_inputs" not in kwargs:
+                out["callback_on_step_end_tensor_inputs"] = list(inputs)
+        if self.legacy is not None:
+            out[LEGACY] = self._legacy
+        return out
+
+    # -- what the pipeline calls ------------------------------------------------------------
+
+    def _on_step_end(self, pipe: Any, index: Any, timestep: Any,
+                     tensors: dict[str, Any]) -> dict[str, Any]:
+        if not self.probing():
+            return tensors if self.interrupted is not None else \
+                self.on_step_end(pipe, index, timestep, tensors)
+        self._check_asked(tensors)
+        latents = tensors.get("latents")
+        self._record(_Call(False, index, timestep, dict(tensors),
+                           None if latents is None else latents.dtype))
+        return tensors
+
+    def _legacy(self, index: Any, timestep: Any, latents: torch.Tensor) -> None:
+        if not self.probing():
+            if self.interrupted is None:
+                self.legacy(index, timestep, latents)
+            return
+        self._record(_Call(True, index, timestep, {}, latents.dtype))
+
+    def _record(self, call: _Call) -> None:
+        self._calls.setdefault(self.loop_step() - 1, []).append(call)
+
+    def _check_asked(self, tensors: dict[str, Any]) -> None:
+        """The tensors other than the latents must be the generation's fixed ones (the
+        prompt embeddings, a mask): one that changes from step to step comes from the
+        probes."""
+        for name, value in tensors.items():
+            if name == "latents":
+                continue
+            first = self._first.setdefault(name, value)
+            if not same(value, first):
+                raise RingUnavailable(
+                    f"the step-end callback asks for {name!r}, which the pipeline derives "
+                    "anew each step; the ring cannot show a callback its real value")
+
+    # -- what the ring shows ----------------------------------------------------------------
+
+    def see(self, step: int, latents: torch.Tensor) -> None:
+        """The latents after loop step `step`: the callbacks the loop made after it, now."""
+        for call in self._calls.pop(step, []):
+            if self.interrupted is not None or self.error is not None:
+                return
+            try:
+                self._replay(step, call, latents)
+            except Exception as err:  # raised after the ring: mid-ring, the other ranks would wait
+                self.error = err
+
+    def raise_error(self) -> None:
+        """What a callback raised or did that the ring cannot follow, once the ring ran
+        (raising mid-ring would leave the other ranks waiting)."""
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _replay(self, step: int, call: _Call, latents: torch.Tensor) -> None:
+        real = latents if call.dtype is None else latents.to(call.dtype)
+        if call.legacy:
+            self.legacy(call.index, call.timestep, real)
+            return
+        given = {**call.tensors, "latents": real} if "latents" in call.tensors \
+            else dict(call.tensors)
+        before, guidance = dict(given), getattr(self.pipe, "_guidance_scale", None)
+        out = self.on_step_end(self.pipe, call.index, call.timestep, given)
+        if not isinstance(out, dict):
+            raise TokpipeError(f"the step-end callback returned {type(out).__name__} at step "
+                               f"{step}; diffusers' pipelines take the dict of tensors it "
+                               "returns")
+        changed = [repr(name) for name, value in out.items()
+                   if not _unchanged(value, before.get(name, _MISSING))]
+        if getattr(self.pipe, "_guidance_scale", None) != guidance:
+            changed.append("the guidance scale")
+        if changed:
+            raise TokpipeError(f"the step-end callback changed {', '.join(changed)} at step "
+                               f"{step}; the ring computed every step ahead from the first "
+                               "step's form, so it cannot follow: run a callback that changes "
+                               "the generation with parallelize(pipe, ring=False)")
+        if getattr(self.pipe, "_interrupt", False):
+            self.interrupted = real
+
+
+def _unchanged(value: Any, before: Any) -> bool:
+    if value is before:
+        return True
+    return isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor) and \
+        value.shape == before.shape and torch.equal(value, before)
