@@ -211,17 +211,23 @@ def test_a_step_the_ring_cannot_replay_starts_again_per_call_and_says_why():
     assert _relative(out, serial) <= 1e-5
 
 
-def test_a_step_end_callback_runs_per_call_and_says_why():
-    seen = []
+def test_a_diffusers_cutoff_callback_runs_per_call_and_says_why():
+    """SD3's guidance cutoff drops the negative branch partway through, which a ring cannot
+    follow: per call, equal to the serial pipeline with the same callback. (Other step
+    callbacks run in the ring: test_step_callbacks.)"""
+    from diffusers.callbacks import SD3CFGCutoffCallback
 
-    def callback(pipe, step, t, tensors):
-        seen.append(step)
-        return tensors
+    def with_cutoff(kwargs):
+        return {**kwargs, "callback_on_step_end": SD3CFGCutoffCallback(cutoff_step_ratio=0.5)}
 
+    serial, kwargs = sd3()
+    expected = generate(serial, with_cutoff(kwargs), steps=4)
     pipe, kwargs = _ring(sd3, mode="sync")
-    with pytest.warns(UserWarning, match="callback_on_step_end"):
-        generate(pipe, {**kwargs, "callback_on_step_end": callback}, steps=3)
-    assert seen == [0, 1, 2]
+    with pytest.warns(UserWarning, match="runs per call.*SD3CFGCutoffCallback: diffusers' "
+                                         "cutoff callbacks"):
+        out = generate(pipe, with_cutoff(kwargs), steps=4)
+    assert _relative(out, expected) <= 1e-5
+    assert _relative(out, generate(serial, kwargs, steps=4)) > 1e-3  # the cutoff mattered
 
 
 def test_a_pipeline_outside_the_table_runs_per_call(monkeypatch):
