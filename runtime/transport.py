@@ -135,7 +135,12 @@ def message_tag(key: MessageKey, piece: int) -> int:
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous copy-or-alias of `tensor`: bit-exact for any dtype."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        # a one-element broadcast (a pipeline's `t.expand(batch)` at batch 1) is contiguous
+        # with stride 0, which a byte view refuses
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def from_bytes(data: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

@@ -33,22 +33,24 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Seen:
-    """A step-end callback that keeps what it is shown; `interrupt_at`: sets the pipeline's
-    interrupt there."""
+    """A step-end callback that keeps what it is shown and what it reads off the pipeline
+    (the scheduler's step index, as previews read the step's sigma); `interrupt_at`: sets
+    the pipeline's interrupt there."""
 
     def __init__(self, interrupt_at: int | None = None):
-        self.steps: list[tuple[int, float, torch.Tensor]] = []
+        self.steps: list[tuple[tuple, torch.Tensor]] = []
         self.interrupt_at = interrupt_at
 
     def __call__(self, pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-        self.steps.append((i, float(t), tensors["latents"].clone()))
+        read = (i, float(t), pipe.scheduler.step_index, float(pipe._current_timestep))
+        self.steps.append((read, tensors["latents"].clone()))
         if i == self.interrupt_at:
             pipe._interrupt = True
         return tensors
 
     def agrees_with(self, other: Seen) -> None:
-        assert [(i, t) for i, t, _ in self.steps] == [(i, t) for i, t, _ in other.steps]
-        for (_, _, mine), (_, _, theirs) in zip(self.steps, other.steps, strict=True):
+        assert [read for read, _ in self.steps] == [read for read, _ in other.steps]
+        for (_, mine), (_, theirs) in zip(self.steps, other.steps, strict=True):
             assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
             assert _relative(mine, theirs) <= 1e-5
 

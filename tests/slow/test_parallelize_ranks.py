@@ -161,15 +161,20 @@ def _callbacks(rank: int = 0, world: int = 1) -> list[torch.Tensor]:
     cfg, cfg_kwargs = FAMILIES["wan"]()
     tp.pipelines.parallelize(cfg, cfg=2, stages=1, compiler="eager")
     generate(cfg, {**cfg_kwargs, "callback_on_step_end": keep}, steps=4)
-    return [ring_seen, ring, interrupted, torch.stack(seen)]
+    cfg_seen, seen[:] = torch.stack(seen), []
+    # per call (Wan passes its timestep as `t.expand(batch)`: at batch 1, stride 0)
+    per_call, per_call_kwargs = FAMILIES["wan"]()
+    tp.pipelines.parallelize(per_call, ring=False, **OPTIONS)
+    out = generate(per_call, {**per_call_kwargs, "callback_on_step_end": keep}, steps=4)
+    return [ring_seen, ring, interrupted, cfg_seen, torch.stack(seen), out]
 
 
 def test_step_callbacks_on_two_ranks(two_rank_runs):
     """Every rank's callback sees each step's latents as one process's does (the rank that
     computes them as each step is done, the other after the ring), and an interrupt ends
-    the generation at its step on both."""
+    the generation at its step on both; cfg=2 and per call likewise."""
     alone = _callbacks()
-    assert alone[0].shape[0] == 4 + 2 and alone[3].shape[0] == 4
+    assert alone[0].shape[0] == 4 + 2 and alone[3].shape[0] == alone[4].shape[0] == 4
     for result in two_rank_runs["callbacks"]:
         for got, want in zip(result, alone, strict=True):
             assert got.shape == want.shape

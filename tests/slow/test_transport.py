@@ -121,6 +121,16 @@ def test_local_shape_mismatch_is_an_error():
 # Pure helpers.
 
 
+@pytest.mark.parametrize("tensor", [torch.tensor(7).expand(1), torch.tensor(7).expand(1, 1),
+                                    torch.tensor(7.5).expand(1, 1, 1)])
+def test_a_one_element_broadcast_travels(tensor):
+    """A pipeline's `t.expand(batch)` at batch 1 has stride 0 yet counts as contiguous: its
+    bytes (sent, or checksummed when ranks agree) are the value's."""
+    assert tensor.stride()[-1] == 0
+    data = as_bytes(tensor)
+    assert torch.equal(from_bytes(data, TensorSpec(tuple(tensor.shape), tensor.dtype)), tensor)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     spec=st.sampled_from(SPECS),

@@ -17,7 +17,8 @@ generation at its step, as in the pipeline's own loop: the ring runs its steps t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,10 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.probes import RingUnavailable
 from tokpipe_compiler.pipelines.ring_step import same
 
+# What a callback may read off the pipeline and its scheduler besides its arguments (the
+# scheduler's step index, to find the step's sigma for a preview), as the step had them:
+# recorded in the loop, set while the callback runs in the ring.
+LOOP_STATE = (("pipe", "_current_timestep"), ("scheduler", "_step_index"))
 ON_STEP_END = "callback_on_step_end"
 LEGACY = "callback"  # PixArt's `callback(step_index, timestep, latents)`
 _MISSING = object()
@@ -41,6 +46,7 @@ class _Call:
     timestep: Any
     tensors: dict[str, Any]  # what the callback asked for (callback_kwargs)
     dtype: torch.dtype | None  # the latents' as the pipeline held them
+    state: dict[tuple[str, str], Any]  # LOOP_STATE as the loop had it
 
 
 class StepCallbacks:
@@ -82,7 +88,7 @@ class StepCallbacks:
         self._check_asked(tensors)
         latents = tensors.get("latents")
         self._record(_Call(False, index, timestep, dict(tensors),
-                           None if latents is None else latents.dtype))
+                           None if latents is None else latents.dtype, self._loop_state()))
         return tensors
 
     def _legacy(self, index: Any, timestep: Any, latents: torch.Tensor) -> None:
@@ -90,10 +96,30 @@ class StepCallbacks:
             if self.interrupted is None:
                 self.legacy(index, timestep, latents)
             return
-        self._record(_Call(True, index, timestep, {}, latents.dtype))
+        self._record(_Call(True, index, timestep, {}, latents.dtype, self._loop_state()))
 
     def _record(self, call: _Call) -> None:
         self._calls.setdefault(self.loop_step() - 1, []).append(call)
+
+    def _owners(self) -> dict[str, Any]:
+        return {"pipe": self.pipe, "scheduler": getattr(self.pipe, "scheduler", None)}
+
+    def _loop_state(self) -> dict[tuple[str, str], Any]:
+        owners = self._owners()
+        return {(owner, attr): getattr(owners[owner], attr) for owner, attr in LOOP_STATE
+                if hasattr(owners[owner], attr)}
+
+    @contextlib.contextmanager
+    def _as_in_the_loop(self, state: dict[tuple[str, str], Any]) -> Iterator[None]:
+        owners = self._owners()
+        now = self._loop_state()
+        for (owner, attr), value in state.items():
+            setattr(owners[owner], attr, value)
+        try:
+            yield
+        finally:
+            for (owner, attr), value in now.items():
+                setattr(owners[owner], attr, value)
 
     def _check_asked(self, tensors: dict[str, Any]) -> None:
         """The tensors other than the latents must be the generation's fixed ones (the
@@ -116,7 +142,8 @@ class StepCallbacks:
             if self.interrupted is not None or self.error is not None:
                 return
             try:
-                self._replay(step, call, latents)
+                with self._as_in_the_loop(call.state):
+                    self._replay(step, call, latents)
             except Exception as err:  # raised after the ring: mid-ring, the other ranks would wait
                 self.error = err
 
