@@ -42,7 +42,8 @@ class Seen:
         self.interrupt_at = interrupt_at
 
     def __call__(self, pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-        read = (i, float(t), pipe.scheduler.step_index, float(pipe._current_timestep))
+        now = getattr(pipe, "_current_timestep", None)  # not every pipeline keeps it
+        read = (i, float(t), pipe.scheduler.step_index, None if now is None else float(now))
         self.steps.append((read, tensors["latents"].clone()))
         if i == self.interrupt_at:
             pipe._interrupt = True
