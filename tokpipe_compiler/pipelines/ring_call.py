@@ -13,6 +13,9 @@ The pipeline's own `__call__` runs as written: prompt encoding, latent preparati
   runs the ring over every step and returns its latents. Everything after the loop is the
   pipeline's own.
 
+Step callbacks are recorded on the probes and called with each step's real latents as the
+ring computes them (`step_callbacks`).
+
 A loop that hands its later steps to another transformer (Wan 2.2's low-noise expert) runs
 as one ring per transformer (`denoiser_rings`): at the first call of the next transformer
 the steps so far run, and its own step, identified at its first step like the first one,
