@@ -12,7 +12,9 @@ input where the graph reads it:
   and caches that moved get new ones (the least recently used graphs beyond MAX_GRAPHS
   are dropped).
 - per-call inputs (the chunk's tokens, boundary values, conditioning) are copied into the
-  graph's own input buffers before each replay.
+  graph's own input buffers before each replay. A buffer has its input's strides (an
+  Inductor stage asserts the strides it was compiled for: a column slice of the adaLN
+  projection is not contiguous), and the strides are part of the key.
 - host inputs (the chunk descriptor, read on the host by the runtime ops) are baked into
   the capture: their values are part of the key, so a stage has one graph per chunk (the
   descriptor holds the chunk's start and the cache it may see).
@@ -96,6 +98,8 @@ class _Graph:
     replay: Replay
     args: list  # what the capture read: own buffers (copied), persistent tensors, host values
     outputs: list[torch.Tensor]
+    # per copied input: the buffer's view that replays write, and the broadcast dims to skip
+    writes: dict[int, tuple[torch.Tensor, tuple[int, ...]]]
 
 
 class GraphedStage:
@@ -172,16 +176,21 @@ class GraphedStage:
     def _capture(self, inputs: Sequence[Any]) -> _Graph:
         if self.pool is None:
             self.pool = self.new_pool()
-        args = [x.clone() if isinstance(x, torch.Tensor) and kind != PERSISTENT else x
-                for kind, x in zip(self.kinds, inputs, strict=True)]
+        args, writes = list(inputs), {}
+        for i, (kind, x) in enumerate(zip(self.kinds, inputs, strict=True)):
+            if not isinstance(x, torch.Tensor) or kind == PERSISTENT:
+                continue
+            args[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            if kind == COPIED:
+                writes[i] = _writable(args[i], i)
+            _copy_in(args[i], x, _broadcast_dims(x))
         replay, outputs = self.capture(self.fn, args, self.pool)
         self.captures += 1
-        return _Graph(replay, args, outputs)
+        return _Graph(replay, args, outputs, writes)
 
     def _replay(self, graph: _Graph, inputs: Sequence[Any]) -> list[torch.Tensor]:
-        for i in self._copied:  # a few per chunk; the hundreds of weights stay in place
-            if isinstance(inputs[i], torch.Tensor):
-                graph.args[i].copy_(inputs[i])
+        for i, (view, dims) in graph.writes.items():  # a few per chunk, not the weights
+            _copy_in(view, inputs[i], dims, narrowed=True)
         graph.replay()
         return [out.clone() for out in graph.outputs]
 
@@ -203,8 +212,47 @@ def _picker(indices: list[int]) -> Callable[[Sequence[Any]], tuple]:
 
 def _copied_key(x: Any) -> tuple:
     if isinstance(x, torch.Tensor):
-        return tuple(x.shape), x.dtype
+        return tuple(x.shape), x.stride(), x.dtype
     return ("value", x)
+
+
+def _broadcast_dims(x: torch.Tensor) -> tuple[int, ...]:
+    """Dims along which `x` repeats one element (stride 0, as `expand` makes them)."""
+    return tuple(d for d in range(x.dim()) if x.stride(d) == 0 and x.shape[d] > 1)
+
+
+def _narrow(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    for d in dims:
+        x = x.narrow(d, 0, 1)
+    return x
+
+
+def _writable(buffer: torch.Tensor, index: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The view of `buffer` a copy can write (one element of each broadcast dim: writing
+    it sets them all) and those dims; NotGraphable if other elements share memory."""
+    dims = _broadcast_dims(buffer)
+    view = _narrow(buffer, dims)
+    if _overlaps(view):
+        raise NotGraphable(f"input {index} has overlapping strides {buffer.stride()}")
+    return view, dims
+
+
+def _copy_in(buffer: torch.Tensor, x: torch.Tensor, dims: tuple[int, ...],
+             narrowed: bool = False) -> None:
+    """Writes `x` into `buffer` (same shape and strides; already narrowed if `narrowed`)."""
+    (buffer if narrowed else _narrow(buffer, dims)).copy_(_narrow(x, dims))
+
+
+def _overlaps(x: torch.Tensor) -> bool:
+    """Whether two elements of `x` may share memory: with dims ordered by stride, each
+    must step past everything the smaller ones reach (sufficient, not necessary)."""
+    span = 1  # elements from the first to the last one the smaller dims reach, plus one
+    pairs = zip(x.stride(), x.shape, strict=True)
+    for stride, size in sorted((st, s) for st, s in pairs if s > 1):
+        if stride < span:
+            return True
+        span += stride * (size - 1)
+    return False
 
 
 def _host_key(x: Any) -> tuple:

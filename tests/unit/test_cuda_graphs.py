@@ -116,6 +116,56 @@ def test_a_failing_capture_warns_and_the_stage_runs_as_is():
     assert torch.equal(out[0], x @ w + cache.sum(0)) and not stage.enabled
 
 
+def strict_fn(scale, shift, x):
+    """Like an Inductor stage, which asserts the sizes and strides it was compiled for:
+    `scale` a column slice of a wider projection (adaLN's chunks), `shift` a broadcast."""
+    torch._C._dynamo.guards.assert_size_stride(scale, (2, 4), (12, 1))
+    torch._C._dynamo.guards.assert_size_stride(shift, (2, 4), (0, 1))
+    return [x * (1 + scale) + shift]
+
+
+def strided_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    projection = torch.randn(2, 12, generator=g)
+    shift = torch.randn(4, generator=g).expand(2, 4)
+    return projection[:, 4:8], shift, torch.randn(2, 4, generator=g)
+
+
+def test_copied_inputs_keep_their_strides_in_the_graph():
+    """A graph's input buffers have the strides the stage was compiled for: a contiguous
+    copy of a column slice failed Inductor's stride assertion at capture on a GPU."""
+    stage = graphed(strict_fn, [COPIED, COPIED, COPIED])
+    for seed in range(4):
+        scale, shift, x = strided_inputs(seed)
+        got = stage(scale, shift, x)
+        assert torch.equal(got[0], strict_fn(scale, shift, x)[0])
+    assert stage.enabled and stage.captures == 1
+
+
+def test_inputs_of_other_strides_get_their_own_graph():
+    def fn(x):
+        return [x * 2]
+
+    stage = graphed(fn, [COPIED])
+    wide = torch.randn(2, 12)
+    for x in (wide[:, :4], wide[:, :4], wide[:, :4].contiguous(), wide[:, :4].contiguous()):
+        assert torch.equal(stage(x)[0], x * 2)
+    assert stage.captures == 2 and len(stage.graphs) == 2
+
+
+def test_an_input_whose_elements_overlap_is_not_graphed():
+    def fn(x):
+        return [x + 1]
+
+    stage = graphed(fn, [COPIED])
+    base = torch.arange(6.0)
+    windows = base.as_strided((3, 4), (1, 1))  # rows share elements (a sliding window)
+    stage(windows)
+    with pytest.warns(UserWarning, match=r"input 0 has overlapping strides \(1, 1\)"):
+        out = stage(windows)
+    assert torch.equal(out[0], windows + 1) and not stage.enabled
+
+
 def test_a_large_host_input_is_not_baked_into_a_graph():
     def fn(x, table):
         return [x + table.sum()]
