@@ -3,7 +3,7 @@ serial Inductor, on one device.
 
     python benchmarks/gpu_pipeline.py [--model pixart-alpha-xl-2-1024-ms] [--layers 4]
         [--grid 128 128] [--chunks 2 4 8] [--stages 2] [--device cuda] [--dtype bfloat16]
-        [--cuda-graphs]
+        [--cuda-graphs] [--attention sdpa triton]
 
 The model is the family's diffusers class at its released widths and text length (the
 config in tokpipe_compiler/released/configs/), with --layers blocks and random weights,
@@ -13,12 +13,14 @@ cost at this size (a pipeline of S devices can at best reach S / ratio). Each to
 is stale mode, warmup 1, stages compiled with Inductor; it also prints how far the
 warmup (exact) step is from eager, relative to the output's norm. With --cuda-graphs every
 chunk count runs twice, without and with the `cuda_graphs` option, and the graphed row
-says how far its last step is from the same step without graphs.
+says how far its last step is from the same step without graphs. With two --attention
+kernels every tokpipe row runs with each (the `attention` option).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -81,6 +83,8 @@ def main() -> None:
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="each chunk count also with the cuda_graphs option")
+    parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=["sdpa", "triton"],
+                        help="the attention option; several: each tokpipe row with each")
     args = parser.parse_args()
     dtype, grid = getattr(torch, args.dtype), tuple(args.grid)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -103,32 +107,35 @@ def main() -> None:
         rows.append(("serial inductor", ms, f"compile {compile_s:.0f} s, "
                                             f"vs eager {relative(out, reference):.1e}"))
         print(f"serial inductor: {ms:.2f} ms/step", flush=True)
-        for chunks in args.chunks:
-            row, last = pipelined(model, inputs, args, chunks, sync, reference)
+        for chunks, kernel in itertools.product(args.chunks, args.attention):
+            row, last = pipelined(model, inputs, args, chunks, kernel, sync, reference)
             rows.append(row)
             print(f"{rows[-1][0]}: {rows[-1][1]:.2f} ms/step", flush=True)
             if args.cuda_graphs:
-                row, graphed = pipelined(model, inputs, args, chunks, sync, reference, True)
+                row, graphed = pipelined(model, inputs, args, chunks, kernel, sync, reference,
+                                         True)
                 rows.append((row[0], row[1], f"{row[2]}, last step vs no graphs "
                                              f"{relative(graphed, last):.1e}"))
                 print(f"{rows[-1][0]}: {rows[-1][1]:.2f} ms/step", flush=True)
-    print(f"\n{'run':<34} {'ms/step':>9} {'vs eager':>9} {'vs inductor':>11}  notes")
+    print(f"\n{'run':<42} {'ms/step':>9} {'vs eager':>9} {'vs inductor':>11}  notes")
     for label, ms, note in rows:
-        print(f"{label:<34} {ms:>9.2f} {eager_ms / ms:>8.2f}x {rows[1][1] / ms:>10.2f}x  {note}")
+        print(f"{label:<42} {ms:>9.2f} {eager_ms / ms:>8.2f}x {rows[1][1] / ms:>10.2f}x  {note}")
 
 
-def pipelined(model, inputs: dict, args, chunks: int, sync, reference,
+def pipelined(model, inputs: dict, args, chunks: int, kernel: str, sync, reference,
               cuda_graphs: bool = False) -> tuple[tuple[str, float, str], Any]:
     """A tokpipe row and the last step's output."""
     options = {"stages": args.stages, "chunks": chunks, "mode": "stale", "warmup_steps": 1,
-               "compiler": args.compiler, "cuda_graphs": cuda_graphs}
+               "compiler": args.compiler, "cuda_graphs": cuda_graphs, "attention": kernel}
     compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
     start = time.perf_counter()
     run_steps(compiled, inputs, 3, sync)  # plans, compiles both chunk lengths (and captures)
     compile_s = time.perf_counter() - start
     tp.reset(compiled)
     ms, warm, last = run_steps(compiled, inputs, args.steps + 1, sync)
-    label = f"tokpipe {args.stages} stages x {chunks} chunks{', graphs' if cuda_graphs else ''}"
+    label = (f"tokpipe {args.stages} stages x {chunks} chunks"
+             f"{f', {kernel}' if len(args.attention) > 1 else ''}"
+             f"{', graphs' if cuda_graphs else ''}")
     drift = relative(warm, reference)
     return (label, ms, f"plan+compile {compile_s:.0f} s, warmup vs eager {drift:.1e}"), last
 

@@ -8,6 +8,7 @@ becomes
 The caches and `tokpipe_chunk` are new graph inputs that the runtime provides: a persistent
 K/V buffer per layer, and [first unit, units, visible units] of the chunk being run.
 `lead`/`trail` count whole text tokens around the chunk's tokens (joint attention).
+With attention="triton", layers the fused kernel can run also get `kernel="triton"`.
 """
 
 from __future__ import annotations
@@ -19,17 +20,19 @@ from tokpipe_compiler.core.args import SDPA, bound_args
 from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.meta import ATTENTION, INVARIANT_INFO, META_KEY
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.runtime.caches import CacheSpec
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 
 
-def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
+def chunk_attention(gm: torch.fx.GraphModule, mode: str, kernel: str = "sdpa"
+                    ) -> list[CacheSpec]:
     attention = [n for n in gm.graph.nodes
                  if n.meta.get(META_KEY, INVARIANT_INFO).kind == ATTENTION]
     if not attention:
         return []
     chunk = add_input(gm, CHUNK_INPUT, torch.zeros(3, dtype=torch.long))
-    specs = []
+    specs, sdpa_layers = [], []
     for layer, node in enumerate(attention):
         args = _sdpa_args(node)
         causal = bool(args.get("is_causal", False))
@@ -45,6 +48,9 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
                 "whole sequence (no is_causal=True, no mask); use mode='stale' or 'sync'"
             )
         k, v = example_value(args["key"]), example_value(args["value"])
+        unfused = _why_unfused(k, args.get("attn_mask"), info.segmented)
+        if kernel == "triton" and unfused:
+            sdpa_layers.append(f"{describe(node)}: {unfused}")
         spec = CacheSpec(layer, f"kv_cache_{layer}_k", f"kv_cache_{layer}_v", tuple(k.shape),
                          tuple(v.shape), k.dtype, node.meta[META_KEY].per_unit)
         k_cache = add_input(gm, spec.k_name, k)
@@ -55,13 +61,27 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str) -> list[CacheSpec]:
                 (args["query"], args["key"], args["value"], k_cache, v_cache, chunk,
                  spec.per_unit, causal, args.get("scale"), args.get("attn_mask"), info.lead,
                  info.trail),
+                {"kernel": "triton"} if kernel == "triton" and not unfused else {},
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         specs.append(spec)
     gm.recompile()
+    if sdpa_layers:
+        warn(f"tokpipe: attention='triton': {len(sdpa_layers)} of {len(attention)} attention "
+             f"layers run with SDPA instead, since the fused kernel takes CUDA tensors, no "
+             f"mask and one sequence ({sdpa_layers[0]}{', ...' if len(sdpa_layers) > 1 else ''})")
     return specs
+
+
+def _why_unfused(k: torch.Tensor, mask: torch.fx.Node | None, segmented: bool) -> str:
+    """Why the fused Triton kernel cannot run a layer ('' if it can)."""
+    if k.device.type != "cuda":
+        return f"its tensors are on {k.device.type}"
+    if mask is not None:
+        return "it passes an attention mask"
+    return "it attends to text segments" if segmented else ""
 
 
 def _sdpa_args(node: torch.fx.Node) -> dict:

@@ -1,5 +1,12 @@
 """The attention custom op that chunk_attention emits: write the chunk's K/V into the
-layer's cache at the chunk's offset, then attend over the cache with the mode's semantics."""
+layer's cache at the chunk's offset, then attend over the cache with the mode's semantics.
+
+`kernel` chooses how: "sdpa" copies the chunk into the cache and calls the library's
+attention over it (cuDNN or flash on a GPU), "triton" does both in one launch of the fused
+Triton kernel (chunk_attention asks for it only on CUDA, for layers without a mask or text
+segments). On an H200 the library's kernels were faster (BENCHMARKS.md, "GPU: one H200"),
+so "sdpa" is the default.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.nn.functional as F
 from torch.autograd import _profiler_enabled
+from torch.nn.attention.bias import causal_lower_right
 
 from tokpipe_compiler.runtime.op_library import define_op
 
@@ -37,6 +45,7 @@ def _kv_attention(
     lead: int = 0,
     trail: int = 0,
     segments: bool = True,
+    kernel: str = "sdpa",
 ) -> torch.Tensor:
     """q, k, v: [..., n, D] for the chunk's n tokens; caches [..., L, D].
 
@@ -46,30 +55,37 @@ def _kv_attention(
     cache's ends and always visible. `segments`: whether k and v hold them (the chunk
     computes them and writes them to the cache) or not (the cache's are attended to).
     """
+    if kernel == "triton":
+        from tokpipe_compiler.runtime.triton_attention import fused_kv_attention
+
+        start, _, visible = (int(x) for x in chunk.tolist())
+        return fused_kv_attention(q, k, v, k_cache, v_cache, start * per_unit,
+                                  visible * per_unit, causal, scale)
     if lead or trail:
         return _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask,
                           (lead, trail) if segments else (0, 0), (lead, trail))
     start, _, visible = (int(x) for x in chunk.tolist())
     offset, n, kv_len = start * per_unit, q.shape[-2], visible * per_unit
-    if q.is_cuda and mask is None:
-        from tokpipe_compiler.runtime.triton_attention import fused_kv_attention
-
-        return fused_kv_attention(q, k, v, k_cache, v_cache, offset, kv_len, causal, scale)
     with _cache_write_range():
         k_cache[..., offset : offset + n, :].copy_(k)
         v_cache[..., offset : offset + n, :].copy_(v)
     keys, values = k_cache[..., :kv_len, :], v_cache[..., :kv_len, :]
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
-    if causal and mask is None and kv_len == offset + n and _has_cpu_flash(q):
-        return _causal_cpu(q, keys, values, offset, scale, groups)
-    attn_mask = _visible_mask(q, offset, kv_len, causal, mask)
+    if causal and mask is None and kv_len == offset + n:
+        if _has_cpu_flash(q):
+            return _causal_cpu(q, keys, values, offset, scale, groups)
+        # The chunk's queries are the last n of the keys: causal aligned to the lower right,
+        # which flash and cuDNN run without a mask in memory (and skip the masked blocks).
+        attn_mask = causal_lower_right(n, kv_len)
+    else:
+        attn_mask = _visible_mask(q, offset, kv_len, causal, mask)
     # SDPA's output strides follow its inputs'; define_op makes the result contiguous.
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=groups > 1)
 
 
 def _kv_attention_fake(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None,
-                       mask=None, lead=0, trail=0, segments=True):
+                       mask=None, lead=0, trail=0, segments=True, kernel="sdpa"):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

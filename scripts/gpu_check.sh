@@ -8,7 +8,9 @@
 #   3. joint attention's text computed by every chunk against once a step, FLUX.1's
 #      widths and text length, 4096 image tokens (1024 px)
 #   4. the fused K/V-cache attention kernel's tests, compiled (not interpreted), fp16/bf16
-#   5. the kernel benchmark (fused against unfused and the library's attention)
+#      (each new shape class is a Triton compile of several seconds: few examples)
+#   5. the kernel benchmark at 1024 tokens (fused against unfused and the library's
+#      attention; compiling its autotuning configurations takes most of its time)
 # The parts that measure what is newest come first: a run cut short still reports them.
 # Writes one report, $REPORT_DIR/gpu_report.md (default: ./gpu_report), with each part's
 # output; a part that fails or runs past its time is marked so and the rest still run.
@@ -70,16 +72,16 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output into the rep
 
 want() { [[ " ${GPU_CHECK_PARTS:-pipeline graphs overhead text kernels bench} " == *" $1 "* ]]; }
 
-want pipeline && part "PixArt-alpha widths, in-process pipeline" 160 python3 benchmarks/gpu_pipeline.py \
+want pipeline && part "PixArt-alpha widths, in-process pipeline" 115 python3 benchmarks/gpu_pipeline.py \
     --layers 4 --grid 128 128 --chunks 2 8 --steps 6 --cuda-graphs
 want graphs && part "Chunking overhead, CUDA graphs" 50 python3 benchmarks/overhead.py --device cuda \
     --dtype bfloat16 --tokens 1024 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10 --cuda-graphs
-want overhead && part "Chunking overhead" 40 python3 benchmarks/overhead.py --device cuda --dtype bfloat16 \
+want overhead && part "Chunking overhead" 45 python3 benchmarks/overhead.py --device cuda --dtype bfloat16 \
     --tokens 1024 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10
-want text && part "Joint attention: text once a step" 50 python3 benchmarks/text_chunks.py --device cuda \
+want text && part "Joint attention: text once a step" 45 python3 benchmarks/text_chunks.py --device cuda \
     --dtype bfloat16 --side 128 --heads 24 --chunks 2 4 8 --rounds 3 --reps 5
-want kernels && TOKPIPE_KERNEL_EXAMPLES=25 part "Kernel tests (compiled, 25 examples a property)" 120 \
+want kernels && TOKPIPE_KERNEL_EXAMPLES=8 part "Kernel tests (compiled, 8 examples a property)" 110 \
     python3 -m pytest -v -x -p no:cacheprovider \
     --durations=5 tests/unit/test_triton_attention.py
-want bench && part "Kernel benchmark" 60 python3 benchmarks/gpu_kernels.py
+want bench && part "Kernel benchmark" 115 python3 benchmarks/gpu_kernels.py --quick
 echo "report: $REPORT" >&2

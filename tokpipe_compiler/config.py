@@ -11,6 +11,7 @@ from tokpipe_compiler.runtime.transport import MAX_TIMEOUT
 MODES = ("stale", "causal", "sync")
 COMPILERS = ("inductor", "eager")
 TEXT_CHUNKS = ("first", "every")
+ATTENTION_KERNELS = ("sdpa", "triton")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class Config:
     text_chunks: which chunks of a stale step compute the text tokens of joint attention:
         "first" (the later chunks attend to the text's K/V as the first chunk left them, so
         the text is computed once a step) or "every" (each chunk computes its own copy).
+    attention: how a chunk writes its K/V cache and attends over it: "sdpa" (a cache copy,
+        then the library's attention: cuDNN or flash on a GPU) or "triton" (both in one
+        fused Triton kernel; CUDA only, layers without masks or text segments, the others
+        warn and use SDPA). On an H200 the library's kernels were faster.
     """
 
     stages: int = 2
@@ -44,6 +49,7 @@ class Config:
     timeout: float = 300.0
     cuda_graphs: bool = False
     text_chunks: str = "first"
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         _check_int("stages", self.stages, 1)
@@ -55,6 +61,7 @@ class Config:
         _check_int("warmup_steps", self.warmup_steps, 0)
         _check_choice("compiler", self.compiler, COMPILERS)
         _check_choice("text_chunks", self.text_chunks, TEXT_CHUNKS)
+        _check_choice("attention", self.attention, ATTENTION_KERNELS)
         if self.token_input is not None and not isinstance(self.token_input, (str, int)):
             raise ValueError(
                 f"option 'token_input' must be an input name, a position or None, "

@@ -23,3 +23,8 @@ def test_good_timeouts(timeout):
 def test_unknown_option_is_named():
     with pytest.raises(ValueError, match=r"unknown tokpipe option\(s\) \['stagse'\]"):
         Config.from_options({"stagse": 2})
+
+
+def test_an_unknown_attention_kernel_is_named():
+    with pytest.raises(ValueError, match=r"option 'attention'.*'sdpa'.*'triton'.*'flash'"):
+        Config(attention="flash")

@@ -7,11 +7,14 @@ against the one-shot masked reference.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokpipe_compiler.runtime import kv_attention as kv_module
 from tokpipe_compiler.runtime.kv_attention import kv_attention
 
 # Against the float64 reference, relative to the largest value.
@@ -50,6 +53,24 @@ def reference(q, k, v, group: int, scale: float | None) -> torch.Tensor:
 @settings(max_examples=60, deadline=None)
 @given(layouts())
 def test_causal_chunks_equal_one_shot_attention(case):
+    check_causal_chunks(case)
+
+
+@settings(max_examples=30, deadline=None)
+@given(layouts())
+def test_causal_chunks_through_the_library_attention_as_on_a_gpu(case):
+    """Without the CPU flash kernel (as on a GPU) a chunk's causal attention is SDPA with
+    a lower-right causal bias: the chunk's queries are the last of the keys."""
+    with mock.patch.object(kv_module, "_has_cpu_flash", lambda q: False), \
+            mock.patch.object(kv_module, "_visible_mask", no_mask_in_memory):
+        check_causal_chunks(case)
+
+
+def no_mask_in_memory(*args, **kwargs):
+    raise AssertionError("a causal chunk ending its keys needs no mask in memory")
+
+
+def check_causal_chunks(case: dict) -> None:
     gen = torch.Generator().manual_seed(case["seed"])
     total, heads = sum(case["chunks"]), case["kv_heads"] * case["group"]
     b, d, rank = case["batch"], case["dim"], case["rank"]

@@ -83,7 +83,7 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
                    planning_costs.send_cost(annotation.token_input),
                    text_share(chunks, chunk_tokens, tokens))
     costs = planning_costs.stage_costs(cut, config.stages, tokens)  # before sdpa is rewritten
-    caches = run_pass(CHUNK_ATTENTION, chunk_attention, gm, config.mode)
+    caches = run_pass(CHUNK_ATTENTION, chunk_attention, gm, config.mode, config.attention)
     caches = caches + run_pass(CHUNK_SUMS, chunk_sums, gm, config.mode)
     runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in c.names}
     graphs = run_pass(SPLIT, split, gm, config.stages, runtime_inputs)
