@@ -5,12 +5,13 @@
 #      against serial eager and serial Inductor, each chunk count without and with CUDA
 #      graphs (the cuda_graphs option)
 #   2. the same at 2 chunks with each attention kernel (the attention option)
-#   3. the chunking overhead benchmark with CUDA graphs, then without (4096 tokens)
-#   4. joint attention's text computed by every chunk against once a step, FLUX.1's
+#   3. matmul and attention rates at chunked shapes against the cost model's H200 preset
+#   4. the chunking overhead benchmark with CUDA graphs, then without (4096 tokens)
+#   5. joint attention's text computed by every chunk against once a step, FLUX.1's
 #      widths and text length, 4096 image tokens (1024 px)
-#   5. the fused K/V-cache attention kernel's tests, compiled (not interpreted), fp16/bf16
+#   6. the fused K/V-cache attention kernel's tests, compiled (not interpreted), fp16/bf16
 #      (each new shape class is a Triton compile of several seconds: few examples)
-#   6. the kernel benchmark at 1024 tokens (fused against unfused and the library's
+#   7. the kernel benchmark at 1024 tokens (fused against unfused and the library's
 #      attention; compiling its autotuning configurations takes most of its time)
 # The parts that measure what is newest come first: a run cut short still reports them.
 # Writes one report, $REPORT_DIR/gpu_report.md (default: ./gpu_report), with each part's
@@ -20,7 +21,7 @@
 #
 # Python packages missing on the machine (diffusers on a bare image) may be put as wheels
 # in .whl/ at the repository root: they are installed first, without the network.
-# GPU_CHECK_PARTS="pipeline attention graphs overhead text kernels bench" (the default)
+# GPU_CHECK_PARTS="pipeline attention rates graphs overhead text kernels bench" (the default)
 # chooses the parts.
 set -u
 cd "$(dirname "$0")/.."
@@ -73,13 +74,14 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output into the rep
 }
 
 want() {
-    [[ " ${GPU_CHECK_PARTS:-pipeline attention graphs overhead text kernels bench} " == *" $1 "* ]]
+    [[ " ${GPU_CHECK_PARTS:-pipeline attention rates graphs overhead text kernels bench} " == *" $1 "* ]]
 }
 
 want pipeline && part "PixArt-alpha widths, in-process pipeline" 115 python3 benchmarks/gpu_pipeline.py \
     --layers 4 --grid 128 128 --chunks 2 8 --steps 6 --cuda-graphs
 want attention && part "PixArt-alpha widths, each attention kernel" 85 python3 \
     benchmarks/gpu_pipeline.py --layers 4 --grid 128 128 --chunks 2 --steps 6 --attention sdpa triton
+want rates && part "Matmul and attention rates at chunked shapes" 25 python3 benchmarks/gpu_rates.py
 want graphs && part "Chunking overhead, CUDA graphs" 50 python3 benchmarks/overhead.py --device cuda \
     --dtype bfloat16 --tokens 1024 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10 --cuda-graphs
 want overhead && part "Chunking overhead" 30 python3 benchmarks/overhead.py --device cuda --dtype bfloat16 \
@@ -89,5 +91,5 @@ want text && part "Joint attention: text once a step" 45 python3 benchmarks/text
 want kernels && TOKPIPE_KERNEL_EXAMPLES=8 part "Kernel tests (compiled, 8 examples a property)" 75 \
     python3 -m pytest -v -x -p no:cacheprovider \
     --durations=5 tests/unit/test_triton_attention.py
-want bench && part "Kernel benchmark" 80 python3 benchmarks/gpu_kernels.py --quick
+want bench && part "Kernel benchmark" 55 python3 benchmarks/gpu_kernels.py --quick
 echo "report: $REPORT" >&2

@@ -1,0 +1,114 @@
+"""What a GPU sustains at the shapes a chunked DiT step runs, against the cost model's figures.
+
+    python benchmarks/gpu_rates.py [--device cuda] [--dtype bfloat16] [--widths 1152 3072]
+        [--rows 512 1024 2048 4096 8192] [--chunks 1 2 4 8]
+
+The simulator prices a chunk's matrix products at `matmul_flops * m / (m + matmul_half)`
+for m rows and its attention at one flat rate (`costmodel/hardware.py`, the H200 preset).
+Chunking shrinks m and the query count n: this measures what that costs on the device.
+
+- matmul: x [m, C] @ W [C, 4C] (an MLP's first linear) and x [m, C] @ W [C, C] (an
+  attention projection), for each width C and row count m (rows = tokens x batch).
+- attention: SDPA (the backend PyTorch picks), a stale chunk of n = L / M queries over
+  all L keys, at PixArt's heads (2 x 16 heads of 72, L = 4096) and FLUX.1's (1 x 24 heads of
+  128, L = 4608).
+
+TFLOP/s from CUDA events (the median of --reps); 'vs model' is measured over the H200
+preset's rate at that shape. On a CPU it runs too (float32, host timer), for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tokpipe_compiler.costmodel.hardware import DEVICES
+
+ATTENTION_CASES = (("pixart", 2, 16, 72, 4096), ("flux", 1, 24, 128, 4608))
+
+
+def median_ms(fn: Callable[[], object], device: str, reps: int) -> float:
+    """Median milliseconds of `fn` after two warmup calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def matmul_rows(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    model = DEVICES["h200"].rates()
+    print(f"\nmatmul TFLOP/s ({args.dtype}, median of {args.reps}); vs model: over the H200 "
+          f"preset's {model.matmul_flops / 1e12:.0f} TFLOP/s x m / (m + {model.matmul_half:.0f})")
+    print(f"{'C':>6} {'out':>6} {'m':>6} {'TFLOP/s':>8} {'vs model':>9}")
+    for width in args.widths:
+        for out in (4 * width, width):
+            w = torch.randn(width, out, device=args.device, dtype=dtype)
+            for m in args.rows:
+                x = torch.randn(m, width, device=args.device, dtype=dtype)
+                ms = median_ms(lambda x=x, w=w: x @ w, args.device, args.reps)
+                tflops = 2 * m * width * out / ms / 1e9
+                expected = model.matmul_rate(m) / 1e12
+                print(f"{width:>6} {out:>6} {m:>6} {tflops:>8.1f} {tflops / expected:>8.2f}x",
+                      flush=True)
+
+
+def attention_chunks(args: argparse.Namespace, dtype: torch.dtype) -> None:
+    model = DEVICES["h200"].rates()
+    print(f"\nSDPA TFLOP/s, a stale chunk of L / M queries over L keys ({args.dtype}); "
+          f"vs model: over the preset's flat {model.attention_flops / 1e12:.0f} TFLOP/s")
+    print(f"{'case':>7} {'B x H x D':>12} {'L':>6} {'M':>3} {'n':>6} {'TFLOP/s':>8} "
+          f"{'vs model':>9}")
+    for name, batch, heads, dim, length in ATTENTION_CASES:
+        def rand(n: int, b=batch, h=heads, d=dim) -> torch.Tensor:
+            return torch.randn(b, h, n, d, device=args.device, dtype=dtype)
+
+        k, v = rand(length), rand(length)
+        for chunks in args.chunks:
+            n = length // chunks
+            q = rand(n)
+            ms = median_ms(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v),
+                           args.device, args.reps)
+            tflops = 4 * batch * heads * n * length * dim / ms / 1e9
+            shape = f"{batch}x{heads}x{dim}"
+            print(f"{name:>7} {shape:>12} {length:>6} {chunks:>3} {n:>6} {tflops:>8.1f} "
+                  f"{tflops / (model.attention_flops / 1e12):>8.2f}x", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--widths", type=int, nargs="+", default=[1152, 3072])
+    parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("gpu_rates: no CUDA device here; pass --device cpu for a smoke run")
+    dtype = getattr(torch, args.dtype)
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"device: {name}, torch {torch.__version__}")
+    with torch.no_grad():
+        matmul_rows(args, dtype)
+        attention_chunks(args, dtype)
+
+
+if __name__ == "__main__":
+    main()
