@@ -8,7 +8,7 @@ becomes
 The caches and `tokpipe_chunk` are new graph inputs that the runtime provides: a persistent
 K/V buffer per layer, and [first unit, units, visible units] of the chunk being run.
 `lead`/`trail` count whole text tokens around the chunk's tokens (joint attention).
-With attention="triton", layers the fused kernel can run also get `kernel="triton"`.
+With attention="triton", layers the fused kernel can run also get `fused=True`.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str, kernel: str = "sdpa"
                 (args["query"], args["key"], args["value"], k_cache, v_cache, chunk,
                  spec.per_unit, causal, args.get("scale"), args.get("attn_mask"), info.lead,
                  info.trail),
-                {"kernel": "triton"} if kernel == "triton" and not unfused else {},
+                {"fused": True} if kernel == "triton" and not unfused else {},
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)

@@ -1,11 +1,13 @@
 """The attention custom op that chunk_attention emits: write the chunk's K/V into the
 layer's cache at the chunk's offset, then attend over the cache with the mode's semantics.
 
-`kernel` chooses how: "sdpa" copies the chunk into the cache and calls the library's
-attention over it (cuDNN or flash on a GPU), "triton" does both in one launch of the fused
-Triton kernel (chunk_attention asks for it only on CUDA, for layers without a mask or text
-segments). On an H200 the library's kernels were faster (BENCHMARKS.md, "GPU: one H200"),
-so "sdpa" is the default.
+`fused` chooses how: False copies the chunk into the cache and calls the library's
+attention over it (cuDNN or flash on a GPU), True does both in one launch of the fused
+Triton kernel (chunk_attention asks for it, with the option attention="triton", only on
+CUDA, for layers without a mask or text segments). The argument is not called `kernel`:
+Inductor's lowering passes an op's arguments by name beside a `kernel` of its own. On an
+H200 the library's kernels were faster (BENCHMARKS.md, "GPU: one H200"), so the option's
+default is "sdpa".
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def _kv_attention(
     lead: int = 0,
     trail: int = 0,
     segments: bool = True,
-    kernel: str = "sdpa",
+    fused: bool = False,
 ) -> torch.Tensor:
     """q, k, v: [..., n, D] for the chunk's n tokens; caches [..., L, D].
 
@@ -55,7 +57,7 @@ def _kv_attention(
     cache's ends and always visible. `segments`: whether k and v hold them (the chunk
     computes them and writes them to the cache) or not (the cache's are attended to).
     """
-    if kernel == "triton":
+    if fused:
         from tokpipe_compiler.runtime.triton_attention import fused_kv_attention
 
         start, _, visible = (int(x) for x in chunk.tolist())
@@ -85,7 +87,7 @@ def _kv_attention(
 
 
 def _kv_attention_fake(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None,
-                       mask=None, lead=0, trail=0, segments=True, kernel="sdpa"):
+                       mask=None, lead=0, trail=0, segments=True, fused=False):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 

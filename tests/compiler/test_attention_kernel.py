@@ -30,8 +30,8 @@ def run(program, inputs, calls: int = 3) -> list[torch.Tensor]:
 
 
 def kernels(program) -> list[str]:
-    """The `kernel` of every kv_attention call in the program's stage graphs."""
-    return [node.kwargs.get("kernel", "sdpa") for stage in program.plan.stages
+    """Which kernel every kv_attention call in the program's stage graphs asks for."""
+    return ["triton" if node.kwargs.get("fused") else "sdpa" for stage in program.plan.stages
             for node in stage.graph.gm.graph.nodes
             if node.target is torch.ops.tokpipe.kv_attention.default]
 
@@ -48,8 +48,10 @@ def test_triton_on_cpu_tensors_warns_and_runs_sdpa():
         assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("case", [dit_case, lm_case], ids=["dit-stale", "lm-causal"])
-def test_triton_layers_call_the_fused_kernel(monkeypatch, case):
+@pytest.mark.parametrize("case, compiler", [(dit_case, "eager"), (lm_case, "eager"),
+                                            (dit_case, "inductor")],
+                         ids=["dit-stale", "lm-causal", "dit-stale-inductor"])
+def test_triton_layers_call_the_fused_kernel(monkeypatch, case, compiler):
     """As on a GPU (the layer check says yes): every layer's op calls the fused kernel, here
     its float64 reference, which has the kernel's contract (cache store, then attention)."""
     calls = []
@@ -63,7 +65,8 @@ def test_triton_layers_call_the_fused_kernel(monkeypatch, case):
     monkeypatch.setattr(triton_attention, "fused_kv_attention", fused)
     model, inputs, mode = case()
     traced = trace(model, *inputs)
-    program = traced.program(stages=2, chunks=4, mode=mode, attention="triton")
+    program = traced.program(stages=2, chunks=4, mode=mode, attention="triton",
+                             compiler=compiler)
     assert kernels(program) == ["triton", "triton"]
     got = run(program, traced.inputs)
     causal = mode == "causal"
