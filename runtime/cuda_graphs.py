@@ -244,8 +244,9 @@ def _copy_in(buffer: torch.Tensor, x: torch.Tensor, dims: tuple[int, ...],
 
 
 def _overlaps(x: torch.Tensor) -> bool:
-    """Whether two elements of `x` may share memory: with dims ordered by stride, each
-    must step past everything the smaller ones reach (sufficient, not necessary)."""
+    """Whether two elements of `x` may share memory. With dims ordered by stride, each must
+    step past everything the smaller ones reach: a layout that passes cannot overlap (a
+    few exotic ones that fail do not either; they are not graphed)."""
     span = 1  # elements from the first to the last one the smaller dims reach, plus one
     pairs = zip(x.stride(), x.shape, strict=True)
     for stride, size in sorted((st, s) for st, s in pairs if s > 1):
