@@ -92,6 +92,8 @@ def test_chunks_tile_the_token_range(chunks):
 def test_summary_numbers():
     _, plan = dit_plan()
     text = str(plan)
+    assert text.startswith("tokpipe plan: 3 stage(s) x 5 chunk(s), mode=stale, 1 warmup "
+                           "step(s), compiler=eager, attention=sdpa\n")
     for s in plan.stages:
         assert f"\n{s.index:>5}  " in text
         assert s.code.lstrip().startswith("def forward")

@@ -22,7 +22,8 @@ def _header(plan: Plan) -> list[str]:
     c = plan.config
     warmup = f", {c.warmup_steps} warmup step(s)" if c.mode == "stale" else ""
     return [f"tokpipe plan: {len(plan.stages)} stage(s) x {len(plan.chunks)} chunk(s), "
-            f"mode={c.mode}{warmup}, compiler={c.compiler}",
+            f"mode={c.mode}{warmup}, compiler={c.compiler}, attention={c.attention}"
+            f"{', cuda_graphs' if c.cuda_graphs else ''}",
             f"token input '{plan.token_input}': {plan.units} grid rows, {plan.tokens} tokens; "
             f"parameters {human_bytes(plan.model_param_bytes)} (each counted once)"]
 
