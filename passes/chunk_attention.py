@@ -48,9 +48,12 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str, kernel: str = "sdpa"
                 "whole sequence (no is_causal=True, no mask); use mode='stale' or 'sync'"
             )
         k, v = example_value(args["key"]), example_value(args["value"])
-        unfused = _why_unfused(k, args.get("attn_mask"), info.segmented)
-        if kernel == "triton" and unfused:
-            sdpa_layers.append(f"{describe(node)}: {unfused}")
+        fused = False
+        if kernel == "triton":
+            unfused = _why_unfused(k, args.get("attn_mask"), info.segmented)
+            fused = not unfused
+            if unfused:
+                sdpa_layers.append(f"{describe(node)}: {unfused}")
         spec = CacheSpec(layer, f"kv_cache_{layer}_k", f"kv_cache_{layer}_v", tuple(k.shape),
                          tuple(v.shape), k.dtype, node.meta[META_KEY].per_unit)
         k_cache = add_input(gm, spec.k_name, k)
@@ -61,7 +64,7 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str, kernel: str = "sdpa"
                 (args["query"], args["key"], args["value"], k_cache, v_cache, chunk,
                  spec.per_unit, causal, args.get("scale"), args.get("attn_mask"), info.lead,
                  info.trail),
-                {"fused": True} if kernel == "triton" and not unfused else {},
+                {"fused": True} if fused else {},
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)

@@ -181,16 +181,17 @@ class GraphedStage:
             if not isinstance(x, torch.Tensor) or kind == PERSISTENT:
                 continue
             args[i] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            view, dims = _writable(args[i], i)
+            view.copy_(_narrow(x, dims))
             if kind == COPIED:
-                writes[i] = _writable(args[i], i)
-            _copy_in(args[i], x, _broadcast_dims(x))
+                writes[i] = view, dims
         replay, outputs = self.capture(self.fn, args, self.pool)
         self.captures += 1
         return _Graph(replay, args, outputs, writes)
 
     def _replay(self, graph: _Graph, inputs: Sequence[Any]) -> list[torch.Tensor]:
         for i, (view, dims) in graph.writes.items():  # a few per chunk, not the weights
-            _copy_in(view, inputs[i], dims, narrowed=True)
+            view.copy_(_narrow(inputs[i], dims))
         graph.replay()
         return [out.clone() for out in graph.outputs]
 
@@ -235,12 +236,6 @@ def _writable(buffer: torch.Tensor, index: int) -> tuple[torch.Tensor, tuple[int
     if _overlaps(view):
         raise NotGraphable(f"input {index} has overlapping strides {buffer.stride()}")
     return view, dims
-
-
-def _copy_in(buffer: torch.Tensor, x: torch.Tensor, dims: tuple[int, ...],
-             narrowed: bool = False) -> None:
-    """Writes `x` into `buffer` (same shape and strides; already narrowed if `narrowed`)."""
-    (buffer if narrowed else _narrow(buffer, dims)).copy_(_narrow(x, dims))
 
 
 def _overlaps(x: torch.Tensor) -> bool:

@@ -57,17 +57,15 @@ def _kv_attention(
     cache's ends and always visible. `segments`: whether k and v hold them (the chunk
     computes them and writes them to the cache) or not (the cache's are attended to).
     """
-    if fused:
-        from tokpipe_compiler.runtime.triton_attention import fused_kv_attention
-
-        start, _, visible = (int(x) for x in chunk.tolist())
-        return fused_kv_attention(q, k, v, k_cache, v_cache, start * per_unit,
-                                  visible * per_unit, causal, scale)
     if lead or trail:
         return _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask,
                           (lead, trail) if segments else (0, 0), (lead, trail))
     start, _, visible = (int(x) for x in chunk.tolist())
     offset, n, kv_len = start * per_unit, q.shape[-2], visible * per_unit
+    if fused:  # never with text segments: chunk_attention asks for it only without them
+        from tokpipe_compiler.runtime.triton_attention import fused_kv_attention
+
+        return fused_kv_attention(q, k, v, k_cache, v_cache, offset, kv_len, causal, scale)
     with _cache_write_range():
         k_cache[..., offset : offset + n, :].copy_(k)
         v_cache[..., offset : offset + n, :].copy_(v)
