@@ -3,18 +3,23 @@
     python benchmarks/gpu_rates.py [--device cuda] [--dtype bfloat16] [--widths 1152 3072]
         [--rows 512 1024 2048 4096 8192] [--chunks 1 2 4 8]
 
-The simulator prices a chunk's matrix products at `matmul_flops * m / (m + matmul_half)`
-for m rows and its attention at one flat rate (`costmodel/hardware.py`, the H200 preset).
-Chunking shrinks m and the query count n: this measures what that costs on the device.
+The simulator prices a chunk's matrix products by shape, in waves of output tiles over the
+GPU's multiprocessors, and its attention at one flat rate (`costmodel/hardware.py`, the
+H200 preset, fitted to this benchmark's output). Chunking shrinks the rows m and the query
+count n: this measures what that costs on the device.
 
 - matmul: x [m, C] @ W [C, 4C] (an MLP's first linear) and x [m, C] @ W [C, C] (an
   attention projection), for each width C and row count m (rows = tokens x batch).
 - attention: SDPA (the backend PyTorch picks), a stale chunk of n = L / M queries over
-  all L keys, at PixArt's heads (2 x 16 heads of 72, L = 4096) and FLUX.1's (1 x 24 heads of
-  128, L = 4608).
+  all L keys, at PixArt's heads (2 x 16 heads of 72, L = 4096), the same with heads of 64
+  and 128, and FLUX.1's (1 x 24 heads of 128, L = 4608).
 
 TFLOP/s from CUDA events (the median of --reps); 'vs model' is measured over the H200
-preset's rate at that shape. On a CPU it runs too (float32, host timer), for a smoke test.
+preset's rate at that shape. 'one call': events around each call, so a short kernel's time
+includes the gap while the host launches it; 'graphed' (CUDA only): --reps calls captured
+in one CUDA graph and replayed, the device's time per call when launches are queued (as
+in a CUDA-graphed or long stage). On a CPU it runs too (float32, host timer, no graphed
+column), for a smoke test.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tokpipe_compiler.costmodel.calibrate import GEMM_TILE
 from tokpipe_compiler.costmodel.hardware import DEVICES
 
-ATTENTION_CASES = (("pixart", 2, 16, 72, 4096), ("flux", 1, 24, 128, 4608))
+ATTENTION_CASES = (("pixart", 2, 16, 72, 4096), ("d64", 2, 16, 64, 4096),
+                   ("d128", 2, 16, 128, 4096), ("flux", 1, 24, 128, 4608))
 
 
 def median_ms(fn: Callable[[], object], device: str, reps: int) -> float:
@@ -52,29 +59,51 @@ def median_ms(fn: Callable[[], object], device: str, reps: int) -> float:
     return statistics.median(times)
 
 
+def graphed_ms(fn: Callable[[], object], device: str, reps: int) -> float:
+    """Milliseconds per call of `reps` calls replayed from one CUDA graph (nan off CUDA)."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def matmul_rows(args: argparse.Namespace, dtype: torch.dtype) -> None:
     model = DEVICES["h200"].rates()
-    print(f"\nmatmul TFLOP/s ({args.dtype}, median of {args.reps}); vs model: over the H200 "
-          f"preset's {model.matmul_flops / 1e12:.0f} TFLOP/s x m / (m + {model.matmul_half:.0f})")
-    print(f"{'C':>6} {'out':>6} {'m':>6} {'TFLOP/s':>8} {'vs model':>9}")
+    print(f"\nmatmul x [m, C] @ W [C, out] ({args.dtype}, median of {args.reps}); the H200 "
+          f"preset: waves of {GEMM_TILE} x {GEMM_TILE} tiles over {model.sms} SMs, "
+          f"{model.matmul_flops / 1e12:.0f} TFLOP/s in full waves")
+    print(f"{'C':>6} {'out':>6} {'m':>6} {'one call':>9} {'graphed':>8} {'vs model':>9}  "
+          f"(TFLOP/s; vs model: graphed over the preset's waves of tiles)")
     for width in args.widths:
         for out in (4 * width, width):
             w = torch.randn(width, out, device=args.device, dtype=dtype)
             for m in args.rows:
                 x = torch.randn(m, width, device=args.device, dtype=dtype)
-                ms = median_ms(lambda x=x, w=w: x @ w, args.device, args.reps)
-                tflops = 2 * m * width * out / ms / 1e9
-                expected = model.matmul_rate(m) / 1e12
-                print(f"{width:>6} {out:>6} {m:>6} {tflops:>8.1f} {tflops / expected:>8.2f}x",
-                      flush=True)
+                flops = 2 * m * width * out
+                one = flops / median_ms(lambda x=x, w=w: x @ w, args.device, args.reps) / 1e9
+                graphed = flops / graphed_ms(lambda x=x, w=w: x @ w, args.device, args.reps) / 1e9
+                expected = flops / model.gemm_seconds(m, out, width) / 1e12
+                print(f"{width:>6} {out:>6} {m:>6} {one:>9.1f} {graphed:>8.1f} "
+                      f"{graphed / expected:>8.2f}x", flush=True)
 
 
 def attention_chunks(args: argparse.Namespace, dtype: torch.dtype) -> None:
     model = DEVICES["h200"].rates()
     print(f"\nSDPA TFLOP/s, a stale chunk of L / M queries over L keys ({args.dtype}); "
           f"vs model: over the preset's flat {model.attention_flops / 1e12:.0f} TFLOP/s")
-    print(f"{'case':>7} {'B x H x D':>12} {'L':>6} {'M':>3} {'n':>6} {'TFLOP/s':>8} "
-          f"{'vs model':>9}")
+    print(f"{'case':>7} {'B x H x D':>12} {'L':>6} {'M':>3} {'n':>6} {'one call':>9} "
+          f"{'graphed':>8} {'vs model':>9}")
     for name, batch, heads, dim, length in ATTENTION_CASES:
         def rand(n: int, b=batch, h=heads, d=dim) -> torch.Tensor:
             return torch.randn(b, h, n, d, device=args.device, dtype=dtype)
@@ -83,12 +112,16 @@ def attention_chunks(args: argparse.Namespace, dtype: torch.dtype) -> None:
         for chunks in args.chunks:
             n = length // chunks
             q = rand(n)
-            ms = median_ms(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v),
-                           args.device, args.reps)
-            tflops = 4 * batch * heads * n * length * dim / ms / 1e9
+            def attend(q=q, k=k, v=v) -> torch.Tensor:
+                return F.scaled_dot_product_attention(q, k, v)
+
+            flops = 4 * batch * heads * n * length * dim
+            one = flops / median_ms(attend, args.device, args.reps) / 1e9
+            graphed = flops / graphed_ms(attend, args.device, args.reps) / 1e9
             shape = f"{batch}x{heads}x{dim}"
-            print(f"{name:>7} {shape:>12} {length:>6} {chunks:>3} {n:>6} {tflops:>8.1f} "
-                  f"{tflops / (model.attention_flops / 1e12):>8.2f}x", flush=True)
+            print(f"{name:>7} {shape:>12} {length:>6} {chunks:>3} {n:>6} {one:>9.1f} "
+                  f"{graphed:>8.1f} {graphed / (model.attention_flops / 1e12):>8.2f}x",
+                  flush=True)
 
 
 def main() -> None:

@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
     args = parser.parse_args(argv)
     device = target_device("h200")
-    log(f"h200 at {fitted_share():.0%} of its 989 TFLOP/s peak (the A100's fitted share)")
+    log(f"h200: {device.matmul_flops / 1e12:.0f} TFLOP/s in full waves of GEMM tiles over "
+        f"{device.sms} SMs, attention {device.rates().attention_flops / 1e12:.0f} TFLOP/s "
+        f"({device.measured or f'the A100 fit: {fitted_share():.0%} of peak'})")
     start = time.perf_counter()
     print(HEADER, flush=True)
     for name in args.names or released.NAMES:  # each model's rows as soon as they are known

@@ -257,6 +257,81 @@ def test_matmul_rate_saturates():
     assert RATES.matmul_rate(10_000) > 0.99 * RATES.matmul_flops
 
 
+def test_linear_records_its_product_shape():
+    g = traced(
+        lambda x, w, b: F.linear(x, w, b),
+        {"x": torch.randn(2, 12, 20), "w": torch.randn(30, 20), "b": torch.randn(30)},
+        {"x": token(1, 1), "linear": token(1, 1)},
+    )
+    (gemm,) = node_cost(only(g, "linear"), tokens=12).gemms
+    assert (at(gemm.rows, 5), gemm.cols, gemm.depth, gemm.count) == (10, 30, 20, 1)
+    twice = graph_cost([only(g, "linear")] * 2, tokens=12)
+    assert [(at(g.rows, 5), g.count) for g in twice.gemms] == [(10, 2)]  # merged
+    assert at(twice.gemms[0].flops, 5) == 2 * at(node_cost(only(g, "linear"), 12).matmul_flops, 5)
+
+
+# One H200, bf16, x [m, C] @ W [C, out] replayed from a CUDA graph (benchmarks/gpu_rates.py,
+# 2026-12-04): (C, out, m, TFLOP/s).
+H200_GRAPHED = [
+    (1152, 4608, 512, 468.4), (1152, 4608, 1024, 694.5), (1152, 4608, 2048, 706.8),
+    (1152, 4608, 4096, 701.6), (1152, 4608, 8192, 725.9), (1152, 1152, 512, 275.1),
+    (1152, 1152, 1024, 360.1), (1152, 1152, 2048, 564.9), (1152, 1152, 4096, 639.2),
+    (1152, 1152, 8192, 697.0), (3072, 12288, 512, 733.6), (3072, 12288, 1024, 770.2),
+    (3072, 12288, 2048, 789.9), (3072, 12288, 4096, 799.1), (3072, 12288, 8192, 687.1),
+    (3072, 3072, 512, 555.6), (3072, 3072, 1024, 602.2), (3072, 3072, 2048, 630.2),
+    (3072, 3072, 4096, 654.8), (3072, 3072, 8192, 733.7),
+]
+
+
+def test_waves_of_tiles_explain_the_h200s_products():
+    """Each measured product within 0.75-1.35x of its waves of 128 x 128 tiles (0.84-1.33x
+    today), 10% off on average; a rate by rows alone (the CPU's model) misses the narrow
+    products by 1.6x."""
+    import math
+
+    from tokpipe_compiler.costmodel.hardware import DEVICES
+
+    rates = DEVICES["h200"].rates()
+    errors = []
+    for width, out, m, tflops in H200_GRAPHED:
+        measured = 2 * m * width * out / (tflops * 1e12)
+        ratio = rates.gemm_seconds(m, out, width) / measured
+        assert 0.75 < ratio < 1.35, (width, out, m, ratio)
+        errors.append(abs(math.log(ratio)))
+    assert sum(errors) / len(errors) < 0.12
+    by_rows = replace(rates, sms=0, matmul_half=64.0, matmul_flops=494e12)
+    narrow = 2 * 512 * 1152 * 1152
+    assert narrow / by_rows.matmul_rate(512) < narrow / (275.1e12 * 1.5)
+
+
+def test_a_product_too_small_for_the_gpu_pays_a_whole_wave():
+    rates = calibrate.DeviceRates(matmul_flops=132e12, mem_bandwidth=1e12,
+                                  attention_flops=1e14, per_op_overhead=0.0, sms=132)
+    one_tile = rates.gemm_seconds(1, 128, 1024)
+    assert rates.gemm_seconds(128, 128, 1024) == one_tile
+    assert rates.gemm_seconds(128 * 132, 128, 1024) == one_tile  # one full wave
+    assert rates.gemm_seconds(128 * 133, 128, 1024) == 2 * one_tile
+    assert rates.gemm_seconds(0, 128, 1024) == 0.0
+
+
+def test_seconds_time_products_by_shape_only_with_multiprocessors():
+    g = traced(
+        lambda x, w: F.linear(x, w),
+        {"x": torch.randn(1, 4096, 1152), "w": torch.randn(1152, 1152)},
+        {"x": token(1, 1), "linear": token(1, 1)},
+    )
+    cost = node_cost(only(g, "linear"), tokens=4096)
+    gpu = calibrate.DeviceRates(matmul_flops=7.78e14, mem_bandwidth=3.84e12,
+                                attention_flops=4.3e14, per_op_overhead=0.0, sms=132)
+    flat = replace(gpu, sms=0)
+    small, full = (calibrate.seconds(cost, gpu, n, 4096) for n in (512, 4096))
+    assert small > full / 8 * 1.5  # 36 tiles on 132 SMs: most of the GPU idles
+    assert calibrate.seconds(cost, flat, 512, 4096) < small
+    assert calibrate.time_fn(cost, gpu)(512, 4096) == pytest.approx(small)
+    assert calibrate.time_fn(cost, flat)(512, 4096) == pytest.approx(
+        calibrate.seconds(cost, flat, 512, 4096))
+
+
 def test_rates_cache_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
     calls = []

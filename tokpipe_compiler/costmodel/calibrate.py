@@ -7,6 +7,7 @@ seconds(graph_cost(nodes, 4096), rates, n=512, c=4096)
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -41,6 +42,9 @@ class DeviceRates:
     per_op_overhead: seconds of launch/dispatch per kernel-running node.
     causal_tile: key positions per tile of the causal attention kernel (it computes whole
     tiles, so the diagonal block of a chunk costs more than its unmasked half).
+    sms: multiprocessors of a GPU (0: not modelled). With them a product of known shape
+    runs as waves of GEMM_TILE x GEMM_TILE output tiles, sms at a time, each multiprocessor
+    at matmul_flops / sms: a chunk too small to fill the GPU pays for a whole wave.
     """
 
     matmul_flops: float
@@ -49,17 +53,31 @@ class DeviceRates:
     per_op_overhead: float
     matmul_half: float = 0.0
     causal_tile: float = 0.0
+    sms: int = 0
 
     def matmul_rate(self, m: float) -> float:
         return self.matmul_flops * m / (m + self.matmul_half)
+
+    def gemm_seconds(self, rows: float, cols: int, depth: int) -> float:
+        """One [rows, depth] @ [depth, cols] product in waves of output tiles (sms > 0)."""
+        tiles = math.ceil(rows / GEMM_TILE) * math.ceil(cols / GEMM_TILE)
+        per_tile = 2 * GEMM_TILE * GEMM_TILE * depth * self.sms / self.matmul_flops
+        return math.ceil(tiles / self.sms) * per_tile
+
+
+# Output tile of a GPU's matrix product kernels: on an H200 (bf16, 20 shapes of DiT
+# widths 1152 and 3072, 512-8192 rows) waves of 128 x 128 tiles explain the measured times
+# within 10% (BENCHMARKS.md, "Matmul and attention rates at chunked shapes").
+GEMM_TILE = 128
 
 
 def seconds(cost: Cost, rates: DeviceRates, n: int, c: int, text: float = 1.0) -> float:
     """Predicted time of `cost` for a chunk of n tokens attending over c tokens that
     computes `text` of the text segments (cost.TEXT)."""
     flops, nbytes, mm, attn = cost.at(n, c, round(rates.causal_tile), text)
+    gemms = cost.gemms_at(n, c, text) if rates.sms else []
     return _combine(flops, nbytes, mm, attn, cost.launches_at(text), rates,
-                    n + text * cost.text_rows)
+                    n + text * cost.text_rows, gemms)
 
 
 def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
@@ -67,24 +85,30 @@ def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
     often."""
     exprs = (cost.flops, cost.bytes, cost.matmul_flops, cost.attention_flops)
     tiled = [sympy.sympify(e).subs(TILE, round(rates.causal_tile)) for e in exprs]
-    evaluate = sympy.lambdify((N, C, TEXT), tiled, "math")
+    gemms = cost.gemms if rates.sms else ()
+    evaluate = sympy.lambdify((N, C, TEXT), tiled + [g.rows for g in gemms], "math")
 
     def predict(n: int, c: int, text: float = 1.0) -> float:
-        flops, nbytes, mm, attn = (float(v) for v in evaluate(n, c, text))
+        flops, nbytes, mm, attn, *rows = (float(v) for v in evaluate(n, c, text))
+        shapes = [(r, g.cols, g.depth, g.count) for r, g in zip(rows, gemms, strict=True)]
         return _combine(flops, nbytes, mm, attn, cost.launches_at(text), rates,
-                        n + text * cost.text_rows)
+                        n + text * cost.text_rows, shapes)
 
     return predict
 
 
 def _combine(
     flops: float, nbytes: float, mm: float, attn: float, launches: float,
-    rates: DeviceRates, rows: float,
+    rates: DeviceRates, rows: float, gemms: list[tuple[float, int, int, int]],
 ) -> float:  # fmt: skip
     """Seconds of the chunk's work; `rows`: its tokens with the text it computes, which set
-    the rate of its matrix products."""
+    the rate of its matrix products; `gemms`: (rows, cols, depth, count) of the products
+    timed by shape (their FLOPs are part of mm)."""
+    shaped = sum(count * rates.gemm_seconds(r, cols, depth) for r, cols, depth, count in gemms)
+    rest = max(mm - sum(2 * count * r * cols * depth for r, cols, depth, count in gemms), 0.0)
     compute = (
-        mm / rates.matmul_rate(max(rows, 1))
+        shaped
+        + rest / rates.matmul_rate(max(rows, 1))
         + attn / rates.attention_flops
         + (flops - mm - attn) / rates.matmul_flops
     )

@@ -31,9 +31,11 @@ from tokpipe_compiler.costmodel.symbolic import (
     ZERO,
     C,
     Cost,
+    Gemm,
     N,
     dims,
     io_bytes,
+    merged,
     nbytes,
     numel,
     out_numel,
@@ -95,7 +97,18 @@ def _creation(node: torch.fx.Node, tokens: int) -> Cost:
 def _matmul_cost(node: torch.fx.Node, tokens: int, k: sympy.Expr, bias: bool) -> Cost:
     out = out_numel(node, tokens)
     mm = 2 * out * k
-    return Cost(mm + (out if bias else 0), io_bytes(node, tokens), mm, launches=1)
+    return Cost(mm + (out if bias else 0), io_bytes(node, tokens), mm, launches=1,
+                gemms=_gemm(node, tokens, k))
+
+
+def _gemm(node: torch.fx.Node, tokens: int, k: sympy.Expr) -> tuple[Gemm, ...]:
+    """The product's shape, its leading dims folded into rows; none where the output's
+    columns or the depth depend on the chunk (a score matrix over the context)."""
+    shape = dims(node, tokens)
+    depth = sympy.sympify(k)
+    if not shape or not shape[-1].is_Integer or not depth.is_Integer:
+        return ()
+    return (Gemm(numel(shape[:-1]), int(shape[-1]), int(depth)),)
 
 
 def _linear(node: torch.fx.Node, tokens: int) -> Cost:
@@ -252,4 +265,5 @@ def graph_cost(nodes: Iterable[torch.fx.Node], tokens: int) -> Cost:
         sum(c.launches for c in costs),
         max((c.text_rows for c in costs), default=0),
         sum(c.text_launches for c in costs),
+        merged(tuple(g for c in costs for g in c.gemms)),
     )

@@ -14,8 +14,12 @@ ACHIEVABLE = 0.5
 @dataclass(frozen=True)
 class DeviceModel:
     """One accelerator: sustained matmul FLOP/s, memory B/s, and the matmul size (rows)
-    at which a skinny matmul reaches half its rate. memory: bytes of device memory (0:
-    unknown); causal_tile: key positions per tile of its causal attention kernel."""
+    at which a skinny matmul of unknown shape reaches half its rate. memory: bytes of
+    device memory (0: unknown); causal_tile: key positions per tile of its causal attention
+    kernel; sms: its multiprocessors (products of known shape run in waves of tiles);
+    attention_flops: its attention kernels' rate (0: the matmul rate); measured: where
+    the sustained rates come from when measured on the device (empty: ACHIEVABLE of the
+    spec sheet)."""
 
     name: str
     matmul_flops: float
@@ -23,6 +27,9 @@ class DeviceModel:
     matmul_half: float = 64.0
     memory: float = 0.0
     causal_tile: float = 0.0
+    sms: int = 0
+    attention_flops: float = 0.0
+    measured: str = ""
 
     def rates(self) -> DeviceRates:
         # Launch cost is left out: GPU launches are asynchronous and hide behind
@@ -30,10 +37,11 @@ class DeviceModel:
         return DeviceRates(
             matmul_flops=self.matmul_flops,
             mem_bandwidth=self.mem_bandwidth,
-            attention_flops=self.matmul_flops,
+            attention_flops=self.attention_flops or self.matmul_flops,
             per_op_overhead=0.0,
             matmul_half=self.matmul_half,
             causal_tile=self.causal_tile,
+            sms=self.sms,
         )
 
 
@@ -51,16 +59,22 @@ class LinkModel:
 
 TERA, GIGA = 1e12, 1e9
 DEVICES: dict[str, DeviceModel | None] = {
-    # H200 SXM: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, 141 GB (NVIDIA H200 product brief);
-    # FlashAttention's causal kernels skip masked tiles of 128 keys. No published run to
-    # fit its sustained share: costmodel/h200.py takes the A100's fitted share instead.
-    "h200": DeviceModel("h200", ACHIEVABLE * 989 * TERA, 0.8 * 4800 * GIGA,
-                        memory=141 * GIGA, causal_tile=128),
-    # A100 PCIe 80GB: 312 TFLOP/s dense BF16, 1935 GB/s HBM2e (NVIDIA A100 datasheet).
+    # H200 SXM: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, 141 GB, 132 SMs (NVIDIA H200
+    # product brief); FlashAttention's causal kernels skip masked tiles of 128 keys.
+    # Measured (benchmarks/gpu_rates.py, bf16): full waves of GEMM tiles at 5.9 TFLOP/s an
+    # SM (778 TFLOP/s), SDPA over stale chunks at 278-629 TFLOP/s by head dim and chunk
+    # count (the median of the 8 cases, 430, here).
+    "h200": DeviceModel("h200", 778 * TERA, 0.8 * 4800 * GIGA, memory=141 * GIGA,
+                        causal_tile=128, sms=132, attention_flops=430 * TERA,
+                        measured="benchmarks/gpu_rates.py on one H200, 2026-12-04"),
+    # A100 PCIe 80GB: 312 TFLOP/s dense BF16, 1935 GB/s HBM2e, 108 SMs (NVIDIA A100
+    # datasheet).
     "a100-pcie": DeviceModel("a100-pcie", ACHIEVABLE * 312 * TERA, 0.8 * 1935 * GIGA,
-                             memory=80 * GIGA),
-    # L20: 119.5 TFLOP/s dense FP16/BF16 tensor, 864 GB/s GDDR6, 48 GB (NVIDIA L20 datasheet).
-    "l20": DeviceModel("l20", ACHIEVABLE * 119.5 * TERA, 0.8 * 864 * GIGA, memory=48 * GIGA),
+                             memory=80 * GIGA, sms=108),
+    # L20: 119.5 TFLOP/s dense FP16/BF16 tensor, 864 GB/s GDDR6, 48 GB, 92 SMs (NVIDIA L20
+    # datasheet).
+    "l20": DeviceModel("l20", ACHIEVABLE * 119.5 * TERA, 0.8 * 864 * GIGA, memory=48 * GIGA,
+                       sms=92),
     # The local CPU has no spec sheet: see cpu_device(), which measures it.
     "cpu": None,
 }

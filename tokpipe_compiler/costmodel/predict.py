@@ -46,8 +46,11 @@ def fitted_share(name: str = CALIBRATED_LIKE) -> float:
 
 
 def target_device(name: str = "h200", like: str = CALIBRATED_LIKE) -> DeviceModel:
-    """`name`'s preset at `like`'s fitted share of its peak."""
+    """`name`'s preset: as measured on the device where it was, else at `like`'s fitted
+    share of its peak."""
     preset = DEVICES[name]
+    if preset.measured:
+        return preset
     share = fitted_share(like)
     return replace(preset, matmul_flops=preset.matmul_flops / ACHIEVABLE * share)
 
@@ -159,3 +162,12 @@ def _step_seconds(costs: list[Cost], table: list[tuple[int, int, float]],
         out.append(sum(max(fn(*chunk), cost.launches_at(chunk[2]) * LAUNCH_S)
                        for chunk in table))
     return out
+
+
+def one_device_step(plan: Plan, device: DeviceModel) -> tuple[float, float]:
+    """(whole pass, chunked step): seconds of one step of stale `plan` with every stage on
+    one `device` in turn, unchunked and in the plan's chunks. Their ratio is what chunking
+    costs the device; running both on one GPU measures it (benchmarks/gpu_pipeline.py)."""
+    costs = [s.cost for s in plan.stages]
+    whole = _step_seconds(costs, [(plan.tokens, plan.tokens, 1.0)], device)
+    return sum(whole), sum(_step_seconds(costs, chunk_table(plan, "stale", device), device))

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.costmodel.cost import C, Cost, N
 from tokpipe_compiler.costmodel.hardware import ACHIEVABLE, DEVICES, LINKS, DeviceModel
+from tokpipe_compiler.costmodel.symbolic import Gemm
 
 PIXART = {"layers": 28, "hidden": 1152, "heads": 16, "tokens": 4096, "text": 120, "mlp": 4}
 # Classifier-free guidance runs the conditional and unconditional batch together.
@@ -62,12 +63,17 @@ def pixart_alpha_1024_costs(batch: int = PIXART_BATCH) -> tuple[Cost, float, int
     # every chunk reads (fresh and stale) from the cache.
     activations = BF16 * d * (20 * n + 8 * n + 2 * c)
     flops = per_token_matmul * n + text_kv + self_attn + cross_attn
+    rows, text_rows = sympy.sympify(n), sympy.Integer(batch * text)
+    gemms = (Gemm(rows, d, d, 6),  # q, k, v, out; cross q, cross out
+             Gemm(rows, mlp * d, d), Gemm(rows, d, mlp * d),
+             Gemm(text_rows, d, d, 2))  # cross k, v of the text
     layer = Cost(
         flops=sympy.sympify(flops),
         bytes=sympy.sympify(weights + activations),
         matmul_flops=sympy.sympify(per_token_matmul * n + text_kv),
         attention_flops=sympy.sympify(self_attn + cross_attn),
         launches=30,
+        gemms=gemms,
     )
     return layer, float(BF16 * d * batch), PIXART["layers"]
 
@@ -76,13 +82,7 @@ def pixart_stage_costs(world: int) -> tuple[list[Cost], list[float]]:
     """Layers split as evenly as possible over `world` stages."""
     layer, boundary, layers = pixart_alpha_1024_costs()
     counts = [layers // world + (1 if s < layers % world else 0) for s in range(world)]
-    return [_times(layer, k) for k in counts], [boundary] * world
-
-
-def _times(cost: Cost, k: int) -> Cost:
-    return replace(cost, flops=k * cost.flops, bytes=k * cost.bytes,
-                   matmul_flops=k * cost.matmul_flops, attention_flops=k * cost.attention_flops,
-                   launches=k * cost.launches, text_launches=k * cost.text_launches)
+    return [layer.times(k) for k in counts], [boundary] * world
 
 
 def outside_seconds(rates: DeviceRates) -> float:

@@ -33,6 +33,31 @@ Dims = list[sympy.Expr]
 
 
 @dataclass(frozen=True)
+class Gemm:
+    """`count` matrix products of a chunk, [rows, depth] @ [depth, cols] each (leading
+    batch dims folded into the rows). On a GPU their time is set by how many output tiles
+    they make for its multiprocessors, not by their FLOPs alone (calibrate.DeviceRates)."""
+
+    rows: sympy.Expr
+    cols: int
+    depth: int
+    count: int = 1
+
+    @property
+    def flops(self) -> sympy.Expr:
+        return 2 * self.count * self.rows * self.cols * self.depth
+
+
+def merged(gemms: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
+    """`gemms` with the same shapes counted once each (a stage repeats a block's few)."""
+    counts: dict[tuple, int] = {}
+    for g in gemms:
+        key = (g.rows, g.cols, g.depth)
+        counts[key] = counts.get(key, 0) + g.count
+    return tuple(Gemm(*key, count) for key, count in counts.items())
+
+
+@dataclass(frozen=True)
 class Cost:
     """Work of one node or a sum of nodes, as expressions of N and C.
 
@@ -42,7 +67,8 @@ class Cost:
     compute only joint attention's text stream, which a chunk leaving the text to the
     step's first chunk does not run. text_rows: the rows of the text segments a chunk that
     computes them carries (the most of any node): they count in the rows of its matrix
-    products, whose rate grows with their rows.
+    products, whose rate grows with their rows. gemms: the shapes of the matrix products
+    whose shapes are known (most of matmul_flops; the rest runs at the rate by rows).
     """
 
     flops: sympy.Expr
@@ -52,6 +78,7 @@ class Cost:
     launches: int = 0
     text_rows: int = 0
     text_launches: int = 0
+    gemms: tuple[Gemm, ...] = ()
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(
@@ -62,7 +89,15 @@ class Cost:
             self.launches + other.launches,
             max(self.text_rows, other.text_rows),
             self.text_launches + other.text_launches,
+            merged(self.gemms + other.gemms),
         )
+
+    def times(self, k: int) -> Cost:
+        """`k` copies of this work (k identical layers)."""
+        return Cost(k * self.flops, k * self.bytes, k * self.matmul_flops,
+                    k * self.attention_flops, k * self.launches, self.text_rows,
+                    k * self.text_launches,
+                    tuple(Gemm(g.rows, g.cols, g.depth, k * g.count) for g in self.gemms))
 
     def launches_at(self, text: float = 1.0) -> float:
         """Kernel launches of a chunk that computes `text` of the text segments (a share
@@ -79,6 +114,12 @@ class Cost:
         # xreplace: a plain substitution, an order of magnitude faster than subs on the
         # thousands of nodes a full-depth model plans.
         return tuple(float(sympy.sympify(e).xreplace(values)) for e in exprs)
+
+    def gemms_at(self, n: int, c: int, text: float = 1.0) -> list[tuple[float, int, int, int]]:
+        """(rows, cols, depth, count) of each of `gemms` for n, c and the text share."""
+        values = {N: sympy.Integer(n), C: sympy.Integer(c), TEXT: sympy.sympify(text)}
+        return [(float(sympy.sympify(g.rows).xreplace(values)), g.cols, g.depth, g.count)
+                for g in self.gemms]
 
 
 ZERO = Cost(sympy.Integer(0), sympy.Integer(0))
