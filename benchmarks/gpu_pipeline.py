@@ -14,7 +14,9 @@ is stale mode, warmup 1, stages compiled with Inductor; it also prints how far t
 warmup (exact) step is from eager, relative to the output's norm. With --cuda-graphs every
 chunk count runs twice, without and with the `cuda_graphs` option, and the graphed row
 says how far its last step is from the same step without graphs. With two --attention
-kernels every tokpipe row runs with each (the `attention` option).
+kernels every tokpipe row runs with each (the `attention` option). With --profile each
+compiled row is also run under the profiler and its note gives the GPU's busy time a step
+(the kernels' own time; the rest of a step the GPU waits for the host).
 """
 
 from __future__ import annotations
@@ -85,7 +87,11 @@ def main() -> None:
                         help="each chunk count also with the cuda_graphs option")
     parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=["sdpa", "triton"],
                         help="the attention option; several: each tokpipe row with each")
+    parser.add_argument("--profile", action="store_true",
+                        help="the GPU's busy time a step of each compiled row")
     args = parser.parse_args()
+    if args.profile and not args.device.startswith("cuda"):
+        parser.error("--profile times kernels on a CUDA device: pass --device cuda")
     dtype, grid = getattr(torch, args.dtype), tuple(args.grid)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     model = released.build(args.model, layers=args.layers, device=args.device, grid=grid)
@@ -105,7 +111,8 @@ def main() -> None:
         compile_s = time.perf_counter() - start
         ms, out, _ = run_steps(inductor, inputs, args.steps, sync)
         rows.append(("serial inductor", ms, f"compile {compile_s:.0f} s, "
-                                            f"vs eager {relative(out, reference):.1e}"))
+                                            f"vs eager {relative(out, reference):.1e}"
+                                            f"{busy_note(inductor, inputs, args)}"))
         print(f"serial inductor: {ms:.2f} ms/step", flush=True)
         for chunks, kernel in itertools.product(args.chunks, args.attention):
             row, last = pipelined(model, inputs, args, chunks, kernel, sync, reference)
@@ -137,7 +144,46 @@ def pipelined(model, inputs: dict, args, chunks: int, kernel: str, sync, referen
              f"{f', {kernel}' if len(args.attention) > 1 else ''}"
              f"{', graphs' if cuda_graphs else ''}")
     drift = relative(warm, reference)
-    return (label, ms, f"plan+compile {compile_s:.0f} s, warmup vs eager {drift:.1e}"), last
+    note = f"plan+compile {compile_s:.0f} s, warmup vs eager {drift:.1e}"
+    tp.reset(compiled)
+    return (label, ms, note + busy_note(compiled, inputs, args)), last
+
+
+def busy_note(fn: Callable, inputs: dict, args) -> str:
+    """', GPU busy X ms/step' over args.steps calls after a first (warmup) one: the union
+    of the intervals in which the device ran a kernel or a copy, from the profiler's raw
+    device events (a sum over its per-op table counts a kernel under its op and again on
+    its own); '' without --profile."""
+    if not args.profile:
+        return ""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    active = max(args.steps - 1, 1)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA],
+                     schedule=schedule(wait=1, warmup=0, active=active)) as prof:
+            for t in timesteps(active + 1):
+                fn(**dict(inputs, timestep=torch.full_like(inputs["timestep"], t)))
+                prof.step()
+        torch.cuda.synchronize()
+        spans = [(e.start_ns(), e.start_ns() + e.duration_ns())
+                 for e in prof.profiler.kineto_results.events()
+                 if e.device_type() == DeviceType.CUDA]
+    except Exception as e:  # the timing above stands without the profile
+        return f", profile failed: {type(e).__name__}: {e}"
+    return f", GPU busy {union_ns(spans) / 1e6 / active:.2f} ms/step"
+
+
+def union_ns(spans: list[tuple[int, int]]) -> int:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total
 
 
 def _tokens(inputs: dict, model) -> int:

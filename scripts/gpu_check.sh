@@ -3,7 +3,7 @@
 # has its own time limit; they add up to 480 s):
 #   1. a PixArt-alpha-wide transformer through the in-process pipeline, Inductor stages,
 #      against serial eager and serial Inductor, each chunk count without and with CUDA
-#      graphs (the cuda_graphs option)
+#      graphs (the cuda_graphs option), and the GPU's busy time a step of each
 #   2. the same at 2 chunks with each attention kernel (the attention option)
 #   3. matmul and attention rates at chunked shapes against the cost model's H200 preset
 #   4. the chunking overhead benchmark with CUDA graphs, then without (4096 tokens)
@@ -78,7 +78,7 @@ want() {
 }
 
 want pipeline && part "PixArt-alpha widths, in-process pipeline" 115 python3 benchmarks/gpu_pipeline.py \
-    --layers 4 --grid 128 128 --chunks 2 8 --steps 6 --cuda-graphs
+    --layers 4 --grid 128 128 --chunks 2 8 --steps 6 --cuda-graphs --profile
 want attention && part "PixArt-alpha widths, each attention kernel" 85 python3 \
     benchmarks/gpu_pipeline.py --layers 4 --grid 128 128 --chunks 2 --steps 6 --attention sdpa triton
 want rates && part "Matmul and attention rates at chunked shapes" 25 python3 benchmarks/gpu_rates.py
