@@ -4,9 +4,9 @@
         [--rows 512 1024 2048 4096 8192] [--chunks 1 2 4 8]
 
 The simulator prices a chunk's matrix products by shape, in waves of output tiles over the
-GPU's multiprocessors, and its attention at one flat rate (`costmodel/hardware.py`, the
-H200 preset, fitted to this benchmark's output). Chunking shrinks the rows m and the query
-count n: this measures what that costs on the device.
+GPU's multiprocessors, and its attention by score and padded head dim
+(`costmodel/hardware.py`, the H200 preset, fitted to this benchmark's output). Chunking
+shrinks the rows m and the query count n: this measures what that costs on the device.
 
 - matmul: x [m, C] @ W [C, 4C] (an MLP's first linear) and x [m, C] @ W [C, C] (an
   attention projection), for each width C and row count m (rows = tokens x batch).
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from tokpipe_compiler.costmodel.calibrate import GEMM_TILE
 from tokpipe_compiler.costmodel.hardware import DEVICES
+from tokpipe_compiler.costmodel.symbolic import ATTENTION_HEAD_STEP, padded_head
 
 ATTENTION_CASES = (("pixart", 2, 16, 72, 4096), ("d64", 2, 16, 64, 4096),
                    ("d128", 2, 16, 128, 4096), ("flux", 1, 24, 128, 4608))
@@ -101,7 +102,9 @@ def matmul_rows(args: argparse.Namespace, dtype: torch.dtype) -> None:
 def attention_chunks(args: argparse.Namespace, dtype: torch.dtype) -> None:
     model = DEVICES["h200"].rates()
     print(f"\nSDPA TFLOP/s, a stale chunk of L / M queries over L keys ({args.dtype}); "
-          f"vs model: over the preset's flat {model.attention_flops / 1e12:.0f} TFLOP/s")
+          f"vs model: graphed over the preset's {model.score_seconds * 1e12:.2f} ps a score "
+          f"plus {model.attention_flops / 1e12:.0f} TFLOP/s over head dims padded to "
+          f"{ATTENTION_HEAD_STEP}")
     print(f"{'case':>7} {'B x H x D':>12} {'L':>6} {'M':>3} {'n':>6} {'one call':>9} "
           f"{'graphed':>8} {'vs model':>9}")
     for name, batch, heads, dim, length in ATTENTION_CASES:
@@ -115,13 +118,14 @@ def attention_chunks(args: argparse.Namespace, dtype: torch.dtype) -> None:
             def attend(q=q, k=k, v=v) -> torch.Tensor:
                 return F.scaled_dot_product_attention(q, k, v)
 
-            flops = 4 * batch * heads * n * length * dim
+            scores = batch * heads * n * length
+            flops = 4 * scores * dim
             one = flops / median_ms(attend, args.device, args.reps) / 1e9
             graphed = flops / graphed_ms(attend, args.device, args.reps) / 1e9
+            expected = flops / model.attention_by_score(scores, 4 * scores * padded_head(dim))
             shape = f"{batch}x{heads}x{dim}"
             print(f"{name:>7} {shape:>12} {length:>6} {chunks:>3} {n:>6} {one:>9.1f} "
-                  f"{graphed:>8.1f} {graphed / (model.attention_flops / 1e12):>8.2f}x",
-                  flush=True)
+                  f"{graphed:>8.1f} {graphed / (expected / 1e12):>8.2f}x", flush=True)
 
 
 def main() -> None:

@@ -98,6 +98,15 @@ def test_self_attention_flops_in_chunk_and_context():
     assert at(cost.bytes, 3, 12) == 4 * (2 * 3 * 8 * 2 + 2 * 12 * 8 * 2)
 
 
+def test_attention_counts_its_scores_and_its_products_over_padded_heads():
+    cost = node_cost(only(_sdpa_graph(12, True), "scaled_dot_product_attention"), 12)
+    assert sympy.expand(cost.attention_scores - 2 * N * C) == 0  # 2 heads
+    assert sympy.expand(cost.attention_padded - 2 * N * C * 4 * 64) == 0  # heads of 8 -> 64
+    assert cost.attention_at(3, 12) == (2 * 3 * 12, 2 * 3 * 12 * 4 * 64)
+    twice = graph_cost([only(_sdpa_graph(12, True), "scaled_dot_product_attention")] * 2, 12)
+    assert twice.attention_at(3, 12) == (4 * 3 * 12, 4 * 3 * 12 * 4 * 64)
+
+
 def test_causal_attention_counts_half_its_own_block_plus_the_kernel_tile():
     cost = node_cost(only(_sdpa_graph(12, True, causal=True), "scaled_dot_product_attention"), 12)
     per_key = 2 * (4 * 8 + 5)  # heads * (q.k and p.v: 4 * D, softmax: 5) per query row
@@ -304,6 +313,37 @@ def test_waves_of_tiles_explain_the_h200s_products():
     assert narrow / by_rows.matmul_rate(512) < narrow / (275.1e12 * 1.5)
 
 
+# The same GPU, SDPA over a stale chunk of L / M queries and all L keys, graphed: (batch,
+# heads, head dim, L, TFLOP/s at M = 1, 2, 4, 8).
+H200_ATTENTION = [
+    (2, 16, 72, 4096, (389.6, 383.5, 371.6, 357.1)),
+    (2, 16, 64, 4096, (479.0, 470.2, 453.9, 430.3)),
+    (2, 16, 128, 4096, (685.2, 678.9, 654.8, 613.1)),
+    (1, 24, 128, 4608, (661.9, 573.1, 561.2, 546.9)),
+]
+
+
+def test_scores_and_padded_heads_explain_the_h200s_attention():
+    """Each of the 16 cases within 0.85-1.15x of the time per score plus products over
+    head dims padded to 64; one flat rate over true FLOPs (the previous preset's 430
+    TFLOP/s) misses heads of 128 by more than 1.4x."""
+    import math
+
+    from tokpipe_compiler.costmodel.hardware import DEVICES
+    from tokpipe_compiler.costmodel.symbolic import padded_head
+
+    rates = DEVICES["h200"].rates()
+    flat_errors = []
+    for batch, heads, dim, length, by_chunks in H200_ATTENTION:
+        for chunks, tflops in zip((1, 2, 4, 8), by_chunks, strict=True):
+            scores = batch * heads * (length // chunks) * length
+            measured = 4 * scores * dim / (tflops * 1e12)
+            model = rates.attention_by_score(scores, 4 * scores * padded_head(dim))
+            assert 0.85 < model / measured < 1.15, (dim, chunks, model / measured)
+            flat_errors.append(abs(math.log(measured / (4 * scores * dim / 430e12))))
+    assert max(flat_errors) > math.log(1.4)
+
+
 def test_a_product_too_small_for_the_gpu_pays_a_whole_wave():
     rates = calibrate.DeviceRates(matmul_flops=132e12, mem_bandwidth=1e12,
                                   attention_flops=1e14, per_op_overhead=0.0, sms=132)
@@ -330,6 +370,17 @@ def test_seconds_time_products_by_shape_only_with_multiprocessors():
     assert calibrate.time_fn(cost, gpu)(512, 4096) == pytest.approx(small)
     assert calibrate.time_fn(cost, flat)(512, 4096) == pytest.approx(
         calibrate.seconds(cost, flat, 512, 4096))
+
+
+def test_attention_by_score_only_where_the_device_has_a_time_per_score():
+    cost = node_cost(only(_sdpa_graph(12, True), "scaled_dot_product_attention"), 12)
+    by_score = replace(RATES, score_seconds=1e-9)
+    scores, padded = cost.attention_at(4, 12)
+    assert calibrate.seconds(cost, by_score, 4, 12) - calibrate.seconds(cost, RATES, 4, 12) \
+        == pytest.approx(by_score.attention_by_score(scores, padded)
+                         - cost.at(4, 12)[3] / RATES.attention_flops)
+    assert calibrate.time_fn(cost, by_score)(4, 12) == pytest.approx(
+        calibrate.seconds(cost, by_score, 4, 12))
 
 
 def test_rates_cache_roundtrip(tmp_path, monkeypatch):

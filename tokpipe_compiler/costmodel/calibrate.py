@@ -38,13 +38,16 @@ class DeviceRates:
     matmul_flops: peak FLOP/s of large matmuls. A matmul whose smaller dimension is m runs at
     matmul_flops * m / (m + matmul_half): small chunks make skinny, slower matmuls.
     mem_bandwidth: B/s of a streaming elementwise op.
-    attention_flops: FLOP/s of the fused attention kernel.
+    attention_flops: FLOP/s of the fused attention kernel; with score_seconds, FLOP/s of
+    its matrix products over padded head dims (Cost.attention_padded).
     per_op_overhead: seconds of launch/dispatch per kernel-running node.
     causal_tile: key positions per tile of the causal attention kernel (it computes whole
     tiles, so the diagonal block of a chunk costs more than its unmasked half).
     sms: multiprocessors of a GPU (0: not modelled). With them a product of known shape
     runs as waves of GEMM_TILE x GEMM_TILE output tiles, sms at a time, each multiprocessor
     at matmul_flops / sms: a chunk too small to fill the GPU pays for a whole wave.
+    score_seconds: seconds an attention kernel spends per score besides its products (the
+    softmax; 0: attention timed by its FLOPs alone).
     """
 
     matmul_flops: float
@@ -54,6 +57,7 @@ class DeviceRates:
     matmul_half: float = 0.0
     causal_tile: float = 0.0
     sms: int = 0
+    score_seconds: float = 0.0
 
     def matmul_rate(self, m: float) -> float:
         return self.matmul_flops * m / (m + self.matmul_half)
@@ -63,6 +67,11 @@ class DeviceRates:
         tiles = math.ceil(rows / GEMM_TILE) * math.ceil(cols / GEMM_TILE)
         per_tile = 2 * GEMM_TILE * GEMM_TILE * depth * self.sms / self.matmul_flops
         return math.ceil(tiles / self.sms) * per_tile
+
+    def attention_by_score(self, scores: float, padded_flops: float) -> float:
+        """Attention of `scores` query-key scores whose products over padded head dims are
+        `padded_flops` (score_seconds > 0)."""
+        return scores * self.score_seconds + padded_flops / self.attention_flops
 
 
 # Output tile of a GPU's matrix product kernels: on an H200 (bf16, 20 shapes of DiT
@@ -74,10 +83,12 @@ GEMM_TILE = 128
 def seconds(cost: Cost, rates: DeviceRates, n: int, c: int, text: float = 1.0) -> float:
     """Predicted time of `cost` for a chunk of n tokens attending over c tokens that
     computes `text` of the text segments (cost.TEXT)."""
-    flops, nbytes, mm, attn = cost.at(n, c, round(rates.causal_tile), text)
+    tile = round(rates.causal_tile)
+    flops, nbytes, mm, attn = cost.at(n, c, tile, text)
     gemms = cost.gemms_at(n, c, text) if rates.sms else []
+    scores = cost.attention_at(n, c, tile, text) if rates.score_seconds else None
     return _combine(flops, nbytes, mm, attn, cost.launches_at(text), rates,
-                    n + text * cost.text_rows, gemms)
+                    n + text * cost.text_rows, gemms, scores)
 
 
 def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
@@ -86,13 +97,19 @@ def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
     exprs = (cost.flops, cost.bytes, cost.matmul_flops, cost.attention_flops)
     tiled = [sympy.sympify(e).subs(TILE, round(rates.causal_tile)) for e in exprs]
     gemms = cost.gemms if rates.sms else ()
-    evaluate = sympy.lambdify((N, C, TEXT), tiled + [g.rows for g in gemms], "math")
+    by_score = [cost.attention_scores, cost.attention_padded] if rates.score_seconds else []
+    by_score = [sympy.sympify(e).subs(TILE, round(rates.causal_tile)) for e in by_score]
+    evaluate = sympy.lambdify((N, C, TEXT), tiled + by_score + [g.rows for g in gemms],
+                              "math")
 
     def predict(n: int, c: int, text: float = 1.0) -> float:
-        flops, nbytes, mm, attn, *rows = (float(v) for v in evaluate(n, c, text))
+        values = [float(v) for v in evaluate(n, c, text)]
+        flops, nbytes, mm, attn = values[:4]
+        scores = tuple(values[4:4 + len(by_score)]) or None
+        rows = values[4 + len(by_score):]
         shapes = [(r, g.cols, g.depth, g.count) for r, g in zip(rows, gemms, strict=True)]
         return _combine(flops, nbytes, mm, attn, cost.launches_at(text), rates,
-                        n + text * cost.text_rows, shapes)
+                        n + text * cost.text_rows, shapes, scores)
 
     return predict
 
@@ -100,16 +117,22 @@ def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
 def _combine(
     flops: float, nbytes: float, mm: float, attn: float, launches: float,
     rates: DeviceRates, rows: float, gemms: list[tuple[float, int, int, int]],
+    scores: tuple[float, float] | None = None,
 ) -> float:  # fmt: skip
     """Seconds of the chunk's work; `rows`: its tokens with the text it computes, which set
     the rate of its matrix products; `gemms`: (rows, cols, depth, count) of the products
-    timed by shape (their FLOPs are part of mm)."""
+    timed by shape (their FLOPs are part of mm); `scores`: (scores, padded FLOPs) of its
+    attention, timed by score when the device has score_seconds."""
     shaped = sum(count * rates.gemm_seconds(r, cols, depth) for r, cols, depth, count in gemms)
     rest = max(mm - sum(2 * count * r * cols * depth for r, cols, depth, count in gemms), 0.0)
+    if scores is None:
+        attention = attn / rates.attention_flops
+    else:
+        attention = rates.attention_by_score(*scores)
     compute = (
         shaped
         + rest / rates.matmul_rate(max(rows, 1))
-        + attn / rates.attention_flops
+        + attention
         + (flops - mm - attn) / rates.matmul_flops
     )
     memory = nbytes / rates.mem_bandwidth

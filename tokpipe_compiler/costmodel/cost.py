@@ -39,6 +39,7 @@ from tokpipe_compiler.costmodel.symbolic import (
     nbytes,
     numel,
     out_numel,
+    padded_head,
     tensors,
     token_info,
 )
@@ -173,11 +174,13 @@ def _attention(node: torch.fx.Node, tokens: int) -> Cost:
         keys = C - N / 2 + sympy.Min(N, TILE) / 2  # the chunk's own block is half masked
     rows = numel(dims(node, tokens)[:-1])  # batch * heads * query tokens
     flops = rows * keys * (2 * qd[-1] + 2 * vd[-1] + _SOFTMAX_FLOPS)
+    padded = rows * keys * (2 * padded_head(qd[-1]) + 2 * padded_head(vd[-1]))
     moved = nbytes(q, tokens) + nbytes(k, tokens, C) + nbytes(v, tokens, C)
     mask = arg(node, 3, "attn_mask")
     if isinstance(mask, torch.fx.Node):
         moved += nbytes(mask, tokens, N)
-    return Cost(flops, moved + nbytes(node, tokens), attention_flops=flops, launches=1)
+    return Cost(flops, moved + nbytes(node, tokens), attention_flops=flops, launches=1,
+                attention_scores=rows * keys, attention_padded=padded)
 
 
 def _reduction(node: torch.fx.Node, tokens: int) -> Cost:
@@ -266,4 +269,6 @@ def graph_cost(nodes: Iterable[torch.fx.Node], tokens: int) -> Cost:
         max((c.text_rows for c in costs), default=0),
         sum(c.text_launches for c in costs),
         merged(tuple(g for c in costs for g in c.gemms)),
+        sympy.Add(*(c.attention_scores for c in costs)),
+        sympy.Add(*(c.attention_padded for c in costs)),
     )

@@ -17,9 +17,10 @@ class DeviceModel:
     at which a skinny matmul of unknown shape reaches half its rate. memory: bytes of
     device memory (0: unknown); causal_tile: key positions per tile of its causal attention
     kernel; sms: its multiprocessors (products of known shape run in waves of tiles);
-    attention_flops: its attention kernels' rate (0: the matmul rate); measured: where
-    the sustained rates come from when measured on the device (empty: ACHIEVABLE of the
-    spec sheet)."""
+    attention_flops: its attention kernels' rate (0: the matmul rate), over padded head
+    dims when score_seconds (their time per score besides the products) is set; measured:
+    where the sustained rates come from when measured on the device (empty: ACHIEVABLE of
+    the spec sheet)."""
 
     name: str
     matmul_flops: float
@@ -29,6 +30,7 @@ class DeviceModel:
     causal_tile: float = 0.0
     sms: int = 0
     attention_flops: float = 0.0
+    score_seconds: float = 0.0
     measured: str = ""
 
     def rates(self) -> DeviceRates:
@@ -42,6 +44,7 @@ class DeviceModel:
             matmul_half=self.matmul_half,
             causal_tile=self.causal_tile,
             sms=self.sms,
+            score_seconds=self.score_seconds,
         )
 
 
@@ -61,11 +64,14 @@ TERA, GIGA = 1e12, 1e9
 DEVICES: dict[str, DeviceModel | None] = {
     # H200 SXM: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, 141 GB, 132 SMs (NVIDIA H200
     # product brief); FlashAttention's causal kernels skip masked tiles of 128 keys.
-    # Measured (benchmarks/gpu_rates.py, bf16): full waves of GEMM tiles at 5.9 TFLOP/s an
-    # SM (778 TFLOP/s), SDPA over stale chunks at 278-629 TFLOP/s by head dim and chunk
-    # count (the median of the 8 cases, 430, here).
+    # Measured (benchmarks/gpu_rates.py, bf16, graphed): full waves of GEMM tiles at 5.9
+    # TFLOP/s an SM (778 TFLOP/s); SDPA over stale chunks at 0.37 ps a score plus its
+    # products over head dims padded to 64 at 1110 TFLOP/s, fitted to 16 cases (heads of
+    # 64, 72 and 128; each within 0.89-1.13x). A fit, not a hardware rate: the products
+    # and the softmax overlap, and the per-score term carries what they share.
     "h200": DeviceModel("h200", 778 * TERA, 0.8 * 4800 * GIGA, memory=141 * GIGA,
-                        causal_tile=128, sms=132, attention_flops=430 * TERA,
+                        causal_tile=128, sms=132, attention_flops=1110 * TERA,
+                        score_seconds=0.37e-12,
                         measured="benchmarks/gpu_rates.py on one H200, 2026-12-04"),
     # A100 PCIe 80GB: 312 TFLOP/s dense BF16, 1935 GB/s HBM2e, 108 SMs (NVIDIA A100
     # datasheet).

@@ -107,7 +107,9 @@ def causal_cost(cost: Cost) -> Cost:
     def sub(expr: sympy.Expr) -> sympy.Expr:
         return sympy.sympify(expr).subs(C, keys)
 
-    return replace(cost, flops=sub(cost.flops), attention_flops=sub(cost.attention_flops))
+    return replace(cost, flops=sub(cost.flops), attention_flops=sub(cost.attention_flops),
+                   attention_scores=sub(cost.attention_scores),
+                   attention_padded=sub(cost.attention_padded))
 
 
 def chunk_table(plan: Plan, mode: str, device: DeviceModel) -> list[tuple[int, int, float]]:

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.costmodel.cost import C, Cost, N
 from tokpipe_compiler.costmodel.hardware import ACHIEVABLE, DEVICES, LINKS, DeviceModel
-from tokpipe_compiler.costmodel.symbolic import Gemm
+from tokpipe_compiler.costmodel.symbolic import Gemm, padded_head
 
 PIXART = {"layers": 28, "hidden": 1152, "heads": 16, "tokens": 4096, "text": 120, "mlp": 4}
 # Classifier-free guidance runs the conditional and unconditional batch together.
@@ -57,6 +57,7 @@ def pixart_alpha_1024_costs(batch: int = PIXART_BATCH) -> tuple[Cost, float, int
     text_kv = 2 * batch * text * d * 2 * d
     self_attn = heads * n * C * (4 * d // heads + 5)
     cross_attn = heads * n * text * (4 * d // heads + 5)
+    scores = heads * n * (C + text)
     weights = BF16 * d * d * (3 + 1 + 1 + 2 + 1 + 2 * mlp)
     # About twenty token-sized reads/writes per layer (norms, modulation, residuals, gelu),
     # the q/k/v/out traffic of the two attentions, and the K/V of the whole context that
@@ -74,6 +75,8 @@ def pixart_alpha_1024_costs(batch: int = PIXART_BATCH) -> tuple[Cost, float, int
         attention_flops=sympy.sympify(self_attn + cross_attn),
         launches=30,
         gemms=gemms,
+        attention_scores=sympy.sympify(scores),
+        attention_padded=sympy.sympify(scores * 4 * padded_head(d // heads)),
     )
     return layer, float(BF16 * d * batch), PIXART["layers"]
 

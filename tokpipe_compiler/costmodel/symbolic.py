@@ -30,6 +30,16 @@ TILE = sympy.Symbol("tile", nonnegative=True, integer=True)
 TEXT = sympy.Symbol("text", nonnegative=True)
 
 Dims = list[sympy.Expr]
+# GPU attention kernels run a head dim padded up to a multiple of this (on an H200, heads
+# of 72 cost per score what heads of 128 cost: BENCHMARKS.md, "GPU: one H200").
+ATTENTION_HEAD_STEP = 64
+
+
+def padded_head(dim: sympy.Expr) -> sympy.Expr:
+    """`dim` rounded up to a multiple of ATTENTION_HEAD_STEP (as is, if symbolic)."""
+    if not sympy.sympify(dim).is_Integer:
+        return dim
+    return -(-int(dim) // ATTENTION_HEAD_STEP) * ATTENTION_HEAD_STEP
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,9 @@ class Cost:
     computes them carries (the most of any node): they count in the rows of its matrix
     products, whose rate grows with their rows. gemms: the shapes of the matrix products
     whose shapes are known (most of matmul_flops; the rest runs at the rate by rows).
+    attention_scores: the query-key scores the attention kernels compute; attention_padded:
+    their matrix products' FLOPs with each head dim padded as a GPU kernel pads it
+    (ATTENTION_HEAD_STEP), for devices that time attention by score (calibrate.DeviceRates).
     """
 
     flops: sympy.Expr
@@ -79,6 +92,8 @@ class Cost:
     text_rows: int = 0
     text_launches: int = 0
     gemms: tuple[Gemm, ...] = ()
+    attention_scores: sympy.Expr = sympy.S.Zero
+    attention_padded: sympy.Expr = sympy.S.Zero
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(
@@ -90,6 +105,8 @@ class Cost:
             max(self.text_rows, other.text_rows),
             self.text_launches + other.text_launches,
             merged(self.gemms + other.gemms),
+            self.attention_scores + other.attention_scores,
+            self.attention_padded + other.attention_padded,
         )
 
     def times(self, k: int) -> Cost:
@@ -97,7 +114,8 @@ class Cost:
         return Cost(k * self.flops, k * self.bytes, k * self.matmul_flops,
                     k * self.attention_flops, k * self.launches, self.text_rows,
                     k * self.text_launches,
-                    tuple(Gemm(g.rows, g.cols, g.depth, k * g.count) for g in self.gemms))
+                    tuple(Gemm(g.rows, g.cols, g.depth, k * g.count) for g in self.gemms),
+                    k * self.attention_scores, k * self.attention_padded)
 
     def launches_at(self, text: float = 1.0) -> float:
         """Kernel launches of a chunk that computes `text` of the text segments (a share
@@ -114,6 +132,14 @@ class Cost:
         # xreplace: a plain substitution, an order of magnitude faster than subs on the
         # thousands of nodes a full-depth model plans.
         return tuple(float(sympy.sympify(e).xreplace(values)) for e in exprs)
+
+    def attention_at(self, n: int, c: int, tile: int = 0,
+                     text: float = 1.0) -> tuple[float, float]:
+        """(attention_scores, attention_padded) as numbers."""
+        values = {N: sympy.Integer(n), C: sympy.Integer(c), TILE: sympy.Integer(tile),
+                  TEXT: sympy.sympify(text)}
+        return tuple(float(sympy.sympify(e).xreplace(values))
+                     for e in (self.attention_scores, self.attention_padded))
 
     def gemms_at(self, n: int, c: int, text: float = 1.0) -> list[tuple[float, int, int, int]]:
         """(rows, cols, depth, count) of each of `gemms` for n, c and the text share."""
