@@ -126,26 +126,26 @@ class Cost:
            text: float = 1.0) -> tuple[float, float, float, float]:
         """(flops, bytes, matmul_flops, attention_flops) as numbers for n, c and the
         chunk's share of the text segments."""
-        values = {N: sympy.Integer(n), C: sympy.Integer(c), TILE: sympy.Integer(tile),
-                  TEXT: sympy.sympify(text)}
         exprs = (self.flops, self.bytes, self.matmul_flops, self.attention_flops)
-        # xreplace: a plain substitution, an order of magnitude faster than subs on the
-        # thousands of nodes a full-depth model plans.
-        return tuple(float(sympy.sympify(e).xreplace(values)) for e in exprs)
+        return tuple(_number(e, n, c, tile, text) for e in exprs)
 
     def attention_at(self, n: int, c: int, tile: int = 0,
                      text: float = 1.0) -> tuple[float, float]:
         """(attention_scores, attention_padded) as numbers."""
-        values = {N: sympy.Integer(n), C: sympy.Integer(c), TILE: sympy.Integer(tile),
-                  TEXT: sympy.sympify(text)}
-        return tuple(float(sympy.sympify(e).xreplace(values))
+        return tuple(_number(e, n, c, tile, text)
                      for e in (self.attention_scores, self.attention_padded))
 
     def gemms_at(self, n: int, c: int, text: float = 1.0) -> list[tuple[float, int, int, int]]:
         """(rows, cols, depth, count) of each of `gemms` for n, c and the text share."""
-        values = {N: sympy.Integer(n), C: sympy.Integer(c), TEXT: sympy.sympify(text)}
-        return [(float(sympy.sympify(g.rows).xreplace(values)), g.cols, g.depth, g.count)
-                for g in self.gemms]
+        return [(_number(g.rows, n, c, 0, text), g.cols, g.depth, g.count) for g in self.gemms]
+
+
+def _number(expr: sympy.Expr, n: int, c: int, tile: int, text: float) -> float:
+    values = {N: sympy.Integer(n), C: sympy.Integer(c), TILE: sympy.Integer(tile),
+              TEXT: sympy.sympify(text)}
+    # xreplace: a plain substitution, an order of magnitude faster than subs on the
+    # thousands of nodes a full-depth model plans.
+    return float(sympy.sympify(expr).xreplace(values))
 
 
 ZERO = Cost(sympy.Integer(0), sympy.Integer(0))
