@@ -61,10 +61,15 @@ class StepClock:
     def tick(self, args: tuple[Any, ...]) -> Tick:
         timestep = self._timestep(args)
         fresh = self.step < 0
-        if timestep is None or self.last is None or self._repeated(args):
+        if timestep is None or self.last is None:
             self.step, self.branch = self.step + 1, 0
         elif timestep == self.last:
-            self.branch += 1
+            # Only here are the inputs compared: comparing device tensors waits for the
+            # device, which a step whose timestep moved on need not do.
+            if self._repeated(args):
+                self.step, self.branch = self.step + 1, 0
+            else:
+                self.branch += 1
         elif self._moves_on(timestep):
             self.step, self.branch = self.step + 1, 0
         else:
