@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from tokpipe_compiler.programs.host_timesteps import HostTimesteps
+
 TIMESTEP_NAMES = ("timestep", "timesteps", "t")
 
 
@@ -50,6 +52,7 @@ class StepClock:
         self.inputs = tuple(inputs)
         # Without a timestep argument: where this call's timestep is read instead.
         self.source: Callable[[], float | None] | None = None
+        self.timesteps = HostTimesteps()
         self.reset()
 
     def reset(self) -> None:
@@ -104,14 +107,7 @@ class StepClock:
     def _timestep(self, args: tuple[Any, ...]) -> float | None:
         if self.timestep_index is None:
             return None if self.source is None else self.source()
-        return timestep_value(args[self.timestep_index])
-
-
-def timestep_value(value: Any) -> float | None:
-    """A call's timestep as a number (a tensor's largest: guidance batches repeat one)."""
-    if isinstance(value, torch.Tensor):
-        return float(value.max()) if value.numel() else None
-    return float(value) if isinstance(value, (int, float)) else None
+        return self.timesteps.value(args[self.timestep_index])
 
 
 class SharedTimesteps:
@@ -123,9 +119,10 @@ class SharedTimesteps:
     def __init__(self) -> None:
         self.values: dict[Hashable, float | None] = {}
         self.last: Hashable | None = None
+        self.timesteps = HostTimesteps()
 
     def publish(self, publisher: Hashable, value: Any) -> None:
-        self.values[publisher] = timestep_value(value)
+        self.values[publisher] = self.timesteps.value(value)
         self.last = publisher
 
     def follow(self) -> Callable[[], float | None] | None:
