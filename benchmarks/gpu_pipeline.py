@@ -7,7 +7,8 @@ serial Inductor, on one device.
 
 The model is the family's diffusers class at its released widths and text length (the
 config in tokpipe_compiler/released/configs/), with --layers blocks and random weights,
-called as its pipeline calls it with guidance (batch 2). One device runs every stage in turn, so the
+called as its pipeline calls it with guidance (batch 2), each step's timestep an element of
+a schedule on the device expanded over the batch. One device runs every stage in turn, so the
 pipelined step cannot beat the serial one: the ratio shows what chunking and the runtime
 cost at this size (a pipeline of S devices can at best reach S / ratio). Each tokpipe row
 is stale mode, warmup 1, stages compiled with Inductor; it also prints how far the
@@ -47,9 +48,13 @@ def to_device(value: Any, device: str, dtype: torch.dtype) -> Any:
     return value
 
 
-def timesteps(steps: int) -> list[float]:
-    """Falling timesteps: each call is the next step of one generation."""
-    return [999.0 - 40.0 * k for k in range(steps)]
+def timesteps(inputs: dict, steps: int) -> list[torch.Tensor]:
+    """Each call's timestep, as a pipeline passes it: an element of a falling schedule on
+    the device, expanded over the batch (each call the next step of one generation)."""
+    like = inputs["timestep"]
+    schedule = torch.tensor([999.0 - 40.0 * k for k in range(steps)], dtype=like.dtype,
+                            device=like.device)
+    return [t.expand(like.shape) for t in schedule]
 
 
 def run_steps(fn: Callable, inputs: dict, steps: int, sync: Callable
@@ -57,8 +62,8 @@ def run_steps(fn: Callable, inputs: dict, steps: int, sync: Callable
     """Median ms per step over `steps` calls with falling timesteps, the first output and
     the last."""
     times, first, out = [], None, None
-    for t in timesteps(steps):
-        call_inputs = dict(inputs, timestep=torch.full_like(inputs["timestep"], t))
+    for t in timesteps(inputs, steps):
+        call_inputs = dict(inputs, timestep=t)
         sync()
         start = time.perf_counter()
         out = fn(**call_inputs)
@@ -163,8 +168,8 @@ def busy_note(fn: Callable, inputs: dict, args) -> str:
     try:
         with profile(activities=[ProfilerActivity.CUDA],
                      schedule=schedule(wait=1, warmup=0, active=active)) as prof:
-            for t in timesteps(active + 1):
-                fn(**dict(inputs, timestep=torch.full_like(inputs["timestep"], t)))
+            for t in timesteps(inputs, active + 1):
+                fn(**dict(inputs, timestep=t))
                 prof.step()
         torch.cuda.synchronize()
         spans = [(e.start_ns(), e.start_ns() + e.duration_ns())
