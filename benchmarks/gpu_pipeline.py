@@ -82,7 +82,8 @@ def main() -> None:
     parser.add_argument("--model", default="pixart-alpha-xl-2-1024-ms", choices=released.NAMES)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--grid", type=int, nargs="+", default=[128, 128])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--chunks", type=chunk_count, nargs="+", default=[2, 4, 8],
+                        help='chunk counts; "auto": chosen at the rates measured here')
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6, help="timed calls per competitor")
     parser.add_argument("--device", default="cuda")
@@ -134,7 +135,11 @@ def main() -> None:
         print(f"{label:<42} {ms:>9.2f} {eager_ms / ms:>8.2f}x {rows[1][1] / ms:>10.2f}x  {note}")
 
 
-def pipelined(model, inputs: dict, args, chunks: int, kernel: str, sync, reference,
+def chunk_count(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def pipelined(model, inputs: dict, args, chunks: int | str, kernel: str, sync, reference,
               cuda_graphs: bool = False) -> tuple[tuple[str, float, str], Any]:
     """A tokpipe row and the last step's output."""
     options = {"stages": args.stages, "chunks": chunks, "mode": "stale", "warmup_steps": 1,
@@ -145,6 +150,8 @@ def pipelined(model, inputs: dict, args, chunks: int, kernel: str, sync, referen
     compile_s = time.perf_counter() - start
     tp.reset(compiled)
     ms, warm, last = run_steps(compiled, inputs, args.steps + 1, sync)
+    if chunks == "auto":  # the count the plan chose
+        chunks = f"auto={len(tp.programs(compiled)[0].plan.chunks)}"
     label = (f"tokpipe {args.stages} stages x {chunks} chunks"
              f"{f', {kernel}' if len(args.attention) > 1 else ''}"
              f"{', graphs' if cuda_graphs else ''}")

@@ -2,8 +2,9 @@
 # Everything that needs a CUDA GPU, in one run of at most 8 minutes on one GPU (each part
 # has its own time limit; they add up to 480 s):
 #   1. a PixArt-alpha-wide transformer through the in-process pipeline, Inductor stages,
-#      against serial eager and serial Inductor, each chunk count without and with CUDA
-#      graphs (the cuda_graphs option), and the GPU's busy time a step of each
+#      against serial eager and serial Inductor, each chunk count (2, 8 and chunks="auto"
+#      at the rates measured on the GPU) without and with CUDA graphs (the cuda_graphs
+#      option), and the GPU's busy time a step of each
 #   2. the same at 2 chunks with each attention kernel (the attention option)
 #   3. matmul and attention rates at chunked shapes against the cost model's H200 preset
 #   4. the chunking overhead benchmark with CUDA graphs, then without (4096 tokens)
@@ -77,8 +78,8 @@ want() {
     [[ " ${GPU_CHECK_PARTS:-pipeline attention rates graphs overhead text kernels bench} " == *" $1 "* ]]
 }
 
-want pipeline && part "PixArt-alpha widths, in-process pipeline" 115 python3 benchmarks/gpu_pipeline.py \
-    --layers 4 --grid 128 128 --chunks 2 8 --steps 6 --cuda-graphs --profile
+want pipeline && part "PixArt-alpha widths, in-process pipeline" 140 python3 benchmarks/gpu_pipeline.py \
+    --layers 4 --grid 128 128 --chunks 2 8 auto --steps 6 --cuda-graphs --profile
 want attention && part "PixArt-alpha widths, each attention kernel" 85 python3 \
     benchmarks/gpu_pipeline.py --layers 4 --grid 128 128 --chunks 2 --steps 6 --attention sdpa triton
 want rates && part "Matmul and attention rates at chunked shapes" 25 python3 benchmarks/gpu_rates.py
@@ -90,7 +91,7 @@ want text && part "Joint attention: text once a step" 45 python3 benchmarks/text
     --dtype bfloat16 --side 128 --heads 24 --chunks 2 4 8 --rounds 3 --reps 5
 # The fixed shapes (fp16 and bf16) first: they ran in 46 s on an H200; then the properties.
 kernel_tests='python3 -m pytest -v -p no:cacheprovider tests/unit/test_triton_attention.py -k'
-want kernels && TOKPIPE_KERNEL_EXAMPLES=8 part "Kernel tests (compiled, 8 examples a property)" 75 \
+want kernels && TOKPIPE_KERNEL_EXAMPLES=8 part "Kernel tests (compiled, 8 examples a property)" 60 \
     bash -c "$kernel_tests 'not matches_reference' && $kernel_tests matches_reference"
-want bench && part "Kernel benchmark" 55 python3 benchmarks/gpu_kernels.py --quick
+want bench && part "Kernel benchmark" 45 python3 benchmarks/gpu_kernels.py --quick
 echo "report: $REPORT" >&2
