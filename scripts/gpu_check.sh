@@ -6,7 +6,8 @@
 #      at the rates measured on the GPU) without and with CUDA graphs (the cuda_graphs
 #      option), and the GPU's busy time a step of each
 #   2. the same at 2 chunks with each attention kernel (the attention option)
-#   3. matmul and attention rates at chunked shapes against the cost model's H200 preset
+#   3. matmul and attention rates at chunked shapes against the cost model's H200 preset,
+#      and the rates chunks="auto" measures on the GPU (tests/unit/test_gpu_rates.py)
 #   4. the chunking overhead benchmark with CUDA graphs, then without (4096 tokens)
 #   5. joint attention's text computed by every chunk against once a step, FLUX.1's
 #      widths and text length, 4096 image tokens (1024 px)
@@ -82,7 +83,8 @@ want pipeline && part "PixArt-alpha widths, in-process pipeline" 140 python3 ben
     --layers 4 --grid 128 128 --chunks 2 8 auto --steps 6 --cuda-graphs --profile
 want attention && part "PixArt-alpha widths, each attention kernel" 85 python3 \
     benchmarks/gpu_pipeline.py --layers 4 --grid 128 128 --chunks 2 --steps 6 --attention sdpa triton
-want rates && part "Matmul and attention rates at chunked shapes" 25 python3 benchmarks/gpu_rates.py
+want rates && part "Matmul and attention rates at chunked shapes" 35 bash -c \
+    "python3 benchmarks/gpu_rates.py && python3 -m pytest -q -p no:cacheprovider tests/unit/test_gpu_rates.py"
 want graphs && part "Chunking overhead, CUDA graphs" 50 python3 benchmarks/overhead.py --device cuda \
     --dtype bfloat16 --tokens 1024 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10 --cuda-graphs
 want overhead && part "Chunking overhead" 30 python3 benchmarks/overhead.py --device cuda --dtype bfloat16 \
@@ -93,5 +95,5 @@ want text && part "Joint attention: text once a step" 45 python3 benchmarks/text
 kernel_tests='python3 -m pytest -v -p no:cacheprovider tests/unit/test_triton_attention.py -k'
 want kernels && TOKPIPE_KERNEL_EXAMPLES=8 part "Kernel tests (compiled, 8 examples a property)" 60 \
     bash -c "$kernel_tests 'not matches_reference' && $kernel_tests matches_reference"
-want bench && part "Kernel benchmark" 45 python3 benchmarks/gpu_kernels.py --quick
+want bench && part "Kernel benchmark" 35 python3 benchmarks/gpu_kernels.py --quick
 echo "report: $REPORT" >&2

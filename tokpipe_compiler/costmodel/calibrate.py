@@ -228,7 +228,7 @@ def measure_rates(device: str = "cpu", threads: int | None = None) -> DeviceRate
     try:
         with torch.no_grad():
             peak, half = _matmul_fit(device, dtype)
-            return DeviceRates(
+            rates = DeviceRates(
                 matmul_flops=peak,
                 mem_bandwidth=_bandwidth(device, dtype),
                 attention_flops=_attention_rate(device, dtype),
@@ -236,6 +236,11 @@ def measure_rates(device: str = "cpu", threads: int | None = None) -> DeviceRate
                 matmul_half=half,
                 causal_tile=_causal_tile(device, dtype),
             )
+            if torch.device(device).type == "cuda":  # waves of tiles, attention per score
+                from tokpipe_compiler.costmodel.gpu_rates import refine
+
+                rates = refine(rates, device, dtype, _time)
+            return rates
     finally:
         torch.set_num_threads(previous)
 
