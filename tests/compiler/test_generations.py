@@ -151,3 +151,21 @@ def test_a_branch_first_seen_after_warmup_warms_up_its_own_caches():
         compiled(latents, t - 1, labels)  # step 1, chunked
         late = compiled(latents, t - 1, labels + 1)  # step 1, a new branch
         assert_rel_close(late, model(latents, t - 1, labels + 1))
+
+
+def test_a_schedules_timesteps_are_copied_to_the_host_once():
+    """Timesteps passed as pipelines pass them (t.expand(batch) of the scheduler's
+    timesteps) are read from one host copy for the whole generation, and run the same
+    steps as fresh timestep tensors do."""
+    _, viewed = compiled_dit()
+    _, fresh = compiled_dit()
+    latents, _, labels = dit_inputs(TinyDiT(grid=8), 8)
+    schedule = torch.linspace(900, 100, 4).round().long()
+    with torch.no_grad():
+        for t in schedule:
+            batch = t.expand(latents.shape[0])
+            out = viewed(latents, batch, labels)
+            assert torch.equal(out, fresh(latents, batch.clone(), labels))
+    clocks = [tp.programs(compiled)[0].clock for compiled in (viewed, fresh)]
+    assert [c.step for c in clocks] == [3, 3]
+    assert [c.timesteps.copies for c in clocks] == [1, 0]
