@@ -94,19 +94,18 @@ def seconds(cost: Cost, rates: DeviceRates, n: int, c: int, text: float = 1.0) -
 def time_fn(cost: Cost, rates: DeviceRates) -> Callable[..., float]:
     """`seconds` as a fast function of (n, c, text=1), for dynamic programs that call it
     often."""
-    exprs = (cost.flops, cost.bytes, cost.matmul_flops, cost.attention_flops)
+    exprs = [cost.flops, cost.bytes, cost.matmul_flops, cost.attention_flops]
+    if rates.score_seconds:
+        exprs += [cost.attention_scores, cost.attention_padded]
     tiled = [sympy.sympify(e).subs(TILE, round(rates.causal_tile)) for e in exprs]
     gemms = cost.gemms if rates.sms else ()
-    by_score = [cost.attention_scores, cost.attention_padded] if rates.score_seconds else []
-    by_score = [sympy.sympify(e).subs(TILE, round(rates.causal_tile)) for e in by_score]
-    evaluate = sympy.lambdify((N, C, TEXT), tiled + by_score + [g.rows for g in gemms],
-                              "math")
+    evaluate = sympy.lambdify((N, C, TEXT), tiled + [g.rows for g in gemms], "math")
 
     def predict(n: int, c: int, text: float = 1.0) -> float:
         values = [float(v) for v in evaluate(n, c, text)]
         flops, nbytes, mm, attn = values[:4]
-        scores = tuple(values[4:4 + len(by_score)]) or None
-        rows = values[4 + len(by_score):]
+        scores = tuple(values[4:len(exprs)]) or None
+        rows = values[len(exprs):]
         shapes = [(r, g.cols, g.depth, g.count) for r, g in zip(rows, gemms, strict=True)]
         return _combine(flops, nbytes, mm, attn, cost.launches_at(text), rates,
                         n + text * cost.text_rows, shapes, scores)

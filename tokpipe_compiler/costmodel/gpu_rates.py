@@ -38,8 +38,8 @@ def refine(rates: DeviceRates, device: str, dtype: torch.dtype, time: Timer) -> 
     def attention_seconds(dim: int) -> float:
         q = torch.randn(batch, heads, queries, dim, device=device, dtype=dtype)
         kv = torch.randn(batch, heads, keys, dim, device=device, dtype=dtype)
-        calls = [F.scaled_dot_product_attention] * REPEATS
-        return time(lambda: [attend(q, kv, kv) for attend in calls], device) / REPEATS
+        return time(lambda: [F.scaled_dot_product_attention(q, kv, kv)
+                             for _ in range(REPEATS)], device) / REPEATS
 
     small, large = (attention_seconds(dim) for dim in HEAD_DIMS)
     waved = wave_rates(rates, sms, WAVE_SHAPE, seconds)

@@ -49,7 +49,8 @@ class HostTimesteps:
         except RuntimeError:  # an inference tensor tracks no version: writes go unseen
             return None
         if self._base is None or self._base() is not base or version != self._version:
-            self._host = base.detach().to("cpu").flatten()
+            # a copy even of a CPU base: holding the base itself would keep it alive
+            self._host = base.detach().to("cpu", copy=True).flatten()
             self._base, self._version = weakref.ref(base), version
             self.copies += 1
         offset = view.storage_offset() - base.storage_offset()
