@@ -3,7 +3,7 @@ serial Inductor, on one device.
 
     python benchmarks/gpu_pipeline.py [--model pixart-alpha-xl-2-1024-ms] [--layers 4]
         [--grid 128 128] [--chunks 2 4 8] [--stages 2] [--device cuda] [--dtype bfloat16]
-        [--cuda-graphs] [--attention sdpa triton]
+        [--cuda-graphs] [--attention sdpa triton] [--timesteps views fresh] [--profile]
 
 The model is the family's diffusers class at its released widths and text length (the
 config in tokpipe_compiler/released/configs/), with --layers blocks and random weights,
@@ -15,7 +15,10 @@ is stale mode, warmup 1, stages compiled with Inductor; it also prints how far t
 warmup (exact) step is from eager, relative to the output's norm. With --cuda-graphs every
 chunk count runs twice, without and with the `cuda_graphs` option, and the graphed row
 says how far its last step is from the same step without graphs. With two --attention
-kernels every tokpipe row runs with each (the `attention` option). With --profile each
+kernels every tokpipe row runs with each (the `attention` option). With `--timesteps views
+fresh` every tokpipe row also runs with each call's timestep a fresh tensor on the device
+(not a view of a schedule), which the runtime can only read by waiting for the device: the
+difference is what reading timesteps from a host copy of the schedule saves. With --profile each
 compiled row is also run under the profiler and its note gives the GPU's busy time a step
 (the kernels' own time; the rest of a step the GPU waits for the host).
 """
@@ -29,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,21 +51,25 @@ def to_device(value: Any, device: str, dtype: torch.dtype) -> Any:
     return value
 
 
-def timesteps(inputs: dict, steps: int) -> list[torch.Tensor]:
+def timesteps(inputs: dict, steps: int, fresh: bool = False) -> list[torch.Tensor]:
     """Each call's timestep, as a pipeline passes it: an element of a falling schedule on
-    the device, expanded over the batch (each call the next step of one generation)."""
+    the device, expanded over the batch (each call the next step of one generation);
+    `fresh`: each a tensor of its own on the device instead."""
     like = inputs["timestep"]
-    schedule = torch.tensor([999.0 - 40.0 * k for k in range(steps)], dtype=like.dtype,
-                            device=like.device)
+    values = [999.0 - 40.0 * k for k in range(steps)]
+    if fresh:
+        return [torch.full(like.shape, v, dtype=like.dtype, device=like.device)
+                for v in values]
+    schedule = torch.tensor(values, dtype=like.dtype, device=like.device)
     return [t.expand(like.shape) for t in schedule]
 
 
-def run_steps(fn: Callable, inputs: dict, steps: int, sync: Callable
+def run_steps(fn: Callable, inputs: dict, steps: int, sync: Callable, fresh: bool = False
               ) -> tuple[float, Any, Any]:
-    """Median ms per step over `steps` calls with falling timesteps, the first output and
-    the last."""
+    """Median ms per step over `steps` calls with falling timesteps (fresh tensors with
+    `fresh`), the first output and the last."""
     times, first, out = [], None, None
-    for t in timesteps(inputs, steps):
+    for t in timesteps(inputs, steps, fresh):
         call_inputs = dict(inputs, timestep=t)
         sync()
         start = time.perf_counter()
@@ -93,6 +100,10 @@ def main() -> None:
                         help="each chunk count also with the cuda_graphs option")
     parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=["sdpa", "triton"],
                         help="the attention option; several: each tokpipe row with each")
+    parser.add_argument("--timesteps", nargs="+", default=["views"], choices=["views", "fresh"],
+                        help="each call's timestep: a view of a schedule on the device (as "
+                             "pipelines pass it) or a fresh tensor; several: each tokpipe "
+                             "row with each")
     parser.add_argument("--profile", action="store_true",
                         help="the GPU's busy time a step of each compiled row")
     args = parser.parse_args()
@@ -120,28 +131,38 @@ def main() -> None:
                                             f"vs eager {relative(out, reference):.1e}"
                                             f"{busy_note(inductor, inputs, args)}"))
         print(f"serial inductor: {ms:.2f} ms/step", flush=True)
-        for chunks, kernel in itertools.product(args.chunks, args.attention):
-            row, last = pipelined(model, inputs, args, chunks, kernel, sync, reference)
+        for chunks, kernel, steps_as in itertools.product(args.chunks, args.attention,
+                                                          args.timesteps):
+            variant = Variant(chunks, kernel, steps_as == "fresh")
+            row, last = pipelined(model, inputs, args, variant, sync, reference)
             rows.append(row)
             print(f"{rows[-1][0]}: {rows[-1][1]:.2f} ms/step", flush=True)
             if args.cuda_graphs:
-                row, graphed = pipelined(model, inputs, args, chunks, kernel, sync, reference,
-                                         True)
+                row, graphed = pipelined(model, inputs, args, variant, sync, reference, True)
                 rows.append((row[0], row[1], f"{row[2]}, last step vs no graphs "
                                              f"{relative(graphed, last):.1e}"))
                 print(f"{rows[-1][0]}: {rows[-1][1]:.2f} ms/step", flush=True)
-    print(f"\n{'run':<42} {'ms/step':>9} {'vs eager':>9} {'vs inductor':>11}  notes")
+    print(f"\n{'run':<54} {'ms/step':>9} {'vs eager':>9} {'vs inductor':>11}  notes")
     for label, ms, note in rows:
-        print(f"{label:<42} {ms:>9.2f} {eager_ms / ms:>8.2f}x {rows[1][1] / ms:>10.2f}x  {note}")
+        print(f"{label:<54} {ms:>9.2f} {eager_ms / ms:>8.2f}x {rows[1][1] / ms:>10.2f}x  {note}")
 
 
 def chunk_count(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-def pipelined(model, inputs: dict, args, chunks: int | str, kernel: str, sync, reference,
+class Variant(NamedTuple):
+    """What one tokpipe row varies: its chunk count, attention kernel and timesteps."""
+
+    chunks: int | str
+    kernel: str
+    fresh_timesteps: bool
+
+
+def pipelined(model, inputs: dict, args, variant: Variant, sync, reference,
               cuda_graphs: bool = False) -> tuple[tuple[str, float, str], Any]:
     """A tokpipe row and the last step's output."""
+    chunks, kernel, fresh = variant
     options = {"stages": args.stages, "chunks": chunks, "mode": "stale", "warmup_steps": 1,
                "compiler": args.compiler, "cuda_graphs": cuda_graphs, "attention": kernel}
     compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
@@ -149,19 +170,20 @@ def pipelined(model, inputs: dict, args, chunks: int | str, kernel: str, sync, r
     run_steps(compiled, inputs, 3, sync)  # plans, compiles both chunk lengths (and captures)
     compile_s = time.perf_counter() - start
     tp.reset(compiled)
-    ms, warm, last = run_steps(compiled, inputs, args.steps + 1, sync)
+    ms, warm, last = run_steps(compiled, inputs, args.steps + 1, sync, fresh)
     if chunks == "auto":  # the count the plan chose
         chunks = f"auto={len(tp.programs(compiled)[0].plan.chunks)}"
     label = (f"tokpipe {args.stages} stages x {chunks} chunks"
              f"{f', {kernel}' if len(args.attention) > 1 else ''}"
+             f"{', fresh timesteps' if fresh else ''}"
              f"{', graphs' if cuda_graphs else ''}")
     drift = relative(warm, reference)
     note = f"plan+compile {compile_s:.0f} s, warmup vs eager {drift:.1e}"
     tp.reset(compiled)
-    return (label, ms, note + busy_note(compiled, inputs, args)), last
+    return (label, ms, note + busy_note(compiled, inputs, args, fresh)), last
 
 
-def busy_note(fn: Callable, inputs: dict, args) -> str:
+def busy_note(fn: Callable, inputs: dict, args, fresh: bool = False) -> str:
     """', GPU busy X ms/step' over args.steps calls after a first (warmup) one: the union
     of the intervals in which the device ran a kernel or a copy, from the profiler's raw
     device events (a sum over its per-op table counts a kernel under its op and again on
@@ -175,7 +197,7 @@ def busy_note(fn: Callable, inputs: dict, args) -> str:
     try:
         with profile(activities=[ProfilerActivity.CUDA],
                      schedule=schedule(wait=1, warmup=0, active=active)) as prof:
-            for t in timesteps(inputs, active + 1):
+            for t in timesteps(inputs, active + 1, fresh):
                 fn(**dict(inputs, timestep=t))
                 prof.step()
         torch.cuda.synchronize()

@@ -5,7 +5,8 @@
 #      against serial eager and serial Inductor, each chunk count (2, 8 and chunks="auto"
 #      at the rates measured on the GPU) without and with CUDA graphs (the cuda_graphs
 #      option), and the GPU's busy time a step of each
-#   2. the same at 2 chunks with each attention kernel (the attention option)
+#   2. the same at 8 chunks with each call's timestep a view of a schedule (as pipelines
+#      pass it, read from a host copy) and a fresh tensor (read by waiting for the device)
 #   3. matmul and attention rates at chunked shapes against the cost model's H200 preset,
 #      and the rates chunks="auto" measures on the GPU (tests/unit/test_gpu_rates.py)
 #   4. the chunking overhead benchmark with CUDA graphs, then without (4096 tokens)
@@ -23,7 +24,7 @@
 #
 # Python packages missing on the machine (diffusers on a bare image) may be put as wheels
 # in .whl/ at the repository root: they are installed first, without the network.
-# GPU_CHECK_PARTS="pipeline attention rates graphs overhead text kernels bench" (the default)
+# GPU_CHECK_PARTS="pipeline timesteps rates graphs overhead text kernels bench" (the default)
 # chooses the parts.
 set -u
 cd "$(dirname "$0")/.."
@@ -76,13 +77,14 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output into the rep
 }
 
 want() {
-    [[ " ${GPU_CHECK_PARTS:-pipeline attention rates graphs overhead text kernels bench} " == *" $1 "* ]]
+    [[ " ${GPU_CHECK_PARTS:-pipeline timesteps rates graphs overhead text kernels bench} " == *" $1 "* ]]
 }
 
 want pipeline && part "PixArt-alpha widths, in-process pipeline" 140 python3 benchmarks/gpu_pipeline.py \
     --layers 4 --grid 128 128 --chunks 2 8 auto --steps 6 --cuda-graphs --profile
-want attention && part "PixArt-alpha widths, each attention kernel" 85 python3 \
-    benchmarks/gpu_pipeline.py --layers 4 --grid 128 128 --chunks 2 --steps 6 --attention sdpa triton
+want timesteps && part "PixArt-alpha widths, timesteps as views and as fresh tensors" 85 python3 \
+    benchmarks/gpu_pipeline.py --layers 4 --grid 128 128 --chunks 8 --steps 6 --cuda-graphs \
+    --timesteps views fresh
 want rates && part "Matmul and attention rates at chunked shapes" 35 bash -c \
     "python3 benchmarks/gpu_rates.py && python3 -m pytest -q -p no:cacheprovider tests/unit/test_gpu_rates.py"
 want graphs && part "Chunking overhead, CUDA graphs" 50 python3 benchmarks/overhead.py --device cuda \
