@@ -18,7 +18,8 @@ says how far its last step is from the same step without graphs. With two --atte
 kernels every tokpipe row runs with each (the `attention` option). With `--timesteps views
 fresh` every tokpipe row also runs with each call's timestep a fresh tensor on the device
 (not a view of a schedule), which the runtime can only read by waiting for the device: the
-difference is what reading timesteps from a host copy of the schedule saves. With --profile each
+difference is what reading timesteps from a host copy of the schedule saves. The two are
+timed in alternating rounds on one compiled program. With --profile each
 compiled row is also run under the profiler and its note gives the GPU's busy time a step
 (the kernels' own time; the rest of a step the GPU waits for the host).
 """
@@ -32,7 +33,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -131,17 +132,14 @@ def main() -> None:
                                             f"vs eager {relative(out, reference):.1e}"
                                             f"{busy_note(inductor, inputs, args)}"))
         print(f"serial inductor: {ms:.2f} ms/step", flush=True)
-        for chunks, kernel, steps_as in itertools.product(args.chunks, args.attention,
-                                                          args.timesteps):
-            variant = Variant(chunks, kernel, steps_as == "fresh")
-            row, last = pipelined(model, inputs, args, variant, sync, reference)
-            rows.append(row)
-            print(f"{rows[-1][0]}: {rows[-1][1]:.2f} ms/step", flush=True)
+        for chunks, kernel in itertools.product(args.chunks, args.attention):
+            plain, last = pipelined(model, inputs, args, chunks, kernel, sync, reference)
+            report(rows, plain)
             if args.cuda_graphs:
-                row, graphed = pipelined(model, inputs, args, variant, sync, reference, True)
-                rows.append((row[0], row[1], f"{row[2]}, last step vs no graphs "
-                                             f"{relative(graphed, last):.1e}"))
-                print(f"{rows[-1][0]}: {rows[-1][1]:.2f} ms/step", flush=True)
+                graphed, last_graphed = pipelined(model, inputs, args, chunks, kernel, sync,
+                                                  reference, True)
+                note = f", last step vs no graphs {relative(last_graphed, last):.1e}"
+                report(rows, [(label, ms, text + note) for label, ms, text in graphed])
     print(f"\n{'run':<54} {'ms/step':>9} {'vs eager':>9} {'vs inductor':>11}  notes")
     for label, ms, note in rows:
         print(f"{label:<54} {ms:>9.2f} {eager_ms / ms:>8.2f}x {rows[1][1] / ms:>10.2f}x  {note}")
@@ -151,36 +149,42 @@ def chunk_count(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-class Variant(NamedTuple):
-    """What one tokpipe row varies: its chunk count, attention kernel and timesteps."""
-
-    chunks: int | str
-    kernel: str
-    fresh_timesteps: bool
+def report(rows: list, new_rows: list[tuple[str, float, str]]) -> None:
+    rows.extend(new_rows)
+    for label, ms, _ in new_rows:
+        print(f"{label}: {ms:.2f} ms/step", flush=True)
 
 
-def pipelined(model, inputs: dict, args, variant: Variant, sync, reference,
-              cuda_graphs: bool = False) -> tuple[tuple[str, float, str], Any]:
-    """A tokpipe row and the last step's output."""
-    chunks, kernel, fresh = variant
+def pipelined(model, inputs: dict, args, chunks: int | str, kernel: str, sync, reference,
+              cuda_graphs: bool = False) -> tuple[list[tuple[str, float, str]], Any]:
+    """A tokpipe row for each way of passing timesteps (timed in alternating rounds on one
+    compiled program, so the host's drift falls on each), and the last step's output."""
     options = {"stages": args.stages, "chunks": chunks, "mode": "stale", "warmup_steps": 1,
                "compiler": args.compiler, "cuda_graphs": cuda_graphs, "attention": kernel}
     compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
     start = time.perf_counter()
     run_steps(compiled, inputs, 3, sync)  # plans, compiles both chunk lengths (and captures)
     compile_s = time.perf_counter() - start
-    tp.reset(compiled)
-    ms, warm, last = run_steps(compiled, inputs, args.steps + 1, sync, fresh)
+    rounds = 3 if len(args.timesteps) > 1 else 1
+    times: dict[str, list[float]] = {kind: [] for kind in args.timesteps}
+    for _, kind in itertools.product(range(rounds), args.timesteps):
+        tp.reset(compiled)
+        ms, warm, last = run_steps(compiled, inputs, args.steps + 1, sync, kind == "fresh")
+        times[kind].append(ms)
     if chunks == "auto":  # the count the plan chose
         chunks = f"auto={len(tp.programs(compiled)[0].plan.chunks)}"
-    label = (f"tokpipe {args.stages} stages x {chunks} chunks"
-             f"{f', {kernel}' if len(args.attention) > 1 else ''}"
-             f"{', fresh timesteps' if fresh else ''}"
-             f"{', graphs' if cuda_graphs else ''}")
-    drift = relative(warm, reference)
-    note = f"plan+compile {compile_s:.0f} s, warmup vs eager {drift:.1e}"
+    note = f"plan+compile {compile_s:.0f} s, warmup vs eager {relative(warm, reference):.1e}"
+    rows = []
+    for kind, kind_times in times.items():
+        label = (f"tokpipe {args.stages} stages x {chunks} chunks"
+                 f"{f', {kernel}' if len(args.attention) > 1 else ''}"
+                 f"{', fresh timesteps' if kind == 'fresh' else ''}"
+                 f"{', graphs' if cuda_graphs else ''}")
+        tp.reset(compiled)
+        busy = busy_note(compiled, inputs, args, kind == "fresh")
+        rows.append((label, statistics.median(kind_times), note + busy))
     tp.reset(compiled)
-    return (label, ms, note + busy_note(compiled, inputs, args, fresh)), last
+    return rows, last
 
 
 def busy_note(fn: Callable, inputs: dict, args, fresh: bool = False) -> str:
