@@ -3,7 +3,8 @@ serial Inductor, on one device.
 
     python benchmarks/gpu_pipeline.py [--model pixart-alpha-xl-2-1024-ms] [--layers 4]
         [--grid 128 128] [--chunks 2 4 8] [--stages 2] [--device cuda] [--dtype bfloat16]
-        [--cuda-graphs] [--attention sdpa triton] [--timesteps views fresh] [--profile]
+        [--cuda-graphs] [--attention sdpa triton] [--timesteps views fresh] [--queued]
+        [--profile]
 
 The model is the family's diffusers class at its released widths and text length (the
 config in tokpipe_compiler/released/configs/), with --layers blocks and random weights,
@@ -19,7 +20,10 @@ kernels every tokpipe row runs with each (the `attention` option). With `--times
 fresh` every tokpipe row also runs with each call's timestep a fresh tensor on the device
 (not a view of a schedule), which the runtime can only read by waiting for the device: the
 difference is what reading timesteps from a host copy of the schedule saves. The two are
-timed in alternating rounds on one compiled program. With --profile each
+timed in alternating rounds on one compiled program. Each step is timed between two waits
+for the device (the median of the steps after the first), or with --queued the steps after
+the first as one run (their mean), as a pipeline's loop queues them: only then can what the
+runtime does without waiting for the device overlap the device's work. With --profile each
 compiled row is also run under the profiler and its note gives the GPU's busy time a step
 (the kernels' own time; the rest of a step the GPU waits for the host).
 """
@@ -33,7 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -65,19 +69,34 @@ def timesteps(inputs: dict, steps: int, fresh: bool = False) -> list[torch.Tenso
     return [t.expand(like.shape) for t in schedule]
 
 
-def run_steps(fn: Callable, inputs: dict, steps: int, sync: Callable, fresh: bool = False
+class Clock(NamedTuple):
+    """How steps are timed: `sync` waits for the device; `queued` times the steps after
+    the first as one run with a wait only at its end (as a pipeline's loop runs), instead
+    of each step between two waits."""
+
+    sync: Callable[[], None]
+    queued: bool = False
+
+
+def run_steps(fn: Callable, inputs: dict, steps: int, clock: Clock, fresh: bool = False
               ) -> tuple[float, Any, Any]:
-    """Median ms per step over `steps` calls with falling timesteps (fresh tensors with
-    `fresh`), the first output and the last."""
+    """ms per step over `steps` calls with falling timesteps (fresh tensors with `fresh`),
+    the first call not counted: the median of the steps, or their mean when queued; the
+    first output and the last."""
     times, first, out = [], None, None
-    for t in timesteps(inputs, steps, fresh):
-        call_inputs = dict(inputs, timestep=t)
-        sync()
-        start = time.perf_counter()
-        out = fn(**call_inputs)
-        sync()
-        times.append(1e3 * (time.perf_counter() - start))
+    start = 0.0
+    for k, t in enumerate(timesteps(inputs, steps, fresh)):
+        if not clock.queued or k <= 1:
+            clock.sync()
+            start = time.perf_counter()
+        out = fn(**dict(inputs, timestep=t))
+        if not clock.queued or k == 0:
+            clock.sync()
+            times.append(1e3 * (time.perf_counter() - start))
         first = out[0] if first is None else first
+    if clock.queued:
+        clock.sync()
+        return 1e3 * (time.perf_counter() - start) / max(steps - 1, 1), first, out[0]
     return statistics.median(times[1:]), first, out[0]
 
 
@@ -105,6 +124,9 @@ def main() -> None:
                         help="each call's timestep: a view of a schedule on the device (as "
                              "pipelines pass it) or a fresh tensor; several: each tokpipe "
                              "row with each")
+    parser.add_argument("--queued", action="store_true",
+                        help="time each row's steps as one queued run (a wait for the device "
+                             "only at its end), not each step between two waits")
     parser.add_argument("--profile", action="store_true",
                         help="the GPU's busy time a step of each compiled row")
     args = parser.parse_args()
@@ -112,6 +134,7 @@ def main() -> None:
         parser.error("--profile times kernels on a CUDA device: pass --device cuda")
     dtype, grid = getattr(torch, args.dtype), tuple(args.grid)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    clock = Clock(sync, args.queued)
     model = released.build(args.model, layers=args.layers, device=args.device, grid=grid)
     model = model.to(dtype)
     inputs = to_device(released.inputs(args.model, batch=2, grid=grid), args.device, dtype)
@@ -120,23 +143,23 @@ def main() -> None:
           f"tokens), batch 2, {args.device} {args.dtype}", flush=True)
     rows: list[tuple[str, float, str]] = []
     with torch.no_grad():
-        eager_ms, reference, _ = run_steps(model, inputs, args.steps, sync)
+        eager_ms, reference, _ = run_steps(model, inputs, args.steps, clock)
         rows.append(("serial eager", eager_ms, ""))
         print(f"serial eager: {eager_ms:.2f} ms/step", flush=True)
         start = time.perf_counter()
         inductor = torch.compile(model, dynamic=False)
         inductor(**inputs)
         compile_s = time.perf_counter() - start
-        ms, out, _ = run_steps(inductor, inputs, args.steps, sync)
+        ms, out, _ = run_steps(inductor, inputs, args.steps, clock)
         rows.append(("serial inductor", ms, f"compile {compile_s:.0f} s, "
                                             f"vs eager {relative(out, reference):.1e}"
                                             f"{busy_note(inductor, inputs, args)}"))
         print(f"serial inductor: {ms:.2f} ms/step", flush=True)
         for chunks, kernel in itertools.product(args.chunks, args.attention):
-            plain, last = pipelined(model, inputs, args, chunks, kernel, sync, reference)
+            plain, last = pipelined(model, inputs, args, chunks, kernel, clock, reference)
             report(rows, plain)
             if args.cuda_graphs:
-                graphed, last_graphed = pipelined(model, inputs, args, chunks, kernel, sync,
+                graphed, last_graphed = pipelined(model, inputs, args, chunks, kernel, clock,
                                                   reference, True)
                 note = f", last step vs no graphs {relative(last_graphed, last):.1e}"
                 report(rows, [(label, ms, text + note) for label, ms, text in graphed])
@@ -155,21 +178,24 @@ def report(rows: list, new_rows: list[tuple[str, float, str]]) -> None:
         print(f"{label}: {ms:.2f} ms/step", flush=True)
 
 
-def pipelined(model, inputs: dict, args, chunks: int | str, kernel: str, sync, reference,
+def pipelined(model, inputs: dict, args, chunks: int | str, kernel: str, clock: Clock, reference,
               cuda_graphs: bool = False) -> tuple[list[tuple[str, float, str]], Any]:
     """A tokpipe row for each way of passing timesteps (timed in alternating rounds on one
     compiled program, so the host's drift falls on each), and the last step's output."""
     options = {"stages": args.stages, "chunks": chunks, "mode": "stale", "warmup_steps": 1,
                "compiler": args.compiler, "cuda_graphs": cuda_graphs, "attention": kernel}
+    # Every row compiles the same forward: past Dynamo's recompile limit a row would run
+    # the eager model unnoticed.
+    torch._dynamo.reset()
     compiled = torch.compile(model, backend=tp.backend(**options), dynamic=False)
     start = time.perf_counter()
-    run_steps(compiled, inputs, 3, sync)  # plans, compiles both chunk lengths (and captures)
+    run_steps(compiled, inputs, 3, clock)  # plans, compiles both chunk lengths (and captures)
     compile_s = time.perf_counter() - start
     rounds = 3 if len(args.timesteps) > 1 else 1
     times: dict[str, list[float]] = {kind: [] for kind in args.timesteps}
     for _, kind in itertools.product(range(rounds), args.timesteps):
         tp.reset(compiled)
-        ms, warm, last = run_steps(compiled, inputs, args.steps + 1, sync, kind == "fresh")
+        ms, warm, last = run_steps(compiled, inputs, args.steps + 1, clock, kind == "fresh")
         times[kind].append(ms)
     if chunks == "auto":  # the count the plan chose
         chunks = f"auto={len(tp.programs(compiled)[0].plan.chunks)}"

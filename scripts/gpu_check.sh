@@ -6,7 +6,8 @@
 #      at the rates measured on the GPU) without and with CUDA graphs (the cuda_graphs
 #      option), and the GPU's busy time a step of each
 #   2. the same at 8 chunks with each call's timestep a view of a schedule (as pipelines
-#      pass it, read from a host copy) and a fresh tensor (read by waiting for the device)
+#      pass it, read from a host copy) and a fresh tensor (read by waiting for the device),
+#      the steps queued as a pipeline's loop queues them (one wait at the end)
 #   3. matmul and attention rates at chunked shapes against the cost model's H200 preset,
 #      and the rates chunks="auto" measures on the GPU (tests/unit/test_gpu_rates.py)
 #   4. the chunking overhead benchmark with CUDA graphs, then without (4096 tokens)
@@ -84,7 +85,7 @@ want pipeline && part "PixArt-alpha widths, in-process pipeline" 140 python3 ben
     --layers 4 --grid 128 128 --chunks 2 8 auto --steps 6 --cuda-graphs --profile
 want timesteps && part "PixArt-alpha widths, timesteps as views and as fresh tensors" 85 python3 \
     benchmarks/gpu_pipeline.py --layers 4 --grid 128 128 --chunks 8 --steps 6 --cuda-graphs \
-    --timesteps views fresh
+    --timesteps views fresh --queued
 want rates && part "Matmul and attention rates at chunked shapes" 35 bash -c \
     "python3 benchmarks/gpu_rates.py && python3 -m pytest -q -p no:cacheprovider tests/unit/test_gpu_rates.py"
 want graphs && part "Chunking overhead, CUDA graphs" 50 python3 benchmarks/overhead.py --device cuda \
