@@ -2,15 +2,16 @@
 # Everything that needs a CUDA GPU, in one run of at most 8 minutes on one GPU (each part
 # has its own time limit; they add up to 480 s):
 #   1. a PixArt-alpha-wide transformer through the in-process pipeline, Inductor stages,
-#      against serial eager and serial Inductor, each chunk count (2, 8 and chunks="auto"
-#      at the rates measured on the GPU) without and with CUDA graphs (the cuda_graphs
+#      against serial eager and serial Inductor, each chunk count (2, 4, 8 and
+#      chunks="auto" at the rates measured on the GPU) without and with CUDA graphs (the cuda_graphs
 #      option), and the GPU's busy time a step of each
 #   2. the same at 8 chunks with each call's timestep a view of a schedule (as pipelines
 #      pass it, read from a host copy) and a fresh tensor (read by waiting for the device),
 #      the steps queued as a pipeline's loop queues them (one wait at the end)
 #   3. matmul and attention rates at chunked shapes against the cost model's H200 preset,
 #      and the rates chunks="auto" measures on the GPU (tests/unit/test_gpu_rates.py)
-#   4. the chunking overhead benchmark with CUDA graphs, then without (4096 tokens)
+#   4. the chunking overhead benchmark with CUDA graphs (without them: the part
+#      "overhead", not in the default set; it ran twice alike)
 #   5. joint attention's text computed by every chunk against once a step, FLUX.1's
 #      widths and text length, 4096 image tokens (1024 px)
 #   6. the fused K/V-cache attention kernel's tests, compiled (not interpreted), fp16/bf16
@@ -25,8 +26,8 @@
 #
 # Python packages missing on the machine (diffusers on a bare image) may be put as wheels
 # in .whl/ at the repository root: they are installed first, without the network.
-# GPU_CHECK_PARTS="pipeline timesteps rates graphs overhead text kernels bench" (the default)
-# chooses the parts.
+# GPU_CHECK_PARTS="pipeline timesteps rates graphs text kernels bench" (the default; add
+# "overhead" for the chunking overhead without graphs) chooses the parts.
 set -u
 cd "$(dirname "$0")/.."
 REPORT_DIR=${REPORT_DIR:-gpu_report}
@@ -78,11 +79,11 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output into the rep
 }
 
 want() {
-    [[ " ${GPU_CHECK_PARTS:-pipeline timesteps rates graphs overhead text kernels bench} " == *" $1 "* ]]
+    [[ " ${GPU_CHECK_PARTS:-pipeline timesteps rates graphs text kernels bench} " == *" $1 "* ]]
 }
 
-want pipeline && part "PixArt-alpha widths, in-process pipeline" 140 python3 benchmarks/gpu_pipeline.py \
-    --layers 4 --grid 128 128 --chunks 2 8 auto --steps 6 --cuda-graphs --profile
+want pipeline && part "PixArt-alpha widths, in-process pipeline" 175 python3 benchmarks/gpu_pipeline.py \
+    --layers 4 --grid 128 128 --chunks 2 4 8 auto --steps 6 --cuda-graphs --profile
 want timesteps && part "PixArt-alpha widths, timesteps as views and as fresh tensors" 85 python3 \
     benchmarks/gpu_pipeline.py --layers 4 --grid 128 128 --chunks 8 --steps 6 --cuda-graphs \
     --timesteps views fresh --queued
@@ -96,7 +97,7 @@ want text && part "Joint attention: text once a step" 45 python3 benchmarks/text
     --dtype bfloat16 --side 128 --heads 24 --chunks 2 4 8 --rounds 3 --reps 5
 # The fixed shapes (fp16 and bf16) first: they ran in 46 s on an H200; then the properties.
 kernel_tests='python3 -m pytest -v -p no:cacheprovider tests/unit/test_triton_attention.py -k'
-want kernels && TOKPIPE_KERNEL_EXAMPLES=8 part "Kernel tests (compiled, 8 examples a property)" 60 \
+want kernels && TOKPIPE_KERNEL_EXAMPLES=8 part "Kernel tests (compiled, 8 examples a property)" 55 \
     bash -c "$kernel_tests 'not matches_reference' && $kernel_tests matches_reference"
 want bench && part "Kernel benchmark" 35 python3 benchmarks/gpu_kernels.py --quick
 echo "report: $REPORT" >&2

@@ -9,6 +9,7 @@ import pytest
 from tokpipe_compiler.costmodel import published, released_runs
 from tokpipe_compiler.costmodel import simulator as simulate_module
 from tokpipe_compiler.costmodel.hardware import DEVICES, LINKS
+from tokpipe_compiler.costmodel.host import HostModel
 from tokpipe_compiler.costmodel.published import pixart_stage_costs
 from tokpipe_compiler.costmodel.simulator import simulate_model
 
@@ -78,8 +79,12 @@ def test_outside_work_sends_and_launches_only_add_time():
                               4, overlap_sends=False)
     assert blocking.pipelined_s > base.pipelined_s
     launch_bound = simulate_model(stages, boundary, 4096, 64, 20, 1, device, link, 4,
-                                  launch_s=1e-3)  # 7 layers x 30 launches: 0.21 s a chunk
-    assert min(launch_bound.per_stage_s) >= 7 * 30 * 1e-3
+                                  host=HostModel(per_launch_s=1e-3))  # 7 x 30 launches
+    assert min(launch_bound.per_stage_s) >= 7 * 30 * 1e-3  # 0.21 s a chunk
+    step_bound = simulate_model(stages, boundary, 4096, 4, 20, 1, device, link, 4,
+                                host=HostModel(per_step_s=0.1))
+    assert step_bound.serial_s == pytest.approx(base.serial_s)  # one call a step: no runtime
+    assert step_bound.pipelined_s > base.pipelined_s + 19 * 0.1  # each rank, each step
 
 
 def test_simulate_a_plan_from_explain():

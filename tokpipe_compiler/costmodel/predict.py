@@ -25,7 +25,8 @@ from tokpipe_compiler.costmodel.calibrate import assume_rates, time_fn
 from tokpipe_compiler.costmodel.chunk_choice import choose_causal
 from tokpipe_compiler.costmodel.cost import TILE, C, Cost, N
 from tokpipe_compiler.costmodel.hardware import ACHIEVABLE, DEVICES, DeviceModel, LinkModel
-from tokpipe_compiler.costmodel.published import LAUNCH_S, PUBLISHED, fit_device
+from tokpipe_compiler.costmodel.host import EAGER_LAUNCHES, HostModel
+from tokpipe_compiler.costmodel.published import PUBLISHED, fit_device
 from tokpipe_compiler.costmodel.simulator import simulate_chunks
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.plan import Plan
@@ -134,42 +135,47 @@ def memory(plan: Plan) -> list[Memory]:
 
 
 def predict(plan: Plan, mode: str, device: DeviceModel, link: LinkModel, steps: int,
-            outside_s: float = 0.0, warmup_steps: int = 1) -> Prediction:
+            outside_s: float = 0.0, warmup_steps: int = 1,
+            host: HostModel = EAGER_LAUNCHES) -> Prediction:
     """Serial and pipelined seconds of `steps` steps of `plan` on one `device` per stage,
-    as the calibrated simulator runs PipeFusion: sends on the compute stream and at least
-    one launch time (5 us) per kernel. Stale mode runs `warmup_steps` steps stage after
-    stage; causal mode needs none."""
+    as the calibrated simulator runs PipeFusion: sends on the compute stream, and each
+    chunk at least its `host` time (by default 5 us a launch, as eager PyTorch; tokpipe's
+    runtime: costmodel/host.py). Stale mode runs `warmup_steps` steps stage after stage;
+    causal mode needs none."""
     costs = [s.cost if mode == "stale" else causal_cost(s.cost) for s in plan.stages]
     table = chunk_table(plan, mode, device)
     per_token = plan.tokens / plan.units
     sends = [s.send_bytes_per_unit / per_token for s in plan.stages]
     warmup = warmup_steps if mode == "stale" else 0
     sim = simulate_chunks(costs, sends, plan.tokens, table, steps, warmup, device, link,
-                          len(costs), outside_s=outside_s, overlap_sends=False,
-                          launch_s=LAUNCH_S,
+                          len(costs), outside_s=outside_s, overlap_sends=False, host=host,
                           text_bytes=[s.send_text_bytes for s in plan.stages])
-    step = _step_seconds(costs, table, device)
+    step = _step_seconds(costs, table, device, host)
     imbalance = max(step) * len(step) / sum(step)
     return Prediction(mode, len(costs), [n for n, _, _ in table], sim.serial_s, sim.pipelined_s,
                       imbalance, sim.bubble_fraction, memory(plan))
 
 
 def _step_seconds(costs: list[Cost], table: list[tuple[int, int, float]],
-                  device: DeviceModel) -> list[float]:
-    """Each stage's compute seconds over one step's chunks (launch floor included)."""
+                  device: DeviceModel, host: HostModel) -> list[float]:
+    """Each stage's seconds over one step's chunks, each chunk at least its host time."""
     rates = device.rates()
     out = []
     for cost in costs:
         fn = time_fn(cost, rates)
-        out.append(sum(max(fn(*chunk), cost.launches_at(chunk[2]) * LAUNCH_S)
+        out.append(sum(host.chunk_seconds(fn(*chunk), cost.launches_at(chunk[2]))
                        for chunk in table))
     return out
 
 
-def one_device_step(plan: Plan, device: DeviceModel) -> tuple[float, float]:
+def one_device_step(plan: Plan, device: DeviceModel, host: HostModel = EAGER_LAUNCHES
+                    ) -> tuple[float, float]:
     """(whole pass, chunked step): seconds of one step of stale `plan` with every stage on
-    one `device` in turn, unchunked and in the plan's chunks. Their ratio is what chunking
-    costs the device; running both on one GPU measures it (benchmarks/gpu_pipeline.py)."""
+    one `device` in turn, unchunked (one call of the whole model, as serial Inductor runs
+    it) and in the plan's chunks with `host`'s time per call and per step. Their ratio is
+    what chunking costs; running both on one GPU measures it (benchmarks/gpu_pipeline.py)."""
     costs = [s.cost for s in plan.stages]
-    whole = _step_seconds(costs, [(plan.tokens, plan.tokens, 1.0)], device)
-    return sum(whole), sum(_step_seconds(costs, chunk_table(plan, "stale", device), device))
+    whole = _step_seconds([sum(costs, Cost(0, 0))], [(plan.tokens, plan.tokens, 1.0)],
+                          device, replace(host, per_call_s=0.0))
+    chunked = _step_seconds(costs, chunk_table(plan, "stale", device), device, host)
+    return sum(whole), host.per_step_s + sum(chunked)

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.costmodel.cost import C, Cost, N
 from tokpipe_compiler.costmodel.hardware import ACHIEVABLE, DEVICES, LINKS, DeviceModel
+from tokpipe_compiler.costmodel.host import EAGER_LAUNCHES
 from tokpipe_compiler.costmodel.symbolic import Gemm, padded_head
 
 PIXART = {"layers": 28, "hidden": 1152, "heads": 16, "tokens": 4096, "text": 120, "mlp": 4}
@@ -38,8 +39,6 @@ T5_XXL_PARAMS, TEXT_TOKENS, PROMPTS = 4.76e9, 120, 2
 # 1024 x 1024 image, batch 1, counted on the meta device by `count_vae_decoder()`:
 # FLOPs, and bytes of every op's outputs (each written once and read once).
 VAE_DECODE_FLOPS, VAE_DECODE_OUTPUT_BYTES = 10.470e12, 22.456e9
-# A kernel launch from Python through PyTorch, when the GPU runs ahead of it.
-LAUNCH_S = 5e-6
 
 PUBLISHED = [
     # PipeFusion paper / xDiT README: PixArt-alpha 1024px, 20 steps, 1 warmup step.
@@ -128,7 +127,7 @@ def simulate_pixart(device: DeviceModel, link, world: int, chunks: int):
     stages, boundary = pixart_stage_costs(world)
     return simulate_model(stages, boundary, PIXART["tokens"], chunks, STEPS, WARMUP, device,
                           link, world, outside_s=outside_seconds(device.rates()),
-                          overlap_sends=False, launch_s=LAUNCH_S)
+                          overlap_sends=False, host=EAGER_LAUNCHES)
 
 
 def fit_device(device: DeviceModel, published_serial_s: float) -> DeviceModel:

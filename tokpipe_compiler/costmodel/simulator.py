@@ -13,6 +13,7 @@ from tokpipe_compiler.costmodel import pipeline_time
 from tokpipe_compiler.costmodel.calibrate import load_or_measure, seconds
 from tokpipe_compiler.costmodel.cost import Cost
 from tokpipe_compiler.costmodel.hardware import DEVICES, LINKS, DeviceModel, LinkModel
+from tokpipe_compiler.costmodel.host import NO_HOST, HostModel
 
 
 def cpu_device(threads: int | None = None) -> DeviceModel:
@@ -47,7 +48,7 @@ def simulate_model(
     *,
     outside_s: float = 0.0,
     overlap_sends: bool = True,
-    launch_s: float = 0.0,
+    host: HostModel = NO_HOST,
 ) -> SimResult:
     """Predict a PipeFusion (stale) run: stage s holds stage_costs[s] on its own device and
     sends boundary_bytes_per_token[s] per token to the next stage (the last stage's entry
@@ -57,13 +58,14 @@ def simulate_model(
 
     outside_s: serial work outside the transformer (text encoder, VAE), in both runs.
     overlap_sends=False: a stage is busy while it sends (sends on the compute stream).
-    launch_s: seconds per kernel launch; a chunk takes at least its stage's launches.
+    host: the host's time per launch, call and step (costmodel/host.py); a chunk takes at
+    least its host time, and each pipelined stage and warmup step its per-step host time.
     """
     n = max(tokens // chunks, 1)
     return simulate_chunks(stage_costs, boundary_bytes_per_token, tokens,
                            [(n, tokens, 1.0)] * chunks,
                            steps, warmup_steps, device, link, world, outside_s=outside_s,
-                           overlap_sends=overlap_sends, launch_s=launch_s)
+                           overlap_sends=overlap_sends, host=host)
 
 
 def simulate_chunks(
@@ -79,7 +81,7 @@ def simulate_chunks(
     *,
     outside_s: float = 0.0,
     overlap_sends: bool = True,
-    launch_s: float = 0.0,
+    host: HostModel = NO_HOST,
     text_bytes: list[float] | None = None,
 ) -> SimResult:
     """`simulate_model` with any chunk table: `chunks` holds each chunk's (tokens, context
@@ -95,28 +97,28 @@ def simulate_chunks(
     text_bytes = text_bytes or [0.0] * world
 
     def stage_seconds(cost: Cost, n: int, c: int, text: float = 1.0) -> float:
-        return max(seconds(cost, rates, n, c, text), cost.launches_at(text) * launch_s)
+        return host.chunk_seconds(seconds(cost, rates, n, c, text), cost.launches_at(text))
 
     serial = steps * stage_seconds(sum(stage_costs, Cost(0, 0)), tokens, tokens) + outside_s
-    compute = [[stage_seconds(cost, *chunk) for chunk in chunks] for cost in stage_costs]
+    compute = [[stage_seconds(cost, *chunk) + (host.per_step_s if k == 0 else 0.0)
+                for k, chunk in enumerate(chunks)] for cost in stage_costs]
     links = [[link.seconds(b * n + t * share) if world > 1 else 0.0 for n, _, share in chunks]
              for b, t in zip(boundary_bytes_per_token, text_bytes, strict=True)]
     if not overlap_sends:  # the sender waits for its send: it is part of its stage time
         compute = [[t + send for t, send in zip(ts, ss, strict=True)]
                    for ts, ss in zip(compute, links, strict=True)]
         links = [[0.0] * len(chunks) for _ in range(world)]
-    sync = sum(stage_seconds(cost, tokens, tokens) for cost in stage_costs) + sum(
-        link.seconds(b * tokens + t)
-        for b, t in zip(boundary_bytes_per_token[:-1], text_bytes, strict=False)
-    )
+    sync = host.per_step_s + sum(stage_seconds(cost, tokens, tokens) for cost in stage_costs)
+    sync += sum(link.seconds(b * tokens + t)
+                for b, t in zip(boundary_bytes_per_token[:-1], text_bytes, strict=False))
     pipelined_steps = max(steps - warmup_steps, 0)
     span = pipeline_time.seconds(compute, pipelined_steps, ring=True, send=links)
     total = min(steps, warmup_steps) * sync + span + outside_s
     per_stage = [sum(ts) for ts in compute]
     busy = pipelined_steps * sum(per_stage)
     bubble = 1 - busy / (world * span) if span > 0 else 0.0
-    if len(set(chunks)) == 1:  # uniform chunks: one chunk's seconds, as before
-        per_stage = [ts[0] for ts in compute]
+    if len(set(chunks)) == 1:  # uniform chunks: one chunk's seconds (past the step's start)
+        per_stage = [ts[-1] for ts in compute]
     return SimResult(serial, total, serial / total, per_stage, bubble)
 
 

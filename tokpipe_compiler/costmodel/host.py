@@ -1,0 +1,53 @@
+"""Host time: what the CPU spends issuing a stage's work, which the GPU waits for whenever
+the host falls behind it.
+
+A stage-chunk call costs the device its kernels' time and the host the kernels' launches
+plus the runtime's own bookkeeping for the call; the call takes the longer of the two (the
+host queues launches ahead of the device until one of them is the bottleneck). A step also
+costs the host what the runtime does once a step (the prelude's launches, the step's
+clock and schedule) before its first chunk, time in which the device has nothing queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """per_launch_s: each kernel launched from Python. per_call_s: each stage-chunk call's
+    bookkeeping (with CUDA graphs, the replay and its input copies' launches). per_step_s:
+    each step's host work that the device waits for."""
+
+    per_launch_s: float = 0.0
+    per_call_s: float = 0.0
+    per_step_s: float = 0.0
+
+    def call_seconds(self, launches: float) -> float:
+        """Host seconds of one stage-chunk call that launches `launches` kernels."""
+        return self.per_call_s + launches * self.per_launch_s
+
+    def chunk_seconds(self, device_s: float, launches: float) -> float:
+        """A stage-chunk call's seconds: its device time, or its host time where longer."""
+        return max(device_s, self.call_seconds(launches))
+
+
+# A host that always keeps ahead of the device.
+NO_HOST = HostModel()
+# PyTorch launching kernels from Python while the GPU runs ahead (the published PipeFusion
+# runs, eager PyTorch): 5 us a launch and nothing else.
+EAGER_LAUNCHES = HostModel(per_launch_s=5e-6)
+
+# tokpipe's runtime on the lent H200 machine's host, fitted to one run of
+# benchmarks/gpu_pipeline.py --profile (BENCHMARKS.md, "GPU: one H200", run 3b): the
+# PixArt-alpha-wide 4-block transformer, 2 stages of 50 and 53 kernel launches, steps timed
+# one by one (the device idle at each step's start). 2 chunks: 6.81 ms a step, the GPU
+# busy 4.87 ms, device-bound, so per_step_s = 6.81 - 4.87 = 1.94 ms. 8 chunks without graphs:
+# 20.91 ms, host-bound: (20.91 - 1.94) ms over 16 calls of 51.5 launches on average, less
+# 0.15 ms a call (the runtime's cost per chunk pass on the CPU, "Host time per step"), is
+# 20 us a launch (Inductor's wrapper launching its Triton kernels, and the runtime's ops).
+TOKPIPE_H200 = HostModel(per_launch_s=20e-6, per_call_s=0.15e-3, per_step_s=1.94e-3)
+# With the cuda_graphs option a call launches one graph: the same bookkeeping plus the
+# replay. At 8 chunks the graphed step (9.41 ms, GPU busy 7.02 ms) was device-bound with
+# the same per-step host time, within 0.45 ms; the replay is put at 0.05 ms a call.
+TOKPIPE_H200_GRAPHS = HostModel(per_call_s=0.2e-3, per_step_s=1.94e-3)
