@@ -7,7 +7,10 @@ Each released config (tokpipe_compiler/released/configs/, the shared config fold
 at full size and depth on the meta device in bf16, traced once at its released input shape
 (batch 2 where the pipeline runs classifier-free guidance) and planned once per stage count
 (stale mode, chunks="auto" chosen at the H200's rates for the ring); causal mode reuses
-that plan's stages (costmodel/predict.py). Times are per image or video at the pipeline's
+that plan's stages (costmodel/predict.py). Each is planned and predicted for each --host
+(costmodel/host.py): "launches", tokpipe's runtime launching each kernel from Python as
+measured on one H200 machine; "graphs", the same with the cuda_graphs option; "none", a
+host that always keeps ahead. Times are per image or video at the pipeline's
 default step count, the text encoders and the VAE decode included
 (costmodel/released_runs.py). Progress goes to stderr, the table to stdout.
 """
@@ -15,6 +18,7 @@ default step count, the text encoders and the VAE decode included
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -27,6 +31,12 @@ sys.path.insert(0, str(ROOT))
 from tokpipe_compiler import released  # noqa: E402
 from tokpipe_compiler.core.errors import TokpipeError  # noqa: E402
 from tokpipe_compiler.costmodel.hardware import LINKS, DeviceModel  # noqa: E402
+from tokpipe_compiler.costmodel.host import (  # noqa: E402
+    NO_HOST,
+    TOKPIPE_H200,
+    TOKPIPE_H200_GRAPHS,
+    HostModel,
+)
 from tokpipe_compiler.costmodel.predict import (  # noqa: E402
     Prediction,
     fitted_share,
@@ -38,9 +48,10 @@ from tokpipe_compiler.costmodel.released_runs import RUNS, outside_seconds  # no
 from tokpipe_compiler.planning.capture import capture  # noqa: E402
 
 MODES = ("stale", "causal")
-HEADER = ("| model | GPUs | mode | chunks (tokens) | serial s | pipelined s | speedup | "
+HOSTS = {"launches": TOKPIPE_H200, "graphs": TOKPIPE_H200_GRAPHS, "none": NO_HOST}
+HEADER = ("| model | GPUs | mode | host | chunks (tokens) | serial s | pipelined s | speedup | "
           "imbalance | memory/GPU GiB: total (weights + K/V + boundary) |\n"
-          "|---|---:|---|---|---:|---:|---:|---:|---|")
+          "|---|---:|---|---|---|---:|---:|---:|---:|---|")
 
 
 def log(message: str) -> None:
@@ -77,15 +88,17 @@ def chunks_text(tokens: list[int]) -> str:
     return f"{len(tokens)}: {tokens[0]}..{tokens[-1]}"
 
 
-def row(name: str, p: Prediction, device: DeviceModel) -> str:
+def row(name: str, p: Prediction, device: DeviceModel, host: str) -> str:
     m = p.peak_memory
     over = " (!)" if device.memory and m.total > device.memory else ""
-    return (f"| {name} | {p.stages} | {p.mode} | {chunks_text(p.chunks)} | {p.serial_s:.2f} | "
+    return (f"| {name} | {p.stages} | {p.mode} | {host} | {chunks_text(p.chunks)} | "
+            f"{p.serial_s:.2f} | "
             f"{p.pipelined_s:.2f} | {p.speedup:.2f}x | {p.imbalance:.2f} | "
             f"{gib(m.total)} ({gib(m.weights)} + {gib(m.kv)} + {gib(m.boundary)}){over} |")
 
 
-def model_rows(name: str, stages: list[int], device: DeviceModel) -> list[str]:
+def model_rows(name: str, stages: list[int], device: DeviceModel,
+               hosts: dict[str, HostModel]) -> list[str]:
     """The table rows of one config (one row per failure)."""
     run = RUNS[name]
     outside = outside_seconds(run, device.rates())
@@ -93,24 +106,26 @@ def model_rows(name: str, stages: list[int], device: DeviceModel) -> list[str]:
     try:
         gm = trace(name, run.batch)
     except TokpipeError as err:
-        return [f"| {name} | - | - | trace failed: {_first_line(err)} | | | | | |"]
+        return [f"| {name} | - | - | - | trace failed: {_first_line(err)} | | | | | |"]
     log(f"{name}: traced in {time.perf_counter() - start:.0f} s (batch {run.batch}, "
         f"{run.steps} steps, outside the transformer {outside:.3f} s)")
     rows = []
-    for count in stages:
+    for count, (label, host) in itertools.product(stages, hosts.items()):
         start = time.perf_counter()
         try:
-            plan = plan_for(gm, count, device, ring_steps=run.steps - 1)
+            plan = plan_for(gm, count, device, ring_steps=run.steps - 1, host=host)
         except TokpipeError as err:
-            rows.append(f"| {name} | {count} | - | plan failed: {_first_line(err)} | | | | | |")
-            log(f"  {count} stages: plan failed")
+            rows.append(f"| {name} | {count} | - | {label} | plan failed: {_first_line(err)} "
+                        f"| | | | | |")
+            log(f"  {count} stages ({label}): plan failed")
             continue
         for mode in MODES:
-            p = predict(plan, mode, device, LINKS["nvlink4"], run.steps, outside)
-            rows.append(row(name, p, device))
-            log(f"  {count} stages {mode}: {len(p.chunks)} chunks, {p.serial_s:.2f} s -> "
-                f"{p.pipelined_s:.2f} s ({p.speedup:.2f}x)")
-        log(f"  {count} stages planned and predicted in {time.perf_counter() - start:.0f} s")
+            p = predict(plan, mode, device, LINKS["nvlink4"], run.steps, outside, host=host)
+            rows.append(row(name, p, device, label))
+            log(f"  {count} stages {mode} ({label}): {len(p.chunks)} chunks, {p.serial_s:.2f} "
+                f"s -> {p.pipelined_s:.2f} s ({p.speedup:.2f}x)")
+        log(f"  {count} stages ({label}) planned and predicted in "
+            f"{time.perf_counter() - start:.0f} s")
     return rows
 
 
@@ -122,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"configs (default: all): {released.NAMES}")
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--host", nargs="+", choices=list(HOSTS), default=["launches", "graphs"],
+                        help="the host's time per call each prediction assumes")
     args = parser.parse_args(argv)
     device = target_device("h200")
     log(f"h200: {device.matmul_flops / 1e12:.0f} TFLOP/s in full waves of GEMM tiles over "
@@ -130,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     print(HEADER, flush=True)
     for name in args.names or released.NAMES:  # each model's rows as soon as they are known
-        print("\n".join(model_rows(name, args.stages, device)), flush=True)
+        hosts = {label: HOSTS[label] for label in args.host}
+        print("\n".join(model_rows(name, args.stages, device, hosts)), flush=True)
     log(f"done in {time.perf_counter() - start:.0f} s")
     return 0
 

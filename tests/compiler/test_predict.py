@@ -25,17 +25,22 @@ NAME = "pixart-alpha-xl-2-1024-ms"
 
 
 @pytest.fixture(scope="module")
-def predictions():
+def traced():
     model = released.build(NAME, layers=4, device="meta").to(torch.bfloat16)
     inputs = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point()
               else v for k, v in released.inputs(NAME, batch=2, device="meta").items()}
     (graph,) = capture(model, (), inputs, fresh=True)
+    return graph.gm, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def predictions(traced):
+    gm, params = traced
     device, run = target_device("h200"), RUNS[NAME]
     outside = outside_seconds(run, device.rates())
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
     out = {}
     for stages in (2, 4):
-        plan = plan_for(graph.gm, stages, device, ring_steps=run.steps - 1)
+        plan = plan_for(gm, stages, device, ring_steps=run.steps - 1)
         for mode in ("stale", "causal"):
             out[stages, mode] = predict(plan, mode, device, LINKS["nvlink4"], run.steps,
                                         outside)
@@ -76,6 +81,26 @@ def test_memory_per_gpu_shrinks_with_stages(predictions):
     assert four.peak_memory.total < two.peak_memory.total < params * 1.5
     assert all(m.kv > 0 and m.boundary >= 0 for m in two.memory)
     assert two.peak_memory.kv > four.peak_memory.kv
+
+
+def test_auto_chunks_and_the_ring_see_the_hosts_time(traced):
+    """Launching each kernel from Python (20 us on the H200 machine's host) bounds small
+    chunks: chunks="auto" takes fewer, and the ring gains less than with CUDA graphs, whose
+    replay leaves the device the bound."""
+    from tokpipe_compiler.costmodel.host import NO_HOST, TOKPIPE_H200, TOKPIPE_H200_GRAPHS
+
+    gm, _ = traced
+    device, run = target_device("h200"), RUNS[NAME]
+    chunks, speedup = {}, {}
+    for name, host in (("none", NO_HOST), ("launches", TOKPIPE_H200),
+                       ("graphs", TOKPIPE_H200_GRAPHS)):
+        plan = plan_for(gm, 4, device, ring_steps=run.steps - 1, host=host)
+        chunks[name] = len(plan.chunks)
+        speedup[name] = predict(plan, "stale", device, LINKS["nvlink4"], run.steps,
+                                host=host).speedup
+    assert 4 <= chunks["launches"] < chunks["graphs"] == chunks["none"], chunks
+    assert speedup["launches"] < 0.7 * speedup["graphs"], speedup
+    assert speedup["graphs"] == pytest.approx(speedup["none"], rel=0.05)
 
 
 def test_causal_cost_halves_long_attention():

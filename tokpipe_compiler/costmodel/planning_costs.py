@@ -14,6 +14,7 @@ from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.costmodel.chunk_choice import StageTime
 from tokpipe_compiler.costmodel.cost import Cost, graph_cost, node_cost
 from tokpipe_compiler.costmodel.hardware import LINKS
+from tokpipe_compiler.costmodel.host import assumed_host
 from tokpipe_compiler.passes.partition import Partition
 
 
@@ -41,9 +42,12 @@ def device_rates(token_input: torch.fx.Node) -> tuple[str, calibrate.DeviceRates
 
 def stage_times(cut: Partition, stages: int, tokens: int,
                 token_input: torch.fx.Node) -> list[StageTime]:
-    """Seconds per chunk of each stage of `cut`, at the rates of the token input's device."""
+    """Seconds per chunk of each stage of `cut`, at the rates of the token input's device,
+    and at least the assumed host's time per call (costmodel/host.py)."""
     _, rates = device_rates(token_input)
-    return [calibrate.time_fn(cost, rates) for cost in stage_costs(cut, stages, tokens)]
+    host = assumed_host()
+    return [host.bound(calibrate.time_fn(cost, rates), cost.launches_at)
+            for cost in stage_costs(cut, stages, tokens)]
 
 
 def send_cost(token_input: torch.fx.Node) -> float:

@@ -25,7 +25,7 @@ from tokpipe_compiler.costmodel.calibrate import assume_rates, time_fn
 from tokpipe_compiler.costmodel.chunk_choice import choose_causal
 from tokpipe_compiler.costmodel.cost import TILE, C, Cost, N
 from tokpipe_compiler.costmodel.hardware import ACHIEVABLE, DEVICES, DeviceModel, LinkModel
-from tokpipe_compiler.costmodel.host import EAGER_LAUNCHES, HostModel
+from tokpipe_compiler.costmodel.host import EAGER_LAUNCHES, NO_HOST, HostModel, assume_host
 from tokpipe_compiler.costmodel.published import PUBLISHED, fit_device
 from tokpipe_compiler.costmodel.simulator import simulate_chunks
 from tokpipe_compiler.planning.driver import build_plan
@@ -57,12 +57,13 @@ def target_device(name: str = "h200", like: str = CALIBRATED_LIKE) -> DeviceMode
 
 
 def plan_for(gm: torch.fx.GraphModule, stages: int, device: DeviceModel,
-             ring_steps: int | None, token_input: str = "hidden_states") -> Plan:
+             ring_steps: int | None, token_input: str = "hidden_states",
+             host: HostModel = NO_HOST) -> Plan:
     """The stale plan of `gm` (traced on "meta") with chunks="auto" chosen at `device`'s
-    rates for a ring of `ring_steps` steps."""
+    rates and `host`'s time per call for a ring of `ring_steps` steps."""
     config = Config(stages=stages, chunks="auto", mode="stale", compiler="eager",
                     token_input=token_input)
-    with assume_rates("meta", device.rates()):
+    with assume_rates("meta", device.rates()), assume_host(host):
         return build_plan(gm, config, ring_steps=ring_steps)
 
 
@@ -113,13 +114,16 @@ def causal_cost(cost: Cost) -> Cost:
                    attention_padded=sub(cost.attention_padded))
 
 
-def chunk_table(plan: Plan, mode: str, device: DeviceModel) -> list[tuple[int, int, float]]:
+def chunk_table(plan: Plan, mode: str, device: DeviceModel, host: HostModel = NO_HOST
+                ) -> list[tuple[int, int, float]]:
     """(tokens, context tokens, share of the text segments) of each chunk: the plan's own
-    (stale), or TeraPipe's slicing at `device`'s rates over the causal costs, as
-    chunks="auto" chooses in causal mode (every chunk with the whole text)."""
+    (stale), or TeraPipe's slicing at `device`'s rates and `host`'s time per call over the
+    causal costs, as chunks="auto" chooses in causal mode (every chunk with the whole
+    text)."""
     if mode == "stale":
         return [(plan.chunk_tokens(c), plan.tokens, float(c.segments)) for c in plan.chunks]
-    times = [time_fn(causal_cost(s.cost), device.rates()) for s in plan.stages]
+    times = [host.bound(time_fn(cost, device.rates()), cost.launches_at)
+             for cost in (causal_cost(s.cost) for s in plan.stages)]
     table = choose_causal(plan.units, plan.tokens, times)
     return [(c.units * plan.tokens // plan.units, c.stop * plan.tokens // plan.units, 1.0)
             for c in table]
@@ -143,7 +147,7 @@ def predict(plan: Plan, mode: str, device: DeviceModel, link: LinkModel, steps: 
     runtime: costmodel/host.py). Stale mode runs `warmup_steps` steps stage after stage;
     causal mode needs none."""
     costs = [s.cost if mode == "stale" else causal_cost(s.cost) for s in plan.stages]
-    table = chunk_table(plan, mode, device)
+    table = chunk_table(plan, mode, device, host)
     per_token = plan.tokens / plan.units
     sends = [s.send_bytes_per_unit / per_token for s in plan.stages]
     warmup = warmup_steps if mode == "stale" else 0
@@ -172,10 +176,11 @@ def one_device_step(plan: Plan, device: DeviceModel, host: HostModel = EAGER_LAU
                     ) -> tuple[float, float]:
     """(whole pass, chunked step): seconds of one step of stale `plan` with every stage on
     one `device` in turn, unchunked (one call of the whole model, as serial Inductor runs
-    it) and in the plan's chunks with `host`'s time per call and per step. Their ratio is
-    what chunking costs; running both on one GPU measures it (benchmarks/gpu_pipeline.py)."""
+    it) and in the plan's chunks with `host`'s time per stage-chunk call and its set-up a
+    call (one step a call, as the in-process pipeline runs it). Their ratio is what
+    chunking costs; running both on one GPU measures it (benchmarks/gpu_pipeline.py)."""
     costs = [s.cost for s in plan.stages]
     whole = _step_seconds([sum(costs, Cost(0, 0))], [(plan.tokens, plan.tokens, 1.0)],
                           device, replace(host, per_call_s=0.0))
     chunked = _step_seconds(costs, chunk_table(plan, "stale", device), device, host)
-    return sum(whole), host.per_step_s + sum(chunked)
+    return sum(whole), host.per_model_call_s + sum(chunked)

@@ -58,8 +58,8 @@ def simulate_model(
 
     outside_s: serial work outside the transformer (text encoder, VAE), in both runs.
     overlap_sends=False: a stage is busy while it sends (sends on the compute stream).
-    host: the host's time per launch, call and step (costmodel/host.py); a chunk takes at
-    least its host time, and each pipelined stage and warmup step its per-step host time.
+    host: the host's time per launch and stage-chunk call (costmodel/host.py); a chunk
+    takes at least its host time. A ring's set-up is paid once, and left out.
     """
     n = max(tokens // chunks, 1)
     return simulate_chunks(stage_costs, boundary_bytes_per_token, tokens,
@@ -100,15 +100,14 @@ def simulate_chunks(
         return host.chunk_seconds(seconds(cost, rates, n, c, text), cost.launches_at(text))
 
     serial = steps * stage_seconds(sum(stage_costs, Cost(0, 0)), tokens, tokens) + outside_s
-    compute = [[stage_seconds(cost, *chunk) + (host.per_step_s if k == 0 else 0.0)
-                for k, chunk in enumerate(chunks)] for cost in stage_costs]
+    compute = [[stage_seconds(cost, *chunk) for chunk in chunks] for cost in stage_costs]
     links = [[link.seconds(b * n + t * share) if world > 1 else 0.0 for n, _, share in chunks]
              for b, t in zip(boundary_bytes_per_token, text_bytes, strict=True)]
     if not overlap_sends:  # the sender waits for its send: it is part of its stage time
         compute = [[t + send for t, send in zip(ts, ss, strict=True)]
                    for ts, ss in zip(compute, links, strict=True)]
         links = [[0.0] * len(chunks) for _ in range(world)]
-    sync = host.per_step_s + sum(stage_seconds(cost, tokens, tokens) for cost in stage_costs)
+    sync = sum(stage_seconds(cost, tokens, tokens) for cost in stage_costs)
     sync += sum(link.seconds(b * tokens + t)
                 for b, t in zip(boundary_bytes_per_token[:-1], text_bytes, strict=False))
     pipelined_steps = max(steps - warmup_steps, 0)
@@ -117,8 +116,8 @@ def simulate_chunks(
     per_stage = [sum(ts) for ts in compute]
     busy = pipelined_steps * sum(per_stage)
     bubble = 1 - busy / (world * span) if span > 0 else 0.0
-    if len(set(chunks)) == 1:  # uniform chunks: one chunk's seconds (past the step's start)
-        per_stage = [ts[-1] for ts in compute]
+    if len(set(chunks)) == 1:  # uniform chunks: one chunk's seconds, as before
+        per_stage = [ts[0] for ts in compute]
     return SimResult(serial, total, serial / total, per_stage, bubble)
 
 
