@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--warmup-steps", type=_count(0), default=1)
     inspect.add_argument("--compiler", choices=COMPILERS, default="eager",
                          help="for --run (default eager)")
+    inspect.add_argument("--cuda-graphs", action="store_true",
+                         help="the cuda_graphs option: with --for, plan and predict a chunk's "
+                              "host time as a graph's replay, not kernel launches")
     inspect.add_argument("--out", type=Path, help="folder for the dump (default: none)")
     inspect.add_argument("--run", type=_count(0), default=0, metavar="K",
                          help="run K calls in-process; write trace.json to --out")
@@ -149,10 +152,11 @@ def _inspect(args: argparse.Namespace) -> int:
                           getattr(torch, args.dtype))
     model, call_args, call_kwargs = load_spec(args.spec, args.config, build, bool(args.run))
     options = {"stages": args.stages, "chunks": args.chunks, "mode": args.mode,
-               "warmup_steps": args.warmup_steps, "compiler": args.compiler}
+               "warmup_steps": args.warmup_steps, "compiler": args.compiler,
+               "cuda_graphs": args.cuda_graphs}
     if args.target is not None and not _on_meta(model):
         raise SpecError(_FOR_META)
-    with planned_for(args.target):
+    with planned_for(args.target, args.cuda_graphs):
         plan = explain(model, call_args, call_kwargs, **options)
     print(plan)
     if args.target is not None:

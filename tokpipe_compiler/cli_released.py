@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,15 +118,21 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def planned_for(target: str | None) -> AbstractContextManager:
+@contextmanager
+def planned_for(target: str | None, cuda_graphs: bool = False) -> Iterator[None]:
     """Planning on the meta device as for `target` (a preset of costmodel.hardware):
-    chunks="auto" chooses at its rates; without a target, at this CPU's."""
+    chunks="auto" chooses at its rates and the runtime's host time per call on a GPU
+    (launching kernels, or replaying graphs); without a target, at this CPU's rates."""
     if target is None:
-        return nullcontext()
+        yield
+        return
     from tokpipe_compiler.costmodel.calibrate import assume_rates
+    from tokpipe_compiler.costmodel.host import assume_host, runtime_host
     from tokpipe_compiler.costmodel.predict import target_device
 
-    return assume_rates("meta", target_device(target).rates())
+    with assume_rates("meta", target_device(target).rates()), \
+            assume_host(runtime_host("cuda", cuda_graphs)):
+        yield
 
 
 def predicted(plan: Any, target: str) -> str:
@@ -133,12 +140,14 @@ def predicted(plan: Any, target: str) -> str:
     `target` per stage, as the calibrated simulator predicts the released runs
     (BENCHMARKS.md), and the busiest GPU's memory."""
     from tokpipe_compiler.costmodel.hardware import LINKS
+    from tokpipe_compiler.costmodel.host import runtime_host
     from tokpipe_compiler.costmodel.predict import predict, target_device
 
-    link = TARGET_LINKS[target]
+    link, graphs = TARGET_LINKS[target], plan.config.cuda_graphs
     result = predict(plan, "stale", target_device(target), LINKS[link], TARGET_STEPS,
-                     warmup_steps=plan.config.warmup_steps)
-    return (f"predicted on {len(plan.stages)} x {target} ({link}), {TARGET_STEPS} steps of "
-            f"the transformer: serial {result.serial_s:.2f} s, pipelined "
+                     warmup_steps=plan.config.warmup_steps, host=runtime_host("cuda", graphs))
+    host = "chunks replayed from CUDA graphs" if graphs else "kernels launched one by one"
+    return (f"predicted on {len(plan.stages)} x {target} ({link}, {host}), {TARGET_STEPS} "
+            f"steps of the transformer: serial {result.serial_s:.2f} s, pipelined "
             f"{result.pipelined_s:.2f} s ({result.speedup:.2f}x); the busiest GPU holds "
             f"{result.peak_memory.total / 2**30:.1f} GiB (weights, K/V, boundary values)")

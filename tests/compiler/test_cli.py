@@ -136,23 +136,36 @@ def test_inspect_a_released_model_at_full_size_on_meta(capsys):
     assert "parameters 3.9 GiB" in printed.out  # 2.03B in bfloat16 and the pos. table
 
 
-def test_plan_a_released_model_for_a_gpu(capsys):
-    """--for h200: chunks="auto" chosen at the H200's rates, and the predicted run printed
-    (two GPUs cannot more than double the transformer's speed)."""
+def predicted_run(capsys, argv: list[str]) -> tuple[str, list[float], int]:
+    """The host named in the --for line, its serial s, pipelined s, speedup and GiB, and
+    the plan's chunk count."""
     import re
 
-    argv = ["inspect", "released:sd3-medium", "--stages", "2", "--chunks", "auto",
-            "--dtype", "bfloat16", "--for", "h200"]
     assert main(argv) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("predicted on"))
-    found = re.fullmatch(r"predicted on 2 x h200 \(nvlink4\), 20 steps of the transformer: "
-                         r"serial ([\d.]+) s, pipelined ([\d.]+) s \(([\d.]+)x\); the "
-                         r"busiest GPU holds ([\d.]+) GiB \(weights, K/V, boundary values\)",
+    lines = capsys.readouterr().out.splitlines()
+    line = next(x for x in lines if x.startswith("predicted on"))
+    chunks = int(re.search(r"x (\d+) chunk\(s\)", lines[0]).group(1))
+    found = re.fullmatch(r"predicted on 2 x h200 \(nvlink4, ([a-zA-Z ]+)\), 20 steps of the "
+                         r"transformer: serial ([\d.]+) s, pipelined ([\d.]+) s \(([\d.]+)x\); "
+                         r"the busiest GPU holds ([\d.]+) GiB \(weights, K/V, boundary values\)",
                          line)
     assert found, line
-    serial, pipelined, speedup, memory = map(float, found.groups())
+    return found.group(1), [float(x) for x in found.groups()[1:]], chunks
+
+
+def test_plan_a_released_model_for_a_gpu(capsys):
+    """--for h200: chunks="auto" chosen at the H200's rates and the runtime's host time, and
+    the predicted run printed (two GPUs cannot more than double the transformer's speed);
+    with --cuda-graphs a chunk's host time is a replay, so smaller chunks pay."""
+    argv = ["inspect", "released:sd3-medium", "--stages", "2", "--chunks", "auto",
+            "--dtype", "bfloat16", "--for", "h200"]
+    host, (serial, pipelined, speedup, memory), chunks = predicted_run(capsys, argv)
+    assert host == "kernels launched one by one"
     assert 1.0 < speedup < 2.0 and serial > pipelined > 0
     assert 2.0 < memory < 4.0  # half of 3.9 GiB of weights, the K/V of 12 blocks, buffers
+    host, graphed, graphed_chunks = predicted_run(capsys, [*argv, "--cuda-graphs"])
+    assert host == "chunks replayed from CUDA graphs"
+    assert 1.0 < graphed[2] < 2.0 and graphed_chunks > chunks
     for extra, message in ((["--run", "1", "--layers", "1"], "--for plans a released model"),
                            (["--mode", "sync"], "--for predicts stale-mode")):
         assert main([*argv, *extra]) == 2

@@ -69,13 +69,24 @@ TOKPIPE_H200 = HostModel(per_launch_s=20e-6, per_call_s=0.15e-3, per_model_call_
 # the same set-up a call, within 0.45 ms; the replay is put at 0.05 ms a stage-chunk call.
 TOKPIPE_H200_GRAPHS = HostModel(per_call_s=0.2e-3, per_model_call_s=1.94e-3)
 
-_ASSUMED: ContextVar[HostModel] = ContextVar("tokpipe_assumed_host", default=NO_HOST)
+
+def runtime_host(device: str, cuda_graphs: bool) -> HostModel:
+    """The host time chunks="auto" plans with when none is assumed: on a CUDA device,
+    tokpipe's runtime as measured on the H200 machine (hosts differ, up to 2x between that
+    machine's runs; it is the one measured); elsewhere none, since a CPU's per-op time is
+    in its measured rates."""
+    if not device.startswith("cuda"):
+        return NO_HOST
+    return TOKPIPE_H200_GRAPHS if cuda_graphs else TOKPIPE_H200
+
+
+_ASSUMED: ContextVar[HostModel | None] = ContextVar("tokpipe_assumed_host", default=None)
 
 
 @contextmanager
 def assume_host(host: HostModel) -> Iterator[None]:
-    """Plans made inside choose chunks="auto" with `host`'s time per call (predictions for
-    a GPU this machine does not have; by default the host keeps ahead of the device)."""
+    """Plans made inside choose chunks="auto" with `host`'s time per call, whatever the
+    device (predictions for a GPU this machine does not have)."""
     token = _ASSUMED.set(host)
     try:
         yield
@@ -83,5 +94,7 @@ def assume_host(host: HostModel) -> Iterator[None]:
         _ASSUMED.reset(token)
 
 
-def assumed_host() -> HostModel:
-    return _ASSUMED.get()
+def planning_host(device: str, cuda_graphs: bool) -> HostModel:
+    """The assumed host, else the runtime's on `device`."""
+    assumed = _ASSUMED.get()
+    return assumed if assumed is not None else runtime_host(device, cuda_graphs)

@@ -14,7 +14,7 @@ from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.costmodel.chunk_choice import StageTime
 from tokpipe_compiler.costmodel.cost import Cost, graph_cost, node_cost
 from tokpipe_compiler.costmodel.hardware import LINKS
-from tokpipe_compiler.costmodel.host import assumed_host
+from tokpipe_compiler.costmodel.host import planning_host, runtime_host
 from tokpipe_compiler.passes.partition import Partition
 
 
@@ -40,14 +40,28 @@ def device_rates(token_input: torch.fx.Node) -> tuple[str, calibrate.DeviceRates
     return device, calibrate.load_or_measure(device)
 
 
-def stage_times(cut: Partition, stages: int, tokens: int,
-                token_input: torch.fx.Node) -> list[StageTime]:
+def stage_times(cut: Partition, stages: int, tokens: int, token_input: torch.fx.Node,
+                cuda_graphs: bool = False) -> list[StageTime]:
     """Seconds per chunk of each stage of `cut`, at the rates of the token input's device,
-    and at least the assumed host's time per call (costmodel/host.py)."""
-    _, rates = device_rates(token_input)
-    host = assumed_host()
+    and at least the host's time per call there (costmodel/host.py)."""
+    device, rates = device_rates(token_input)
+    host = planning_host(device, cuda_graphs)
     return [host.bound(calibrate.time_fn(cost, rates), cost.launches_at)
             for cost in stage_costs(cut, stages, tokens)]
+
+
+def launch_bound(costs: list[Cost], chunk_tokens: int, tokens: int,
+                 token_input: torch.fx.Node) -> list[tuple[int, float, float]]:
+    """(stage, host s, device s) of each stage whose chunk of `chunk_tokens` takes its
+    host longer to launch, kernel by kernel, than its device to run, on a CUDA device."""
+    device, rates = device_rates(token_input)
+    if not device.startswith("cuda"):
+        return []
+    host = runtime_host(device, cuda_graphs=False)
+    timed = [(s, host.call_seconds(cost.launches), calibrate.seconds(cost, rates, chunk_tokens,
+                                                                      tokens))
+             for s, cost in enumerate(costs)]
+    return [(s, launching, running) for s, launching, running in timed if launching > running]
 
 
 def send_cost(token_input: torch.fx.Node) -> float:

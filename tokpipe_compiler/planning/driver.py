@@ -34,6 +34,7 @@ from tokpipe_compiler.core.meta import (
     SOURCE_KEY,
     STAGE_KEY,
 )
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel import planning_costs
 from tokpipe_compiler.costmodel.chunk_choice import choose_causal, choose_stale
 from tokpipe_compiler.passes.annotate import Annotation, annotate, raise_unsupported
@@ -83,6 +84,8 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
                    planning_costs.send_cost(annotation.token_input),
                    text_share(chunks, chunk_tokens, tokens))
     costs = planning_costs.stage_costs(cut, config.stages, tokens)  # before sdpa is rewritten
+    if len(chunks) > 1 and not config.cuda_graphs:
+        warn_launch_bound(costs, chunk_tokens, tokens, annotation.token_input)
     caches = run_pass(CHUNK_ATTENTION, chunk_attention, gm, config.mode, config.attention)
     caches = caches + run_pass(CHUNK_SUMS, chunk_sums, gm, config.mode)
     runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in c.names}
@@ -94,6 +97,20 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
                 caches, consumers, tokens, cut.imbalance, cut.warning)
     log_plan(plan)
     return plan
+
+
+def warn_launch_bound(costs: list, chunk_tokens: int, tokens: int,
+                      token_input: torch.fx.Node) -> None:
+    """On a CUDA device, says so when a stage's chunks are predicted to take longer to
+    launch than to run: the pipeline then runs at the host's pace."""
+    bound = planning_costs.launch_bound(costs, chunk_tokens, tokens, token_input)
+    if bound:
+        stage, launching, running = max(bound, key=lambda b: b[1] / b[2])
+        warn(f"chunks of {chunk_tokens} tokens are predicted to take the host longer to "
+             f"launch than the GPU to run on {len(bound)} of {len(costs)} stages (stage "
+             f"{stage}: {1e3 * launching:.2f} ms of kernel launches against "
+             f"{1e3 * running:.2f} ms of work), so the pipeline would run at the host's pace;"
+             f" pass cuda_graphs=True to replay each chunk from a CUDA graph, or fewer chunks")
 
 
 def text_once(gm: torch.fx.GraphModule, config: Config) -> bool:
@@ -161,7 +178,7 @@ def plan_chunks(
                             planning_costs.flops_weight(tokens, chunk_tokens, share),
                             chunk_tokens / max(tokens, 1))
     stage_times = planning_costs.stage_times(provisional, config.stages, tokens,
-                                             annotation.token_input)
+                                             annotation.token_input, config.cuda_graphs)
     if config.mode == "causal":
         chunks = choose_causal(units, tokens, stage_times)
     else:
