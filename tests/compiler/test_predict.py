@@ -119,12 +119,13 @@ def test_causal_cost_halves_long_attention():
 RUN_3B = {(1, False): (4.89, 4.24), (2, False): (6.81, 4.87), (8, False): (20.91, 6.45),
           (8, True): (9.41, 7.02)}
 # Every run's step by chunk count, lowest and highest (the hosts of the runs differed by up
-# to 2x in speed; the GPU did not): without graphs, and with them. Left out: the one run
-# of 4 chunks without graphs (run 2c, 6.75 ms), where the model has the host bound the
-# step at 11.4 ms; either that run's host was 1.7x faster than run 3b's or a call's host
-# time is not one figure (BENCHMARKS.md; gpu_check.sh now runs 2, 4 and 8 chunks in one run).
+# to 2x in speed; the GPU did not): without graphs, and with them. Left out: run 2c, the
+# one run of 4 chunks (6.75 ms without graphs, 6.87 with), where the model has the host
+# bound the step at 11.4 ms without graphs and predicts 7.98 ms with them; either that
+# run's host was faster than run 3b's by up to 1.7x or a call's host time is not one
+# figure (BENCHMARKS.md; gpu_check.sh now runs 2, 4 and 8 chunks in one run).
 RUNS_WITHOUT_GRAPHS_MS = {1: (4.61, 5.80), 2: (6.37, 11.08), 8: (20.54, 42.85)}
-RUNS_WITH_GRAPHS_MS = {2: (6.64, 7.91), 4: (6.87, 6.87), 8: (9.35, 12.77)}
+RUNS_WITH_GRAPHS_MS = {2: (6.64, 7.91), 8: (9.35, 12.77)}
 
 
 @pytest.fixture(scope="module")
@@ -183,5 +184,5 @@ def test_one_h200_step_with_the_runtimes_host_time(one_h200_plans):
         assert 0.85 * wall < step < 1.15 * wall, (chunks, graphs, step, wall)
     for runs, steps in ((RUNS_WITHOUT_GRAPHS_MS, plain), (RUNS_WITH_GRAPHS_MS, graphed)):
         for chunks, (low, high) in runs.items():
-            assert 0.55 * low < steps[chunks] < 1.2 * high, (chunks, steps)
+            assert 0.55 * low < steps[chunks] < 1.15 * high, (chunks, steps)
     assert plain[8] > 2 * graphed[8] and graphed[8] < 1.25 * graphed[2]

@@ -50,6 +50,7 @@ def test_plans_assume_the_runtimes_host_on_cuda_only():
 def as_if_on_an_h200(monkeypatch):
     """Plans on this CPU priced as if the model's inputs were on an H200."""
     rates = DEVICES["h200"].rates()
+    monkeypatch.setattr(planning_costs, "token_device", lambda token_input: "cuda:0")
     monkeypatch.setattr(planning_costs, "device_rates", lambda token_input: ("cuda:0", rates))
 
 

@@ -33,10 +33,15 @@ def stage_costs(cut: Partition, stages: int, tokens: int) -> list[Cost]:
     return [graph_cost(nodes, tokens) for nodes in members]
 
 
+def token_device(token_input: torch.fx.Node) -> str:
+    """The device the token input lives on."""
+    value = example_value(token_input)
+    return str(value.device) if isinstance(value, torch.Tensor) else "cpu"
+
+
 def device_rates(token_input: torch.fx.Node) -> tuple[str, calibrate.DeviceRates]:
     """The device the token input lives on and its calibrated rates."""
-    value = example_value(token_input)
-    device = str(value.device) if isinstance(value, torch.Tensor) else "cpu"
+    device = token_device(token_input)
     return device, calibrate.load_or_measure(device)
 
 
@@ -54,9 +59,9 @@ def launch_bound(costs: list[Cost], chunk_tokens: int, tokens: int,
                  token_input: torch.fx.Node) -> list[tuple[int, float, float]]:
     """(stage, host s, device s) of each stage whose chunk of `chunk_tokens` takes its
     host longer to launch, kernel by kernel, than its device to run, on a CUDA device."""
+    if not token_device(token_input).startswith("cuda"):
+        return []  # before the rates: a CPU plan reads none for this
     device, rates = device_rates(token_input)
-    if not device.startswith("cuda"):
-        return []
     host = runtime_host(device, cuda_graphs=False)
     timed = [(s, host.call_seconds(cost.launches), calibrate.seconds(cost, rates, chunk_tokens,
                                                                       tokens))
