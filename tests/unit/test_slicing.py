@@ -1,4 +1,4 @@
-"""Slicing: TeraPipe DP against brute force, uniform tiling, chunk choice."""
+"""Slicing: TeraPipe DP against brute force, chunk choice."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ from hypothesis import strategies as st
 from tokpipe_compiler.costmodel.slicing import (
     choose_chunks,
     terapipe_slices,
-    uniform_slices,
 )
-from tokpipe_compiler.runtime.chunking import chunk_table
 
 
 def objective(lengths, stages, time_fn):
@@ -74,38 +72,6 @@ def test_terapipe_tolerance_bounds_the_loss():
     exact = objective(terapipe_slices(64, 8, time_fn, tolerance=0.0), 8, time_fn)
     rough = objective(terapipe_slices(64, 8, time_fn, tolerance=0.05), 8, time_fn)
     assert exact <= rough <= exact * 1.05 + 1e-12
-
-
-@pytest.mark.parametrize(
-    ("total", "chunks", "granularity", "expected"),
-    [
-        (16, 4, 1, [4, 4, 4, 4]),
-        (10, 4, 1, [3, 3, 3, 1]),
-        (10, 6, 1, [2, 2, 2, 2, 1, 1]),  # ceil sizes run out at 5: the runtime spreads
-        (20, 3, 4, [8, 8, 4]),
-        (18, 2, 4, [12, 6]),
-        (5, 8, 1, [1, 1, 1, 1, 1]),
-    ],
-)
-def test_uniform_slices(total, chunks, granularity, expected):
-    assert uniform_slices(total, chunks, granularity) == expected
-
-
-@given(total=st.integers(1, 300), chunks=st.integers(1, 40), granularity=st.integers(1, 9))
-def test_uniform_slices_tile(total, chunks, granularity):
-    lengths = uniform_slices(total, chunks, granularity)
-    assert sum(lengths) == total
-    assert len(lengths) == min(chunks, -(-total // granularity))
-    assert lengths == sorted(lengths, reverse=True)
-    assert all(length % granularity == 0 for length in lengths[:-1])
-    assert max(lengths[:-1], default=0) - min(lengths[:-1], default=0) <= granularity
-
-
-@given(units=st.integers(1, 200), chunks=st.integers(1, 200))
-def test_uniform_slices_are_the_runtime_chunk_table(units, chunks):
-    """The cost model predicts the chunks the runtime cuts: one algorithm."""
-    chunks = min(chunks, units)  # the runtime refuses more chunks than rows
-    assert uniform_slices(units, chunks) == [c.units for c in chunk_table(units, chunks)]
 
 
 def test_choose_chunks_picks_the_minimiser():

@@ -11,25 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 from itertools import pairwise
 
-from tokpipe_compiler.runtime.chunking import chunk_table
-
 INF = math.inf
-
-
-def uniform_slices(total: int, chunks: int, granularity: int = 1) -> list[int]:
-    """The runtime's chunk table (`chunk_table`) over ceil(total / granularity) granules,
-    in tokens: near-equal slices of whole granules, the last one cut to `total`.
-
-    At most `chunks` slices: a count above the granules gives one granule each.
-    """
-    if total < 1 or chunks < 1 or granularity < 1:
-        raise ValueError(
-            f"need positive total, chunks, granularity: {total}, {chunks}, {granularity}"
-        )
-    units = math.ceil(total / granularity)
-    sizes = [c.units * granularity for c in chunk_table(units, min(chunks, units))]
-    sizes[-1] -= units * granularity - total  # the last granule may be partial
-    return sizes
 
 
 def _cut_points(total: int, granularity: int) -> list[int]:
