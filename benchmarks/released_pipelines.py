@@ -34,7 +34,7 @@ def measure(name: str, args: argparse.Namespace) -> dict:
     grid = GRIDS.get(name, small_grid(name))
     argv = ["generate", "--released", name, "--layers", str(LAYERS.get(name, args.layers)),
             "--grid", *map(str, grid), "--steps", str(args.steps), "--chunks", args.chunks,
-            "--mode", args.mode, "--compiler", args.compiler, "--compare"]
+            "--mode", args.mode, "--compiler", args.compiler, "--compare", "--device", "cpu"]
     options = _parser().parse_args(argv)
     start = time.perf_counter()
     results = launch(run, 2, args=(options,), timeout=args.timeout)

@@ -2,22 +2,27 @@
 # Everything that needs a CUDA GPU, in one run of at most 8 minutes on one GPU (each part
 # has its own time limit; they add up to 480 s):
 #   1. a PixArt-alpha-wide transformer through the in-process pipeline, Inductor stages,
-#      against serial eager and serial Inductor, each chunk count (2, 4, 8 and
-#      chunks="auto" at the rates measured on the GPU) without and with CUDA graphs (the cuda_graphs
-#      option), and the GPU's busy time a step of each
-#   2. the same at 8 chunks with each call's timestep a view of a schedule (as pipelines
-#      pass it, read from a host copy) and a fresh tensor (read by waiting for the device),
-#      the steps queued as a pipeline's loop queues them (one wait at the end)
-#   3. matmul and attention rates at chunked shapes against the cost model's H200 preset,
+#      against serial eager and serial Inductor, at 2, 4 and 8 chunks without and with
+#      CUDA graphs (the cuda_graphs option), and the GPU's busy time a step of each
+#   2. `tokpipe generate` on the GPU: a released pipeline's ring equal to the serial
+#      pipeline in sync mode (tests/slow/test_generate_cuda.py), then PixArt-alpha's
+#      pipeline at 1024 px, stale, timed against serial, without and with CUDA graphs
+#   3. the in-process pipeline at 8 chunks with each call's timestep a view of a schedule
+#      (as pipelines pass it, read from a host copy) and a fresh tensor (read by waiting for
+#      the device), the steps queued as a pipeline's loop queues them (one wait at the end)
+#   4. matmul and attention rates at chunked shapes against the cost model's H200 preset,
 #      and the rates chunks="auto" measures on the GPU (tests/unit/test_gpu_rates.py)
-#   4. the chunking overhead benchmark with CUDA graphs (without them: the part
+#   5. the chunking overhead benchmark with CUDA graphs (without them: the part
 #      "overhead", not in the default set; it ran twice alike)
-#   5. joint attention's text computed by every chunk against once a step, FLUX.1's
+#   6. joint attention's text computed by every chunk against once a step, FLUX.1's
 #      widths and text length, 4096 image tokens (1024 px)
-#   6. the fused K/V-cache attention kernel's tests, compiled (not interpreted), fp16/bf16
+#   7. the fused K/V-cache attention kernel's tests, compiled (not interpreted), fp16/bf16
 #      (each new shape class is a Triton compile of several seconds: few examples)
-#   7. the kernel benchmark at 1024 tokens (fused against unfused and the library's
-#      attention; compiling its autotuning configurations takes most of its time)
+#   8. on two GPUs or more only (then past 8 minutes): `tokpipe generate` on two ranks
+#      over NCCL, equal to serial in sync mode, then timed in stale mode
+# The kernel benchmark (fused against unfused and the library's attention; it ran three
+# times, and most of its time is compiling autotuning configurations) is the part "bench",
+# not in the default set.
 # The parts that measure what is newest come first: a run cut short still reports them.
 # Writes one report, $REPORT_DIR/gpu_report.md (default: ./gpu_report), with each part's
 # output; a part that fails or runs past its time is marked so and the rest still run.
@@ -26,8 +31,8 @@
 #
 # Python packages missing on the machine (diffusers on a bare image) may be put as wheels
 # in .whl/ at the repository root: they are installed first, without the network.
-# GPU_CHECK_PARTS="pipeline timesteps rates graphs text kernels bench" (the default; add
-# "overhead" for the chunking overhead without graphs) chooses the parts.
+# GPU_CHECK_PARTS="pipeline generate timesteps rates graphs text kernels ranks" (the
+# default; add "overhead" or "bench") chooses the parts.
 set -u
 cd "$(dirname "$0")/.."
 REPORT_DIR=${REPORT_DIR:-gpu_report}
@@ -79,12 +84,18 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output into the rep
 }
 
 want() {
-    [[ " ${GPU_CHECK_PARTS:-pipeline timesteps rates graphs text kernels bench} " == *" $1 "* ]]
+    [[ " ${GPU_CHECK_PARTS:-pipeline generate timesteps rates graphs text kernels ranks} " \
+        == *" $1 "* ]]
 }
 
-want pipeline && part "PixArt-alpha widths, in-process pipeline" 175 python3 benchmarks/gpu_pipeline.py \
-    --layers 4 --grid 128 128 --chunks 2 4 8 auto --steps 6 --cuda-graphs --profile
-want timesteps && part "PixArt-alpha widths, timesteps as views and as fresh tensors" 85 python3 \
+want pipeline && part "PixArt-alpha widths, in-process pipeline" 145 python3 benchmarks/gpu_pipeline.py \
+    --layers 4 --grid 128 128 --chunks 2 4 8 --steps 6 --cuda-graphs --profile
+generate="python3 -m tokpipe_compiler.cli generate --released pixart-alpha-xl-2-1024-ms --layers 4 \
+--grid 128 128 --steps 8 --dtype bfloat16 --compare"
+want generate && part "tokpipe generate on the GPU: PixArt-alpha's pipeline, ring" 80 bash -c \
+    "python3 -m pytest -q -p no:cacheprovider tests/slow/test_generate_cuda.py -k one_gpu \
+    && $generate && $generate --cuda-graphs"
+want timesteps && part "PixArt-alpha widths, timesteps as views and as fresh tensors" 75 python3 \
     benchmarks/gpu_pipeline.py --layers 4 --grid 128 128 --chunks 8 --steps 6 --cuda-graphs \
     --timesteps views fresh --queued
 want rates && part "Matmul and attention rates at chunked shapes" 35 bash -c \
@@ -93,11 +104,16 @@ want graphs && part "Chunking overhead, CUDA graphs" 50 python3 benchmarks/overh
     --dtype bfloat16 --tokens 1024 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10 --cuda-graphs
 want overhead && part "Chunking overhead" 30 python3 benchmarks/overhead.py --device cuda --dtype bfloat16 \
     --tokens 4096 --chunks 1 2 4 8 16 --layers 4 --reps 10
-want text && part "Joint attention: text once a step" 45 python3 benchmarks/text_chunks.py --device cuda \
+want text && part "Joint attention: text once a step" 40 python3 benchmarks/text_chunks.py --device cuda \
     --dtype bfloat16 --side 128 --heads 24 --chunks 2 4 8 --rounds 3 --reps 5
 # The fixed shapes (fp16 and bf16) first: they ran in 46 s on an H200; then the properties.
 kernel_tests='python3 -m pytest -v -p no:cacheprovider tests/unit/test_triton_attention.py -k'
 want kernels && TOKPIPE_KERNEL_EXAMPLES=8 part "Kernel tests (compiled, 8 examples a property)" 55 \
     bash -c "$kernel_tests 'not matches_reference' && $kernel_tests matches_reference"
 want bench && part "Kernel benchmark" 35 python3 benchmarks/gpu_kernels.py --quick
+if want ranks && python3 -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)"; then
+    part "tokpipe generate on two GPUs over NCCL" 150 bash -c \
+        "python3 -m pytest -q -p no:cacheprovider tests/slow/test_generate_cuda.py -k two_gpus \
+        && $generate --ranks 2 && $generate --ranks 2 --cuda-graphs"
+fi
 echo "report: $REPORT" >&2

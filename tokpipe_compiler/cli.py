@@ -21,6 +21,7 @@ from tokpipe_compiler.cli_released import TARGET_LINKS, ReleasedBuild, planned_f
 from tokpipe_compiler.config import COMPILERS, MODES, parse_chunks
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.released import NAMES as RELEASED_NAMES
+from tokpipe_compiler.run_device import DEVICES
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype: names of torch dtypes
 
@@ -129,6 +130,11 @@ def _add_generate(commands) -> None:
                      help="every step a pipelined call (default: the loop as one ring)")
     gen.add_argument("--compiler", choices=COMPILERS, default="inductor")
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
+    gen.add_argument("--device", choices=DEVICES, default="auto",
+                     help="where each rank runs (default auto: a GPU a rank where there "
+                          "are GPUs, over NCCL; else the CPU, over gloo)")
+    gen.add_argument("--cuda-graphs", action="store_true",
+                     help="the cuda_graphs option: each chunk replayed from a CUDA graph")
     gen.add_argument("--ranks", type=_count(1), default=1,
                      help="processes to start here (default 1: this one, or torchrun's)")
     gen.add_argument("--threads", type=_count(1), default=1, help="CPU threads per rank")

@@ -90,20 +90,34 @@ def _floating(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-def check_memory(name: str, build: ReleasedBuild, copies: int = 1, way_out: str = "") -> None:
+def check_memory(name: str, build: ReleasedBuild, copies: int = 1, way_out: str = "",
+                 on_gpu: bool = False) -> None:
     """Raises, naming --layers, unless `copies` of the model's weights (one a process) fit
-    in this machine's available memory with room to run."""
+    in this machine's available memory with room to run; `on_gpu`: one copy on each GPU as
+    well (its whole memory: asking for the free memory would start a context on every GPU)."""
     model = released.build(name, build.layers, "meta", build.grid)
-    size = sum(p.numel() for p in model.parameters()) * build.dtype.itemsize * copies
+    one = sum(p.numel() for p in model.parameters()) * build.dtype.itemsize
+    if on_gpu:
+        gpu = min(torch.cuda.get_device_properties(i).total_memory
+                  for i in range(torch.cuda.device_count()))
+        _check_fits(f"{name} {_depth(build)}", one, f"a GPU has {gpu / 2**30:.1f} GiB",
+                    gpu, way_out)
+    held = f" {_depth(build)}, in {copies} processes," if copies > 1 else f" {_depth(build)}"
     available = available_memory()
+    _check_fits(name + held, one * copies, f"{available / 2**30:.1f} GiB is available",
+                available, way_out)
+
+
+def _depth(build: ReleasedBuild) -> str:
+    return ("at its released depth" if build.layers is None
+            else f"with {build.layers} block(s) of each kind")
+
+
+def _check_fits(what: str, size: int, room: str, available: int, way_out: str) -> None:
     if size > RUN_MEMORY_SHARE * available:
-        depth = ("at its released depth" if build.layers is None
-                 else f"with {build.layers} block(s) of each kind")
-        held = f", in {copies} processes," if copies > 1 else ""
         raise TokpipeError(
-            f"{name} {depth}{held} holds {size / 2**30:.1f} GiB of weights; "
-            f"{available / 2**30:.1f} GiB is available: pass --layers (e.g. --layers 2) to "
-            f"run fewer blocks{', ' + way_out if way_out else ''}")
+            f"{what} holds {size / 2**30:.1f} GiB of weights; {room}: pass --layers (e.g. "
+            f"--layers 2) to run fewer blocks{', ' + way_out if way_out else ''}")
 
 
 def available_memory() -> int:

@@ -19,7 +19,6 @@ import argparse
 import inspect
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.released import load as load_released_spec
 from tokpipe_compiler.released.pipelines import pipeline, small_grid
+from tokpipe_compiler.run_device import clock, rank_device, resolve_device, to_device
 
 TINY = ("dit",)
 
@@ -51,7 +51,9 @@ def tiny_dit_pipeline() -> Any:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Raises on options that do not go with the pipeline's source, before any is built."""
+    """Raises on options that do not go with the pipeline's source, before any is built;
+    resolves --device."""
+    args.device = resolve_device(args.device, args.ranks, args.cuda_graphs)
     if args.released is None:
         for given, flag in ((args.layers, "--layers"), (args.grid, "--grid")):
             if given is not None:
@@ -76,7 +78,7 @@ def check_args(args: argparse.Namespace) -> None:
 
     # every rank holds the whole pipeline: --ranks copies here (under torchrun, one)
     build = ReleasedBuild(released_layers(args), args.grid and tuple(args.grid), _dtype(args))
-    check_memory(args.released, build, copies=args.ranks)
+    check_memory(args.released, build, copies=args.ranks, on_gpu=args.device == "cuda")
 
 
 def load_pipeline(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -165,6 +167,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     pipe, kwargs = load_pipeline(args)
+    kwargs = to_device(pipe, kwargs, rank_device(args.device))
     if rank == 0 and args.released is not None:
         print(_describe_released(args, pipe, kwargs), file=sys.stderr)
     # Short calls first, to trace and compile; two steps, since PixArt-alpha's pipeline
@@ -176,7 +179,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         result["serial_s"], serial = _timed(pipe, kwargs, args.seed)
     parallelize(pipe, stages=args.stages, chunks=args.chunks, mode=args.mode,
                 warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg,
-                ring=not args.per_call)
+                ring=not args.per_call, cuda_graphs=args.cuda_graphs)
     # A ring with chunks="auto" chooses its chunks for the generation's length: a shorter
     # warmup would make (and compile) a program the timed call does not use.
     by_length = args.chunks == "auto" and not args.per_call
@@ -203,7 +206,7 @@ def _describe_released(args: argparse.Namespace, pipe: Any, kwargs: dict[str, An
     return (f"{args.released} in {type(pipe).__name__}: {type(pipe.transformer).__name__} at its "
             f"released widths, {released_layers(args)} block(s) of each kind, latent grid "
             f"{grid}{f', {text.shape[1]} text tokens' if text is not None else ''}, guidance "
-            f"{kwargs['guidance_scale']}, {args.dtype}, random weights")
+            f"{kwargs['guidance_scale']}, {args.dtype} on {args.device}, random weights")
 
 
 def _programs(pipe: Any) -> list:
@@ -226,9 +229,9 @@ def _memory(made: list, rank: int) -> str:
 
 
 def _timed(pipe: Any, kwargs: dict, seed: int) -> tuple[float, list]:
-    start = time.perf_counter()
+    start = clock()
     out = pipe(**kwargs, generator=torch.Generator().manual_seed(seed))
-    return time.perf_counter() - start, list(out.images if hasattr(out, "images") else out.frames)
+    return clock() - start, list(out.images if hasattr(out, "images") else out.frames)
 
 
 def _profiled(pipe: Any, kwargs: dict, args: argparse.Namespace, rank: int) -> str:
@@ -274,7 +277,8 @@ def generate(args: argparse.Namespace) -> int:
     if args.ranks > 1:
         from tokpipe_compiler.runtime.launch import launch
 
-        results = launch(run, args.ranks, args=(args,), timeout=args.timeout)
+        results = launch(run, args.ranks, args=(args,), timeout=args.timeout,
+                         device=args.device)
         report(results[0], args)
         for result in results[1:]:
             print(result["memory"])
@@ -305,7 +309,9 @@ def chunks_ran(counts: list[int], args: argparse.Namespace) -> str:
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     chunks = chunks_ran(result["chunks"], args)
     cfg = f", guidance branches on {args.cfg} rank groups" if args.cfg > 1 else ""
-    print(f"pipelined ({args.stages} stages x {chunks}, {args.mode}{cfg}): "
+    graphs = ", CUDA graphs" if args.cuda_graphs else ""
+    print(f"pipelined ({args.stages} stages x {chunks}, {args.mode}{cfg}, "
+          f"{args.device}{graphs}): "
           f"{result['pipelined_s']:.2f} s for {args.steps} steps"
           f"{f', {args.images} images' if args.images > 1 else ''}")
     if result["made_while_timed"]:
