@@ -24,7 +24,12 @@ from tokpipe_compiler.planning.capture import frame_parameters
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.pieces import origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.planning.static import StaticGraph, has_symbolic_shapes, shape_key
+from tokpipe_compiler.planning.static import (
+    StaticGraph,
+    has_symbolic_shapes,
+    shape_key,
+    wrapped_floats,
+)
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
 from tokpipe_compiler.programs.generations import timestep_index
 from tokpipe_compiler.programs.owners import PerOwner, owner_of, register
@@ -122,6 +127,7 @@ class LazyProgram:
         self.session = session
         self.parameters = _traced_parameters(session)  # of this graph's frame and others
         self.dynamic = has_symbolic_shapes(gm)
+        self.floats = wrapped_floats(gm) if self.dynamic else ()  # dynamic=True's floats
         self.owner_index = next((i for i, n in enumerate(placeholders(gm)) if is_parameter(n)),
                                 None)
         self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> plan, select
@@ -132,7 +138,7 @@ class LazyProgram:
         self.pipelined: weakref.WeakSet = weakref.WeakSet()  # the pipelined programs made
 
     def __call__(self, *args: Any) -> Any:
-        key = shape_key(args) if self.dynamic else None
+        key = shape_key(args, self.floats) if self.dynamic else None
         owner = owner_of(args, self.owner_index)
         if self.timestep_at is not None:
             publisher = (id(self), None if owner is None else id(owner))
@@ -164,7 +170,7 @@ class LazyProgram:
         config = self.config_fn()
         gm, select = self.gm, None
         if self.dynamic:
-            static = StaticGraph(self.gm, args)
+            static = StaticGraph(self.gm, args, self.floats)
             gm, select = static.gm, static.select
         try:
             with planned_alike(None, config.timeout):

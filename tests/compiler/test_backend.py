@@ -206,3 +206,29 @@ def test_dynamic_shapes_are_made_static_per_shape():
         for batch in (1, 2, 3):
             inputs = dit_inputs(model, 8, seed=batch, batch=batch)
             assert_rel_close(compiled(*inputs), model(*inputs))
+
+
+class ScaledDiT(TinyDiT):
+    """A DiT whose output goes through F.layer_norm with a Python float attribute as its
+    eps and is scaled by it: `dynamic=True` passes the float as a tensor input."""
+
+    scale = 0.5
+
+    def forward(self, *args):
+        out = super().forward(*args)
+        return torch.nn.functional.layer_norm(out, out.shape[-1:], eps=self.scale) * self.scale
+
+
+def test_dynamic_true_floats_are_folded_per_value():
+    """dynamic=True makes the model's floats symbolic inputs: each static graph takes their
+    values as constants, and a changed value gets a graph of its own."""
+    torch.manual_seed(0)
+    model = ScaledDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=True, options={
+        "compiler": "eager", "stages": 2, "chunks": 2, "mode": "sync"})
+    with torch.no_grad():
+        for batch, scale in ((1, 0.5), (2, 0.5), (2, 2.0)):
+            model.scale = scale
+            inputs = dit_inputs(model, 8, seed=batch, batch=batch)
+            assert_rel_close(compiled(*inputs), model(*inputs))
+    assert len(tp.programs(compiled)) == 3
