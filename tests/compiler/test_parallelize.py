@@ -98,6 +98,22 @@ def test_more_resolutions_than_dynamos_recompile_limit_each_run_pipelined():
     assert len(tp.programs(pipe.transformer)) == len(sizes)
 
 
+def test_a_guided_ring_counts_one_samples_tokens_as_per_call_mode_does():
+    """The ring traces its step with the one latent and batches the guidance inside it
+    (torch.cat([latents] * 2)): its plan counts one sample's tokens, as per-call mode's
+    does, so chunk lengths in tokens cut both alike (they were refused in the ring)."""
+    per_pipe, kwargs = _ring(pixart_alpha, mode="stale", ring=False, chunks=2)
+    per_call = generate(per_pipe, kwargs)
+    plan = tp.pipelines.programs(per_pipe)[0].plan
+    lengths = [plan.chunk_tokens(chunk) for chunk in plan.chunks]
+    ring_pipe, kwargs = _ring(pixart_alpha, mode="stale", chunks=lengths)
+    ring = generate(ring_pipe, kwargs)
+    ring_plan = tp.pipelines.programs(ring_pipe)[0].plan
+    assert ring_plan.tokens == plan.tokens
+    assert [ring_plan.chunk_tokens(chunk) for chunk in ring_plan.chunks] == lengths
+    assert _relative(ring, per_call) <= 1e-5
+
+
 def test_each_ring_is_planned_once_and_reused():
     pipe, kwargs = _ring(pixart_alpha, mode="stale")
     first = generate(pipe, kwargs, seed=1)

@@ -74,7 +74,7 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     `ring_steps`: the plan runs as a ring of that many steps (chunks="auto" chooses for it)."""
     gm = copy_graph_module(gm)
     annotation = run_pass(ANNOTATE, annotate_or_raise, gm, config.token_input, config.mode)
-    tokens = sequence_tokens(gm, annotation.units, token_batch(annotation))
+    tokens = sequence_tokens(gm, annotation.units, token_batch(gm, annotation))
     once = text_once(gm, config)
     chunks = plan_chunks(gm, annotation, tokens, config, ring_steps, once)
     if once and len(chunks) > 1:
@@ -134,10 +134,20 @@ def text_share(chunks: list[Chunk], chunk_tokens: int, tokens: int) -> float:
     return sum(c.segments for c in chunks) * chunk_tokens / max(tokens, 1)
 
 
-def token_batch(annotation: Annotation) -> int:
-    """Samples in a call: the token input's leading axis (guidance makes it 2)."""
+def token_batch(gm: torch.fx.GraphModule, annotation: Annotation) -> int:
+    """Samples in a call as attention sees them: the most rows of any token-carrying value
+    shaped like the token input but for its leading axis. Guidance makes it 2, batched by
+    the pipeline (the token input's own leading axis) or inside a traced denoising step,
+    where the token input is the one latent and the step batches `torch.cat([latents] * 2)`.
+    A video folding frames into the batch axis changes the value's rank: not counted."""
     value = example_value(annotation.token_input)
-    return int(value.shape[0]) if isinstance(value, torch.Tensor) and value.dim() > 1 else 1
+    if not (isinstance(value, torch.Tensor) and value.dim() > 1):
+        return 1
+    rows = [int(other.shape[0]) for node in gm.graph.nodes
+            if (info := node.meta.get(META_KEY)) is not None and info.carries_tokens
+            and isinstance(other := example_value(node), torch.Tensor)
+            and other.shape[1:] == value.shape[1:]]
+    return max([int(value.shape[0]), *rows])
 
 
 def annotate_or_raise(gm: torch.fx.GraphModule, token_input: str | int | None,
