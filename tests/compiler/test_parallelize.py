@@ -114,6 +114,21 @@ def test_a_guided_ring_counts_one_samples_tokens_as_per_call_mode_does():
     assert _relative(ring, per_call) <= 1e-5
 
 
+def test_a_call_that_raised_leaves_nothing_to_the_next_per_call():
+    """A callback that raises at the first step (an app cancelling) ends the call before
+    diffusers resets the transformer: the next per-call generation still starts fresh."""
+
+    def cancel(pipe, step, t, tensors):
+        raise KeyboardInterrupt
+
+    used, kwargs = _ring(sd3, mode="stale", ring=False)
+    with pytest.raises(KeyboardInterrupt):
+        generate(used, {**kwargs, "callback_on_step_end": cancel})
+    after = generate(used, kwargs, seed=1)
+    fresh = generate(*_ring(sd3, mode="stale", ring=False), seed=1)
+    assert torch.equal(after, fresh)
+
+
 def test_each_ring_is_planned_once_and_reused():
     pipe, kwargs = _ring(pixart_alpha, mode="stale")
     first = generate(pipe, kwargs, seed=1)

@@ -47,6 +47,7 @@ from tokpipe_compiler.planning.compile_calls import own_recompiles
 DENOISERS = ("transformer", "transformer_2")
 _RESET = "_reset_stateful_cache"  # what DiffusionPipeline calls on each component at the end
 _PARALLELIZED = "_tokpipe_parallelized"  # a transformer's `Parallelized`
+_FRESH = "_tokpipe_fresh_start"  # a per-call pipeline's mark (`_install_fresh_start`)
 # Input signatures (resolutions, batch sizes) a transformer is compiled for per call before
 # Dynamo runs it unpipelined: PixArt's and Sana's pipelines bin resolutions into dozens of
 # aspect ratios, and each is one recompile.
@@ -83,6 +84,8 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
         hybrid = cfg == 2 and config.stages > 1
         _install_ring(pipe, denoisers, options, cfg,
                       branch_groups(config.stages) if hybrid else None)
+    elif getattr(pipe, _FRESH, None) is None:
+        _install_fresh_start(pipe)
     return pipe
 
 
@@ -149,6 +152,24 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
     pipe._tokpipe_ring = calls
 
 
+def _install_fresh_start(pipe: Any) -> None:
+    """Per call: every pipeline call starts a new generation, also after a call that raised
+    (diffusers resets its transformer only when a call returns)."""
+    cls, marker = type(pipe), object()
+
+    @functools.wraps(cls.__call__)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, _FRESH, None) is marker:  # not a pipeline made from this one
+            for denoiser in find_denoisers(self).values():
+                _reset_programs(denoiser)
+        return cls.__call__(self, *args, **kwargs)
+
+    pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
+                                                 "__module__": cls.__module__,
+                                                 "__doc__": cls.__doc__})
+    setattr(pipe, _FRESH, marker)
+
+
 def _generators(call: Any, pipe: Any, args: tuple, kwargs: dict) -> list[torch.Generator]:
     """The torch generators a pipeline call draws from: its `generator` argument's."""
     try:
@@ -212,18 +233,22 @@ def find_denoisers(pipe: Any) -> dict[str, torch.nn.Module]:
 def _reset_with_the_pipeline(denoiser: torch.nn.Module) -> None:
     """End the generation when the pipeline call ends: DiffusionPipeline calls each
     component's `_reset_stateful_cache` there (diffusers' own stateful hooks too)."""
-    from tokpipe_compiler.api import programs
-
     own = getattr(denoiser, _RESET, None)
 
     def reset_caches(*args: Any, **kwargs: Any) -> None:
         if own is not None:
             own(*args, **kwargs)
-        try:
-            found = programs(denoiser)
-        except TokpipeError:  # the transformer never ran (no steps): nothing to drop
-            found = []
-        for program in found:
-            program.reset()
+        _reset_programs(denoiser)
 
     object.__setattr__(denoiser, _RESET, reset_caches)
+
+
+def _reset_programs(denoiser: torch.nn.Module) -> None:
+    from tokpipe_compiler.api import programs
+
+    try:
+        found = programs(denoiser)
+    except TokpipeError:  # the transformer never ran (no steps): nothing to drop
+        found = []
+    for program in found:
+        program.reset()
