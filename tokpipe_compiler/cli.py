@@ -11,6 +11,7 @@ trace) and the measured-against-predicted time per stage.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tokpipe_compiler.config import COMPILERS, MODES, parse_chunks
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.released import NAMES as RELEASED_NAMES
 from tokpipe_compiler.run_device import DEVICES
+from tokpipe_compiler.runtime.transport import MAX_TIMEOUT
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype: names of torch dtypes
 
@@ -50,6 +52,18 @@ def _count(minimum: int):
         return value
 
     return parse
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds, at most the longest wait tokpipe allows."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_TIMEOUT:  # NaN fails every comparison
+        raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_TIMEOUT:.0f}], got "
+                                         f"{text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -138,7 +152,7 @@ def _add_generate(commands) -> None:
     gen.add_argument("--ranks", type=_count(1), default=1,
                      help="processes to start here (default 1: this one, or torchrun's)")
     gen.add_argument("--threads", type=_count(1), default=1, help="CPU threads per rank")
-    gen.add_argument("--timeout", type=float, default=3600.0, help="seconds for the run")
+    gen.add_argument("--timeout", type=_seconds, default=3600.0, help="seconds for the run")
     gen.add_argument("--compare", action="store_true",
                      help="also run the serial pipeline: speedup and difference")
     gen.add_argument("--profile", action="store_true",

@@ -205,6 +205,8 @@ def test_run_a_released_model_with_fewer_blocks(capsys):
     (["released:missing.json"], "no released-format config file 'missing.json'"),
     (["my_models:tiny_dit", "--layers", "2"], "--layers, --grid and --dtype apply to released"),
     (["released:flux1-dev", "--run", "1"], "flux1-dev at its released depth holds 44.3 GiB"),
+    (["released:sd3-medium", "--grid", "16"],
+     "sd3-medium: a latent grid of 2 sizes (height, width), not (16,)"),
 ])
 def test_bad_released_specs_fail_clearly(argv, message, tmp_path, capsys, monkeypatch):
     from tokpipe_compiler import cli_released
@@ -225,10 +227,22 @@ def test_bad_released_specs_fail_clearly(argv, message, tmp_path, capsys, monkey
     (["--released", "sd3-medium", "--negative-prompt", "x"], "leave out --negative-prompt"),
     (["--released", "sd3-medium", "--size", "64", "64"], "sized by --grid"),
     (["--tiny", "dit", "--size", "64", "64"], "DiTPipeline draws a class label"),
+    (["--released", "wan2.1-t2v-1.3b", "--grid", "16", "16"],
+     "wan2.1-t2v-1.3b: a latent grid of 3 sizes (frames, height, width), not (16, 16)"),
+    (["--tiny", "dit", "--ranks", "3"], "--ranks 3 starts 3 processes, but --stages 2 x "
+                                        "--cfg 1 runs on 2: pass --ranks 2"),
 ])
 def test_generate_released_options_that_do_not_fit_are_named(argv, message, capsys):
     assert main(["generate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seconds", ["-5", "0", "nan", "inf", "1e9", "soon"])
+def test_generate_takes_a_timeout_it_can_keep(seconds, capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--tiny", "dit", "--timeout", seconds])
+    assert f"--timeout: must be seconds in (0, 604800], got {seconds!r}" in \
+        capsys.readouterr().err
 
 
 def test_generate_refuses_a_released_pipeline_whose_ranks_would_not_fit(capsys, monkeypatch):

@@ -20,8 +20,7 @@ from typing import Any
 
 import torch
 
-from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.released import build, family, load
+from tokpipe_compiler.released import build, check_grid, family, load
 from tokpipe_compiler.released.families import Grid
 
 Built = tuple[Any, dict[str, Any]]  # the pipeline, the keyword arguments of a guided call
@@ -235,11 +234,7 @@ def pipeline(name: str, layers: int | None = 1, grid: Grid | None = None, seed: 
     `small_grid(name)`), random weights and embeddings from `seed`, guided, returning
     latents. Add `num_inference_steps` and a `generator` to call it."""
     spec = load(name)
-    grid = small_grid(name) if grid is None else tuple(grid)
-    if len(grid) != len(small_grid(name)):
-        raise TokpipeError(f"{name}: a latent grid of {len(small_grid(name))} sizes "
-                           f"({'frames, ' if len(small_grid(name)) == 3 else ''}height, "
-                           f"width), not {grid}")
+    grid = small_grid(name) if grid is None else check_grid(name, grid)
     transformer = build(name, layers, grid=grid, seed=seed)
     if dtype != torch.float32:  # as built; diffusers warns on any .to(dtype)
         transformer = transformer.to(dtype)
