@@ -360,3 +360,13 @@ def test_cfg_parallel_checks_its_degrees():
     tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
     with pytest.raises(tp.TokpipeError, match="no classifier-free guidance"):
         generate(pipe, kwargs, steps=2)
+
+
+def test_a_stale_ring_without_warmup_is_refused_at_once():
+    """Not at the first call, after the prompt is encoded: parallelize says so, and what
+    runs instead."""
+    with pytest.raises(tp.TokpipeError, match=r"warmup_steps >= 1; pass warmup_steps=1, or "
+                                              r"ring=False"):
+        tp.pipelines.parallelize(FAMILIES["dit"]()[0], warmup_steps=0)
+    tp.pipelines.parallelize(FAMILIES["dit"]()[0], warmup_steps=0, ring=False)
+    tp.pipelines.parallelize(FAMILIES["dit"]()[0], warmup_steps=0, mode="sync")

@@ -70,6 +70,11 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     if cfg == 2 and not ring:
         raise TokpipeError("cfg=2 runs the denoising loop itself; it cannot be combined with "
                            "ring=False")
+    if ring and config.mode == "stale" and config.warmup_steps < 1:
+        raise TokpipeError("the ring's first step fills the K/V caches: in 'stale' mode it "
+                           "needs warmup_steps >= 1; pass warmup_steps=1, or ring=False for "
+                           "per-call steps (the first one's chunks then see only the chunks "
+                           "before them)")
     denoisers = find_denoisers(pipe)
     for name, denoiser in denoisers.items():
         _check_denoiser(pipe, name, denoiser, config)
