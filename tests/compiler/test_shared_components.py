@@ -65,3 +65,14 @@ def test_a_shared_transformer_takes_only_the_options_it_was_parallelized_with():
     with pytest.raises(tp.TokpipeError, match=r"parallelized already, for a pipeline that "
                                               r"shares it .*with chunks=2, mode='sync'"):
         tp.pipelines.parallelize(text, **{**OPTIONS, "chunks": 4, "mode": "stale"})
+
+
+@pytest.mark.parametrize("ring", [True, False])
+def test_a_pipeline_parallelized_again_with_other_options_is_told_how(ring):
+    pipe, _ = flux()
+    tp.pipelines.parallelize(pipe, **OPTIONS, ring=ring)
+    tp.pipelines.parallelize(pipe, **OPTIONS, ring=ring)  # the same options: nothing to do
+    with pytest.raises(tp.TokpipeError, match=r"is parallelized already, with chunks=2; a "
+                                              r"transformer keeps the options .* load the "
+                                              r"pipeline again"):
+        tp.pipelines.parallelize(pipe, **{**OPTIONS, "chunks": 4}, ring=ring)

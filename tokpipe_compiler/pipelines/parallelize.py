@@ -48,6 +48,7 @@ DENOISERS = ("transformer", "transformer_2")
 _RESET = "_reset_stateful_cache"  # what DiffusionPipeline calls on each component at the end
 _PARALLELIZED = "_tokpipe_parallelized"  # a transformer's `Parallelized`
 _FRESH = "_tokpipe_fresh_start"  # a per-call pipeline's mark (`_install_fresh_start`)
+_RING = "_tokpipe_ring"  # a ring pipeline's `RingCalls` (`_install_ring`)
 # Input signatures (resolutions, batch sizes) a transformer is compiled for per call before
 # Dynamo runs it unpipelined: PixArt's and Sana's pipelines bin resolutions into dozens of
 # aspect ratios, and each is one recompile.
@@ -111,6 +112,11 @@ def _check_denoiser(pipe: Any, name: str, denoiser: torch.nn.Module, config: Con
         differ = [f"{f.name}={getattr(shared.config, f.name)!r}"
                   for f in dataclasses.fields(config)
                   if getattr(shared.config, f.name) != getattr(config, f.name)]
+        itself = any(getattr(pipe, mark, None) is not None for mark in (_RING, _FRESH))
+        if differ and itself:
+            raise TokpipeError(f"{type(pipe).__name__} is parallelized already, with "
+                               f"{', '.join(differ)}; a transformer keeps the options it was "
+                               "parallelized with: load the pipeline again for others")
         if differ:
             raise TokpipeError(f"{type(pipe).__name__}.{name} is parallelized already, for "
                                f"a pipeline that shares it (as from_pipe shares components), "
@@ -137,7 +143,7 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
 
     @functools.wraps(cls.__call__)  # the pipeline's own signature and docstring
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "_tokpipe_ring", None) is not calls:  # made from this one (from_pipe)
+        if getattr(self, _RING, None) is not calls:  # made from this one (from_pipe)
             return cls.__call__(self, *args, **kwargs)
         generators = _generators(cls.__call__, self, args, kwargs)
         states = _random_states(generators)
@@ -205,7 +211,7 @@ def programs(pipe: Any) -> list:
     step and input shapes) and its transformer's per-call ones."""
     from tokpipe_compiler.api import programs as call_programs
 
-    calls = getattr(pipe, "_tokpipe_ring", None)
+    calls = getattr(pipe, _RING, None)
     found = [] if calls is None else [p for rings in calls.denoisers.values()
                                       for ring in rings.rings.values() for p in ring.programs()]
     for denoiser in find_denoisers(pipe).values():
