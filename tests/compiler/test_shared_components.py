@@ -76,3 +76,17 @@ def test_a_pipeline_parallelized_again_with_other_options_is_told_how(ring):
                                               r"transformer keeps the options .* load the "
                                               r"pipeline again"):
         tp.pipelines.parallelize(pipe, **{**OPTIONS, "chunks": 4}, ring=ring)
+
+
+@pytest.mark.parametrize("ring", [True, False])
+def test_a_transformer_replaced_after_parallelize_is_named_then_taken(ring):
+    """It runs as it is, with a warning naming the way to pipeline it, which works."""
+    pipe, kwargs = flux()
+    tp.pipelines.parallelize(pipe, **OPTIONS, ring=ring)
+    pipe.transformer = flux()[0].transformer  # another, as loaded
+    with pytest.warns(UserWarning, match=r"transformer was replaced after parallelize and "
+                                         r"runs unpipelined; call tp.pipelines.parallelize"):
+        generate(pipe, kwargs, steps=2)
+    tp.pipelines.parallelize(pipe, **OPTIONS, ring=ring)
+    generate(pipe, kwargs, steps=2)
+    assert tp.pipelines.programs(pipe)

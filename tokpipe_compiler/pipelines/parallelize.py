@@ -36,6 +36,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from tokpipe_compiler.backend import TokpipeBackend
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
 from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
 from tokpipe_compiler.pipelines.probes import RingUnavailable
@@ -145,6 +146,7 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, _RING, None) is not calls:  # made from this one (from_pipe)
             return cls.__call__(self, *args, **kwargs)
+        _warn_replaced(self)
         generators = _generators(cls.__call__, self, args, kwargs)
         states = _random_states(generators)
         try:
@@ -171,6 +173,7 @@ def _install_fresh_start(pipe: Any) -> None:
     @functools.wraps(cls.__call__)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, _FRESH, None) is marker:  # not a pipeline made from this one
+            _warn_replaced(self)
             for denoiser in find_denoisers(self).values():
                 _reset_programs(denoiser)
         return cls.__call__(self, *args, **kwargs)
@@ -179,6 +182,15 @@ def _install_fresh_start(pipe: Any) -> None:
                                                  "__module__": cls.__module__,
                                                  "__doc__": cls.__doc__})
     setattr(pipe, _FRESH, marker)
+
+
+def _warn_replaced(pipe: Any) -> None:
+    """A transformer set on the pipeline after `parallelize` runs as it is: say so."""
+    for name, denoiser in find_denoisers(pipe).items():
+        if getattr(denoiser, _PARALLELIZED, None) is None:
+            warn(f"tokpipe: {type(pipe).__name__}.{name} was replaced after parallelize and "
+                 "runs unpipelined; call tp.pipelines.parallelize(pipe, ...) again to "
+                 "pipeline it")
 
 
 def _generators(call: Any, pipe: Any, args: tuple, kwargs: dict) -> list[torch.Generator]:
