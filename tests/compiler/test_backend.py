@@ -232,3 +232,22 @@ def test_dynamic_true_floats_are_folded_per_value():
             inputs = dit_inputs(model, 8, seed=batch, batch=batch)
             assert_rel_close(compiled(*inputs), model(*inputs))
     assert len(tp.programs(compiled)) == 3
+
+
+def test_a_new_input_shape_frees_the_last_shapes_caches():
+    """Each shape has its own program; only the one in use holds K/V, and a shape used
+    again starts a new generation."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options={
+        "compiler": "eager", "stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1})
+    small = dit_inputs(model, 8, seed=0, batch=1)
+    large = dit_inputs(model, 8, seed=1, batch=2)
+    with torch.no_grad():
+        compiled(*small)
+        compiled(*small)
+        first = tp.programs(compiled)[0]
+        assert first.branches
+        compiled(*large)
+        assert not first.branches
+        assert_rel_close(compiled(*small), model(*small))  # the warmup step again: exact

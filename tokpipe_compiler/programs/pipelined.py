@@ -48,12 +48,15 @@ class Session:
 
     def claim(self, program: PipelinedProgram, owner: int | None) -> None:
         """Called per call: a program taking over its role (for the same model) from
-        another starts afresh."""
+        another starts afresh, and the other's K/V are freed (a process drawing at many
+        sizes holds the caches of one)."""
         role = (owner, program.plan.token_input)
         last = self.last_by_role.get(role)
         if last is None or last() is not program:
             program.reset()
             self.last_by_role[role] = weakref.ref(program)
+            if last is not None and (previous := last()) is not None:
+                previous.end_generation()  # it starts afresh if it claims the role again
 
 
 class PipelinedProgram:
