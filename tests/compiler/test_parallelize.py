@@ -129,6 +129,20 @@ def test_a_call_that_raised_leaves_nothing_to_the_next_per_call():
     assert torch.equal(after, fresh)
 
 
+def test_per_call_steps_end_at_the_schedulers_step_even_with_equal_branches():
+    """Two calls a step (Wan) whose branches have equal inputs (the negative prompt is the
+    prompt): per call, the second is the step's other branch, not the next step, so per
+    call equals the ring, and both branches' predictions stay equal (guidance adds none
+    of their difference)."""
+    def equal_branches():
+        pipe, kwargs = pipelines.wan()
+        return pipe, {**kwargs, "negative_prompt_embeds": kwargs["prompt_embeds"].clone()}
+
+    ring = generate(*_ring(equal_branches, mode="stale"))
+    per_call = generate(*_ring(equal_branches, mode="stale", ring=False))
+    assert _relative(per_call, ring) <= 1e-5
+
+
 def test_each_ring_is_planned_once_and_reused():
     pipe, kwargs = _ring(pixart_alpha, mode="stale")
     first = generate(pipe, kwargs, seed=1)

@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,9 @@ from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, che
 from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
 from tokpipe_compiler.pipelines.probes import RingUnavailable
 from tokpipe_compiler.pipelines.ring_call import RingCalls
+from tokpipe_compiler.pipelines.scheduler_route import route
 from tokpipe_compiler.planning.compile_calls import own_recompiles
+from tokpipe_compiler.programs.generations import PIPELINE_STEPS, StepMarks, count_step
 
 # The attributes that hold a pipeline's denoising transformers (Wan 2.2's low-noise expert
 # in the second).
@@ -150,12 +152,12 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
         generators = _generators(cls.__call__, self, args, kwargs)
         states = _random_states(generators)
         try:
-            with calls.generation_of(kwargs) as call_kwargs:
+            with calls.generation_of(kwargs) as call_kwargs, _steps_counted():
                 return cls.__call__(self, *args, **call_kwargs)
         except RingUnavailable as err:  # only probes ran: the same call again, per call
             _restore(generators, states)
             again = f"{err}; the call started again per call, from the same random state"
-            with calls.generation_of(kwargs, [again]) as call_kwargs:
+            with calls.generation_of(kwargs, [again]) as call_kwargs, _steps_counted():
                 return cls.__call__(self, *args, **call_kwargs)
 
     # A subclass of the pipeline's own class: only the instance's calls go through the ring.
@@ -172,16 +174,35 @@ def _install_fresh_start(pipe: Any) -> None:
 
     @functools.wraps(cls.__call__)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, _FRESH, None) is marker:  # not a pipeline made from this one
-            _warn_replaced(self)
-            for denoiser in find_denoisers(self).values():
-                _reset_programs(denoiser)
-        return cls.__call__(self, *args, **kwargs)
+        if getattr(self, _FRESH, None) is not marker:  # a pipeline made from this one
+            return cls.__call__(self, *args, **kwargs)
+        _warn_replaced(self)
+        for denoiser in find_denoisers(self).values():
+            _reset_programs(denoiser)
+        route(self.scheduler, marker, {"step": _counted_step})  # it may have been replaced
+        with _steps_counted():
+            return cls.__call__(self, *args, **kwargs)
 
     pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
                                                  "__module__": cls.__module__,
                                                  "__doc__": cls.__doc__})
     setattr(pipe, _FRESH, marker)
+
+
+@contextlib.contextmanager
+def _steps_counted() -> Iterator[None]:
+    """The scheduler steps of one pipeline call counted (`StepMarks`): they tell a
+    transformer's per-call clock where each step ends."""
+    token = PIPELINE_STEPS.set(StepMarks())
+    try:
+        yield
+    finally:
+        PIPELINE_STEPS.reset(token)
+
+
+def _counted_step(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    count_step()
+    return original(*args, **kwargs)
 
 
 def _warn_replaced(pipe: Any) -> None:

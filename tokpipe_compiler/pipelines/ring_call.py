@@ -71,6 +71,7 @@ from tokpipe_compiler.pipelines.scheduler_route import (
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.step_callbacks import LEGACY, ON_STEP_END, StepCallbacks
 from tokpipe_compiler.pipelines.table import cache_reasons, per_call_reasons
+from tokpipe_compiler.programs.generations import count_step
 
 
 @dataclass
@@ -199,6 +200,7 @@ class RingCalls:
         return with_probe(structure, answer)
 
     def step(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        count_step()  # for the steps that run per call
         gen = self.generation
         if gen is not None and gen.interrupted is not None:
             # a callback ended the generation where one transformer handed over to another:

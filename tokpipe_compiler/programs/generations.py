@@ -14,6 +14,11 @@ alone:
                                              stale K/V equal the fresh ones either way)
     timestep moving back                  -> a new generation (the next image), step 0
 
+Within a parallelized pipeline's call the scheduler's steps are counted (`StepMarks`), and
+a call at an equal timestep is the next step when a scheduler step came between, another
+branch otherwise: branches with equal inputs (a negative prompt equal to the prompt) stay
+branches, and schedulers that repeat a timestep (Heun) count each step.
+
 Without a timestep input every call is its own step of one branch, and only `tp.reset`,
 new input shapes or a pipeline call's end start a new generation. A graph of a model split
 at graph breaks (the blocks' graph, fed `temb`, not the timestep) follows the timestep of
@@ -23,6 +28,7 @@ the graph of its model that read one before it (`SharedTimesteps`).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +46,25 @@ class Tick:
     new_generation: bool
     step: int
     branch: int
+
+
+@dataclass
+class StepMarks:
+    """The scheduler steps a pipeline call has taken so far."""
+
+    steps: int = 0
+
+
+# Set for the duration of a parallelized pipeline's call (pipelines/parallelize.py).
+PIPELINE_STEPS: ContextVar[StepMarks | None] = ContextVar("tokpipe_pipeline_steps",
+                                                          default=None)
+
+
+def count_step() -> None:
+    """A scheduler step of the running pipeline call (nothing outside one)."""
+    marks = PIPELINE_STEPS.get()
+    if marks is not None:
+        marks.steps += 1
 
 
 class StepClock:
@@ -60,16 +85,16 @@ class StepClock:
         self.last_inputs: tuple[Any, ...] = ()
         self.step, self.branch = -1, 0
         self.direction = 0  # +1 rising, -1 falling; 0 until a generation's first move
+        self.marks_seen = 0  # the scheduler steps counted at the last call (StepMarks)
 
     def tick(self, args: tuple[Any, ...]) -> Tick:
         timestep = self._timestep(args)
+        marks = PIPELINE_STEPS.get()
         fresh = self.step < 0
         if timestep is None or self.last is None:
             self.step, self.branch = self.step + 1, 0
         elif timestep == self.last:
-            # Only here are the inputs compared: comparing device tensors waits for the
-            # device, which a step whose timestep moved on need not do.
-            if self._repeated(args):
+            if self._stepped(marks, args):
                 self.step, self.branch = self.step + 1, 0
             else:
                 self.branch += 1
@@ -79,6 +104,7 @@ class StepClock:
             self.step, self.branch, fresh = 0, 0, True
             self.direction = 0  # learnt again: one odd generation does not mislead the next
         self.last = timestep
+        self.marks_seen = 0 if marks is None else marks.steps
         # The user's inputs only: holding the weights would keep the model alive.
         self.last_inputs = tuple(args[i] for i in self.inputs)
         return Tick(fresh, self.step, self.branch)
@@ -91,6 +117,15 @@ class StepClock:
         if self.direction == 0:  # a generation's first move sets which way its steps go
             self.direction = move
         return move == self.direction
+
+    def _stepped(self, marks: StepMarks | None, args: tuple[Any, ...]) -> bool:
+        """Whether a call at the last call's timestep is the next step: a scheduler step
+        came between (in a parallelized pipeline), or else it repeats the last call.
+        Only here are the inputs compared: comparing device tensors waits for the device,
+        which a step whose timestep moved on need not do."""
+        if marks is not None:
+            return marks.steps != self.marks_seen
+        return self._repeated(args)
 
     def _repeated(self, args: tuple[Any, ...]) -> bool:
         """Inputs equal to the last call's: a call repeated, not another branch."""
