@@ -10,7 +10,8 @@ puts a released transformer (released widths, random weights, --layers blocks, a
 --grid) into its family's pipeline, guided, with random prompt embeddings at the released
 text length and no VAE: it makes latents, to time and compare, not images to save.
 --ranks N runs N processes on this machine (under torchrun, leave it out: each process is
-one rank).
+one rank). Each rank runs on a GPU of its own where there are GPUs (over NCCL), else on the
+CPU (over gloo); --device chooses.
 """
 
 from __future__ import annotations
