@@ -22,6 +22,7 @@ one order on every rank (`DistributedTransport.connect`), before any other.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -61,13 +62,13 @@ class TorchLinks:
     """torch.distributed between the ranks of `group` (default: the world). Tensors live on
     the rank's device: the current CUDA device under NCCL, the CPU otherwise."""
 
-    def __init__(self, group: Any = None):
+    def __init__(self, group: Any = None, timeout: float | None = None):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if self.backend == "nccl" else torch.device("cpu"))
-        self._pair = _groups(group)
+        self._pair = _groups(group, timeout)
 
     @property
     def connected(self) -> bool:
@@ -95,22 +96,31 @@ class _Groups:
 _made: dict[int, tuple[Any, _Groups]] = {}  # id(group) -> (group, its two groups)
 
 
-def _groups(group: Any) -> _Groups:
+def _groups(group: Any, timeout: float | None = None) -> _Groups:
     """`group` and the group of the same ranks that carries its messages to lower ranks,
     made once per group. Making it is collective over those ranks: each makes its first
-    transport over `group` at the same point of the program (planning)."""
+    transport over `group` at the same point of the program (planning), and waits at most
+    `timeout` seconds (None: the process group's own timeout) for the others to."""
     base = group if group is not None else dist.group.WORLD
     known = _made.get(id(base))
     if known is not None and known[0] is base:
         return known[1]
     ranks = dist.get_process_group_ranks(base)
+    wait = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     try:  # named after its ranks: only they take part in making it
         back = dist.new_group(ranks, backend=dist.get_backend(base),
-                              use_local_synchronization=True)
+                              use_local_synchronization=True, **wait)
     except ValueError as err:  # a group of these ranks was made so already
         raise TokpipeError(f"cannot make the second process group of ranks {ranks} that "
                            f"carries messages to lower ranks ({err}); run one tokpipe "
                            "pipeline per set of ranks") from err
+    except RuntimeError as err:  # torch's DistError family: a rank that never came
+        waited = "the process group's timeout" if timeout is None else f"{timeout:g} s"
+        raise TokpipeError(
+            f"rank {dist.get_rank()} waited {waited} for ranks {ranks} to start the pipeline "
+            "(their first call of it) and not all came: every rank must call the pipelined "
+            f"model or pipeline, with the same arguments ({str(err).splitlines()[0][:200]})"
+        ) from err
     if dist.get_rank(back) != dist.get_rank(base):  # both number their ranks in one order
         raise RuntimeError("the back group numbers the ranks otherwise than its group")
     made = _Groups((group, back))

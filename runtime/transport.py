@@ -205,7 +205,7 @@ class DistributedTransport:
         if max_message_bytes < 1:
             raise TokpipeError(f"max_message_bytes must be positive, got {max_message_bytes}")
         check_timeout(timeout)
-        self.links = links if links is not None else TorchLinks(group)
+        self.links = links if links is not None else TorchLinks(group, timeout)
         self.rank, self.world_size = self.links.rank, self.links.world_size
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes

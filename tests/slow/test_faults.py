@@ -218,3 +218,26 @@ def test_ranks_that_disagree_raise_a_named_error_on_every_rank(what, expected):
 def test_other_inputs_that_differ_give_a_warning():
     for caught in launch(disagreeing_rank, 2, args=("labels",), timeout=120):
         assert any("input 'labels': checksum rank 0" in w for w in caught), caught
+
+
+def absent_rank(rank: int, world: int) -> tuple[str, float] | None:
+    """Rank 1 never calls the model; rank 0 returns its error and how long it waited."""
+    if rank == 1:
+        return None
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend=tp.backend(**OPTIONS, stages=world), dynamic=False)
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            compiled(*dit_inputs(model, 8))
+    except tp.TokpipeError as err:
+        return str(err), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_a_rank_that_never_calls_makes_the_others_raise_within_the_timeout():
+    """Before the first call's links exist, too: not the process group's 30 minutes."""
+    (text, seconds), _ = launch(absent_rank, 2, timeout=120)
+    assert f"rank 0 waited {FAULT_TIMEOUT:g} s for ranks [0, 1] to start the pipeline" in text
+    assert seconds < 60  # planning, then the timeout
