@@ -55,11 +55,12 @@ def check_args(args: argparse.Namespace) -> None:
     """Raises on options that do not go with the pipeline's source, before any is built;
     resolves --device."""
     args.device = resolve_device(args.device, args.ranks, args.cuda_graphs)
-    if args.ranks > 1 and args.ranks != args.cfg * args.stages:
+    needed = args.cfg * args.stages
+    if args.ranks > 1 and args.ranks != needed:
+        other = "" if needed == 1 else " (or --ranks 1: every stage in this process)"
         raise TokpipeError(f"--ranks {args.ranks} starts {args.ranks} processes, but --stages "
-                           f"{args.stages} x --cfg {args.cfg} runs on "
-                           f"{args.cfg * args.stages}: pass --ranks {args.cfg * args.stages} "
-                           "(or --ranks 1: every stage in this process)")
+                           f"{args.stages} x --cfg {args.cfg} runs on {needed}: pass --ranks "
+                           f"{needed}{other}")
     if args.released is None:
         for given, flag in ((args.layers, "--layers"), (args.grid, "--grid")):
             if given is not None:

@@ -230,7 +230,8 @@ def test_bad_released_specs_fail_clearly(argv, message, tmp_path, capsys, monkey
     (["--released", "wan2.1-t2v-1.3b", "--grid", "16", "16"],
      "wan2.1-t2v-1.3b: a latent grid of 3 sizes (frames, height, width), not (16, 16)"),
     (["--tiny", "dit", "--ranks", "3"], "--ranks 3 starts 3 processes, but --stages 2 x "
-                                        "--cfg 1 runs on 2: pass --ranks 2"),
+                                        "--cfg 1 runs on 2: pass --ranks 2 (or --ranks 1"),
+    (["--tiny", "dit", "--ranks", "2", "--stages", "1"], "runs on 1: pass --ranks 1\n"),
 ])
 def test_generate_released_options_that_do_not_fit_are_named(argv, message, capsys):
     assert main(["generate", *argv]) == 2
