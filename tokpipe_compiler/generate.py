@@ -314,10 +314,11 @@ def chunks_ran(counts: list[int], args: argparse.Namespace) -> str:
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
-    chunks = chunks_ran(result["chunks"], args)
     cfg = f", guidance branches on {args.cfg} rank groups" if args.cfg > 1 else ""
     graphs = ", CUDA graphs" if args.cuda_graphs else ""
-    print(f"pipelined ({args.stages} stages x {chunks}, {args.mode}{cfg}, "
+    layout = (f"{args.stages} stages x {chunks_ran(result['chunks'], args)}, {args.mode}"
+              if result["chunks"] or args.cfg == 1 else "each branch whole")
+    print(f"pipelined ({layout}{cfg}, "
           f"{args.device}{graphs}): "
           f"{result['pipelined_s']:.2f} s for {args.steps} steps"
           f"{f', {args.images} images' if args.images > 1 else ''}")

@@ -73,7 +73,7 @@ def test_cfg_parallel_alone_has_no_pipelined_program_to_report(capsys):
     assert main(["generate", "--tiny", "dit", "--steps", "3", "--cfg", "2", "--stages", "1",
                  "--ranks", "2", "--compiler", "eager", "--compare"]) == 0
     out = capsys.readouterr().out
-    assert "guidance branches on 2 rank groups" in out, out
+    assert "pipelined (each branch whole, guidance branches on 2 rank groups" in out, out
     assert "rank 1: no pipelined program" in out, out
     difference = float(re.search(r"largest difference (\S+)", out)[1])
     assert difference <= 1e-5, out
