@@ -241,3 +241,29 @@ def test_a_rank_that_never_calls_makes_the_others_raise_within_the_timeout():
     (text, seconds), _ = launch(absent_rank, 2, timeout=120)
     assert f"rank 0 waited {FAULT_TIMEOUT:g} s for ranks [0, 1] to start the pipeline" in text
     assert seconds < 60  # planning, then the timeout
+
+
+def ring_of_steps(rank: int, world: int) -> None:
+    """Rank 1 runs one step more than rank 0 (another num_inference_steps)."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
+
+    def step(latents, timestep, c, labels):
+        return (latents - c * model(latents, timestep[None], labels),)
+
+    steps = RING_STEPS + rank
+    latents, _, labels = dit_inputs(model, 8)
+    per_step = {"timestep": torch.linspace(900, 100, steps).long(),
+                "c": torch.linspace(0.3, 0.1, steps)}
+    ring = tp.Ring(step, carry=["latents"], stages=world, **{**OPTIONS, "timeout": 20.0})
+    ring.run({"latents": latents, "labels": labels}, per_step=per_step)
+
+
+def test_ranks_that_run_other_step_counts_are_told_at_the_first_call():
+    """Not after a timeout spent waiting for a step the other rank never runs."""
+    start = time.monotonic()
+    with pytest.raises(tp.TokpipeError) as info:
+        launch(ring_of_steps, 2, timeout=120)
+    text = str(info.value)
+    assert len(re.findall(r"plan 'ring steps': rank 0 3, rank 1 4", text)) == 2, text
+    assert time.monotonic() - start < 60  # rather than the 20 s timeout on both ranks

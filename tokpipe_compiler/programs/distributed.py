@@ -127,6 +127,8 @@ class DistributedProgram(PipelinedProgram):
         if self.agreed:
             return
         mine = fingerprint(self.plan, args)
+        if self.ring_steps is not None:  # ranks that run other step counts would wait
+            mine["plan"]["ring steps"] = self.ring_steps
         every = exchange_fingerprints(self.transport, mine, step=self.calls)
         check_agreement(every)
         self.agreed = True

@@ -87,6 +87,7 @@ class PipelinedProgram:
         self.clock = StepClock(timestep_index(arguments),
                                [i for i, name in enumerate(arguments) if name is not None])
         self.calls = 0  # steps run by this program, for the timeline
+        self.ring_steps: int | None = None  # the steps of the ring run being run, if any
         self.peak_values_held = 0  # the last run's most (step, chunk) value sets at once
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
