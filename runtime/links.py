@@ -114,7 +114,7 @@ def _groups(group: Any, timeout: float | None = None) -> _Groups:
         raise TokpipeError(f"cannot make the second process group of ranks {ranks} that "
                            f"carries messages to lower ranks ({err}); run one tokpipe "
                            "pipeline per set of ranks") from err
-    except RuntimeError as err:  # torch's DistError family: a rank that never came
+    except dist.DistError as err:  # the store's wait timed out: a rank that never came
         waited = "the process group's timeout" if timeout is None else f"{timeout:g} s"
         raise TokpipeError(
             f"rank {dist.get_rank()} waited {waited} for ranks {ranks} to start the pipeline "

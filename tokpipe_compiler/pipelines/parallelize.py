@@ -115,8 +115,7 @@ def _check_denoiser(pipe: Any, name: str, denoiser: torch.nn.Module, config: Con
         differ = [f"{f.name}={getattr(shared.config, f.name)!r}"
                   for f in dataclasses.fields(config)
                   if getattr(shared.config, f.name) != getattr(config, f.name)]
-        itself = any(getattr(pipe, mark, None) is not None for mark in (_RING, _FRESH))
-        if differ and itself:
+        if differ and any(getattr(pipe, mark, None) is not None for mark in (_RING, _FRESH)):
             raise TokpipeError(f"{type(pipe).__name__} is parallelized already, with "
                                f"{', '.join(differ)}; a transformer keeps the options it was "
                                "parallelized with: load the pipeline again for others")
@@ -160,11 +159,7 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
             with calls.generation_of(kwargs, [again]) as call_kwargs, _steps_counted():
                 return cls.__call__(self, *args, **call_kwargs)
 
-    # A subclass of the pipeline's own class: only the instance's calls go through the ring.
-    pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
-                                                 "__module__": cls.__module__,
-                                                 "__doc__": cls.__doc__})
-    pipe._tokpipe_ring = calls
+    _with_call(pipe, __call__, _RING, calls)
 
 
 def _install_fresh_start(pipe: Any) -> None:
@@ -183,10 +178,18 @@ def _install_fresh_start(pipe: Any) -> None:
         with _steps_counted():
             return cls.__call__(self, *args, **kwargs)
 
-    pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
+    _with_call(pipe, __call__, _FRESH, marker)
+
+
+def _with_call(pipe: Any, call: Callable[..., Any], mark: str, owner: object) -> None:
+    """`pipe` as an instance of a subclass of its class with `call` for its `__call__`
+    (only this instance's calls go through it; pipelines made from it by from_pipe, of
+    the subclass, lack the `mark` attribute naming `owner`, and `call` passes them on)."""
+    cls = type(pipe)
+    pipe.__class__ = type(cls.__name__, (cls,), {"__call__": call,
                                                  "__module__": cls.__module__,
                                                  "__doc__": cls.__doc__})
-    setattr(pipe, _FRESH, marker)
+    setattr(pipe, mark, owner)
 
 
 @contextlib.contextmanager
