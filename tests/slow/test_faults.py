@@ -243,20 +243,28 @@ def test_a_rank_that_never_calls_makes_the_others_raise_within_the_timeout():
     assert seconds < 60  # planning, then the timeout
 
 
-def ring_of_steps(rank: int, world: int) -> None:
-    """Rank 1 runs one step more than rank 0 (another num_inference_steps)."""
+def step_ring(world: int) -> tuple[tp.Ring, dict]:
+    """A ring of TinyDiT steps and its first inputs."""
     torch.manual_seed(0)
     model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
 
     def step(latents, timestep, c, labels):
         return (latents - c * model(latents, timestep[None], labels),)
 
-    steps = RING_STEPS + rank
     latents, _, labels = dit_inputs(model, 8)
-    per_step = {"timestep": torch.linspace(900, 100, steps).long(),
-                "c": torch.linspace(0.3, 0.1, steps)}
     ring = tp.Ring(step, carry=["latents"], stages=world, **{**OPTIONS, "timeout": 20.0})
-    ring.run({"latents": latents, "labels": labels}, per_step=per_step)
+    return ring, {"latents": latents, "labels": labels}
+
+
+def per_step(steps: int, last: int = 100) -> dict[str, torch.Tensor]:
+    return {"timestep": torch.linspace(900, last, steps).long(),
+            "c": torch.linspace(0.3, 0.1, steps)}
+
+
+def ring_of_steps(rank: int, world: int) -> None:
+    """Rank 1 runs one step more than rank 0 (another num_inference_steps)."""
+    ring, first = step_ring(world)
+    ring.run(first, per_step=per_step(RING_STEPS + rank))
 
 
 def test_ranks_that_run_other_step_counts_are_told_at_the_first_call():
@@ -267,3 +275,31 @@ def test_ranks_that_run_other_step_counts_are_told_at_the_first_call():
     text = str(info.value)
     assert len(re.findall(r"plan 'ring steps': rank 0 3, rank 1 4", text)) == 2, text
     assert time.monotonic() - start < 60  # rather than the 20 s timeout on both ranks
+
+
+def later_rings(rank: int, world: int) -> tuple[list[str], str, float]:
+    """Three ring runs of one program: the ranks agree, then rank 1 passes other timesteps
+    after the warmup step, then it runs one step more. Returns the second run's warnings,
+    the third's error and the seconds it took to raise."""
+    ring, first = step_ring(world)
+    ring.run(first, per_step=per_step(RING_STEPS))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ring.run(first, per_step=per_step(RING_STEPS, last=100 + 100 * rank))
+    start = time.monotonic()
+    try:
+        ring.run(first, per_step=per_step(RING_STEPS + rank))
+    except tp.TokpipeError as err:
+        return [str(w.message) for w in caught], str(err), time.monotonic() - start
+    return [str(w.message) for w in caught], "no error", time.monotonic() - start
+
+
+def test_later_ring_runs_that_differ_between_ranks_are_told_at_once():
+    """A program's later generations are checked too: other timesteps in the ring steps
+    warn, another step count raises at once on both ranks (not after the 20 s timeout)."""
+    for caught, error, seconds in launch(later_rings, 2, timeout=120):
+        assert any(re.search(r"input 'timestep': checksum rank 0 [0-9a-f]{8}, rank 1", w)
+                   for w in caught), caught
+        assert "the ranks disagree at a ring run" in error, error
+        assert "plan 'ring steps': rank 0 3, rank 1 4" in error, error
+        assert seconds < 10, seconds

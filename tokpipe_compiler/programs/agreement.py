@@ -1,14 +1,14 @@
 """What the ranks of one pipeline agree on before they run: the calibrated rates they plan
-with (rank 0's), and at a program's first call a fingerprint of the options, the plan and
-the inputs. Both travel over the program's transport, so every wait is bounded by its
-timeout and fails with a named error instead of hanging.
+with (rank 0's), and at a program's first call and at each of its ring runs a fingerprint
+of the options, the plan and the inputs. Both travel over the program's transport, so
+every wait is bounded by its timeout and fails with a named error instead of hanging.
 """
 
 from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, fields
 from typing import Any
 
@@ -42,9 +42,10 @@ def exchange_rates(transport, device: str, local: Callable[[], DeviceRates]) -> 
     return DeviceRates(*values)
 
 
-def fingerprint(plan: Plan, args: tuple) -> dict[str, Any]:
+def fingerprint(plan: Plan, args: tuple, later: Sequence[tuple] = ()) -> dict[str, Any]:
     """What every rank must share, as plain data: the options (but the timeout), the plan's
-    layout and graphs, the shapes and dtypes of the inputs and checksums of the user's."""
+    layout and graphs, the shapes and dtypes of the inputs (`args`) and checksums of the
+    user's, over `args` and the `later` calls' (a ring's other steps)."""
     names = input_arguments(plan)
     token = plan.graphs.input_names.index(plan.token_input)
     user = {str(names[i]): arg for i, arg in enumerate(args) if names[i] is not None}
@@ -58,11 +59,12 @@ def fingerprint(plan: Plan, args: tuple) -> dict[str, Any]:
         "inputs": {name: _describe(arg) for name, arg in user.items()},
         "weights": _crc(json.dumps(weights)),
         "token": str(names[token]),
-        "checksums": {name: _checksum(arg) for name, arg in user.items()},
+        "checksums": _checksums(names, [args, *later]),
     }
 
 
-def exchange_fingerprints(transport, mine: dict[str, Any], step: int) -> list[dict[str, Any]]:
+def exchange_fingerprints(transport, mine: dict[str, Any], step: int,
+                          when: str = "the first call") -> list[dict[str, Any]]:
     """Every rank's fingerprint, in rank order. Messages have a fixed size, and each pair
     posts in one order (the lower rank sends first), which NCCL needs and gloo accepts."""
     rank, world = transport.rank, transport.world_size
@@ -70,7 +72,7 @@ def exchange_fingerprints(transport, mine: dict[str, Any], step: int) -> list[di
     data = _encode(mine).to(transport.device)
 
     def key(dst: int) -> MessageKey:
-        what = f"the fingerprint of the first call at step {step} (options, plan, inputs)"
+        what = f"the fingerprint of {when} at step {step} (options, plan, inputs)"
         return MessageKey(step, dst, WHOLE, "fingerprint", what)
 
     handles = {}
@@ -87,16 +89,17 @@ def exchange_fingerprints(transport, mine: dict[str, Any], step: int) -> list[di
     return [mine if r == rank else received[r] for r in range(world)]
 
 
-def check_agreement(every: list[dict[str, Any]]) -> None:
+def check_agreement(every: list[dict[str, Any]], when: str = "the first call") -> None:
     """Raises if the ranks' fingerprints differ in anything that shapes the messages, or in
-    the token input's values; warns if only other inputs' values differ."""
+    the token input's values; warns if only other inputs' values differ. `when`: the call
+    they were taken at, for the messages."""
     differences = [line for part in ("options", "plan", "inputs")
                    for line in _differences(part, [fp[part] for fp in every])]
     if any(fp["weights"] != every[0]["weights"] for fp in every):
         differences.append("weights: the shapes or dtypes of the weights differ between ranks")
     if differences:
         raise TokpipeError(
-            "the ranks disagree at the first call of a pipelined program, so they cannot run "
+            f"the ranks disagree at {when} of a pipelined program, so they cannot run "
             "one pipeline:\n  " + "\n  ".join(differences) + "\nEvery rank must compile the "
             "same model with the same options and call it with inputs of the same shapes "
             "and dtypes.")
@@ -133,8 +136,26 @@ def _describe(value: Any) -> str:
     return repr(value)
 
 
+def _checksums(names: list[str | int | None], calls: list[tuple]) -> dict[str, str]:
+    """Each user input's checksum over `calls`: one value's where every call passes the
+    same, else a digest of each call's. A value passed to several calls is read once."""
+    seen: dict[int, str] = {}
+
+    def checksum(value: Any) -> str:
+        if id(value) not in seen:
+            seen[id(value)] = _checksum(value)
+        return seen[id(value)]
+
+    sums = {}
+    for i, name in enumerate(names):
+        if name is not None:
+            each = [checksum(call[i]) for call in calls]
+            sums[str(name)] = each[0] if len(set(each)) == 1 else _crc(",".join(each))
+    return sums
+
+
 def _checksum(value: Any) -> str:
-    """CRC32 of the bytes (a tensor's on the CPU: only at a first call)."""
+    """CRC32 of the bytes (a tensor's on the CPU: at a first call and once a ring run)."""
     if isinstance(value, torch.Tensor):
         return f"{zlib.crc32(as_bytes(value.detach().cpu()).numpy()):08x}"
     return _crc(repr(value))

@@ -4,9 +4,10 @@ computes it), bit for bit what the in-process runtime returns.
 
 Every wait between ranks goes through the transport, so it is bounded by the `timeout`
 option and fails with a TokpipeError naming the rank, stage, step and value it waited for.
-At a program's first call the ranks exchange a fingerprint (options, plan, input shapes and
-dtypes, checksums of the inputs) and stop with a named error if they disagree, before any
-message whose size the other side would not expect; while they plan, they take rank 0's
+At a program's first call and at each ring run the ranks exchange a fingerprint (options,
+plan, input shapes and dtypes, checksums of the inputs; a ring's length) and stop with a
+named error if they disagree, before any message whose size the other side would not
+expect; while they plan, they take rank 0's
 calibrated rates (`agreement.py`).
 """
 
@@ -79,18 +80,20 @@ class DistributedProgram(PipelinedProgram):
         self.prelude = Prelude(*prelude_for(plan.graphs, {self.rank}), plan.config.compiler)
         self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
         self.on_device: dict[int, torch.Tensor] = {}  # this stage's weights, moved once
-        self.agreed = False  # whether the ranks compared fingerprints (at the first call)
+        self.agreed = False  # whether the ranks compared fingerprints (at a first call)
         self._output_step = 0  # the step whose outputs `_gather` is collecting
 
     def __call__(self, *args: torch.Tensor) -> Any:
-        self._agree(args)
+        if not self.agreed:
+            ring = {} if self.ring_steps is None else {"ring steps": self.ring_steps}
+            self._agree([args], "the first call", ring)
         return super().__call__(*args)
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,
                  watch: Watch | None = None) -> tuple:
-        if step_args:
-            self._agree(step_args[0])
+        if step_args:  # later runs too: a rank's other step count or timesteps would wait
+            self._agree(step_args, "a ring run", {"ring steps": first + len(step_args)})
         return super().run_ring(step_args, carried, progress, first, watch)
 
     def _step_pieces(self, watch: Watch, first: int) -> StepPieces:
@@ -121,16 +124,14 @@ class DistributedProgram(PipelinedProgram):
         for k in range(steps):
             pieces.watch.see(pieces.first + k, every[k])
 
-    def _agree(self, args: tuple) -> None:
-        """At the first call: every rank's fingerprint to every other; raises on all ranks
-        alike if they disagree (a TokpipeError that says which rank has what)."""
-        if self.agreed:
-            return
-        mine = fingerprint(self.plan, args)
-        if self.ring_steps is not None:  # ranks that run other step counts would wait
-            mine["plan"]["ring steps"] = self.ring_steps
-        every = exchange_fingerprints(self.transport, mine, step=self.calls)
-        check_agreement(every)
+    def _agree(self, calls: list[tuple], when: str, plan: dict[str, int]) -> None:
+        """Every rank's fingerprint of `calls` (the first's inputs, every call's checksums)
+        and `plan`'s entries to every other; raises on all ranks alike if they disagree (a
+        TokpipeError that says which rank has what)."""
+        mine = fingerprint(self.plan, calls[0], calls[1:])
+        mine["plan"].update(plan)
+        every = exchange_fingerprints(self.transport, mine, self.calls, when)
+        check_agreement(every, when)
         self.agreed = True
 
     def _call_env(self, args: tuple) -> dict:
