@@ -35,8 +35,8 @@ def chunk_table(units: int, chunks: int) -> list[Chunk]:
     the split is uneven."""
     if chunks > units:
         raise TokpipeError(
-            f"chunks={chunks} is more than the {units} rows of the token grid; "
-            f"use chunks <= {units}"
+            f"chunks={chunks} is more than the {units} rows of the token grid (its first "
+            f"axis: an image's rows of patches, a video's latent frames); use chunks <= {units}"
         )
     size = -(-units // chunks)
     bounds = [min(i * size, units) for i in range(chunks + 1)]
