@@ -1,7 +1,8 @@
 """Run a function on N local ranks without torchrun, and supervise them.
 
 Every wait has a deadline: a rank that raises, dies or stalls becomes one TokpipeError in the
-caller that carries each failed rank's traceback, and the other ranks are terminated. Ranks
+caller that carries each failed rank's traceback (a TokpipeError's message only; ranks that
+failed alike once), and the other ranks are terminated. Ranks
 die with the process that launched them, however it ends (killed included), as torchrun's
 do: no orphan keeps a port or a device.
 """
@@ -114,10 +115,18 @@ def _run_rank(fn: Callable[..., Any], args: tuple, config: tuple, conn: Connecti
         # Plain pickle: multiprocessing's would share tensors through this process's memory,
         # which is gone by the time the parent unpickles them.
         conn.send_bytes(pickle.dumps((True, value)))
-    except BaseException:
-        conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
+    except BaseException as error:
+        conn.send_bytes(pickle.dumps((False, failure_text(error))))
     finally:
         conn.close()
+
+
+def failure_text(error: BaseException) -> str:
+    """What a rank reports of the error it raised (while it is handled): the traceback, but
+    of a TokpipeError, whose message names what is wrong and what to do, the message."""
+    if isinstance(error, TokpipeError):
+        return f"TokpipeError: {error}"
+    return traceback.format_exc()
 
 
 def _die_with(parent: int) -> None:
@@ -194,7 +203,10 @@ def _failure_report(outcomes: dict[int, _Outcome], world_size: int, timeout: flo
         lines = [f"launch: timed out after {timeout:g} s."]
     if running:
         lines.append(f"Rank(s) {_ranks(running)} still running were terminated.")
-    lines += [f"\n--- rank {rank} ---\n{outcomes[rank].payload.rstrip()}" for rank in failed]
+    reports: dict[str, list[int]] = {}  # ranks that failed alike are reported once
+    for rank in failed:
+        reports.setdefault(outcomes[rank].payload.rstrip(), []).append(rank)
+    lines += [f"\n--- rank {_ranks(ranks)} ---\n{report}" for report, ranks in reports.items()]
     return "\n".join(lines)
 
 
