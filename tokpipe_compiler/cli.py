@@ -26,6 +26,8 @@ from tokpipe_compiler.run_device import DEVICES
 from tokpipe_compiler.runtime.transport import MAX_TIMEOUT
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype: names of torch dtypes
+MODE_HELP = ("stale (default): PipeFusion, chunks attend to the previous step's K/V; causal: "
+             "TeraPipe, for models whose attention is causal; sync: whole steps, exact")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--stages", type=_count(1), default=2)
     inspect.add_argument("--chunks", type=parse_chunks, default=4,
                         help="a count, auto, or token lengths like 1728,960,768,640")
-    inspect.add_argument("--mode", choices=MODES, default="stale")
+    inspect.add_argument("--mode", choices=MODES, default="stale", help=MODE_HELP)
     inspect.add_argument("--warmup-steps", type=_count(0), default=1)
     inspect.add_argument("--compiler", choices=COMPILERS, default="eager",
                          help="for --run (default eager)")
@@ -136,10 +138,13 @@ def _add_generate(commands) -> None:
     gen.add_argument("--steps", type=_count(1), default=20)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stages", type=_count(1), default=2)
-    gen.add_argument("--chunks", type=parse_chunks, default=4)
-    gen.add_argument("--mode", choices=MODES, default="stale")
-    gen.add_argument("--warmup-steps", type=_count(0), default=1)
-    gen.add_argument("--cfg", type=_count(1), default=1)
+    gen.add_argument("--chunks", type=parse_chunks, default=4,
+                     help="a count, auto, or token lengths like 512,512 (default 4)")
+    gen.add_argument("--mode", choices=MODES, default="stale", help=MODE_HELP)
+    gen.add_argument("--warmup-steps", type=_count(0), default=1,
+                     help="whole steps before the stale ring (default 1)")
+    gen.add_argument("--cfg", type=_count(1), default=1,
+                     help="2: each guidance branch on its own ranks (default 1)")
     gen.add_argument("--per-call", action="store_true",
                      help="every step a pipelined call (default: the loop as one ring)")
     gen.add_argument("--compiler", choices=COMPILERS, default="inductor")
