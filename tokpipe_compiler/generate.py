@@ -20,6 +20,9 @@ import argparse
 import inspect
 import os
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -170,20 +173,29 @@ def _per_prompt(pipe: Any, images: int) -> dict[str, int]:
 
 def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """One rank's part: an optional serial generation, then the pipelined one."""
+    with one_line_warnings(rank, world):
+        return _run(rank, args)
+
+
+def _run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     from tokpipe_compiler.pipelines.parallelize import parallelize
 
     torch.set_num_threads(args.threads)
     pipe, kwargs = load_pipeline(args)
     kwargs = to_device(pipe, kwargs, rank_device(args.device))
-    if rank == 0 and args.released is not None:
-        print(_describe_released(args, pipe, kwargs), file=sys.stderr)
+    say = print_on(rank)
+    if args.released is not None:
+        say(_describe_released(args, pipe, kwargs))
     # Short calls first, to trace and compile; two steps, since PixArt-alpha's pipeline
     # takes a one-step call for its one-step (DMD) scheduler's.
     short = {**kwargs, "num_inference_steps": min(2, args.steps)}
     result: dict[str, Any] = {}
     if args.compare:
+        say(f"serial: a {short['num_inference_steps']}-step call, then the timed one")
         _timed(pipe, short, args.seed)  # first-call costs
         result["serial_s"], serial = _timed(pipe, kwargs, args.seed)
+    say(f"pipelined: a first call traces, plans and compiles the stages ({args.compiler}), "
+        "then the timed one")
     parallelize(pipe, stages=args.stages, chunks=args.chunks, mode=args.mode,
                 warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg,
                 ring=not args.per_call, cuda_graphs=args.cuda_graphs)
@@ -204,6 +216,29 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0 and args.out is not None:
         result["files"] = save(images, Path(args.out))
     return result
+
+
+def print_on(rank: int) -> Any:
+    """A print to stderr on rank 0 (the others stay quiet: they run the same steps)."""
+    def say(text: str) -> None:
+        if rank == 0:
+            print(text, file=sys.stderr, flush=True)
+    return say
+
+
+@contextmanager
+def one_line_warnings(rank: int, world: int) -> Iterator[None]:
+    """Warnings as `warning (rank R): Category: message`: Python's default names a line of
+    this command's code (or, on a started rank, of multiprocessing) and repeats it, which
+    says nothing to someone running the command."""
+    where = f" (rank {rank})" if world > 1 else ""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"warning{where}: {category.__name__}: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def _describe_released(args: argparse.Namespace, pipe: Any, kwargs: dict[str, Any]) -> str:

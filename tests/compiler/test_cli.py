@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import warnings
 
 import pytest
 
@@ -304,3 +305,15 @@ def test_generate_reports_the_chunks_its_programs_ran(argv, counts, shown):
 
     args = _parser().parse_args(["generate", "--tiny", "dit", *argv])
     assert chunks_ran(counts, args) == shown
+
+
+@pytest.mark.parametrize(("rank", "world", "prefix"), [(1, 2, "warning (rank 1): "),
+                                                       (0, 1, "warning: ")])
+def test_generate_shows_a_warning_on_one_line_with_its_rank(rank, world, prefix, capsys):
+    """Not Python's default: a line of the command's own code (or multiprocessing's)."""
+    from tokpipe_compiler.generate import one_line_warnings
+    from tokpipe_compiler.passes.partition import ImbalanceWarning
+
+    with one_line_warnings(rank, world):
+        warnings.warn("2 stages cannot be balanced", ImbalanceWarning, stacklevel=1)
+    assert capsys.readouterr().err == f"{prefix}ImbalanceWarning: 2 stages cannot be balanced\n"

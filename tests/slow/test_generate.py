@@ -43,9 +43,12 @@ def test_bfloat16_in_one_process_is_near_the_serial_pipeline(capsys):
     assert load_pipeline(args)[0].transformer.dtype == torch.bfloat16
     assert main(["generate", "--tiny", "dit", "--steps", "3", "--mode", "sync", "--dtype",
                  "bfloat16", "--compiler", "eager", "--compare"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     difference = float(re.search(r"largest difference (\S+)", out)[1])
     assert difference <= 2e-2, out
+    # what each stretch of the run is doing, before it starts
+    assert "serial: a 2-step call, then the timed one" in err, err
+    assert "pipelined: a first call traces, plans and compiles the stages (eager)" in err, err
 
 
 def test_one_process_profile(tmp_path, capsys):
