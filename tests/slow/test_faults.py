@@ -304,4 +304,5 @@ def test_later_ring_runs_that_differ_between_ranks_are_told_at_once():
                    for w in caught), caught
         assert "the ranks disagree at a ring run" in error, error
         assert "plan 'ring steps': rank 0 3, rank 1 4" in error, error
+        assert "run rings of as many steps (num_inference_steps)" in error, error
         assert seconds < 10, seconds
