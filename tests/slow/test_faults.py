@@ -306,3 +306,31 @@ def test_later_ring_runs_that_differ_between_ranks_are_told_at_once():
         assert "plan 'ring steps': rank 0 3, rank 1 4" in error, error
         assert "run rings of as many steps (num_inference_steps)" in error, error
         assert seconds < 10, seconds
+
+
+def later_generation(rank: int, world: int) -> tuple[str, float]:
+    """Per call: a two-step generation the ranks agree on, then a new one (the timestep
+    moves back) whose latents rank 1 draws from another seed. Returns the error and the
+    seconds to it."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend=tp.backend(stages=world, **OPTIONS),
+                             dynamic=False)
+    latents, _, labels = dit_inputs(model, 8)
+    with torch.no_grad():
+        for t in (900, 800):
+            compiled(latents, torch.tensor([t]), labels)
+        other = dit_inputs(model, 8, seed=rank)[0]
+        start = time.monotonic()
+        try:
+            compiled(other, torch.tensor([900]), labels)
+        except tp.TokpipeError as err:
+            return str(err), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_a_later_generation_with_other_latents_on_a_rank_raises_at_its_first_call():
+    """Not a silent mix of the ranks' inputs: every generation's first call is checked."""
+    for error, seconds in launch(later_generation, 2, timeout=120):
+        assert "the token input 'latents' has other values on other ranks" in error, error
+        assert seconds < FAULT_TIMEOUT, seconds

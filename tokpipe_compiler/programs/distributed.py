@@ -4,11 +4,10 @@ computes it), bit for bit what the in-process runtime returns.
 
 Every wait between ranks goes through the transport, so it is bounded by the `timeout`
 option and fails with a TokpipeError naming the rank, stage, step and value it waited for.
-At a program's first call and at each ring run the ranks exchange a fingerprint (options,
-plan, input shapes and dtypes, checksums of the inputs; a ring's length) and stop with a
-named error if they disagree, before any message whose size the other side would not
-expect; while they plan, they take rank 0's
-calibrated rates (`agreement.py`).
+At each generation's first call and each ring run the ranks exchange a fingerprint
+(options, plan, input shapes and dtypes, checksums of the inputs; a ring's length) and stop
+with a named error if they disagree, before any message whose size the other side would not
+expect; while they plan, they take rank 0's calibrated rates (`agreement.py`).
 """
 
 from __future__ import annotations
@@ -83,11 +82,13 @@ class DistributedProgram(PipelinedProgram):
         self.agreed = False  # whether the ranks compared fingerprints (at a first call)
         self._output_step = 0  # the step whose outputs `_gather` is collecting
 
-    def __call__(self, *args: torch.Tensor) -> Any:
-        if not self.agreed:
-            ring = {} if self.ring_steps is None else {"ring steps": self.ring_steps}
-            self._agree([args], "the first call", ring)
-        return super().__call__(*args)
+    def _generation_starts(self, args: tuple) -> None:
+        """Every generation's first call, not only the program's: other latents or prompts
+        on a rank in a later generation stop every rank, by name, instead of mixing the
+        ranks' inputs (one small exchange a generation)."""
+        when = "a generation's first call" if self.agreed else "the first call"
+        ring = {} if self.ring_steps is None else {"ring steps": self.ring_steps}
+        self._agree([args], when, ring)
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,

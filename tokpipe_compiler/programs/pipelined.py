@@ -138,6 +138,7 @@ class PipelinedProgram:
         tick = self.clock.tick(args)
         if tick.new_generation:
             self._new_generation()
+            self._generation_starts(args)
         self.branch = tick.branch
         with torch.no_grad():
             call_env = self._call_env(args)
@@ -146,6 +147,10 @@ class PipelinedProgram:
             outputs = self._assemble(values, chunks, call_env, step=0)
         self._advance(1)
         return outputs
+
+    def _generation_starts(self, args: tuple) -> None:
+        """A generation's first call, with `args`, is about to run (one process: nothing to
+        agree on)."""
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,
