@@ -305,7 +305,7 @@ def test_later_ring_runs_that_differ_between_ranks_are_told_at_once():
                    for w in caught), caught
         assert "the ranks disagree at a generation's first call" in error, error  # warmup
         assert "plan 'ring steps': rank 0 3, rank 1 4" in error, error
-        assert "run rings of as many steps (num_inference_steps)" in error, error
+        assert "run as many steps (num_inference_steps)" in error, error
         assert seconds < 10, seconds
 
 
@@ -335,3 +335,29 @@ def test_a_later_generation_with_other_latents_on_a_rank_raises_at_its_first_cal
     for error, seconds in launch(later_generation, 2, timeout=120):
         assert "the token input 'latents' has other values on other ranks" in error, error
         assert seconds < FAULT_TIMEOUT, seconds
+
+
+def per_call_pipeline(rank: int, world: int) -> tuple[str, float]:
+    """A parallelized pipeline, per call: a 3-step generation, then one where rank 1 asks
+    for a step more. Returns the error and the seconds to it."""
+    from tokpipe_compiler.generate import tiny_dit_pipeline
+
+    pipe = tiny_dit_pipeline()
+    tp.pipelines.parallelize(pipe, stages=world, ring=False, **{**OPTIONS, "timeout": 20.0})
+    call = {"class_labels": [1], "output_type": "latent"}
+    pipe(**call, num_inference_steps=3, generator=torch.Generator().manual_seed(0))
+    start = time.monotonic()
+    try:
+        pipe(**call, num_inference_steps=3 + rank, generator=torch.Generator().manual_seed(0))
+    except tp.TokpipeError as err:
+        return str(err), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_per_call_ranks_that_run_other_step_counts_are_told_at_once():
+    """The scheduler's length joins the fingerprint: not the 20 s timeout spent waiting for
+    a step the other rank never runs."""
+    for error, seconds in launch(per_call_pipeline, 2, timeout=120):
+        assert "plan 'scheduler steps': rank 0 3, rank 1 4" in error, error
+        assert "run as many steps (num_inference_steps)" in error, error
+        assert seconds < 10, seconds

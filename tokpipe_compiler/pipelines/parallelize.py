@@ -151,12 +151,12 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
         generators = _generators(cls.__call__, self, args, kwargs)
         states = _random_states(generators)
         try:
-            with calls.generation_of(kwargs) as call_kwargs, _steps_counted():
+            with calls.generation_of(kwargs) as call_kwargs, _steps_counted(self):
                 return cls.__call__(self, *args, **call_kwargs)
         except RingUnavailable as err:  # only probes ran: the same call again, per call
             _restore(generators, states)
             again = f"{err}; the call started again per call, from the same random state"
-            with calls.generation_of(kwargs, [again]) as call_kwargs, _steps_counted():
+            with calls.generation_of(kwargs, [again]) as call_kwargs, _steps_counted(self):
                 return cls.__call__(self, *args, **call_kwargs)
 
     _with_call(pipe, __call__, _RING, calls)
@@ -175,7 +175,7 @@ def _install_fresh_start(pipe: Any) -> None:
         for denoiser in find_denoisers(self).values():
             _reset_programs(denoiser)
         route(self.scheduler, marker, {"step": _counted_step})  # it may have been replaced
-        with _steps_counted():
+        with _steps_counted(self):
             return cls.__call__(self, *args, **kwargs)
 
     _with_call(pipe, __call__, _FRESH, marker)
@@ -193,10 +193,10 @@ def _with_call(pipe: Any, call: Callable[..., Any], mark: str, owner: object) ->
 
 
 @contextlib.contextmanager
-def _steps_counted() -> Iterator[None]:
-    """The scheduler steps of one pipeline call counted (`StepMarks`): they tell a
-    transformer's per-call clock where each step ends."""
-    token = PIPELINE_STEPS.set(StepMarks())
+def _steps_counted(pipe: Any) -> Iterator[None]:
+    """The scheduler steps of one call of `pipe` counted (`StepMarks`): they tell a
+    transformer's per-call clock where each step ends, and the ranks how many to expect."""
+    token = PIPELINE_STEPS.set(StepMarks(scheduler=getattr(pipe, "scheduler", None)))
     try:
         yield
     finally:

@@ -102,8 +102,8 @@ def check_agreement(every: list[dict[str, Any]], when: str = "the first call") -
             f"the ranks disagree at {when} of a pipelined program, so they cannot run "
             "one pipeline:\n  " + "\n  ".join(differences) + "\nEvery rank must compile the "
             "same model with the same options and call it with inputs of the same shapes "
-            "and dtypes" + (", and run rings of as many steps (num_inference_steps)."
-                            if any("'ring steps'" in line for line in differences) else "."))
+            "and dtypes" + (", and run as many steps (num_inference_steps)."
+                            if any(" steps':" in line for line in differences) else "."))
     sums = _differences("checksums", [fp["checksums"] for fp in every])
     token = every[0]["token"]
     if any(f"input {token!r}" in line for line in sums):

@@ -31,6 +31,7 @@ from tokpipe_compiler.programs.agreement import (
     exchange_rates,
     fingerprint,
 )
+from tokpipe_compiler.programs.generations import PIPELINE_STEPS
 from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, assemble_output
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
@@ -87,8 +88,12 @@ class DistributedProgram(PipelinedProgram):
         on a rank in a later generation stop every rank, by name, instead of mixing the
         ranks' inputs (one small exchange a generation)."""
         when = "a generation's first call" if self.agreed else "the first call"
-        ring = {} if self.ring_steps is None else {"ring steps": self.ring_steps}
-        self._agree([args], when, ring)
+        steps = {} if self.ring_steps is None else {"ring steps": self.ring_steps}
+        marks = PIPELINE_STEPS.get()  # in a parallelized pipeline: its scheduler's length
+        scheduled = None if marks is None else marks.scheduled()
+        if scheduled is not None:  # per call, a rank with more steps would wait for them
+            steps["scheduler steps"] = scheduled
+        self._agree([args], when, steps)
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,

@@ -50,9 +50,16 @@ class Tick:
 
 @dataclass
 class StepMarks:
-    """The scheduler steps a pipeline call has taken so far."""
+    """The scheduler steps a pipeline call has taken so far, and its scheduler."""
 
     steps: int = 0
+    scheduler: Any = None
+
+    def scheduled(self) -> int | None:
+        """The timesteps the scheduler was set to run (None: unknown), once the pipeline
+        has set them (before its first transformer call)."""
+        timesteps = getattr(self.scheduler, "timesteps", None)
+        return None if timesteps is None else len(timesteps)
 
 
 # Set for the duration of a parallelized pipeline's call (pipelines/parallelize.py).
