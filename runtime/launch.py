@@ -2,9 +2,9 @@
 
 Every wait has a deadline: a rank that raises, dies or stalls becomes one TokpipeError in the
 caller that carries each failed rank's traceback (a TokpipeError's message only; ranks that
-failed alike once), and the other ranks are terminated. Ranks
-die with the process that launched them, however it ends (killed included), as torchrun's
-do: no orphan keeps a port or a device.
+failed alike once), and the other ranks are terminated. Ranks die with the process that
+launched them, however it ends (killed included), as torchrun's do: no orphan keeps a port
+or a device.
 """
 
 from __future__ import annotations

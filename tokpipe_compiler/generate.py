@@ -21,7 +21,7 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -218,7 +218,7 @@ def _run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def print_on(rank: int) -> Any:
+def print_on(rank: int) -> Callable[[str], None]:
     """A print to stderr on rank 0 (the others stay quiet: they run the same steps)."""
     def say(text: str) -> None:
         if rank == 0:

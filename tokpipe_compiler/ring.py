@@ -81,7 +81,7 @@ class Ring:
         values = {**inputs, **{k: v[0] for k, v in per_step.items()}}
         program = self.prepare(inputs, per_step, steps)
         program.reset()
-        program.ring_steps = steps  # the ranks agree on it at the first call
+        program.ring_steps = steps  # the ranks agree on it at the generation's first call
         try:
             outputs = self._steps(program, values, per_step, steps, progress, each_step)
         finally:  # the generation is over: its K/V caches are of no further use

@@ -1,6 +1,6 @@
 """What the ranks of one pipeline agree on before they run: the calibrated rates they plan
-with (rank 0's), and at a program's first call and at each of its ring runs a fingerprint
-of the options, the plan and the inputs. Both travel over the program's transport, so
+with (rank 0's), and at each generation's first call and each ring run a fingerprint of
+the options, the plan and the inputs. Both travel over the program's transport, so
 every wait is bounded by its timeout and fails with a named error instead of hanging.
 """
 
@@ -23,6 +23,7 @@ from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as
 
 FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
 RATES_STEP = -1  # the rates travel before any step's message
+STEP_COUNTS = ("ring steps", "scheduler steps")  # plan entries a caller adds: steps to run
 
 
 def exchange_rates(transport, device: str, local: Callable[[], DeviceRates]) -> DeviceRates:
@@ -42,10 +43,11 @@ def exchange_rates(transport, device: str, local: Callable[[], DeviceRates]) -> 
     return DeviceRates(*values)
 
 
-def fingerprint(plan: Plan, args: tuple, later: Sequence[tuple] = ()) -> dict[str, Any]:
+def fingerprint(plan: Plan, calls: Sequence[tuple]) -> dict[str, Any]:
     """What every rank must share, as plain data: the options (but the timeout), the plan's
-    layout and graphs, the shapes and dtypes of the inputs (`args`) and checksums of the
-    user's, over `args` and the `later` calls' (a ring's other steps)."""
+    layout and graphs, the shapes and dtypes of the inputs of the first of `calls` and
+    checksums of the user's over every call (a ring's steps)."""
+    args = calls[0]
     names = input_arguments(plan)
     token = plan.graphs.input_names.index(plan.token_input)
     user = {str(names[i]): arg for i, arg in enumerate(args) if names[i] is not None}
@@ -59,12 +61,12 @@ def fingerprint(plan: Plan, args: tuple, later: Sequence[tuple] = ()) -> dict[st
         "inputs": {name: _describe(arg) for name, arg in user.items()},
         "weights": _crc(json.dumps(weights)),
         "token": str(names[token]),
-        "checksums": _checksums(names, [args, *later]),
+        "checksums": _checksums(names, calls),
     }
 
 
 def exchange_fingerprints(transport, mine: dict[str, Any], step: int,
-                          when: str = "the first call") -> list[dict[str, Any]]:
+                          when: str) -> list[dict[str, Any]]:
     """Every rank's fingerprint, in rank order. Messages have a fixed size, and each pair
     posts in one order (the lower rank sends first), which NCCL needs and gloo accepts."""
     rank, world = transport.rank, transport.world_size
@@ -89,7 +91,7 @@ def exchange_fingerprints(transport, mine: dict[str, Any], step: int,
     return [mine if r == rank else received[r] for r in range(world)]
 
 
-def check_agreement(every: list[dict[str, Any]], when: str = "the first call") -> None:
+def check_agreement(every: list[dict[str, Any]], when: str) -> None:
     """Raises if the ranks' fingerprints differ in anything that shapes the messages, or in
     the token input's values; warns if only other inputs' values differ. `when`: the call
     they were taken at, for the messages."""
@@ -103,7 +105,7 @@ def check_agreement(every: list[dict[str, Any]], when: str = "the first call") -
             "one pipeline:\n  " + "\n  ".join(differences) + "\nEvery rank must compile the "
             "same model with the same options and call it with inputs of the same shapes "
             "and dtypes" + (", and run as many steps (num_inference_steps)."
-                            if any(" steps':" in line for line in differences) else "."))
+                            if _differ(every, STEP_COUNTS) else "."))
     sums = _differences("checksums", [fp["checksums"] for fp in every])
     token = every[0]["token"]
     if any(f"input {token!r}" in line for line in sums):
@@ -116,6 +118,11 @@ def check_agreement(every: list[dict[str, Any]], when: str = "the first call") -
         warn("inputs differ between ranks (the output is computed from each stage's "
              "rank's own copy, so it matches no single rank's inputs):\n  "
              + "\n  ".join(sums))
+
+
+def _differ(every: list[dict[str, Any]], fields: Sequence[str]) -> bool:
+    """Whether any of the plan's `fields` differs between the ranks."""
+    return any(fp["plan"].get(f) != every[0]["plan"].get(f) for fp in every for f in fields)
 
 
 def _differences(part: str, values: list[dict[str, Any]]) -> list[str]:
@@ -156,7 +163,7 @@ def _checksums(names: list[str | int | None], calls: list[tuple]) -> dict[str, s
 
 
 def _checksum(value: Any) -> str:
-    """CRC32 of the bytes (a tensor's on the CPU: at a first call and once a ring run)."""
+    """CRC32 of the bytes (a tensor's on the CPU: once a generation and once a ring run)."""
     if isinstance(value, torch.Tensor):
         return f"{zlib.crc32(as_bytes(value.detach().cpu()).numpy()):08x}"
     return _crc(repr(value))

@@ -80,20 +80,18 @@ class DistributedProgram(PipelinedProgram):
         self.prelude = Prelude(*prelude_for(plan.graphs, {self.rank}), plan.config.compiler)
         self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
         self.on_device: dict[int, torch.Tensor] = {}  # this stage's weights, moved once
-        self.agreed = False  # whether the ranks compared fingerprints (at a first call)
         self._output_step = 0  # the step whose outputs `_gather` is collecting
 
     def _generation_starts(self, args: tuple) -> None:
         """Every generation's first call, not only the program's: other latents or prompts
         on a rank in a later generation stop every rank, by name, instead of mixing the
         ranks' inputs (one small exchange a generation)."""
-        when = "a generation's first call" if self.agreed else "the first call"
         steps = {} if self.ring_steps is None else {"ring steps": self.ring_steps}
         marks = PIPELINE_STEPS.get()  # in a parallelized pipeline: its scheduler's length
         scheduled = None if marks is None else marks.scheduled()
         if scheduled is not None:  # per call, a rank with more steps would wait for them
             steps["scheduler steps"] = scheduled
-        self._agree([args], when, steps)
+        self._agree([args], "a generation's first call", steps)
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,
@@ -134,11 +132,10 @@ class DistributedProgram(PipelinedProgram):
         """Every rank's fingerprint of `calls` (the first's inputs, every call's checksums)
         and `plan`'s entries to every other; raises on all ranks alike if they disagree (a
         TokpipeError that says which rank has what)."""
-        mine = fingerprint(self.plan, calls[0], calls[1:])
+        mine = fingerprint(self.plan, calls)
         mine["plan"].update(plan)
         every = exchange_fingerprints(self.transport, mine, self.calls, when)
         check_agreement(every, when)
-        self.agreed = True
 
     def _call_env(self, args: tuple) -> dict:
         """Per-call values; on a GPU, what this rank's stage reads moves to its device (its
