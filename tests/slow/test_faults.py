@@ -361,3 +361,30 @@ def test_per_call_ranks_that_run_other_step_counts_are_told_at_once():
         assert "plan 'scheduler steps': rank 0 3, rank 1 4" in error, error
         assert "run as many steps (num_inference_steps)" in error, error
         assert seconds < 10, seconds
+
+
+def per_call_compiled(rank: int, world: int) -> str:
+    """torch.compile'd directly, per call: rank 1 runs a step more in the first generation,
+    then both begin another. Returns the error."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend=tp.backend(stages=world, **OPTIONS),
+                             dynamic=False)
+    latents, _, labels = dit_inputs(model, 8)
+    try:
+        with torch.no_grad():
+            first_generation = [900, 800, 700, 600][: 3 + rank]
+            for t in (*first_generation, 900, 800):
+                compiled(latents, torch.tensor([t]), labels)
+    except tp.TokpipeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_rank_still_in_the_last_generation_is_named_as_the_likely_cause():
+    """Without a scheduler the program learns a generation's length only as it ends: the
+    rank that began the next one waits out the timeout, then says why its peer may not."""
+    first, second = launch(per_call_compiled, 2, timeout=120)
+    assert "fingerprint of a generation's first call at step 3" in first, first
+    assert "may still be in the last" in first and "num_inference_steps" in first, first
+    assert "waiting for step 3 chunk 0" in second, second

@@ -26,11 +26,13 @@ from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.agreement import (
+    LATE_PEER,
     check_agreement,
     exchange_fingerprints,
     exchange_rates,
     fingerprint,
 )
+from tokpipe_compiler.programs.device_copies import DeviceCopies
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS
 from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, assemble_output
 from tokpipe_compiler.programs.prelude import Prelude
@@ -79,7 +81,7 @@ class DistributedProgram(PipelinedProgram):
         graph = plan.graphs.stages[self.rank]
         self.prelude = Prelude(*prelude_for(plan.graphs, {self.rank}), plan.config.compiler)
         self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
-        self.on_device: dict[int, torch.Tensor] = {}  # this stage's weights, moved once
+        self.weights_here = DeviceCopies(self.device)  # weights that live on another device
         self._output_step = 0  # the step whose outputs `_gather` is collecting
 
     def _generation_starts(self, args: tuple) -> None:
@@ -91,7 +93,8 @@ class DistributedProgram(PipelinedProgram):
         scheduled = None if marks is None else marks.scheduled()
         if scheduled is not None:  # per call, a rank with more steps would wait for them
             steps["scheduler steps"] = scheduled
-        self._agree([args], "a generation's first call", steps)
+        later = self.calls > 0  # a peer that fails to show may still be in the last one
+        self._agree([args], "a generation's first call", steps, LATE_PEER if later else "")
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,
@@ -128,18 +131,26 @@ class DistributedProgram(PipelinedProgram):
         for k in range(steps):
             pieces.watch.see(pieces.first + k, every[k])
 
-    def _agree(self, calls: list[tuple], when: str, plan: dict[str, int]) -> None:
+    def _agree(self, calls: list[tuple], when: str, plan: dict[str, int],
+               absent_hint: str = "") -> None:
         """Every rank's fingerprint of `calls` (the first's inputs, every call's checksums)
         and `plan`'s entries to every other; raises on all ranks alike if they disagree (a
-        TokpipeError that says which rank has what)."""
+        TokpipeError that says which rank has what). `absent_hint` ends the error of a rank
+        whose peer never sends its fingerprint."""
         mine = fingerprint(self.plan, calls)
         mine["plan"].update(plan)
-        every = exchange_fingerprints(self.transport, mine, self.calls, when)
+        try:
+            every = exchange_fingerprints(self.transport, mine, self.calls, when)
+        except TokpipeError as err:
+            if not absent_hint:
+                raise
+            raise TokpipeError(f"{err} {absent_hint}") from err
         check_agreement(every, when)
 
     def _call_env(self, args: tuple) -> dict:
         """Per-call values; on a GPU, what this rank's stage reads moves to its device (its
-        parameters once: a rank holds only its own stage's weights there)."""
+        parameters once, and again when they change: a rank holds only its own stage's
+        weights there)."""
         env = super()._call_env(args)
         if self.device.type == "cpu":
             return env
@@ -151,9 +162,7 @@ class DistributedProgram(PipelinedProgram):
 
     def _moved(self, value: torch.Tensor) -> torch.Tensor:
         if isinstance(value, torch.nn.Parameter):
-            if id(value) not in self.on_device:
-                self.on_device[id(value)] = value.detach().to(self.device)
-            return self.on_device[id(value)]
+            return self.weights_here.get(value)
         return value.to(self.device, non_blocking=True)
 
     def _device(self, args: tuple) -> torch.device:

@@ -1,0 +1,31 @@
+"""A rank's copies of the weights it reads from another device (a model every rank moved to
+GPU 0): made once, and again only when the weight changes, so that a LoRA fused or a weight
+loaded between generations reaches the copy instead of being silently ignored."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class DeviceCopies:
+    """Parameters copied to `device`, each kept until its tensor changes: another object
+    at the same id, other storage (`weight.data = fused`, as LoRA fusing does) or an
+    in-place write through the parameter (its version counter moves)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._copies: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
+
+    def get(self, weight: torch.nn.Parameter) -> torch.Tensor:
+        stamp = (weight.data_ptr(), weight._version)
+        held = self._copies.get(id(weight))
+        if held is not None and held[0]() is weight and held[1] == stamp:
+            return held[2]
+        # copies of weights that are gone (replaced modules) free their device memory
+        self._copies = {key: entry for key, entry in self._copies.items()
+                        if entry[0]() is not None}
+        copy = weight.detach().to(self.device)
+        self._copies[id(weight)] = (weakref.ref(weight), stamp, copy)
+        return copy
