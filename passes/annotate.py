@@ -44,6 +44,7 @@ from tokpipe_compiler.core.ops import call_rule, op_key
 from tokpipe_compiler.passes import segments
 from tokpipe_compiler.passes.attention_patterns import fold_hand_written_attention
 from tokpipe_compiler.passes.buffer_fills import concatenate_buffer_fills
+from tokpipe_compiler.passes.piecewise_maps import join_piecewise_maps
 from tokpipe_compiler.passes.rule_base import RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
 from tokpipe_compiler.passes.slice_updates import functional_slice_adds
@@ -68,6 +69,7 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
     write_out_torch_attention(gm)  # attention as chunk_attention chunks it: sdpa
     fold_hand_written_attention(gm)
     concatenate_buffer_fills(gm)  # the written values then reach their readers in FX
+    join_piecewise_maps(gm)  # feed-forward chunking: the MLP of the whole rows
     functional_slice_adds(gm)
     seed = find_token_input(gm, token_input)
     _static_dtypes(gm)

@@ -105,7 +105,8 @@ class DenoiserRings:
         carried, fixed = carry_condition(glue, sample, fixed)
         tensors, spec, constants = split_fixed(fixed)
         ring = self._ring(glue, spec, constants, table, branch, blended=False)
-        inputs = {"sample": carried, "guidance": torch.tensor(glue.guidance), **tensors,
+        guidance = torch.tensor(glue.guidance, device=sample.device)  # a stage input: graphed
+        inputs = {"sample": carried, "guidance": guidance, **tensors,
                   **_first_state(carried, start.state, table.state_size)}
 
         def per_step(final: Glue, steps: int) -> dict[str, torch.Tensor]:

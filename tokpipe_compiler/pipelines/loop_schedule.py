@@ -41,7 +41,8 @@ def loop_schedule(scheduler: Any, timestep_args: tuple[tuple, dict], begin: int)
     except (ValueError, TypeError) as err:
         schedule.reasons.append(str(err))
     else:
-        if not torch.allclose(schedule.table.timesteps, timesteps.float(), rtol=1e-6):
+        # the table is made on the CPU; a pipeline sets its timesteps on its device
+        if not torch.allclose(schedule.table.timesteps, timesteps.float().cpu(), rtol=1e-6):
             schedule.reasons.append("the scheduler's timesteps differ from its step table's")
     if len(timesteps) < 2:
         schedule.reasons.append(f"{len(timesteps)} step: nothing to overlap")
