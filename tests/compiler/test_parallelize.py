@@ -14,7 +14,7 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
-from tests.fixtures.conditioned import CONDITIONED, wan22_5b_image2video
+from tests.fixtures.conditioned import CONDITIONED, flux_controlnet, wan22_5b_image2video
 from tests.fixtures.pipelines import generate, hunyuan, pixart_alpha, sd3
 from tokpipe_compiler.pipelines import table
 from tokpipe_compiler.pipelines.step_callbacks import StepCallbacks
@@ -280,6 +280,20 @@ def test_a_pipeline_outside_the_table_runs_per_call(monkeypatch):
     pipe, kwargs = _ring(pixart_alpha, mode="sync")
     with pytest.warns(UserWarning, match="PixArtAlphaPipeline is not in the ring table"):
         generate(pipe, kwargs, steps=2)
+
+
+def test_a_controlnet_pipeline_runs_per_call_and_says_why():
+    """The ControlNet runs on each step's latents before the transformer, outside what a
+    ring's step holds: per call, pipelined as any other call (ControlNet's per-block
+    outputs are per-token inputs, cut to each chunk)."""
+    serial = generate(*flux_controlnet(), steps=3)
+    pipe, kwargs = _ring(flux_controlnet, mode="sync")
+    with pytest.warns(UserWarning, match="runs per call.*runs its ControlNet"):
+        assert _relative(generate(pipe, kwargs, steps=3), serial) <= 1e-5
+    pipe, kwargs = _ring(flux_controlnet, mode="stale", warmup_steps=1)
+    with pytest.warns(UserWarning, match="runs its ControlNet"):
+        stale = generate(pipe, kwargs, steps=3)
+    assert 0 < _relative(stale, serial) < 0.05  # stale K/V after the warmup step
 
 
 def test_a_step_that_changes_within_a_generation_raises():

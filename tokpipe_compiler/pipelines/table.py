@@ -56,6 +56,11 @@ WHY = {
 def per_call_reasons(pipe: Any, kwargs: dict[str, Any]) -> list[str]:
     """Why this call of `pipe` cannot run as a ring (empty: it can)."""
     name = type(pipe).__name__
+    if getattr(pipe, "controlnet", None) is not None:
+        return [f"{name} runs its ControlNet (pipe.controlnet) before the transformer at "
+                "every step, on the step's latents: a second model a ring's step does not "
+                "hold (per call, the transformer is pipelined and the ControlNet runs whole "
+                "on every rank)"]
     if name not in RING_PIPELINES:
         covered = ", ".join(sorted(RING_PIPELINES))
         return [f"{name} is not in the ring table (covered: {covered})"]
