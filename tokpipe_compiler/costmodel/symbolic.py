@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.meta import META_KEY, TokenInfo
+from tokpipe_compiler.core.tensor_bytes import storage_bytes
 
 N, C = sympy.symbols("n c", positive=True, integer=True)
 # Key positions per tile of the device's causal attention kernel: a kernel skips masked
@@ -208,7 +210,8 @@ def nbytes(value_node: object, tokens: int, sym: sympy.Symbol = N) -> sympy.Expr
     value = example_value(value_node)
     info = token_info(value_node) if isinstance(value_node, torch.fx.Node) else None
     return sum(
-        (numel(scaled(t, info, tokens, sym)) * t.element_size() for t in tensors(value)),
+        (sympy.Integer(storage_bytes(t)) if is_traceable_wrapper_subclass(t)  # quantized
+         else numel(scaled(t, info, tokens, sym)) * t.element_size() for t in tensors(value)),
         sympy.Integer(0),
     )
 

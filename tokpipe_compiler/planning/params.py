@@ -14,6 +14,7 @@ import torch.fx
 
 from tokpipe_compiler.core.fx import example_value, is_parameter
 from tokpipe_compiler.core.stage_graph import CALL, SLICED, SplitGraphs, StageGraph
+from tokpipe_compiler.core.tensor_bytes import storage_bytes
 from tokpipe_compiler.passes.split import prelude_part
 
 
@@ -31,7 +32,7 @@ def bytes_by_name(graphs: SplitGraphs) -> dict[str, int]:
     for node in graphs.prelude.graph.nodes:
         value = example_value(node)
         if node.op == "placeholder" and is_parameter(node) and value is not None:
-            out[node.name] = value.numel() * value.element_size()
+            out[node.name] = storage_bytes(value)
     return out
 
 
