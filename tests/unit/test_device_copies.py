@@ -8,6 +8,7 @@ import gc
 
 import torch
 
+from tests.fixtures.quantized import Int8Weight
 from tokpipe_compiler.programs.device_copies import DeviceCopies
 
 
@@ -52,3 +53,13 @@ def test_copies_of_weights_that_are_gone_are_freed():
     gc.collect()
     copies.get(kept)
     assert len(copies._copies) == 1
+
+
+def test_a_quantized_weight_written_in_place_makes_a_new_copy():
+    """A wrapper subclass has no data pointer of its own: its inner tensors tell."""
+    copies = DeviceCopies(torch.device("cpu"))
+    w = torch.nn.Parameter(Int8Weight.of(torch.randn(4, 4)), requires_grad=False)
+    first = copies.get(w)
+    assert copies.get(w) is first
+    w.qdata.mul_(2)
+    assert copies.get(w) is not first

@@ -7,6 +7,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 class DeviceCopies:
@@ -16,10 +17,10 @@ class DeviceCopies:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._copies: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
+        self._copies: dict[int, tuple[weakref.ref, tuple[int, ...], torch.Tensor]] = {}
 
     def get(self, weight: torch.nn.Parameter) -> torch.Tensor:
-        stamp = (weight.data_ptr(), weight._version)
+        stamp = _stamp(weight)
         held = self._copies.get(id(weight))
         if held is not None and held[0]() is weight and held[1] == stamp:
             return held[2]
@@ -29,3 +30,13 @@ class DeviceCopies:
         copy = weight.detach().to(self.device)
         self._copies[id(weight)] = (weakref.ref(weight), stamp, copy)
         return copy
+
+
+def _stamp(tensor: torch.Tensor) -> tuple[int, ...]:
+    """Where a tensor's data lives and how often it was written; for a wrapper subclass (a
+    quantized weight, whose own pointer is 0), its inner tensors' too."""
+    stamp = (tensor.data_ptr(), tensor._version)
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        stamp += tuple(part for name in names for part in _stamp(getattr(tensor, name)))
+    return stamp
