@@ -34,7 +34,12 @@ from tokpipe_compiler.programs.agreement import (
 )
 from tokpipe_compiler.programs.device_copies import DeviceCopies
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS
-from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, assemble_output
+from tokpipe_compiler.programs.pipelined import (
+    PipelinedProgram,
+    Session,
+    assemble_output,
+    device_of,
+)
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.transport import (
@@ -101,7 +106,14 @@ class DistributedProgram(PipelinedProgram):
                  watch: Watch | None = None) -> tuple:
         if step_args:  # later runs too: a rank's other step count or timesteps would wait
             self._agree(step_args, "a ring run", {"ring steps": first + len(step_args)})
-        return super().run_ring(step_args, carried, progress, first, watch)
+        caller = device_of(step_args[0]) if step_args else self.device
+        if watch is not None and caller != self.device:
+            watch = Watch(watch.output, lambda k, v, see=watch.see: see(k, v.to(caller)))
+        outputs = super().run_ring(step_args, carried, progress, first, watch)
+        return _on_device(outputs, caller)
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        return _on_device(super().__call__(*args), device_of(args))
 
     def _step_pieces(self, watch: Watch, first: int) -> StepPieces:
         pieces = super()._step_pieces(watch, first)
@@ -150,7 +162,8 @@ class DistributedProgram(PipelinedProgram):
     def _call_env(self, args: tuple) -> dict:
         """Per-call values; on a GPU, what this rank's stage reads moves to its device (its
         parameters once, and again when they change: a rank holds only its own stage's
-        weights there)."""
+        weights there). The prelude runs where the caller keeps the model: its graph holds
+        that device wherever the model's code made tensors on its inputs' device."""
         env = super()._call_env(args)
         if self.device.type == "cpu":
             return env
@@ -233,3 +246,10 @@ def make_program(plan: Plan, session: Session | None, owner: int | None = None,
     if distributed_world(group) is not None:
         return DistributedProgram(plan, session, owner, group)
     return PipelinedProgram(plan, session, owner)
+
+
+def _on_device(outputs: tuple, device: torch.device) -> tuple:
+    """The outputs on the caller's device: a model every rank keeps on GPU 0 gets rank 1's
+    outputs there, not on the GPU rank 1 computes on."""
+    return tuple(o.to(device) if isinstance(o, torch.Tensor) and o.device != device else o
+                 for o in outputs)

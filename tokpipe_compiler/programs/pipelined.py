@@ -247,7 +247,7 @@ class PipelinedProgram:
 
     def _device(self, args: tuple) -> torch.device:
         """Where the K/V caches live: with the inputs."""
-        return _device_of(args)
+        return device_of(args)
 
     def _run_stage(self, stage: int, chunk: Chunk, inputs: list[torch.Tensor]):
         return self.stage_programs[stage](chunk, inputs)
@@ -304,7 +304,7 @@ def assemble_output(plan: Plan, spec, pieces: list[torch.Tensor],
                     [c.segments for c in chunks])
 
 
-def _device_of(args: tuple) -> torch.device:
+def device_of(args: tuple) -> torch.device:
     for arg in args:
         if isinstance(arg, torch.Tensor):
             return arg.device
