@@ -278,7 +278,8 @@ def _timestep_forms(passed: torch.Tensor, t: Any) -> tuple[TimestepForm, ...]:
 
 
 def _gives(form: TimestepForm, passed: torch.Tensor, t: Any) -> bool:
-    value = _timesteps(form, torch.as_tensor(t), passed.dtype)
+    # DiT's scheduler keeps its timesteps on the CPU and passes the model a CUDA copy
+    value = _timesteps(form, torch.as_tensor(t, device=passed.device), passed.dtype)
     return passed.dim() >= 1 and torch.equal(passed, value.expand(passed.shape))
 
 

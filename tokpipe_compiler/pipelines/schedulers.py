@@ -209,6 +209,9 @@ def _check_config(scheduler: Any, kwargs: dict[str, Any]) -> None:
 
 def _fresh(scheduler: Any, steps: int | None, begin_index: int, kwargs: dict[str, Any]) -> Any:
     sched = copy.deepcopy(scheduler)
+    for name, value in list(vars(sched).items()):  # `add_noise` moves some tables to the GPU
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            setattr(sched, name, value.cpu())
     if steps is not None:
         kwargs = {"num_inference_steps": steps, **kwargs}
     try:
