@@ -45,6 +45,7 @@ SEND_LAG_STEPS = 2
 # `MessageKey.chunk` of a message that is not one chunk's (a whole output, a fingerprint).
 WHOLE = -1
 CONNECT_STEP = -2  # the step of the messages that connect a transport's pairs
+POLL_PAUSE = 2e-4  # the longest pause between polls of an NCCL work (seconds)
 
 ErrorFn = Callable[[str], TokpipeError]
 
@@ -336,13 +337,15 @@ def _wait_native(work: Work, deadline: float, timeout: float) -> None:
 
 def _wait_polling(work: Work, deadline: float, timeout: float) -> None:
     # NCCL's wait() only orders streams and has no usable timeout: poll the work's event.
-    # is_completed() is also true for a failed work, so wait() still has to run.
-    pause = 1e-4
+    # is_completed() is also true for a failed work, so wait() still has to run. The pause
+    # stays short: a message that lands mid-pause waits for it, at every hop of every chunk
+    # (chunks of a few ms on a GPU), and a rank's host has nothing else to do meanwhile.
+    pause = 2e-5
     while not work.is_completed():
         if time.monotonic() > deadline:
             raise _Failed(f"timed out after {timeout:g} s")
         time.sleep(pause)
-        pause = min(pause * 2, 5e-3)
+        pause = min(pause * 2, POLL_PAUSE)
     try:
         work.wait()  # raises the backend's error, if any; orders the current stream
     except RuntimeError as e:

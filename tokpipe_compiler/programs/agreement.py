@@ -151,10 +151,11 @@ def _checksums(names: list[str | int | None], calls: list[tuple]) -> dict[str, s
     """Each user input's checksum over `calls`: one value's where every call passes the
     same, else a digest of each call's. A value passed to several calls is read once."""
     seen: dict[int, str] = {}
+    host = HostViews()
 
     def checksum(value: Any) -> str:
         if id(value) not in seen:
-            seen[id(value)] = _checksum(value)
+            seen[id(value)] = _checksum(host.of(value))
         return seen[id(value)]
 
     sums = {}
@@ -163,6 +164,29 @@ def _checksums(names: list[str | int | None], calls: list[tuple]) -> dict[str, s
             each = [checksum(call[i]) for call in calls]
             sums[str(name)] = each[0] if len(set(each)) == 1 else _crc(",".join(each))
     return sums
+
+
+class HostViews:
+    """Host copies of device tensors for checksums. A ring's per-step values are views of
+    one table on the device: the table comes to the host once, not once a step (each copy
+    waits for the device), and each view is read from that copy."""
+
+    def __init__(self, host_too: bool = False):
+        self.host_too = host_too  # views of CPU tensors as well (tests)
+        self._bases: dict[int, torch.Tensor] = {}
+
+    def of(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value._base is None or (
+                value.device.type == "cpu" and not self.host_too):
+            return value
+        base = value._base
+        if id(base) not in self._bases:
+            self._bases[id(base)] = base.detach().cpu()
+        on_host = self._bases[id(base)]
+        if on_host.stride() != base.stride():
+            return value  # the copy laid out otherwise: copy the view itself
+        return on_host.as_strided(value.shape, value.stride(),
+                                  value.storage_offset() - base.storage_offset())
 
 
 def _checksum(value: Any) -> str:
