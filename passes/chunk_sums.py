@@ -75,7 +75,7 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, chunk: torch.fx.Node
     else:
         op, args, shape = _reduction(node)
     spec = SumCacheSpec(layer, name, shape, dtype)
-    cache = add_input(gm, name, torch.zeros(shape, dtype=dtype))
+    cache = add_input(gm, name, _example(example_value(node), shape, dtype))
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(op, (*args[:1 + _SPLIT[op]], cache, chunk,
                                           *args[1 + _SPLIT[op]:]))
@@ -83,6 +83,16 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, chunk: torch.fx.Node
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)
     return spec
+
+
+def _example(like: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's example: a fake tensor on the value's device where the value is fake
+    (as Dynamo's are), so that planning allocates no cache (gigabytes at high resolution)."""
+    mode = getattr(like, "fake_mode", None)
+    if mode is None:
+        return torch.zeros(shape, dtype=dtype, device=like.device)
+    with mode:
+        return torch.empty(shape, dtype=dtype, device=like.device)
 
 
 def _reduction(node: torch.fx.Node) -> tuple:
