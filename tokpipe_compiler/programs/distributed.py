@@ -86,6 +86,7 @@ class DistributedProgram(PipelinedProgram):
         graph = plan.graphs.stages[self.rank]
         self.prelude = Prelude(*prelude_for(plan.graphs, {self.rank}), plan.config.compiler)
         self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
+        self.token_position = plan.graphs.input_names.index(plan.token_input)
         self.weights_here = DeviceCopies(self.device)  # weights that live on another device
         self._output_step = 0  # the step whose outputs `_gather` is collecting
 
@@ -106,14 +107,19 @@ class DistributedProgram(PipelinedProgram):
                  watch: Watch | None = None) -> tuple:
         if step_args:  # later runs too: a rank's other step count or timesteps would wait
             self._agree(step_args, "a ring run", {"ring steps": first + len(step_args)})
-        caller = device_of(step_args[0]) if step_args else self.device
+        caller = self._caller_device(step_args[0]) if step_args else self.device
         if watch is not None and caller != self.device:
             watch = Watch(watch.output, lambda k, v, see=watch.see: see(k, v.to(caller)))
         outputs = super().run_ring(step_args, carried, progress, first, watch)
         return _on_device(outputs, caller)
 
     def __call__(self, *args: torch.Tensor) -> Any:
-        return _on_device(super().__call__(*args), device_of(args))
+        return _on_device(super().__call__(*args), self._caller_device(args))
+
+    def _caller_device(self, args: tuple) -> torch.device:
+        """Where the caller keeps the token input (the latents): its outputs go there."""
+        latents = args[self.token_position]
+        return latents.device if isinstance(latents, torch.Tensor) else device_of(args)
 
     def _step_pieces(self, watch: Watch, first: int) -> StepPieces:
         pieces = super()._step_pieces(watch, first)
