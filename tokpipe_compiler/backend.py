@@ -24,6 +24,7 @@ from tokpipe_compiler.planning.capture import frame_parameters
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.pieces import origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.planning.regional import repeated_block
 from tokpipe_compiler.planning.static import (
     StaticGraph,
     has_symbolic_shapes,
@@ -122,6 +123,7 @@ class LazyProgram:
 
     def __init__(self, gm: torch.fx.GraphModule, config_fn, session: Session):
         self.origin = origin(gm)  # while Dynamo traces: whether the model has graph breaks
+        self.block = None if self.origin.piece else repeated_block()  # regional compiling
         self.gm = record_sources(gm)
         self.config_fn = config_fn
         self.session = session
@@ -168,6 +170,8 @@ class LazyProgram:
     def _plan(self, args: tuple) -> tuple[Plan | None, Any]:
         """The plan for these input shapes, or None where the graph runs unpipelined."""
         config = self.config_fn()
+        if self.block is not None:
+            return self._whole_model_only(config)
         gm, select = self.gm, None
         if self.dynamic:
             static = StaticGraph(self.gm, args, self.floats)
@@ -189,6 +193,20 @@ class LazyProgram:
             if not config.fallback:
                 raise
             warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}")
+        return None, None
+
+
+    def _whole_model_only(self, config: Config) -> tuple[None, None]:
+        """A block compiled on its own is refused (run as traced with fallback=True)."""
+        err = TokpipeError(
+            f"tokpipe pipelines a whole model, but this graph is {self.block} (diffusers' "
+            "compile_repeated_blocks, or block.compile() in a loop): each block would fill "
+            "and drain a pipeline of its own and count its calls as denoising steps. "
+            "Compile the model instead: torch.compile(transformer, backend='tokpipe', ...) "
+            "or tp.pipelines.parallelize(pipe)")
+        if not config.fallback:
+            raise err
+        warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}")
         return None, None
 
 

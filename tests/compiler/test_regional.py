@@ -1,0 +1,82 @@
+"""A block compiled on its own while its model runs eagerly (diffusers' regional
+compilation, `compile_repeated_blocks`, or `block.compile()` in a loop) would get a
+pipeline per block that counts each call as a denoising step: it is refused with a
+TokpipeError that says to compile the model (with fallback=True: run as traced, warned).
+A wrapper module that calls the one model compiled inside it pipelines that model."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import Block, TinyDiT, dit_inputs
+from tests.fixtures.pipelines import generate, wan
+
+OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(16, 2) for _ in range(3))
+        self.cond = nn.Parameter(torch.randn(1, 16) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.cond)
+        return x
+
+
+def test_blocks_compiled_one_by_one_are_refused():
+    torch.manual_seed(0)
+    model = Blocks().eval()
+    for block in model.blocks:
+        block.compile(backend="tokpipe", dynamic=False, options=OPTIONS)
+    with pytest.raises(tp.TokpipeError, match=r"one of the 3 Block blocks of Blocks, compiled "
+                                              r"on its own.*Compile the model instead"), \
+            torch.no_grad():
+        model(torch.randn(1, 16, 16))
+
+
+def test_diffusers_regional_compilation_is_refused_and_runs_as_traced_with_fallback():
+    expected = generate(*wan(), steps=2)
+    pipe, kwargs = wan()
+    pipe.transformer.compile_repeated_blocks(backend="tokpipe", dynamic=False, options=OPTIONS)
+    with pytest.raises(tp.TokpipeError, match="WanTransformerBlock block of "
+                                              "WanTransformer3DModel"):
+        generate(pipe, kwargs, steps=2)
+    torch.compiler.reset()
+    pipe, kwargs = wan()
+    pipe.transformer.compile_repeated_blocks(backend="tokpipe", dynamic=False,
+                                             options={**OPTIONS, "fallback": True})
+    with pytest.warns(UserWarning, match="running this graph unpipelined"):
+        assert torch.equal(generate(pipe, kwargs, steps=2), expected)
+
+
+class Wrapper(nn.Module):
+    """Calls the one model it holds, compiled inside it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.model(*args)
+
+
+def test_a_wrapper_around_one_compiled_model_pipelines_it():
+    torch.manual_seed(0)
+    inner = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    args = dit_inputs(inner, 8)
+    with torch.no_grad():
+        expected = inner(*args)
+    inner.compile(backend="tokpipe", dynamic=False, options={**OPTIONS, "mode": "sync"})
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # two stages of a tiny model are unbalanced
+        out = Wrapper(inner)(*args)
+    assert tp.programs(inner), "the model ran pipelined"
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
