@@ -81,8 +81,10 @@ def _find_sessions(obj: Any) -> CompileSessions | None:
         if isinstance(item, TokpipeBackend):
             return CompileSessions(item.session, [])
         kwargs = getattr(item, "kwargs", None)
-        if isinstance(kwargs, dict) and "options" in kwargs:
-            found = sessions_for_options(kwargs["options"])
+        by_object = isinstance(getattr(item, "compiler_fn", None), TokpipeBackend)
+        if isinstance(kwargs, dict) and ("options" in kwargs or "mode" in kwargs) \
+                and not by_object:  # a backend object's wrapper: the object has the session
+            found = sessions_for_options(kwargs.get("options"), kwargs.get("mode"))
             if found.every:
                 return found
         children = [getattr(item, name, None) for name in _LINKS]

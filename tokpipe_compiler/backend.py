@@ -39,8 +39,9 @@ from tokpipe_compiler.programs.pipelined import Session
 log = logging.getLogger("tokpipe_compiler")
 
 # Sessions of string-backend compiles, one per torch.compile call, told by the identity of
-# its `options` dict (the one object Dynamo hands every recompile of that call).
-_SESSIONS: list[tuple[Any, Session]] = []
+# its `options` dict (the one object Dynamo hands every recompile of that call) and its
+# `mode` (compiles without options are told apart by mode only).
+_SESSIONS: list[tuple[Any, str | None, Session]] = []
 
 
 class CompileSessions(NamedTuple):
@@ -65,8 +66,9 @@ class TokpipeBackend:
         self.session = Session()
         self.__name__ = "tokpipe"
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
-        return LazyProgram(gm, lambda: self.config, self.session)
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list,
+                 mode: str | None = None, **_: Any):
+        return LazyProgram(gm, lambda: self.config.with_torch_mode(mode), self.session)
 
     def reset(self) -> None:
         """A new generation for every program this backend made."""
@@ -74,20 +76,23 @@ class TokpipeBackend:
 
 
 def tokpipe(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
-            **_: Any):
-    """The function registered as the "tokpipe" Dynamo backend."""
-    session = sessions_for_options(options).own
+            mode: str | None = None, **_: Any):
+    """The function registered as the "tokpipe" Dynamo backend. `mode`: torch.compile's,
+    as the options it stands for (config.TORCH_MODES)."""
+    session = sessions_for_options(options, mode).own
     if session is None:
         session = Session()
-        _SESSIONS.append((options, session))
-    return LazyProgram(gm, lambda: Config.from_options(options), session)
+        _SESSIONS.append((options, mode, session))
+    return LazyProgram(gm, lambda: Config.from_options(options, mode), session)
 
 
-def sessions_for_options(options: dict | None) -> CompileSessions:
-    """The sessions of the torch.compile call whose options are `options`."""
-    own = next((session for known, session in _SESSIONS if known is options), None)
-    alike = [session for known, session in _SESSIONS
-             if known is not options and _equal(known, options)]
+def sessions_for_options(options: dict | None, mode: str | None = None) -> CompileSessions:
+    """The sessions of the torch.compile call whose options are `options` (and mode
+    `mode`)."""
+    own = next((session for known, its_mode, session in _SESSIONS
+                if known is options and its_mode == mode), None)
+    alike = [session for known, its_mode, session in _SESSIONS
+             if known is not options and its_mode == mode and _equal(known, options)]
     return CompileSessions(own, alike)
 
 

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from tokpipe_compiler.runtime.transport import MAX_TIMEOUT
 
 MODES = ("stale", "causal", "sync")
-COMPILERS = ("inductor", "eager")
+COMPILERS = ("inductor", "max-autotune", "eager")
+# torch.compile's `mode`, which it hands to every backend, as tokpipe options.
+TORCH_MODES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "reduce-overhead": {"cuda_graphs": True},
+    "max-autotune": {"compiler": "max-autotune", "cuda_graphs": True},
+    "max-autotune-no-cudagraphs": {"compiler": "max-autotune"},
+}
 TEXT_CHUNKS = ("first", "every")
 ATTENTION_KERNELS = ("sdpa", "triton")
 
@@ -24,7 +31,9 @@ class Config:
         token lengths, one per chunk, in whole rows of the token grid.
     mode: "stale" (PipeFusion), "causal" (TeraPipe, exact) or "sync" (exact reference).
     warmup_steps: calls after a reset that run synchronously and fill the K/V caches.
-    compiler: "inductor" compiles each stage with compile_fx; "eager" runs stage graphs as is.
+    compiler: "inductor" compiles each stage with compile_fx; "max-autotune" the same with
+        Inductor's max-autotune options (matmul and Triton configurations benchmarked at
+        compile time: slower compiles); "eager" runs stage graphs as is.
     token_input: name or position of the input that carries the tokens (None: auto-detect).
     fallback: on a graph the pass cannot pipeline, run it unpipelined with a warning.
     timeout: seconds a rank waits for another before it raises, naming what it waited for.
@@ -74,8 +83,10 @@ class Config:
                                  f"got {getattr(self, name)!r}")
 
     @classmethod
-    def from_options(cls, options: dict[str, Any] | None) -> Config:
-        """Build from a torch.compile `options` dict, naming any unknown key."""
+    def from_options(cls, options: dict[str, Any] | None, torch_mode: str | None = None
+                     ) -> Config:
+        """Build from a torch.compile `options` dict, naming any unknown key; torch.compile's
+        `mode` (`torch_mode`) sets the options it stands for (TORCH_MODES) on top."""
         options = dict(options or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
@@ -83,7 +94,16 @@ class Config:
             raise ValueError(
                 f"unknown tokpipe option(s) {unknown}; allowed options are {sorted(known)}"
             )
-        return cls(**options)
+        return cls(**options).with_torch_mode(torch_mode)
+
+    def with_torch_mode(self, torch_mode: str | None) -> Config:
+        """This config with the options torch.compile's `mode` stands for."""
+        if torch_mode is None:
+            return self
+        if torch_mode not in TORCH_MODES:
+            raise ValueError(f"torch.compile mode {torch_mode!r} has no meaning for tokpipe; "
+                             f"use one of {list(TORCH_MODES)} or tokpipe's own options")
+        return replace(self, **TORCH_MODES[torch_mode])
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

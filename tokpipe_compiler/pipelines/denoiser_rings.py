@@ -223,8 +223,10 @@ class DenoiserRings:
         Inductor as the `compiler` option says."""
         if self._branch_forward is None:
             forward = self.denoiser.forward
-            if self.config.compiler == "inductor":
-                forward = torch.compile(forward, dynamic=False)
+            if self.config.compiler != "eager":
+                mode = "max-autotune-no-cudagraphs" if self.config.compiler == "max-autotune" \
+                    else None
+                forward = torch.compile(forward, dynamic=False, mode=mode)
             self._branch_forward = forward
         return self._branch_forward
 

@@ -55,7 +55,7 @@ class StageProgram:
         return self.specialised[key]
 
     def __call__(self, chunk: Chunk, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor]:
-        if self.compiler == "inductor":
+        if self.compiler != "eager":
             # Compiled code is specialised to its inputs' strides (and checks them). K/V
             # caches are contiguous, and passed as themselves: they are written in place.
             for i in self.per_chunk:
