@@ -80,3 +80,29 @@ def test_a_wrapper_around_one_compiled_model_pipelines_it():
         out = Wrapper(inner)(*args)
     assert tp.programs(inner), "the model ran pipelined"
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+class Experts(nn.Module):
+    """Two models of one class held as attributes, one called per input (as two experts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+        self.second = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.first(*args)
+
+
+def test_one_of_two_models_held_as_attributes_pipelines():
+    torch.manual_seed(0)
+    experts = Experts().eval()
+    args = dit_inputs(experts.first, 8)
+    with torch.no_grad():
+        expected = experts(*args)
+    experts.first.compile(backend="tokpipe", dynamic=False, options={**OPTIONS, "mode": "sync"})
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        out = experts(*args)
+    assert tp.programs(experts.first)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

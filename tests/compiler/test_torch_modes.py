@@ -71,6 +71,6 @@ def test_a_mode_with_a_backend_object_keeps_the_objects_options():
 def test_an_unknown_mode_is_named():
     model, args = model_and_inputs()
     compiled = torch.compile(model, backend="tokpipe", dynamic=False, mode="fastest")
-    with pytest.raises(ValueError, match="torch.compile mode 'fastest' has no meaning for "
-                                         "tokpipe; use one of"):
+    with pytest.raises(ValueError, match=r"torch.compile mode 'fastest' has no meaning for "
+                                         r"tokpipe; use one of"):
         run(compiled, args)

@@ -21,9 +21,9 @@ _EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
 
 def repeated_block() -> str | None:
     """Called by the backend while Dynamo traces: a description of the model and block
-    when the traced frame is a block that its caller, an eagerly running module, holds
-    several of, or lists among its repeated blocks (diffusers' `_repeated_blocks`); None
-    otherwise."""
+    when the traced frame is a block of its caller, an eagerly running module: one of a
+    stack of blocks (a ModuleList or Sequential of its class), or of a class the caller
+    lists among its repeated blocks (diffusers' `_repeated_blocks`); None otherwise."""
     block = _traced_module()
     if block is None:
         return None
@@ -32,11 +32,23 @@ def repeated_block() -> str | None:
         return None
     alike = sum(type(m) is type(block) for m in model.modules())
     declared = type(block).__name__ in (getattr(model, "_repeated_blocks", None) or ())
-    if alike < 2 and not declared:
-        return None  # a wrapper calling the one model it holds: that model is whole
+    if not declared and not _in_a_stack(block, model):
+        return None  # a wrapper calling a model it holds (two experts, say): that is whole
     count = "the" if alike == 1 else f"one of the {alike}"
     return (f"{count} {type(block).__name__} block{'s' * (alike > 1)} of "
             f"{type(model).__name__}, compiled on its own while the model runs eagerly")
+
+
+def _in_a_stack(block: torch.nn.Module, model: torch.nn.Module) -> bool:
+    """Whether `block` is one of several of its class in a ModuleList or Sequential of
+    `model`: a stack of blocks the model's forward loops over."""
+    for container in model.modules():
+        if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
+            members = list(container)
+            if any(m is block for m in members) and \
+                    sum(type(m) is type(block) for m in members) >= 2:
+                return True
+    return False
 
 
 def _traced_module() -> torch.nn.Module | None:
