@@ -24,8 +24,12 @@ def route(scheduler: Any, owner: Any, hooks: dict[str, Hook]) -> None:
     `owner` (once; one routed to another owner before is routed anew). A subclass, not
     instance attributes: copies of the scheduler (step tables probe copies) must run their
     own methods, and pipelines inspect the methods' signatures."""
-    if getattr(type(scheduler), "_tokpipe_calls", None) is owner:
+    routed_for = getattr(type(scheduler), "_tokpipe_instance", lambda: None)()
+    if getattr(type(scheduler), "_tokpipe_calls", None) is owner and routed_for is scheduler:
         return
+    # Otherwise route anew, also a scheduler made from a routed one's class (diffusers'
+    # `pipe.scheduler.__class__.from_config(...)`, a deepcopy): its class is the routed
+    # subclass, whose hooks answer only the instance they were made for.
     # A scheduler shared by two parallelized pipelines (diffusers' from_pipe) is routed to
     # each in turn: always from its own class, so that no earlier owner's hooks stay.
     base = getattr(type(scheduler), "_tokpipe_base", type(scheduler))
@@ -45,7 +49,7 @@ def route(scheduler: Any, owner: Any, hooks: dict[str, Hook]) -> None:
     methods = {name: routed(name, hook) for name, hook in hooks.items()
                if callable(getattr(base, name, None))}
     scheduler.__class__ = type(base.__name__, (base,), {
-        **methods, "_tokpipe_calls": owner, "_tokpipe_base": base,
+        **methods, "_tokpipe_calls": owner, "_tokpipe_base": base, "_tokpipe_instance": instance,
         "__module__": base.__module__, "__doc__": base.__doc__})
 
 
