@@ -165,6 +165,35 @@ def test_a_callback_that_changes_the_generation_raises():
             _run(FAMILIES["sd3"], callback, {**OPTIONS, "mode": "sync"})
 
 
+def test_a_callback_that_writes_a_tensor_in_place_raises():
+    """The pipeline's loop goes on with a tensor the callback wrote in place, so a ring
+    that went on without the edit was silently another generation (6e-2 from serial)."""
+    def louder(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        if i == 1:
+            tensors["latents"].mul_(1.05)
+        return tensors
+
+    def quieter_prompt(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        if i == 2:
+            tensors["prompt_embeds"].mul_(0.5)
+        return tensors
+
+    with pytest.raises(tp.TokpipeError, match="callback changed 'latents' at step 1"):
+        _run(FAMILIES["sd3"], louder, {**OPTIONS, "mode": "sync"})
+    with pytest.raises(tp.TokpipeError, match="callback changed 'prompt_embeds' at step 2"):
+        _run(FAMILIES["flux"], quieter_prompt, {**OPTIONS, "mode": "sync"},
+             callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"])
+
+
+def test_an_old_style_callback_that_writes_the_latents_raises():
+    pipe, kwargs = FAMILIES["pixart_alpha"]()
+    tp.pipelines.parallelize(pipe, **OPTIONS, mode="sync")
+    with pytest.raises(tp.TokpipeError, match="changed 'latents'"):
+        generate(pipe, {**kwargs, "callback_steps": 1,
+                        "callback": lambda i, t, x: x.mul_(1.05) if i == 1 else None},
+                 steps=STEPS)
+
+
 def test_a_pipeline_callback_object_gets_the_tensors_it_asks_for():
     from diffusers.callbacks import PipelineCallback
 

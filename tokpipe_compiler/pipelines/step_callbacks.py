@@ -157,11 +157,14 @@ class StepCallbacks:
     def _replay(self, step: int, call: _Call, latents: torch.Tensor) -> None:
         real = latents if call.dtype is None else latents.to(call.dtype)
         if call.legacy:
+            marks = _Marks({"latents": real})
             self.legacy(call.index, call.timestep, real)
+            self._refuse(marks.edited(), step)
             return
         given = {**call.tensors, "latents": real} if "latents" in call.tensors \
             else dict(call.tensors)
         before, guidance = dict(given), getattr(self.pipe, "_guidance_scale", None)
+        marks = _Marks(given)
         out = self.on_step_end(self.pipe, call.index, call.timestep, given)
         if not isinstance(out, dict):
             raise TokpipeError(f"the step-end callback returned {type(out).__name__} at step "
@@ -169,15 +172,48 @@ class StepCallbacks:
                                "returns")
         changed = [repr(name) for name, value in out.items()
                    if not _unchanged(value, before.get(name, _MISSING))]
+        changed += [name for name in marks.edited() if name not in changed]
         if getattr(self.pipe, "_guidance_scale", None) != guidance:
             changed.append("the guidance scale")
+        self._refuse(changed, step)
+        if getattr(self.pipe, "_interrupt", False):
+            self.interrupted = real
+
+    @staticmethod
+    def _refuse(changed: list[str], step: int) -> None:
         if changed:
             raise TokpipeError(f"the step-end callback changed {', '.join(changed)} at step "
                                f"{step}; the ring computed every step ahead from the first "
                                "step's form, so it cannot follow: run a callback that changes "
                                "the generation with parallelize(pipe, ring=False)")
-        if getattr(self.pipe, "_interrupt", False):
-            self.interrupted = real
+
+
+class _Marks:
+    """Tells which of a callback's tensors it wrote in place (`latents.mul_(...)`, which
+    the pipeline's own loop would go on with): by version counter, or by a copy where a
+    tensor keeps none (made under inference mode)."""
+
+    def __init__(self, tensors: dict[str, Any]):
+        self.tensors = {n: v for n, v in tensors.items() if isinstance(v, torch.Tensor)}
+        self.marks = {name: _mark(value) for name, value in self.tensors.items()}
+
+    def edited(self) -> list[str]:
+        """The names of the tensors written since, quoted."""
+        return [repr(name) for name, value in self.tensors.items()
+                if not _same_mark(value, self.marks[name])]
+
+
+def _mark(value: torch.Tensor) -> int | torch.Tensor:
+    try:
+        return value._version
+    except RuntimeError:  # an inference tensor: no version counter
+        return value.clone()
+
+
+def _same_mark(value: torch.Tensor, mark: int | torch.Tensor) -> bool:
+    if isinstance(mark, torch.Tensor):
+        return torch.equal(value, mark)
+    return value._version == mark
 
 
 def _unchanged(value: Any, before: Any) -> bool:
