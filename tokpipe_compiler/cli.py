@@ -147,7 +147,9 @@ def _add_generate(commands) -> None:
                      help="2: each guidance branch on its own ranks (default 1)")
     gen.add_argument("--per-call", action="store_true",
                      help="every step a pipelined call (default: the loop as one ring)")
-    gen.add_argument("--compiler", choices=COMPILERS, default="inductor")
+    gen.add_argument("--compiler", choices=COMPILERS, default="inductor",
+                     help="how stages are compiled: inductor (default), max-autotune "
+                          "(Inductor's autotuning: slower compiles) or eager (none)")
     gen.add_argument("--dtype", choices=DTYPES, default="float32")
     gen.add_argument("--device", choices=DEVICES, default="auto",
                      help="where each rank runs (default auto: a GPU a rank where there "
