@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from tokpipe_compiler.core.fx import example_value, rewritten
-from tokpipe_compiler.core.meta import INVARIANT_INFO, SLICES_KEY, TOKEN, TokenInfo
+from tokpipe_compiler.core.meta import INVARIANT, INVARIANT_INFO, SLICES_KEY, TOKEN, TokenInfo
 from tokpipe_compiler.core.ops import call_rule, op_key
 from tokpipe_compiler.passes.rule_base import RuleContext
 from tokpipe_compiler.passes.rules import RULES
@@ -162,14 +162,28 @@ def _keeps_tokens_apart(region: list[torch.fx.Node], axis: int) -> bool:
     for node in region[1:]:
         for arg in node.all_input_nodes:
             infos.setdefault(arg, INVARIANT_INFO)  # weights, conditioning
-        rule = RULES.get(op_key(node))
-        info = INVARIANT_INFO if not ctx.token_args(node) else (
-            call_rule("token", rule, node, ctx) if rule is not None else None)
+        info = _rule_info(node, ctx)
         node.meta.pop(SLICES_KEY, None)  # annotate decides what the whole graph slices
-        if info is None or (info.carries_tokens and info.kind != TOKEN) or info.segmented:
+        # only rows that stay rows: an op that mixes them (attention, a sum, an unsupported
+        # slice of the piece such as `p[:, :1]`) leaves the map as written
+        if info is None or info.kind not in (TOKEN, INVARIANT) or info.segmented:
             return False
         infos[node] = info
     return infos[part] == row
+
+
+def _rule_info(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo | None:
+    """The token rule's info for `node` (None where there is none, or it fails here,
+    outside annotate: the map is then left as written)."""
+    if not ctx.token_args(node):
+        return INVARIANT_INFO
+    rule = RULES.get(op_key(node))
+    if rule is None:
+        return None
+    try:
+        return call_rule("token", rule, node, ctx)
+    except Exception:  # a rule that cannot read this node: annotate will say so
+        return None
 
 
 def _rewrite(gm: torch.fx.GraphModule, join: torch.fx.Node, split: torch.fx.Node,

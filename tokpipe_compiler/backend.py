@@ -200,7 +200,6 @@ class LazyProgram:
             warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}")
         return None, None
 
-
     def _whole_model_only(self, config: Config) -> tuple[None, None]:
         """A block compiled on its own is refused (run as traced with fallback=True)."""
         err = TokpipeError(

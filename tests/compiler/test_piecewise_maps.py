@@ -26,7 +26,8 @@ WIDTH, TOKENS = 16, 32
 class PiecewiseMLP(nn.Module):
     """Attention blocks with an MLP over `pieces` pieces of the tokens after each. `kind`:
     "mlp" (feed-forward chunking), "attention" (windowed attention: each piece attends
-    to itself), "weights" (each piece its own MLP), "table" (a per-piece position table)."""
+    to itself), "weights" (each piece its own MLP), "table" (a per-piece position table),
+    "first" (each row less its piece's first row)."""
 
     def __init__(self, kind: str = "mlp", pieces: int = 4):
         super().__init__()
@@ -49,6 +50,8 @@ class PiecewiseMLP(nn.Module):
         if self.kind == "attention":
             return F.scaled_dot_product_attention(piece[:, None], piece[:, None],
                                                   piece[:, None])[:, 0]
+        if self.kind == "first":
+            return piece - piece[:, :1]
         if self.kind == "table":
             return self.mlps[0](piece + self.table)
         return self.mlps[index if self.kind == "weights" else 0](piece)
@@ -70,7 +73,7 @@ def test_feed_forward_chunking_pipelines_in_stale_mode(chunks):
     equivalent(PiecewiseMLP("mlp").eval(), "stale", chunks)
 
 
-@pytest.mark.parametrize("kind", ["attention", "weights", "table"])
+@pytest.mark.parametrize("kind", ["attention", "weights", "table", "first"])
 def test_maps_that_differ_from_the_whole_map_are_left_as_written(kind):
     """Sync runs what mixes tokens whole: it equals eager only if the map was kept."""
     torch.manual_seed(0)

@@ -106,3 +106,30 @@ def test_one_of_two_models_held_as_attributes_pipelines():
         out = experts(*args)
     assert tp.programs(experts.first)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+class Ensemble(nn.Module):
+    """Two models of one class in a ModuleList, the first called: a stack, but of models."""
+
+    def __init__(self):
+        super().__init__()
+        self.members = nn.ModuleList(TinyDiT(depth=2, width=32, heads=2, grid=8)
+                                     for _ in range(2))
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.members[0](*args)
+
+
+def test_a_model_in_a_list_of_models_pipelines():
+    torch.manual_seed(0)
+    ensemble = Ensemble().eval()
+    first = ensemble.members[0]
+    args = dit_inputs(first, 8)
+    with torch.no_grad():
+        expected = ensemble(*args)
+    first.compile(backend="tokpipe", dynamic=False, options={**OPTIONS, "mode": "sync"})
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        out = ensemble(*args)
+    assert tp.programs(first)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)

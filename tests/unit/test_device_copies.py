@@ -63,3 +63,13 @@ def test_a_quantized_weight_written_in_place_makes_a_new_copy():
     assert copies.get(w) is first
     w.qdata.mul_(2)
     assert copies.get(w) is not first
+
+
+def test_a_write_through_data_is_seen_after_a_clear():
+    """How PEFT fuses a LoRA by default (`weight.data += delta`): no new pointer, no write
+    counted on the weight. The program clears its copies at each generation's start."""
+    copies, w = DeviceCopies(torch.device("cpu")), weight()
+    copies.get(w)
+    w.data += 1.0
+    copies.clear()
+    assert torch.equal(copies.get(w), torch.full((4, 4), 2.0))

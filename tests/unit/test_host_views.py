@@ -17,14 +17,20 @@ def test_each_view_reads_its_own_values_from_one_copy_of_the_table():
     assert len(host._bases) == 1
 
 
-def test_a_view_of_a_view_and_an_offset_base():
+def test_a_view_of_a_base_that_starts_inside_its_storage():
     storage = torch.arange(100.0)
-    base = storage[10:70]._base  # views share the root base
-    rows = storage[10:70].view(6, 10)
+    base = torch.empty(0).set_(storage.untyped_storage(), 10, (60,))  # no view, offset 10
+    assert base._base is None and base.storage_offset() == 10
+    rows = base.view(6, 10)
     host = HostViews(host_too=True)
-    assert base is storage
     assert torch.equal(host.of(rows[2]), rows[2])
     assert torch.equal(host.of(rows[:, 3]), rows[:, 3])
+
+
+def test_a_view_as_another_dtype_is_read_as_itself():
+    table = torch.randn(4, 3, 2)
+    complex_view = torch.view_as_complex(table)
+    assert torch.equal(HostViews(host_too=True).of(complex_view), complex_view)
 
 
 def test_tensors_that_are_no_views_or_on_the_host_pass_through():

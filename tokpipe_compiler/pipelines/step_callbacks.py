@@ -211,8 +211,8 @@ def _mark(value: torch.Tensor) -> int | torch.Tensor:
 
 
 def _same_mark(value: torch.Tensor, mark: int | torch.Tensor) -> bool:
-    if isinstance(mark, torch.Tensor):
-        return torch.equal(value, mark)
+    if isinstance(mark, torch.Tensor):  # NaN where it was NaN is no write
+        return torch.allclose(value, mark, rtol=0.0, atol=0.0, equal_nan=True)
     return value._version == mark
 
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from types import FrameType
 
 import torch
 
 _EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def repeated_block() -> str | None:
@@ -25,8 +27,8 @@ def repeated_block() -> str | None:
     stack of blocks (a ModuleList or Sequential of its class), or of a class the caller
     lists among its repeated blocks (diffusers' `_repeated_blocks`); None otherwise."""
     block = _traced_module()
-    if block is None:
-        return None
+    if block is None or _is_model(block):
+        return None  # a model compiled whole (one of an ensemble, say) is no block
     model = _calling_module(block)
     if model is None:
         return None
@@ -40,15 +42,25 @@ def repeated_block() -> str | None:
 
 
 def _in_a_stack(block: torch.nn.Module, model: torch.nn.Module) -> bool:
-    """Whether `block` is one of several of its class in a ModuleList or Sequential of
-    `model`: a stack of blocks the model's forward loops over."""
-    for container in model.modules():
+    """Whether `block` is one of a stack of blocks of `model`."""
+    return any(any(m is block for m in stack) for stack in _stacks(model))
+
+
+def _is_model(module: torch.nn.Module) -> bool:
+    """A module that holds a stack of blocks, or names its repeated blocks: a model."""
+    return bool(getattr(module, "_repeated_blocks", None)) or next(_stacks(module), None) \
+        is not None
+
+
+def _stacks(module: torch.nn.Module) -> Iterator[list[torch.nn.Module]]:
+    """The ModuleLists and Sequentials in `module` holding two or more modules of one class
+    with modules of their own (blocks, not a Linear and another): what a forward loops over."""
+    for container in module.modules():
         if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
-            members = list(container)
-            if any(m is block for m in members) and \
-                    sum(type(m) is type(block) for m in members) >= 2:
-                return True
-    return False
+            members = [m for m in container if next(m.children(), None) is not None]
+            classes = [type(m) for m in members]
+            if any(classes.count(c) >= 2 for c in classes):
+                yield members
 
 
 def _traced_module() -> torch.nn.Module | None:
@@ -62,16 +74,26 @@ def _traced_module() -> torch.nn.Module | None:
 
 
 def _calling_module(block: torch.nn.Module) -> torch.nn.Module | None:
-    """The module whose code called the compiled block: the first frame past the
-    torch.compile wrapper (eval_frame.py) whose `self` is a module holding `block`."""
+    """The module whose forward called the compiled block: the first frame outside torch
+    past the torch.compile wrapper (eval_frame.py), if it is a module's `forward` holding
+    `block`. Only that frame's locals are read: on Python 3.11 reading a running frame's
+    locals keeps a copy of them on the frame, and a caller's loop (a function that makes,
+    compiles and drops models) would keep its first model alive."""
     frames = _outer_frames()
     entered = [i for i, f in enumerate(frames) if f.f_code.co_filename.endswith(_EVAL_FRAME)]
     if not entered:
         return None
     for frame in frames[entered[-1] + 1:]:
+        if os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR):
+            continue  # the module call machinery (the block's own __call__)
+        code = frame.f_code
+        if code.co_name != "forward" or not code.co_argcount or code.co_varnames[0] != "self":
+            return None
         caller = frame.f_locals.get("self")
-        if isinstance(caller, torch.nn.Module) and caller is not block:
-            return caller if any(m is block for m in caller.modules()) else None
+        if isinstance(caller, torch.nn.Module) and caller is not block and \
+                any(m is block for m in caller.modules()):
+            return caller
+        return None
     return None
 
 

@@ -183,10 +183,10 @@ class HostViews:
         if id(base) not in self._bases:
             self._bases[id(base)] = base.detach().cpu()
         on_host = self._bases[id(base)]
-        if on_host.stride() != base.stride():
-            return value  # the copy laid out otherwise: copy the view itself
-        return on_host.as_strided(value.shape, value.stride(),
-                                  value.storage_offset() - base.storage_offset())
+        if on_host.stride() != base.stride() or value.dtype != base.dtype:
+            return value  # laid out otherwise, or a view as another dtype: copy it alone
+        offset = value.storage_offset() - base.storage_offset() + on_host.storage_offset()
+        return on_host.as_strided(value.shape, value.stride(), offset)
 
 
 def _checksum(value: Any) -> str:

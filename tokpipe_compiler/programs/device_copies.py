@@ -1,6 +1,7 @@
 """A rank's copies of the weights it reads from another device (a model every rank moved to
-GPU 0): made once, and again only when the weight changes, so that a LoRA fused or a weight
-loaded between generations reaches the copy instead of being silently ignored."""
+GPU 0): made at a generation's first use, and again within it when the weight changes.
+Dropped at each generation's start: a LoRA fused between generations writes through
+`weight.data`, which neither moves the weight nor counts as a write to it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ class DeviceCopies:
     def __init__(self, device: torch.device):
         self.device = device
         self._copies: dict[int, tuple[weakref.ref, tuple[int, ...], torch.Tensor]] = {}
+
+    def clear(self) -> None:
+        """Every copy dropped: the next `get` copies anew."""
+        self._copies.clear()
 
     def get(self, weight: torch.nn.Parameter) -> torch.Tensor:
         stamp = _stamp(weight)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.planning.plan import Plan
@@ -88,12 +89,14 @@ class DistributedProgram(PipelinedProgram):
         self.reads = {i.name for i in graph.inputs} | {i.source for i in graph.inputs}
         self.token_position = plan.graphs.input_names.index(plan.token_input)
         self.weights_here = DeviceCopies(self.device)  # weights that live on another device
+        self.warned_far_weights = False
         self._output_step = 0  # the step whose outputs `_gather` is collecting
 
     def _generation_starts(self, args: tuple) -> None:
         """Every generation's first call, not only the program's: other latents or prompts
         on a rank in a later generation stop every rank, by name, instead of mixing the
         ranks' inputs (one small exchange a generation)."""
+        self.weights_here.clear()  # weights held elsewhere may have changed (a fused LoRA)
         steps = {} if self.ring_steps is None else {"ring steps": self.ring_steps}
         marks = PIPELINE_STEPS.get()  # in a parallelized pipeline: its scheduler's length
         scheduled = None if marks is None else marks.scheduled()
@@ -181,6 +184,12 @@ class DistributedProgram(PipelinedProgram):
 
     def _moved(self, value: torch.Tensor) -> torch.Tensor:
         if isinstance(value, torch.nn.Parameter):
+            if not self.warned_far_weights:
+                self.warned_far_weights = True
+                warn(f"tokpipe: rank {self.rank}'s stage weights are on {value.device}, not on "
+                     f"its device {self.device}: it copies them there at each generation's "
+                     "first call. Call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) "
+                     "before moving the model to the GPU")
             return self.weights_here.get(value)
         return value.to(self.device, non_blocking=True)
 
