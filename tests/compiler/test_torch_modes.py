@@ -74,3 +74,23 @@ def test_an_unknown_mode_is_named():
     with pytest.raises(ValueError, match=r"torch.compile mode 'fastest' has no meaning for "
                                          r"tokpipe; use one of"):
         run(compiled, args)
+
+
+@pytest.mark.parametrize(("compiler", "autotuned"), [("inductor", False),
+                                                     ("max-autotune", True)])
+def test_the_max_autotune_compiler_compiles_with_inductors_autotuning(
+        monkeypatch: pytest.MonkeyPatch, compiler, autotuned):
+    from torch._inductor import compile_fx, config
+
+    from tokpipe_compiler.programs.compile import compile_stage
+
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.append((config.max_autotune, config.coordinate_descent_tuning))
+        return gm
+
+    monkeypatch.setattr(compile_fx, "compile_fx", record)
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    compile_stage(gm, [torch.randn(2, 4)], compiler)
+    assert seen == [(autotuned, autotuned)]
