@@ -1,0 +1,144 @@
+"""parallelize(pipe) runs a call per call (each step one pipelined call) where a ring
+cannot follow it, and says why in a warning: a scheduler without a token-wise step, a
+diffusers step cache, one step left, a step it cannot replay, a cutoff callback, a
+pipeline outside the ring table, a ControlNet. A step the compiler cannot chunk raises
+(or, asked, falls back).
+
+Tolerances (float32): sync equals the serial pipeline within 1e-5 of the output's largest
+value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures import pipelines
+from tests.fixtures.conditioned import CONDITIONED, flux_controlnet, wan22_5b_image2video
+from tests.fixtures.pipelines import generate, hunyuan, pixart_alpha, sd3
+from tokpipe_compiler.pipelines import table
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item() / b.abs().max().item()
+
+
+def _ring(make, **options):
+    """A parallelized pipeline and its call arguments."""
+    pipe, kwargs = make()
+    tp.pipelines.parallelize(pipe, **{**OPTIONS, **options})
+    return pipe, kwargs
+
+
+def test_a_scheduler_without_a_token_wise_step_runs_per_call_and_says_why():
+    serial = generate(*hunyuan(), steps=3)
+    pipe, kwargs = _ring(hunyuan, mode="sync")
+    with pytest.warns(UserWarning, match=r"runs per call .*DDPMScheduler"):
+        out = generate(pipe, kwargs, steps=3)
+    assert _relative(out, serial) <= 1e-5
+
+
+def test_a_transformer_with_a_diffusers_cache_runs_per_call_and_says_why():
+    """diffusers' step caches (here First Block Cache) skip blocks by comparing whole
+    tensors with earlier steps', which a ring cannot replay: per call, as the cache decides,
+    with a warning that names the cache and points at the line that called the pipeline."""
+    from diffusers import FirstBlockCacheConfig
+
+    make = FAMILIES["flux"]
+    serial, kwargs = make()
+    serial.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    expected = generate(serial, kwargs, steps=4)
+    pipe, _ = _ring(make, mode="sync")
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    with pytest.warns(UserWarning, match="runs per call.*FirstBlockCacheConfig on") as record:
+        out = generate(pipe, kwargs, steps=4)
+    assert _relative(out, expected) <= 1e-5
+    said = [w for w in record if "runs per call" in str(w.message)]
+    assert said[0].filename.endswith("fixtures/pipelines.py")  # generate()'s pipeline call
+
+
+def test_a_step_the_compiler_cannot_chunk_raises_or_falls_back_when_asked():
+    """Sana in causal mode (linear attention sums over every token, those after the chunk
+    too): the ring's plan fails after the first step's probes. The compiler's error, as
+    per call; with fallback=True that step is computed for real and the generation goes on
+    per call, where the backend runs the graph unpipelined (both say so)."""
+    make = FAMILIES["sana"]
+    serial = generate(*make(), steps=3)
+    with pytest.raises(tp.TokpipeError, match="sums over every token"):
+        generate(*_ring(make, mode="causal"), steps=3)
+    pipe, kwargs = _ring(make, mode="causal", fallback=True)
+    with pytest.warns(UserWarning, match="runs per call .*cannot be pipelined"):
+        out = generate(pipe, kwargs, steps=3)
+    assert _relative(out, serial) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["flux_img2img", "wan_video2video"])
+def test_a_loop_left_with_one_step_runs_per_call_and_says_why(family):
+    """Strength 0.25 of 4 steps leaves one step: nothing to overlap. Flux tells the scheduler
+    where its loop starts (per call from the start); Wan's video-to-video does not, so the
+    ring sees it at the first step's probes, which it then computes for real."""
+    make = FAMILIES[family]
+    kwargs = {**make()[1], "strength": 0.25}
+    serial = generate(make()[0], kwargs, steps=4)
+    pipe, _ = _ring(make, mode="sync")
+    with pytest.warns(UserWarning, match="runs per call .*1 step: nothing to overlap"):
+        out = generate(pipe, kwargs, steps=4)
+    assert _relative(out, serial) <= 1e-5
+
+
+def test_a_step_the_ring_cannot_replay_starts_again_per_call_and_says_why():
+    """Wan 2.2 TI2V-5B's image-to-video gives its first frame's tokens timestep 0: the first
+    step's probes show a step the ring does not replay. Only probes ran, so the call starts
+    again per call, from the same random state: the serial pipeline's latents."""
+    serial = generate(*wan22_5b_image2video(), steps=3)
+    pipe, kwargs = _ring(wan22_5b_image2video, mode="sync")
+    with pytest.warns(UserWarning, match="could not replay .* started again per call"):
+        out = generate(pipe, kwargs, steps=3)
+    assert _relative(out, serial) <= 1e-5
+
+
+def test_a_diffusers_cutoff_callback_runs_per_call_and_says_why():
+    """SD3's guidance cutoff drops the negative branch partway through, which a ring cannot
+    follow: per call, equal to the serial pipeline with the same callback. (Other step
+    callbacks run in the ring: test_step_callbacks.)"""
+    from diffusers.callbacks import SD3CFGCutoffCallback
+
+    def with_cutoff(kwargs):
+        return {**kwargs, "callback_on_step_end": SD3CFGCutoffCallback(cutoff_step_ratio=0.5)}
+
+    serial, kwargs = sd3()
+    expected = generate(serial, with_cutoff(kwargs), steps=4)
+    pipe, kwargs = _ring(sd3, mode="sync")
+    with pytest.warns(UserWarning, match="runs per call.*SD3CFGCutoffCallback: diffusers' "
+                                         "cutoff callbacks"):
+        out = generate(pipe, with_cutoff(kwargs), steps=4)
+    assert _relative(out, expected) <= 1e-5
+    assert _relative(out, generate(serial, kwargs, steps=4)) > 1e-3  # the cutoff mattered
+
+
+def test_a_pipeline_outside_the_table_runs_per_call(monkeypatch):
+    monkeypatch.delitem(table.RING_PIPELINES, "PixArtAlphaPipeline")
+    pipe, kwargs = _ring(pixart_alpha, mode="sync")
+    with pytest.warns(UserWarning, match="PixArtAlphaPipeline is not in the ring table"):
+        generate(pipe, kwargs, steps=2)
+
+
+def test_a_controlnet_pipeline_runs_per_call_and_says_why():
+    """The ControlNet runs on each step's latents before the transformer, outside what a
+    ring's step holds: per call, pipelined as any other call (ControlNet's per-block
+    outputs are per-token inputs, cut to each chunk)."""
+    serial = generate(*flux_controlnet(), steps=3)
+    pipe, kwargs = _ring(flux_controlnet, mode="sync")
+    with pytest.warns(UserWarning, match="runs per call.*runs its ControlNet"):
+        assert _relative(generate(pipe, kwargs, steps=3), serial) <= 1e-5
+    pipe, kwargs = _ring(flux_controlnet, mode="stale", warmup_steps=1)
+    with pytest.warns(UserWarning, match="runs its ControlNet"):
+        stale = generate(pipe, kwargs, steps=3)
+    assert 0 < _relative(stale, serial) < 0.05  # stale K/V after the warmup step
