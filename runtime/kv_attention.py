@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.autograd import _profiler_enabled
 from torch.nn.attention.bias import causal_lower_right
 
+from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.runtime.op_library import define_op
 
 CHUNK_INPUT = "tokpipe_chunk"  # the graph input that carries the chunk descriptor
@@ -31,6 +32,9 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 CACHE_WRITE_RANGE = "tokpipe/kv_cache_write"  # the profiler range of the cache writes
 _NO_RANGE = nullcontext()
+# A float mask entry at or below this hides its key: exp underflows to 0 in every float
+# dtype (covers -inf, torch.finfo(dtype).min and the older -10000).
+MASKED_BELOW = -1e4
 
 
 def _kv_attention(
@@ -70,6 +74,8 @@ def _kv_attention(
         k_cache[..., offset : offset + n, :].copy_(k)
         v_cache[..., offset : offset + n, :].copy_(v)
     keys, values = k_cache[..., :kv_len, :], v_cache[..., :kv_len, :]
+    if not causal:
+        _refuse_unseen_keys(mask, kv_len, None if mask is None else mask.shape[-1])
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
     if causal and mask is None and kv_len == offset + n:
         if _has_cpu_flash(q):
@@ -107,6 +113,7 @@ def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, held, ca
             if held_lead or held_trail:
                 cache[..., :lead, :].copy_(new[..., :lead, :])
                 cache[..., full - trail :, :].copy_(new[..., lead + n :, :])
+    _refuse_unseen_keys(mask, lead + visible * per_unit, full - trail)
     seen = torch.cat([torch.arange(lead + visible * per_unit, device=q.device),
                       torch.arange(full - trail, full, device=q.device)])
     keys, values = k_cache.index_select(-2, seen), v_cache.index_select(-2, seen)
@@ -115,6 +122,29 @@ def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, held, ca
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+
+
+def _refuse_unseen_keys(mask: torch.Tensor | None, start: int, stop: int | None) -> None:
+    """Keys `start:stop` belong to later chunks, which the chunk does not attend to (mode
+    causal): right only where the model's own mask hides them from every query of the chunk,
+    as a causal mask does. A padding or bidirectional mask that shows them would give another
+    answer than the model's, so it raises. Checked on the host; not while a CUDA graph is
+    captured (the uncaptured first call of a chunk checked the same mask)."""
+    if mask is None or stop is None or start >= stop or _capturing(mask):
+        return
+    hidden = mask[..., start:stop]
+    shown = hidden.any() if hidden.dtype == torch.bool else (hidden > MASKED_BELOW).any()
+    if bool(shown):
+        raise TokpipeError(
+            f"mode='causal': an attention without is_causal=True has a mask that lets the "
+            f"tokens of a chunk see keys {start}..{stop - 1} of later chunks (a padding or "
+            "bidirectional mask, not a causal one); causal mode attends each chunk to the "
+            "chunks up to its own, which would change the answer. Use mode='stale' or "
+            "'sync', or pass is_causal=True where the model is causal")
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _cache_write_range() -> AbstractContextManager:
