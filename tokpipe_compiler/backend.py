@@ -20,7 +20,6 @@ from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, Tokpip
 from tokpipe_compiler.core.fx import argument_of, is_parameter, record_sources
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
-from tokpipe_compiler.planning.capture import frame_parameters
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.pieces import origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
@@ -31,10 +30,16 @@ from tokpipe_compiler.planning.static import (
     shape_key,
     wrapped_floats,
 )
+from tokpipe_compiler.planning.timestep_checks import (
+    check_timestep_input,
+    missing_timestep,
+    number_timestep,
+)
+from tokpipe_compiler.planning.traced_frame import frame_parameters, number_arguments
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
 from tokpipe_compiler.programs.generations import timestep_index
 from tokpipe_compiler.programs.owners import PerOwner, owner_of, register
-from tokpipe_compiler.programs.pipelined import Session
+from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session
 
 log = logging.getLogger("tokpipe_compiler")
 
@@ -135,12 +140,13 @@ class LazyProgram:
         self.parameters = _traced_parameters(session)  # of this graph's frame and others
         self.dynamic = has_symbolic_shapes(gm)
         self.floats = wrapped_floats(gm) if self.dynamic else ()  # dynamic=True's floats
+        self.numbers = number_arguments()  # the call's Python numbers: specialised on
         self.owner_index = next((i for i, n in enumerate(placeholders(gm)) if is_parameter(n)),
                                 None)
         self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> plan, select
         self.programs = PerOwner()  # per model: input shapes -> callable
         # A piece's timestep argument, for its model's pieces that read none.
-        self.timestep_at = timestep_index([argument_of(n) for n in placeholders(self.gm)]) \
+        self.timestep_at = timestep_index(self._arguments(), _timestep_choice(config_fn)) \
             if self.origin.piece else None
         self.pipelined: weakref.WeakSet = weakref.WeakSet()  # the pipelined programs made
 
@@ -164,9 +170,28 @@ class LazyProgram:
         program = make_program(plan, self.session, None if owner is None else id(owner))
         if self.origin.piece and program.clock.timestep_index is None:
             program.clock.source = self.session.timesteps.follow()
+        self._warn_about_timesteps(program)
         register(owner, program)
         self.pipelined.add(program)
         return program if select is None else lambda *a: program(*select(a))
+
+    def _warn_about_timesteps(self, program: PipelinedProgram) -> None:
+        """Once per compile: a pipeline that cannot tell steps apart says so."""
+        config, clock = program.plan.config, program.clock
+        number = number_timestep(self.numbers, config.timestep_input)
+        if number is not None:
+            self._warn_once("number timestep", number)
+        elif config.mode == "stale" and clock.timestep_index is None and clock.source is None:
+            inputs = [a for a in self._arguments() if a is not None]
+            self._warn_once("no timestep", missing_timestep(inputs, config.timestep_input))
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self.session.warned:
+            self.session.warned.add(kind)
+            warn(message)
+
+    def _arguments(self) -> list[str | int | None]:
+        return [argument_of(n) for n in placeholders(self.gm)]
 
     def _may_read(self, name: str) -> bool:
         """Whether a graph of this model may read input `name`."""
@@ -175,6 +200,7 @@ class LazyProgram:
     def _plan(self, args: tuple) -> tuple[Plan | None, Any]:
         """The plan for these input shapes, or None where the graph runs unpipelined."""
         config = self.config_fn()
+        check_timestep_input(config.timestep_input, self.parameters)
         if self.block is not None:
             return self._whole_model_only(config)
         gm, select = self.gm, None
@@ -212,6 +238,15 @@ class LazyProgram:
             raise err
         warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}")
         return None, None
+
+
+def _timestep_choice(config_fn) -> str | None:
+    """The option timestep_input, read while Dynamo traces (bad options raise later, at
+    the first call, as themselves)."""
+    try:
+        return config_fn().timestep_input
+    except ValueError:
+        return None
 
 
 def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -35,6 +35,8 @@ class Config:
         Inductor's max-autotune options (matmul and Triton configurations benchmarked at
         compile time: slower compiles); "eager" runs stage graphs as is.
     token_input: name or position of the input that carries the tokens (None: auto-detect).
+    timestep_input: the forward's parameter that carries the timestep, which tells steps,
+        guidance branches and generations apart (None: the first of TIMESTEP_NAMES).
     fallback: on a graph the pass cannot pipeline, run it unpipelined with a warning.
     timeout: seconds a rank waits for another before it raises, naming what it waited for.
     cuda_graphs: replay each chunk of a stage from a CUDA graph (GPU runs), so a chunk's
@@ -54,6 +56,7 @@ class Config:
     warmup_steps: int = 1
     compiler: str = "inductor"
     token_input: str | int | None = None
+    timestep_input: str | None = None
     fallback: bool = False
     timeout: float = 300.0
     cuda_graphs: bool = False
@@ -76,6 +79,9 @@ class Config:
                 f"option 'token_input' must be an input name, a position or None, "
                 f"got {self.token_input!r}"
             )
+        if self.timestep_input is not None and not isinstance(self.timestep_input, str):
+            raise ValueError(f"option 'timestep_input' must be the forward's parameter name "
+                             f"or None, got {self.timestep_input!r}")
         _check_timeout(self.timeout)
         for name in ("fallback", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):

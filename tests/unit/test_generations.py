@@ -73,6 +73,9 @@ def test_timestep_found_by_parameter_name():
     assert timestep_index(["hidden_states", "timestep", "class_labels"]) == 1
     assert timestep_index(["latents", "t"]) == 1
     assert timestep_index(["hidden_states", 0, None]) is None
+    assert timestep_index(["x", "sigma", "y"]) == 1  # k-diffusion, EDM
+    assert timestep_index(["x", "noise_level", "timestep"], "noise_level") == 1
+    assert timestep_index(["x", "timestep"], "noise_level") is None
 
 
 def test_rising_timesteps_are_steps_and_a_fall_starts_a_generation():

@@ -7,7 +7,6 @@ example inputs and placeholder names) and runs it as is.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import types
 from collections.abc import Callable, Mapping
@@ -161,33 +160,3 @@ class _Traced(Exception):
 def _stop_here(*_: Any) -> None:
     raise _Traced
 
-
-def frame_parameters() -> frozenset[str] | None:
-    """Called by a backend while Dynamo traces: the parameter names of the function whose
-    frame it traces, and of `self.forward` when the frame has a module `self` (a decorated
-    forward, a resume function after a graph break); "**" among them when a signature takes
-    **kwargs. None when unknown."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-        code, module = tx.f_code, tx.f_locals.get("self")
-    except Exception:  # a Dynamo internal: without it, nothing is known
-        return None
-    names = set(code.co_varnames[:code.co_argcount + code.co_kwonlyargcount])
-    if code.co_flags & inspect.CO_VARKEYWORDS:
-        names.add("**")
-    if isinstance(module, torch.nn.Module):
-        # diffusers decorates forward as wrapper(self, *args, **kwargs): its signature
-        # (functools.wraps) names the real parameters.
-        names.discard("**")
-        names |= _signature_names(module.forward)
-    return frozenset(names)
-
-
-def _signature_names(fn: Callable[..., Any]) -> set[str]:
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return {"**"}
-    return {"**" if p.kind == p.VAR_KEYWORD else p.name for p in parameters}

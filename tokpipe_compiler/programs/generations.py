@@ -36,7 +36,9 @@ import torch
 
 from tokpipe_compiler.programs.host_timesteps import HostTimesteps
 
-TIMESTEP_NAMES = ("timestep", "timesteps", "t")
+# The forward's parameter names taken for the timestep, first found first (k-diffusion and
+# EDM models take the noise level, `sigma`); the option timestep_input names another.
+TIMESTEP_NAMES = ("timestep", "timesteps", "t", "sigma")
 
 
 @dataclass(frozen=True)
@@ -175,9 +177,16 @@ class SharedTimesteps:
         return lambda: self.values.get(publisher)
 
 
-def timestep_index(argument_names: list[str | int | None]) -> int | None:
-    """Position of the timestep among a graph's inputs, by the forward's parameter name."""
-    for name in TIMESTEP_NAMES:
+def timestep_names(choice: str | None = None) -> tuple[str, ...]:
+    """The parameter names taken for the timestep, the option's (`choice`) alone if set."""
+    return TIMESTEP_NAMES if choice is None else (choice,)
+
+
+def timestep_index(argument_names: list[str | int | None], choice: str | None = None
+                   ) -> int | None:
+    """Position of the timestep among a graph's inputs, by the forward's parameter name
+    (`choice`: the option timestep_input)."""
+    for name in timestep_names(choice):
         if name in argument_names:
             return argument_names.index(name)
     return None

@@ -21,14 +21,24 @@ import torch
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import argument_of
 from tokpipe_compiler.core.stage_graph import OutputKind
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.programs.generations import SharedTimesteps, StepClock, timestep_index
+from tokpipe_compiler.programs.generations import (
+    SharedTimesteps,
+    StepClock,
+    Tick,
+    timestep_index,
+)
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.stage import StageProgram
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.caches import KVCaches
 from tokpipe_compiler.runtime.chunking import Chunk, assemble, chunk_table
 from tokpipe_compiler.runtime.executor import Executor, StageFeeds, Timeline
+
+# Guidance runs 2 branches a step, skip-layer guidance 3: past this, calls at one timestep
+# are more likely separate generations, each holding a set of caches.
+MANY_BRANCHES = 4
 
 
 class Session:
@@ -40,6 +50,7 @@ class Session:
         # (model, role) -> the program that served it last (weakly: models come and go)
         self.last_by_role: dict[tuple[int | None, str], weakref.ref] = {}
         self.timesteps = SharedTimesteps()  # of graphs split at graph breaks
+        self.warned: set[str] = set()  # the warnings given once per compile
 
     def reset(self) -> None:
         for program in list(self.programs):
@@ -84,7 +95,7 @@ class PipelinedProgram:
         self.released: Released | None = None  # the last generation's, once freed
         self.branch = 0
         arguments = input_arguments(plan)
-        self.clock = StepClock(timestep_index(arguments),
+        self.clock = StepClock(timestep_index(arguments, plan.config.timestep_input),
                                [i for i, name in enumerate(arguments) if name is not None])
         self.calls = 0  # steps run by this program, for the timeline
         self.ring_steps: int | None = None  # the steps of the ring run being run, if any
@@ -140,6 +151,8 @@ class PipelinedProgram:
             self._new_generation()
             self._generation_starts(args)
         self.branch = tick.branch
+        if tick.branch == MANY_BRANCHES:
+            self._warn_many_branches(tick)
         with torch.no_grad():
             call_env = self._call_env(args)
             chunks = self._step_chunks(tick.step)
@@ -147,6 +160,16 @@ class PipelinedProgram:
             outputs = self._assemble(values, chunks, call_env, step=0)
         self._advance(1)
         return outputs
+
+    def _warn_many_branches(self, tick: Tick) -> None:
+        """Calls at one timestep with other inputs each get a branch and its caches, kept
+        until the generation ends: past what guidance takes, say what they hold."""
+        held = sum(held_bytes({0: self.branches[0]}).values()) if 0 in self.branches else 0
+        warn(f"tokpipe: {tick.branch + 1} calls in a row at one timestep, with other inputs, "
+             f"are taken for {tick.branch + 1} guidance branches of step {tick.step}, each "
+             f"with K/V caches of its own ({held / 2**20:.1f} MiB each here), kept until the "
+             "generation ends. If they are separate generations at one timestep (a one-step "
+             "sampler, requests at a fixed t), call tp.reset(compiled) between them")
 
     def _generation_starts(self, args: tuple) -> None:
         """A generation's first call, with `args`, is about to run (one process: nothing to

@@ -1,0 +1,47 @@
+"""How a compiled model's calls carry their timestep, which tells a call's denoising step,
+guidance branch and generation (`programs/generations.py`): a misspelt `timestep_input`
+raises, and the two ways a stale pipeline would quietly lose its steps warn.
+
+- No timestep among the inputs: every call is the next step of one generation and one
+  branch, so a second image (or the other guidance branch) reads the first's K/V.
+- A timestep passed as a Python number: Dynamo specialises a graph on its value, so every
+  step is a new graph, planned anew, which starts a new generation: every step runs as
+  warmup, unpipelined.
+"""
+
+from __future__ import annotations
+
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.programs.generations import timestep_names
+
+
+def check_timestep_input(choice: str | None, parameters: set[str]) -> None:
+    """Raises where the option `timestep_input` names no parameter of any function Dynamo
+    traced for the model (`parameters`; "**" among them: any name may be one)."""
+    if choice is None or choice in parameters or "**" in parameters:
+        return
+    raise TokpipeError(f"timestep_input={choice!r} names no parameter of the model's "
+                       f"forward; its parameters are {sorted(parameters - {'self'})}")
+
+
+def number_timestep(numbers: dict[str, int | float], choice: str | None) -> str | None:
+    """The warning for a timestep passed as a Python number (None: it is not)."""
+    name = next((n for n in timestep_names(choice) if n in numbers), None)
+    if name is None:
+        return None
+    return (f"tokpipe: the timestep argument {name!r} is a Python number ({numbers[name]!r}): "
+            "Dynamo specialises a graph on its value, so each step is a new graph, planned "
+            "(and compiled) anew, and each new graph starts a new generation: every step "
+            "runs unpipelined, as warmup, and past Dynamo's recompile limit the model runs "
+            f"eagerly. Pass it as a tensor: {name}=torch.tensor({numbers[name]!r})")
+
+
+def missing_timestep(inputs: list[str | int], choice: str | None) -> str:
+    """The warning for a stale pipeline whose calls carry no timestep it knows."""
+    looked = f"timestep_input={choice!r}" if choice is not None else \
+        f"a parameter named one of {list(timestep_names())}"
+    return (f"tokpipe: mode='stale' found no timestep among the model's inputs {inputs} "
+            f"({looked}): every call counts as the next step of one generation and one "
+            "guidance branch, so a second image, or a second branch of a step, attends to "
+            "the first's K/V. Name the timestep with options={'timestep_input': NAME}, or "
+            "call tp.reset(compiled) between generations and run one branch per call")
