@@ -18,9 +18,9 @@ their attention is one that chunk_attention chunks (self-attention with the K/V 
 cross-attention token-wise). Self-attention projects with the packed weight at once and
 splits the result, as PyTorch does. Only rounding differs from the fused ops. The rewrite
 applies where it computes what the op computes: batched inputs, evaluation (or dropout 0),
-no bias_k/bias_v, zero attention, static keys or key padding mask, an attention mask of
-[L, S] or none (the encoder layer: none), and the attention weights not read
-(need_weights=False, or the second output unused).
+no bias_k/bias_v, zero attention or static keys, an attention mask of [L, S] or none and
+a key padding mask of [N, S] or none (the encoder layer: no mask), and the attention
+weights not read (need_weights=False, or the second output unused).
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ def _bound(node: torch.fx.Node) -> dict[str, Any] | None:
 
 def _writable(node: torch.fx.Node, args: dict[str, Any]) -> bool:
     """Whether the written-out form computes what the call computes (module docstring)."""
-    if any(args[k] is not None for k in ("bias_k", "bias_v", "static_k", "static_v",
-                                         "key_padding_mask")):
+    if any(args[k] is not None for k in ("bias_k", "bias_v", "static_k", "static_v")):
         return False
     if args["add_zero_attn"] or (args["training"] and args["dropout_p"]):
         return False
@@ -87,9 +86,14 @@ def _writable(node: torch.fx.Node, args: dict[str, Any]) -> bool:
         return False
     if args["is_causal"]:
         return args["attn_mask"] is not None and not args["need_weights"]
-    mask = example_value(args["attn_mask"])
-    return mask is None or (isinstance(mask, torch.Tensor)
-                            and tuple(mask.shape) == (query.shape[0], key.shape[0]))
+    mask, padding = example_value(args["attn_mask"]), example_value(args["key_padding_mask"])
+    return _shaped(mask, (query.shape[0], key.shape[0])) and \
+        _shaped(padding, (query.shape[1], key.shape[0]))
+
+
+def _shaped(mask: Any, shape: tuple[int, int]) -> bool:
+    """No mask, or a tensor mask of `shape`."""
+    return mask is None or (isinstance(mask, torch.Tensor) and tuple(mask.shape) == shape)
 
 
 def _write_out(graph: torch.fx.Graph, node: torch.fx.Node, args: dict[str, Any]) -> None:
@@ -146,16 +150,36 @@ def _packed_projection(graph: torch.fx.Graph, x: Any, weight: Any, bias: Any) ->
 
 def _attention_kwargs(graph: torch.fx.Graph, args: dict[str, Any]) -> dict[str, Any]:
     """sdpa's mask arguments. As F.multi_head_attention_forward: with is_causal (a hint
-    that the mask is causal) the mask is dropped; a boolean mask marks what may not be
-    attended, sdpa's what may."""
-    if args["is_causal"]:
+    that the mask is causal) and no key padding mask the mask is dropped; a boolean mask
+    marks what may not be attended, sdpa's what may. The key padding mask [N, S] joins
+    the attention mask [L, S] as [N, 1, 1, S]: both boolean, what neither hides may be
+    attended; else their additive forms (True: -inf) add up."""
+    mask, padding = args["attn_mask"], args["key_padding_mask"]
+    if args["is_causal"] and padding is None:
         return {"is_causal": True}
-    mask = args["attn_mask"]
-    if mask is None:
+    if padding is not None:
+        padding = add_node(graph, "function", operator.getitem,
+                           (padding, (slice(None), None, None, slice(None))))
+    masks = [m for m in (mask, padding) if m is not None]
+    if not masks:
         return {}
-    if example_value(mask).dtype == torch.bool:
-        mask = add_node(graph, "function", torch.logical_not, (mask,))
-    return {"attn_mask": mask}
+    if all(example_value(m).dtype == torch.bool for m in masks):
+        hidden = masks[0] if len(masks) == 1 else \
+            add_node(graph, "function", torch.logical_or, tuple(masks))
+        return {"attn_mask": add_node(graph, "function", torch.logical_not, (hidden,))}
+    dtype = example_value(args["query"]).dtype
+    additive = [_additive(graph, m, dtype) for m in masks]
+    total = additive[0] if len(additive) == 1 else \
+        add_node(graph, "function", operator.add, tuple(additive))
+    return {"attn_mask": total}
+
+
+def _additive(graph: torch.fx.Graph, mask: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    """A mask as a float to add to the scores: a boolean one's True as -inf."""
+    if example_value(mask).dtype != torch.bool:
+        return mask
+    zeros = add_node(graph, "function", torch.zeros_like, (mask,), {"dtype": dtype})
+    return add_node(graph, "method", "masked_fill", (zeros, mask, float("-inf")))
 
 
 def _encoder_writable(args: dict[str, Any]) -> bool:

@@ -220,18 +220,22 @@ def test_classic_blocks_pipeline_with_kv_caches(mode):
 
 class MultiheadBlocks(nn.Module):
     """Two residual blocks of nn.MultiheadAttention: self-attention (`text`: then
-    cross-attention to it, keys of another width), an attention mask over the tokens."""
+    cross-attention to it, keys of another width), an attention mask over the tokens,
+    (`padding`) a key padding mask passed with the tokens."""
 
-    def __init__(self, batch_first: bool = True, text: bool = False, mask: str = "none"):
+    def __init__(self, batch_first: bool = True, text: bool = False, mask: str = "none",
+                 padding: bool = False):
         super().__init__()
-        self.batch_first, self.mask = batch_first, mask
+        self.batch_first, self.mask, self.text, self.padding = batch_first, mask, text, padding
         self.attn = nn.ModuleList(
             nn.MultiheadAttention(32, 4, batch_first=batch_first,
                                   kdim=12 if text else None, vdim=12 if text else None)
             for _ in range(2))
         self.mlp = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """`extra`: the text (`text`) or the key padding mask (`padding`)."""
+        text, padding = (extra, None) if self.text else (None, extra)
         if not self.batch_first:
             x = x.transpose(0, 1)
         tokens = x.shape[1 if self.batch_first else 0]
@@ -239,7 +243,7 @@ class MultiheadBlocks(nn.Module):
         for attn, mlp in zip(self.attn, self.mlp, strict=True):
             kv = x if text is None else (text if self.batch_first else text.transpose(0, 1))
             x = x + attn(x, kv, kv, need_weights=False, attn_mask=mask,
-                         is_causal=self.mask == "causal")[0]
+                         key_padding_mask=padding, is_causal=self.mask == "causal")[0]
             x = x + mlp(x)
         return x if self.batch_first else x.transpose(0, 1)
 
@@ -253,18 +257,33 @@ def _mask(kind: str, n: int) -> torch.Tensor | None:
     return band if kind == "bool" else band.float() * -3.0
 
 
-@pytest.mark.parametrize(("options", "mode"), [
-    ({}, "stale"), ({"batch_first": False}, "stale"), ({"text": True}, "stale"),
-    ({"mask": "float"}, "sync"), ({"mask": "bool"}, "sync"), ({"mask": "causal"}, "causal"),
-], ids=["self", "sequence-first", "cross", "float-mask", "bool-mask", "causal"])
-def test_multihead_attention_is_written_out_and_pipelined(options, mode):
+def _padding(kind: str) -> torch.Tensor:
+    """Key padding of [N, S]: the second sequence's last 3 tokens, True (or -1e9) hides.
+    Of the attention mask's kind: PyTorch deprecates mixing them (and its warning is a
+    graph break)."""
+    hidden = torch.zeros(2, 16, dtype=torch.bool)
+    hidden[1, 13:] = True
+    return hidden if kind == "bool" else torch.zeros(2, 16).masked_fill(hidden, -1e9)
+
+
+@pytest.mark.parametrize(("options", "mode", "padding"), [
+    ({}, "stale", None), ({"batch_first": False}, "stale", None), ({"text": True}, "stale", None),
+    ({"mask": "float"}, "sync", None), ({"mask": "bool"}, "sync", None),
+    ({"mask": "causal"}, "causal", None), ({}, "stale", "bool"), ({}, "stale", "float"),
+    ({"batch_first": False}, "sync", "bool"), ({"mask": "bool"}, "sync", "bool"),
+    ({"mask": "float"}, "sync", "float"), ({"mask": "causal"}, "causal", "float"),
+], ids=["self", "sequence-first", "cross", "float-mask", "bool-mask", "causal",
+        "padding", "float-padding", "sequence-first-padding", "bool-mask-padding",
+        "float-mask-padding", "causal-padding"])
+def test_multihead_attention_is_written_out_and_pipelined(options, mode, padding):
     """nn.MultiheadAttention's one op becomes projections, heads and sdpa: stale chunks
     self-attention with K/V caches (the second call sees the first's K/V of the same input:
-    eager's value), cross-attention to text runs token-wise, masks and the causal hint
-    carry over."""
+    eager's value), cross-attention to text runs token-wise, masks, key padding masks and
+    the causal hint carry over."""
     torch.manual_seed(0)
-    model = MultiheadBlocks(**options).eval()
+    model = MultiheadBlocks(**options, padding=padding is not None).eval()
     inputs = [torch.randn(2, 16, 32)] + ([torch.randn(2, 5, 12)] if options.get("text") else [])
+    inputs += [] if padding is None else [_padding(padding)]
     traced = trace(model, *inputs)
     program = quiet_program(traced, mode=mode, chunks=4, warmup_steps=1)
     assert len(program.plan.caches) == (0 if options.get("text") else 2)
