@@ -281,13 +281,18 @@ def _new_nodes(stop: torch.fx.Node, node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def raise_unsupported(annotation: Annotation) -> None:
-    """The error a user sees for a graph that mixes tokens in a way that cannot be chunked."""
-    lines = [f"  - {describe(n)}\n    why: {n.meta[META_KEY].reason}"
-             for n in annotation.unsupported[:5]]
+    """The error a user sees for a graph that mixes tokens in a way that cannot be chunked:
+    each op and source line once (a model's blocks repeat them), the first five."""
+    places: dict[tuple[str, str], int] = {}
+    for node in annotation.unsupported:
+        key = (describe(node), node.meta[META_KEY].reason)
+        places[key] = places.get(key, 0) + 1
+    lines = [f"  - {what}{f' ({count} times)' if count > 1 else ''}\n    why: {why}"
+             for (what, why), count in list(places.items())[:5]]
     raise TokpipeError(
         "tokpipe cannot split this graph into token chunks; these ops mix tokens:\n"
-        + "\n".join(lines)
-        + "\nWhat you can do: compute that part outside the compiled model, rewrite it "
+        + "\n".join(lines),
+        "\nWhat you can do: compute that part outside the compiled model, rewrite it "
         "token-wise (attention through F.scaled_dot_product_attention), pass "
         "options={'fallback': True} to run this graph unpipelined, or name another input "
         "with options={'token_input': ...}."

@@ -223,7 +223,7 @@ class LazyProgram:
         except TokpipeError as err:
             if not config.fallback:
                 raise
-            warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}")
+            warn(f"tokpipe: running this graph unpipelined (fallback=True): {err.found}")
         return None, None
 
     def _whole_model_only(self, config: Config) -> tuple[None, None]:
@@ -236,7 +236,7 @@ class LazyProgram:
             "or tp.pipelines.parallelize(pipe)")
         if not config.fallback:
             raise err
-        warn(f"tokpipe: running this graph unpipelined (fallback=True): {err}")
+        warn(f"tokpipe: running this graph unpipelined (fallback=True): {err.found}")
         return None, None
 
 

@@ -133,13 +133,31 @@ def test_tokens_written_into_a_tensor_without_tokens_are_rejected(mode):
 
 
 def test_fallback_runs_unpipelined_and_warns():
+    """The warning says what mixes tokens, without the advice to pass fallback=True."""
     model = MaxOverTokens().eval()
     compiled = torch.compile(model, backend="tokpipe",
                              options={"compiler": "eager", "fallback": True}, dynamic=False)
     x = torch.randn(1, 8, 16)
-    with pytest.warns(UserWarning, match="unpipelined"), torch.no_grad():
+    with pytest.warns(UserWarning, match=r"(?s)unpipelined.*amax") as record, torch.no_grad():
         out = compiled(x)
         assert torch.equal(out, model(x))
+    assert not any("'fallback': True" in str(w.message) for w in record)
+
+
+class SortInEveryBlock(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = x + torch.sort(x, dim=1).values
+        return x
+
+
+def test_an_unsupported_op_repeated_by_the_blocks_is_named_once():
+    compiled = torch.compile(SortInEveryBlock().eval(), backend="tokpipe",
+                             options={"compiler": "eager"}, dynamic=False)
+    with pytest.raises(tp.TokpipeError) as err:
+        compiled(torch.randn(1, 8, 16))
+    assert str(err.value).count("torch.sort(x, dim=1)") == 1
+    assert "(3 times)" in str(err.value)
 
 
 def test_more_chunks_than_rows_is_an_error():

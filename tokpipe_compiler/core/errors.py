@@ -15,7 +15,13 @@ _FRAME_FILE = re.compile(r'File "([^"]+)"')
 
 
 class TokpipeError(RuntimeError):
-    """A model, input or option that the pipeline cannot handle, with what to do about it."""
+    """A model, input or option that the pipeline cannot handle, with what to do about it.
+    `found`: the message without the advice (what a fallback's warning shows: the advice
+    names options the user already chose)."""
+
+    def __init__(self, message: str, advice: str = ""):
+        super().__init__(message + advice)
+        self.found = message
 
 
 class CompilerBug(TokpipeError):
