@@ -166,13 +166,32 @@ def _callbacks(rank: int = 0, world: int = 1) -> list[torch.Tensor]:
     per_call, per_call_kwargs = FAMILIES["wan"]()
     tp.pipelines.parallelize(per_call, ring=False, **OPTIONS)
     out = generate(per_call, {**per_call_kwargs, "callback_on_step_end": keep}, steps=4)
-    return [ring_seen, ring, interrupted, cfg_seen, torch.stack(seen), out]
+    return [ring_seen, ring, interrupted, cfg_seen, torch.stack(seen), out,
+            _after_a_cancel(pipe, kwargs)]
+
+
+def _after_a_cancel(pipe, kwargs) -> torch.Tensor:
+    """A callback that raises KeyboardInterrupt (a server's cancel; asyncio's
+    CancelledError is a BaseException too) mid-ring: raised on every rank once the ring
+    ran, and the next generation runs as ever."""
+    def cancel(pipe, i, t, tensors):
+        if i == 1:
+            raise KeyboardInterrupt
+        return tensors
+
+    try:
+        generate(pipe, {**kwargs, "callback_on_step_end": cancel}, steps=4)
+    except KeyboardInterrupt:
+        return generate(pipe, kwargs, steps=4)
+    raise AssertionError("the callback's KeyboardInterrupt was not raised")
 
 
 def test_step_callbacks_on_two_ranks(two_rank_runs):
     """Every rank's callback sees each step's latents as one process's does (the rank that
     computes them as each step is done, the other after the ring), and an interrupt ends
-    the generation at its step on both; cfg=2 and per call likewise."""
+    the generation at its step on both; cfg=2 and per call likewise. A callback's
+    KeyboardInterrupt is raised on both ranks after the ring, and the next generation
+    equals one process's."""
     alone = _callbacks()
     assert alone[0].shape[0] == 4 + 2 and alone[3].shape[0] == alone[4].shape[0] == 4
     for result in two_rank_runs["callbacks"]:

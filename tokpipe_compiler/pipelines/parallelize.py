@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -141,7 +142,7 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
                                  options, cfg, branches) for name, module in denoisers.items()}
     calls = RingCalls(pipe, rings, cfg)
     calls.take_transformers()
-    cls = type(pipe)
+    cls, running = type(pipe), threading.Lock()
 
     @functools.wraps(cls.__call__)  # the pipeline's own signature and docstring
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -150,14 +151,16 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
         _warn_replaced(self)
         generators = _generators(cls.__call__, self, args, kwargs)
         states = _random_states(generators)
-        try:
-            with calls.generation_of(kwargs) as call_kwargs, _steps_counted(self):
-                return cls.__call__(self, *args, **call_kwargs)
-        except RingUnavailable as err:  # only probes ran: the same call again, per call
-            _restore(generators, states)
-            again = f"{err}; the call started again per call, from the same random state"
-            with calls.generation_of(kwargs, [again]) as call_kwargs, _steps_counted(self):
-                return cls.__call__(self, *args, **call_kwargs)
+        with _one_call_at_a_time(self, running):
+            try:
+                with calls.generation_of(kwargs) as call_kwargs, _steps_counted(self):
+                    return cls.__call__(self, *args, **call_kwargs)
+            except RingUnavailable as err:  # only probes ran: the same call again, per call
+                _restore(generators, states)
+                again = f"{err}; the call started again per call, from the same random state"
+                with calls.generation_of(kwargs, [again]) as call_kwargs, \
+                        _steps_counted(self):
+                    return cls.__call__(self, *args, **call_kwargs)
 
     _with_call(pipe, __call__, _RING, calls)
 
@@ -165,20 +168,38 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
 def _install_fresh_start(pipe: Any) -> None:
     """Per call: every pipeline call starts a new generation, also after a call that raised
     (diffusers resets its transformer only when a call returns)."""
-    cls, marker = type(pipe), object()
+    cls, marker, running = type(pipe), object(), threading.Lock()
 
     @functools.wraps(cls.__call__)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(self, _FRESH, None) is not marker:  # a pipeline made from this one
             return cls.__call__(self, *args, **kwargs)
         _warn_replaced(self)
-        for denoiser in find_denoisers(self).values():
-            _reset_programs(denoiser)
-        route(self.scheduler, marker, {"step": _counted_step})  # it may have been replaced
-        with _steps_counted(self):
-            return cls.__call__(self, *args, **kwargs)
+        with _one_call_at_a_time(self, running):
+            for denoiser in find_denoisers(self).values():
+                _reset_programs(denoiser)
+            route(self.scheduler, marker, {"step": _counted_step})  # it may be replaced
+            with _steps_counted(self):
+                return cls.__call__(self, *args, **kwargs)
 
     _with_call(pipe, __call__, _FRESH, marker)
+
+
+@contextlib.contextmanager
+def _one_call_at_a_time(pipe: Any, running: threading.Lock) -> Iterator[None]:
+    """A call while another runs (a second thread) raises: the generation's state (its
+    ring, the routed scheduler, the K/V caches) is the pipeline's, and two calls at once
+    would each run with the other's, silently wrong. diffusers' pipelines are no safer."""
+    if not running.acquire(blocking=False):
+        raise TokpipeError(
+            f"{type(pipe).__name__} is running a call already (in another thread): a "
+            "parallelized pipeline runs one call at a time, since its generation's state "
+            "(ring, scheduler, K/V caches) is the pipeline's. Serialise the calls with a "
+            "lock, or load a pipeline per thread")
+    try:
+        yield
+    finally:
+        running.release()
 
 
 def _with_call(pipe: Any, call: Callable[..., Any], mark: str, owner: object) -> None:

@@ -144,7 +144,9 @@ class StepCallbacks:
             try:
                 with self._as_in_the_loop(call.state):
                     self._replay(step, call, latents)
-            except Exception as err:  # raised after the ring: mid-ring, the other ranks would wait
+            # Raised after the ring: mid-ring, the other ranks would wait. A server's cancel
+            # (KeyboardInterrupt, asyncio.CancelledError) is held the same way.
+            except BaseException as err:
                 self.error = err
 
     def raise_error(self) -> None:
