@@ -75,3 +75,5 @@ def test_a_grid_of_the_wrong_rank_is_refused():
 def test_an_unknown_name_suggests_the_close_ones():
     with pytest.raises(TokpipeError, match=r"did you mean flux1-dev or flux1-schnell\?"):
         pipeline("flux")
+    with pytest.raises(TokpipeError, match=r"did you mean pixart-alpha-xl-2-1024-ms\?"):
+        pipeline("PixArt-alpha")  # the names are lower case

@@ -7,8 +7,10 @@ every rank shares, and zeros for any other output tensor.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.glue import first_tensor
 
 PROBE_SEED = 0x70C  # every rank draws the same probes
+FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 
 
 class RingUnavailable(TokpipeError):
@@ -55,14 +58,35 @@ def with_probe(structure: Any, answer: torch.Tensor) -> Any:
 
 
 def output_structure(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
-    """`forward(**call)`'s output with each tensor as a Spec, from a fake-tensor run."""
+    """`forward(**call)`'s output with each tensor as a Spec, from a fake-tensor run. Where
+    that fails (inputs that do not fit the transformer, an op fake tensors cannot run),
+    from the real call: it raises what the pipeline's own call would raise."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, call)
-        out = forward(**fake)
+    try:
+        with _quiet(FAKE_TENSOR_LOG), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, call)
+            out = forward(**fake)
+    except TokpipeError:
+        raise
+    except Exception:
+        with torch.no_grad():
+            out = forward(**call)
     return pytree.tree_map_only(torch.Tensor,
                                 lambda t: Spec(tuple(t.shape), t.dtype, t.device), out)
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """`logger`'s records below CRITICAL dropped (fake tensors log each failing op's
+    traceback as an ERROR before raising)."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def bind_call(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
