@@ -50,6 +50,7 @@ def write_out_torch_attention(gm: torch.fx.GraphModule) -> int:
     """Rewrites every call the module docstring describes; returns how many."""
     written = 0
     for node in list(gm.graph.nodes):
+        before, trace = set(gm.graph.nodes), node.meta.get("stack_trace")
         if node.op == "call_function" and node.target is F.multi_head_attention_forward:
             args = _bound(node)
             if args is not None and _writable(node, args):
@@ -60,6 +61,9 @@ def write_out_torch_attention(gm: torch.fx.GraphModule) -> int:
             if _encoder_writable(args):
                 _write_out_encoder(gm.graph, node, args)
                 written += 1
+        for new in gm.graph.nodes:  # errors about them name the user's line of the call
+            if new not in before:
+                new.meta["stack_trace"] = trace
     return rewritten(gm, written, "fused attention op(s) written out with sdpa")
 
 

@@ -292,6 +292,12 @@ def test_multihead_attention_is_written_out_and_pipelined(options, mode, padding
     assert_rel_close(second_call(program, traced), expected)
 
 
+def test_errors_about_written_out_attention_name_the_users_line():
+    traced = trace(MultiheadBlocks().eval(), torch.randn(2, 16, 32))
+    with pytest.raises(Exception, match=r"needs causal attention.*x = x \+ attn\(x, kv, kv"):
+        quiet_program(traced, mode="causal", chunks=4)
+
+
 class ReadsWeights(nn.Module):
     def __init__(self):
         super().__init__()
