@@ -63,6 +63,7 @@ def output_structure(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
     from the real call: it raises what the pipeline's own call would raise."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    weights = _weights(getattr(forward, "__self__", None))
     try:
         with _quiet(FAKE_TENSOR_LOG), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, call)
@@ -70,10 +71,40 @@ def output_structure(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
     except TokpipeError:
         raise
     except Exception:
+        _check_kept(weights)
         with torch.no_grad():
             out = forward(**call)
+    _check_kept(weights)
     return pytree.tree_map_only(torch.Tensor,
                                 lambda t: Spec(tuple(t.shape), t.dtype, t.device), out)
+
+
+Weights = list[tuple[torch.nn.Module, str, torch.Tensor, torch.device]]
+
+
+def _weights(module: Any) -> Weights:
+    """Each parameter and buffer of `module`, where it is and on which device."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    return [(owner, name, tensor, tensor.device) for owner in module.modules()
+            for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
+            if tensor is not None]
+
+
+def _check_kept(weights: Weights) -> None:
+    """Raises where a forward run on fake tensors replaced or moved the model's weights (a
+    hook that casts or moves them as modules run, which `hook_reasons` did not know)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    changed = [name for owner, name, tensor, device in weights
+               if owner._parameters.get(name, owner._buffers.get(name)) is not tensor
+               or tensor.device != device or is_fake(tensor)]
+    if changed:
+        raise TokpipeError(
+            f"the transformer's forward, run on fake tensors to learn its outputs, replaced "
+            f"or moved {len(changed)} of its weights ({', '.join(changed[:3])}...): something "
+            "at its modules' calls (a hook) casts or moves them. The transformer may be left "
+            "unusable: load it again, and parallelize with ring=False")
 
 
 @contextlib.contextmanager

@@ -70,7 +70,7 @@ from tokpipe_compiler.pipelines.scheduler_route import (
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.step_callbacks import LEGACY, ON_STEP_END, StepCallbacks
-from tokpipe_compiler.pipelines.table import cache_reasons, per_call_reasons
+from tokpipe_compiler.pipelines.table import cache_reasons, hook_reasons, per_call_reasons
 from tokpipe_compiler.programs.generations import count_step
 
 
@@ -139,8 +139,9 @@ class RingCalls:
         candidates = [float(v) for v in kwargs.values()
                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
         candidates.append(float(getattr(self.pipe, "_guidance_scale", 1.0) or 1.0))
-        caches = cache_reasons({name: rings.denoiser for name, rings in self.denoisers.items()})
-        self.generation = Generation([*per_call_reasons(self.pipe, kwargs), *caches, *reasons],
+        denoisers = {name: rings.denoiser for name, rings in self.denoisers.items()}
+        modules = [*cache_reasons(denoisers), *hook_reasons(denoisers)]
+        self.generation = Generation([*per_call_reasons(self.pipe, kwargs), *modules, *reasons],
                                      candidates)
         self.take_transformers()
         # the pipeline's scheduler may have been replaced since the last call

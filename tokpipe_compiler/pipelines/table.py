@@ -92,3 +92,33 @@ def cache_reasons(denoisers: dict[str, Any]) -> list[str]:
             "on, which decides each step from earlier steps' whole tensors which blocks to "
             "skip"
             for name, module in denoisers.items() if getattr(module, "is_cache_enabled", False)]
+
+
+def hook_reasons(denoisers: dict[str, Any]) -> list[str]:
+    """Why a transformer with hooks at its modules' calls runs per call: diffusers'
+    layerwise casting and group offloading, accelerate's offloading (enable_model_cpu_offload,
+    a device_map) cast or move the weights as each module runs, which a ring's step, traced
+    once, would hold fixed (and its probe, run on fake tensors, would leave them fake).
+    A step cache's hooks are cache_reasons'."""
+    reasons = []
+    for name, module in denoisers.items():
+        if getattr(module, "is_cache_enabled", False):
+            continue
+        hooks = module_hooks(module)
+        if hooks:
+            reasons.append(f"{name} runs hooks as its modules run ({', '.join(hooks)}), "
+                           "which cast or move its weights at every call: per call, Dynamo "
+                           "traces them, and breaks its graphs where they cannot be traced")
+    return reasons
+
+
+def module_hooks(module: Any) -> list[str]:
+    """The diffusers hooks (by name) and accelerate hooks (by class) on `module`'s modules."""
+    found: set[str] = set()
+    for sub in module.modules():
+        registry = getattr(sub, "_diffusers_hook", None)
+        found |= {f"diffusers' {hook}" for hook in getattr(registry, "hooks", {})}
+        accelerate = getattr(sub, "_hf_hook", None)
+        if accelerate is not None:
+            found.add(f"accelerate's {type(accelerate).__name__}")
+    return sorted(found)
