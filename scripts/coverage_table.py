@@ -72,6 +72,11 @@ unit, and a chunk convolves its rows with a halo of p rows read from the cache, 
 step's before it and the previous step's after it (`stale`, DistriFusion's stale halos;
 `runtime/halo_conv.py`). Exact in `sync` and on warmup steps; `causal` refuses them. A max
 over tokens stays unsupported.
+
+**Causal mode** takes attention that is causal (`is_causal=True`, or a mask that hides every
+later key). These models attend over the whole sequence: *n/a (no causal attention)*, or,
+where their attention carries a mask (a text padding mask), *n/a (its mask is not causal)*:
+the mask shows a chunk's queries keys of later chunks, which causal mode would drop.
 """
 
 
