@@ -138,3 +138,10 @@ def test_many_calls_at_one_timestep_warn_of_their_caches():
     with pytest.warns(UserWarning, match=r"5 calls in a row at one timestep.*MiB each.*"
                                          r"tp.reset\(compiled\)"):
         compiled(latents, t, torch.full_like(labels, 4))
+
+
+def test_the_missing_timestep_warning_says_when_input_names_are_unknown():
+    from tokpipe_compiler.planning.timestep_checks import missing_timestep
+
+    assert "among the model's inputs ['x', 'labels']" in missing_timestep(["x", "labels"], None)
+    assert "carry no parameter names" in missing_timestep([], None)

@@ -40,7 +40,9 @@ def missing_timestep(inputs: list[str | int], choice: str | None) -> str:
     """The warning for a stale pipeline whose calls carry no timestep it knows."""
     looked = f"timestep_input={choice!r}" if choice is not None else \
         f"a parameter named one of {list(timestep_names())}"
-    return (f"tokpipe: mode='stale' found no timestep among the model's inputs {inputs} "
+    among = f"among the model's inputs {inputs}" if inputs else \
+        "(the graph's inputs carry no parameter names: a forward wrapped as (*args, **kwargs)?)"
+    return (f"tokpipe: mode='stale' found no timestep {among} "
             f"({looked}): every call counts as the next step of one generation and one "
             "guidance branch, so a second image, or a second branch of a step, attends to "
             "the first's K/V. Name the timestep with options={'timestep_input': NAME}, or "
