@@ -25,6 +25,8 @@ conditioning streams go last by the names diffusers gives them (`CONDITIONING`).
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -36,6 +38,7 @@ from tokpipe_compiler.core.fx import argument_of, example_value, is_user_input, 
 ATTENTION_OPS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 # Argument names of conditioning streams (text, image embeddings) in diffusers' models.
 CONDITIONING = ("encoder_hidden_states", "cap_feats", "text_", "prompt_embeds")
+_RESUMED = re.compile(r"^l_(stack\d+(_\d+)*_)?")  # Dynamo's prefixes of a placeholder name
 
 
 class UnknownTokenInput(TokpipeError):
@@ -70,9 +73,11 @@ def piece_token_input(gm: torch.fx.GraphModule) -> torch.fx.Node:
 
 
 def is_conditioning(node: torch.fx.Node) -> bool:
-    """Whether the input's name is one diffusers gives a conditioning stream."""
-    name = str(argument_of(node) or node.name).removeprefix("l_")
-    return name.startswith(CONDITIONING)
+    """Whether the input's name is one diffusers gives a conditioning stream (a value a
+    resume function after a graph break holds on its stack keeps the name after Dynamo's
+    `l_stack0_1_` prefix)."""
+    name = str(argument_of(node) or node.name)
+    return _RESUMED.sub("", name).startswith(CONDITIONING)
 
 
 def _user_inputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

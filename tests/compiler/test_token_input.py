@@ -201,3 +201,13 @@ def test_a_piece_takes_the_video_not_the_text_its_output_resembles():
     assert argument_of(by_shape) == "encoder_hidden_states" and is_conditioning(by_shape)
     piece = piece_token_input(traced.gm)
     assert argument_of(piece) == "hidden_states" and not is_conditioning(piece)
+
+
+def test_a_resumed_frames_stack_values_keep_their_conditioning_names():
+    """After a graph break inside a block (offloading hooks), Dynamo names the block's
+    inputs from the resume function's stack: `l_stack0_1_encoder_hidden_states_`, with no
+    argument name to read. The text stream is still told by its name."""
+    graph = torch.fx.Graph()
+    text = graph.placeholder("l_stack0_1_encoder_hidden_states_")
+    image = graph.placeholder("l_stack0_1_hidden_states_")
+    assert is_conditioning(text) and not is_conditioning(image)
