@@ -50,21 +50,27 @@ def write_out_torch_attention(gm: torch.fx.GraphModule) -> int:
     """Rewrites every call the module docstring describes; returns how many."""
     written = 0
     for node in list(gm.graph.nodes):
-        before, trace = set(gm.graph.nodes), node.meta.get("stack_trace")
         if node.op == "call_function" and node.target is F.multi_head_attention_forward:
             args = _bound(node)
             if args is not None and _writable(node, args):
-                _write_out(gm.graph, node, args)
+                _with_its_line(gm.graph, node, _write_out, args)
                 written += 1
         elif node.op == "call_function" and node.target in ENCODER_LAYERS:
             args = dict(zip(ENCODER_PARAMETERS, node.args, strict=False)) | node.kwargs
             if _encoder_writable(args):
-                _write_out_encoder(gm.graph, node, args)
+                _with_its_line(gm.graph, node, _write_out_encoder, args)
                 written += 1
-        for new in gm.graph.nodes:  # errors about them name the user's line of the call
-            if new not in before:
-                new.meta["stack_trace"] = trace
     return rewritten(gm, written, "fused attention op(s) written out with sdpa")
+
+
+def _with_its_line(graph: torch.fx.Graph, node: torch.fx.Node, write_out, args) -> None:
+    """`write_out(graph, node, args)`, the nodes it adds given `node`'s source line (errors
+    about them name the user's line of the call)."""
+    before, trace = set(graph.nodes), node.meta.get("stack_trace")
+    write_out(graph, node, args)
+    for new in graph.nodes:
+        if new not in before:
+            new.meta["stack_trace"] = trace
 
 
 def _bound(node: torch.fx.Node) -> dict[str, Any] | None:
