@@ -18,6 +18,7 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures.pipelines import generate, pixart_alpha
+from tests.fixtures.tracing import rel_error
 from tokpipe_compiler.pipelines.probes import output_structure
 
 pytest.importorskip("diffusers")
@@ -34,10 +35,6 @@ def _group_offload(transformer: Any) -> None:
     cpu = torch.device("cpu")
     transformer.enable_group_offload(onload_device=cpu, offload_device=cpu,
                                      offload_type="block_level", num_blocks_per_group=1)
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item() / b.abs().max().item()
 
 
 @pytest.mark.parametrize(("hooks", "name"), [(_layerwise_casting, "layerwise_casting"),
@@ -58,9 +55,9 @@ def test_a_transformer_with_hooks_runs_per_call_and_says_why(hooks: Callable, na
         hooks(pipe.transformer)
     with pytest.warns(UserWarning, match=f"runs per call.*transformer runs hooks.*{name}"):
         out = generate(pipe, kwargs, steps=3)
-    assert _relative(out, expected) <= 1e-5
+    assert rel_error(out, expected) <= 1e-5
     again = generate(pipe, kwargs, steps=3)  # the weights are intact
-    assert _relative(again, expected) <= 1e-5
+    assert rel_error(again, expected) <= 1e-5
 
 
 class SwapsItsWeight(torch.nn.Module):

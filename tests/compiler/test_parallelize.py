@@ -16,13 +16,14 @@ import torch
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED
-from tests.fixtures.pipelines import generate, pixart_alpha, sd3
+from tests.fixtures.pipelines import SMALL_RING, generate, parallelized, pixart_alpha, sd3
+from tests.fixtures.tracing import rel_error
 from tokpipe_compiler.pipelines.step_callbacks import StepCallbacks
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
+OPTIONS = SMALL_RING
 # One of each kind of step, and the pipelines the ring table took last.
 CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "hunyuan_video",
                "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video", "qwenimage",
@@ -35,30 +36,19 @@ def _families():
             for name in FAMILIES]
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item() / b.abs().max().item()
-
-
-def _ring(make, **options):
-    """A pipelined pipeline and its call arguments."""
-    pipe, kwargs = make()
-    tp.pipelines.parallelize(pipe, **{**OPTIONS, **options})
-    return pipe, kwargs
-
-
 @pytest.mark.parametrize("family", _families())
 def test_ring_equals_serial_in_sync_and_per_call_in_stale(family):
     make = FAMILIES[family]
     serial = generate(*make())
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="tokpipe: .* runs per call")
-        synced = generate(*_ring(make, mode="sync"))
-        pipe, kwargs = _ring(make, mode="stale", warmup_steps=1)
+        synced = generate(*parallelized(make, mode="sync"))
+        pipe, kwargs = parallelized(make, mode="stale", warmup_steps=1)
         stale = generate(pipe, kwargs)
         again = generate(pipe, kwargs)
-    assert _relative(synced, serial) <= 1e-5
-    per_call = generate(*_ring(make, mode="stale", warmup_steps=1, ring=False))
-    assert _relative(stale, per_call) <= 1e-5  # every K/V as fresh as per call
+    assert rel_error(synced, serial) <= 1e-5
+    per_call = generate(*parallelized(make, mode="stale", warmup_steps=1, ring=False))
+    assert rel_error(stale, per_call) <= 1e-5  # every K/V as fresh as per call
     assert not torch.equal(stale, serial)  # and stale: the chunks did not see it all
     assert torch.equal(stale, again)  # the second call is a generation of its own
 
@@ -68,9 +58,9 @@ def test_ring_equals_serial_in_sync_and_per_call_in_stale(family):
 def test_inductor_stages_equal_eager_stages(family):
     """The default stage compiler on every family's ring (stale: whole warmup step, then
     chunks reading the caches): Inductor only reassociates float32 arithmetic."""
-    eager = generate(*_ring(FAMILIES[family], mode="stale", warmup_steps=1), steps=3)
-    pipe, kwargs = _ring(FAMILIES[family], mode="stale", warmup_steps=1, compiler="inductor")
-    assert _relative(generate(pipe, kwargs, steps=3), eager) <= 1e-5
+    eager = generate(*parallelized(FAMILIES[family], mode="stale", warmup_steps=1), steps=3)
+    pipe, kwargs = parallelized(FAMILIES[family], mode="stale", warmup_steps=1, compiler="inductor")
+    assert rel_error(generate(pipe, kwargs, steps=3), eager) <= 1e-5
 
 
 @pytest.mark.parametrize("family", [
@@ -82,7 +72,7 @@ def test_a_wide_image_equals_serial(family):
     pipe, kwargs = FAMILIES[family]()
     kwargs = {**kwargs, "width": kwargs["width"] * 3 // 2}
     serial = generate(pipe, kwargs, steps=3)
-    assert _relative(generate(_ring(FAMILIES[family], mode="sync")[0], kwargs, steps=3),
+    assert rel_error(generate(parallelized(FAMILIES[family], mode="sync")[0], kwargs, steps=3),
                      serial) <= 1e-5
 
 
@@ -91,7 +81,7 @@ def test_more_resolutions_than_dynamos_recompile_limit_each_run_pipelined():
     every diffusers transformer shares (its decorator's wrapper): past Dynamo's limit of 8
     for the whole process, a ninth ran unpipelined. Each parallelized transformer has a
     limit of its own, and a higher one (pipelines bin resolutions into dozens)."""
-    pipe, kwargs = _ring(pixart_alpha, mode="sync", ring=False)
+    pipe, kwargs = parallelized(pixart_alpha, mode="sync", ring=False)
     sizes = [48 + 16 * i for i in range(torch._dynamo.config.recompile_limit + 2)]
     for height in sizes:
         generate(pipe, {**kwargs, "height": height}, steps=2)
@@ -102,16 +92,16 @@ def test_a_guided_ring_counts_one_samples_tokens_as_per_call_mode_does():
     """The ring traces its step with the one latent and batches the guidance inside it
     (torch.cat([latents] * 2)): its plan counts one sample's tokens, as per-call mode's
     does, so chunk lengths in tokens cut both alike (they were refused in the ring)."""
-    per_pipe, kwargs = _ring(pixart_alpha, mode="stale", ring=False, chunks=2)
+    per_pipe, kwargs = parallelized(pixart_alpha, mode="stale", ring=False, chunks=2)
     per_call = generate(per_pipe, kwargs)
     plan = tp.pipelines.programs(per_pipe)[0].plan
     lengths = [plan.chunk_tokens(chunk) for chunk in plan.chunks]
-    ring_pipe, kwargs = _ring(pixart_alpha, mode="stale", chunks=lengths)
+    ring_pipe, kwargs = parallelized(pixart_alpha, mode="stale", chunks=lengths)
     ring = generate(ring_pipe, kwargs)
     ring_plan = tp.pipelines.programs(ring_pipe)[0].plan
     assert ring_plan.tokens == plan.tokens
     assert [ring_plan.chunk_tokens(chunk) for chunk in ring_plan.chunks] == lengths
-    assert _relative(ring, per_call) <= 1e-5
+    assert rel_error(ring, per_call) <= 1e-5
 
 
 def test_a_call_that_raised_leaves_nothing_to_the_next_per_call():
@@ -121,11 +111,11 @@ def test_a_call_that_raised_leaves_nothing_to_the_next_per_call():
     def cancel(pipe, step, t, tensors):
         raise KeyboardInterrupt
 
-    used, kwargs = _ring(sd3, mode="stale", ring=False)
+    used, kwargs = parallelized(sd3, mode="stale", ring=False)
     with pytest.raises(KeyboardInterrupt):
         generate(used, {**kwargs, "callback_on_step_end": cancel})
     after = generate(used, kwargs, seed=1)
-    fresh = generate(*_ring(sd3, mode="stale", ring=False), seed=1)
+    fresh = generate(*parallelized(sd3, mode="stale", ring=False), seed=1)
     assert torch.equal(after, fresh)
 
 
@@ -138,13 +128,13 @@ def test_per_call_steps_end_at_the_schedulers_step_even_with_equal_branches():
         pipe, kwargs = pipelines.wan()
         return pipe, {**kwargs, "negative_prompt_embeds": kwargs["prompt_embeds"].clone()}
 
-    ring = generate(*_ring(equal_branches, mode="stale"))
-    per_call = generate(*_ring(equal_branches, mode="stale", ring=False))
-    assert _relative(per_call, ring) <= 1e-5
+    ring = generate(*parallelized(equal_branches, mode="stale"))
+    per_call = generate(*parallelized(equal_branches, mode="stale", ring=False))
+    assert rel_error(per_call, ring) <= 1e-5
 
 
 def test_each_ring_is_planned_once_and_reused():
-    pipe, kwargs = _ring(pixart_alpha, mode="stale")
+    pipe, kwargs = parallelized(pixart_alpha, mode="stale")
     first = generate(pipe, kwargs, seed=1)
     rings = pipe._tokpipe_ring.denoisers["transformer"].rings
     (ring,) = rings.values()
@@ -170,7 +160,7 @@ def test_a_second_expert_runs_its_steps_as_a_ring_of_its_own(boundary_ratio):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="tokpipe: .* runs per call")
         out = generate(pipe, kwargs)
-    assert _relative(out, serial) <= 1e-5
+    assert rel_error(out, serial) <= 1e-5
     rings = {name: len(r.rings) for name, r in pipe._tokpipe_ring.denoisers.items()}
     assert rings == {"transformer": 1, "transformer_2": int(boundary_ratio > 0)}
     assert torch.equal(generate(pipe, kwargs), out)
@@ -181,33 +171,33 @@ def test_a_second_expert_runs_per_call_when_the_generation_does():
     ratio 1), both experts still run pipelined."""
     from diffusers.callbacks import SDCFGCutoffCallback
 
-    pipe, kwargs = _ring(FAMILIES["wan22"], mode="sync")
+    pipe, kwargs = parallelized(FAMILIES["wan22"], mode="sync")
     cutoff = SDCFGCutoffCallback(cutoff_step_ratio=1.0)
     with pytest.warns(UserWarning, match="callback_on_step_end=SDCFGCutoffCallback"):
         out = generate(pipe, {**kwargs, "callback_on_step_end": cutoff})
-    assert _relative(out, generate(*FAMILIES["wan22"]())) <= 1e-5
+    assert rel_error(out, generate(*FAMILIES["wan22"]())) <= 1e-5
     assert len(tp.pipelines.programs(pipe)) == 2  # one per expert, none a ring
 
 
 @pytest.mark.parametrize("how", ["from_config", "deepcopy"])
-def test_a_scheduler_made_from_the_routed_one_runs_the_ring(how):
+def test_a_scheduler_made_from_the_routed_one_runs_theparallelized(how):
     """diffusers' idiom `pipe.scheduler = pipe.scheduler.__class__.from_config(...)` (or a
     copy) after a generation makes an instance of the routed class: it is routed anew (its
     steps ran outside the ring, 3.8 relative from serial)."""
     expected = generate(*pixart_alpha(), steps=3)
-    pipe, kwargs = _ring(pixart_alpha, mode="sync")
+    pipe, kwargs = parallelized(pixart_alpha, mode="sync")
     generate(pipe, kwargs, steps=3)
     old = pipe.scheduler
     pipe.scheduler = (old.__class__.from_config(old.config) if how == "from_config"
                       else copy.deepcopy(old))
-    assert _relative(generate(pipe, kwargs, steps=3), expected) <= 1e-5
+    assert rel_error(generate(pipe, kwargs, steps=3), expected) <= 1e-5
 
 
 def test_a_step_that_changes_within_a_generation_raises():
     """The ring computes every step from the first step's form; later steps are checked
     against it. A guidance scale that changes per step (as CogVideoX's dynamic guidance
     does; here SD3's `guidance_scale` property, read once per step) must raise."""
-    pipe, kwargs = _ring(sd3, mode="sync")
+    pipe, kwargs = parallelized(sd3, mode="sync")
     scales = iter([5.0])
     type(pipe).guidance_scale = property(lambda self: next(scales, 2.0))
     with pytest.raises(tp.TokpipeError, match="changed the guidance at step 1"):
@@ -223,7 +213,7 @@ def test_latents_changed_between_steps_other_than_by_a_blend_raise(monkeypatch):
     def callback(pipe, step, t, tensors):
         return {"latents": tensors["latents"] * 1.01}
 
-    pipe, kwargs = _ring(sd3, mode="sync")
+    pipe, kwargs = parallelized(sd3, mode="sync")
     with pytest.raises(tp.TokpipeError, match="changed the latents between two steps at "
                                               "step 1"):
         generate(pipe, {**kwargs, "callback_on_step_end": callback}, steps=3)
@@ -238,7 +228,7 @@ def test_cfg_parallel_in_one_process_equals_serial(family):
     serial = generate(*make())
     pipe, kwargs = make()
     tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
-    assert _relative(generate(pipe, kwargs), serial) <= 1e-5
+    assert rel_error(generate(pipe, kwargs), serial) <= 1e-5
     with pytest.raises(tp.TokpipeError, match="each guidance branch whole"):
         tp.pipelines.programs(pipe)
 
@@ -264,7 +254,7 @@ def test_several_images_from_one_prompts_embeddings_equal_serial(family, cfg, st
     pipe, _ = FAMILIES[family]()
     tp.pipelines.parallelize(pipe, cfg=cfg, stages=stages, chunks=2, mode="sync",
                              compiler="eager")
-    assert _relative(generate(pipe, kwargs), serial) <= 1e-5
+    assert rel_error(generate(pipe, kwargs), serial) <= 1e-5
 
 
 def test_a_parallelized_pipeline_keeps_its_call_signature():
@@ -283,7 +273,7 @@ def test_hybrid_cfg_in_one_process_equals_serial(family):
     serial = generate(*make())
     pipe, kwargs = make()
     tp.pipelines.parallelize(pipe, cfg=2, stages=2, chunks=2, mode="sync", compiler="eager")
-    assert _relative(generate(pipe, kwargs), serial) <= 1e-5
+    assert rel_error(generate(pipe, kwargs), serial) <= 1e-5
 
 
 def test_cfg_parallel_checks_its_degrees():

@@ -11,38 +11,26 @@ value.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED, flux_controlnet, wan22_5b_image2video
-from tests.fixtures.pipelines import generate, hunyuan, pixart_alpha, sd3
+from tests.fixtures.pipelines import generate, hunyuan, parallelized, pixart_alpha, sd3
+from tests.fixtures.tracing import rel_error
 from tokpipe_compiler.pipelines import table
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
 FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item() / b.abs().max().item()
-
-
-def _ring(make, **options):
-    """A parallelized pipeline and its call arguments."""
-    pipe, kwargs = make()
-    tp.pipelines.parallelize(pipe, **{**OPTIONS, **options})
-    return pipe, kwargs
 
 
 def test_a_scheduler_without_a_token_wise_step_runs_per_call_and_says_why():
     serial = generate(*hunyuan(), steps=3)
-    pipe, kwargs = _ring(hunyuan, mode="sync")
+    pipe, kwargs = parallelized(hunyuan, mode="sync")
     with pytest.warns(UserWarning, match=r"runs per call .*DDPMScheduler"):
         out = generate(pipe, kwargs, steps=3)
-    assert _relative(out, serial) <= 1e-5
+    assert rel_error(out, serial) <= 1e-5
 
 
 def test_a_transformer_with_a_diffusers_cache_runs_per_call_and_says_why():
@@ -55,11 +43,11 @@ def test_a_transformer_with_a_diffusers_cache_runs_per_call_and_says_why():
     serial, kwargs = make()
     serial.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
     expected = generate(serial, kwargs, steps=4)
-    pipe, _ = _ring(make, mode="sync")
+    pipe, _ = parallelized(make, mode="sync")
     pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
     with pytest.warns(UserWarning, match="runs per call.*FirstBlockCacheConfig on") as record:
         out = generate(pipe, kwargs, steps=4)
-    assert _relative(out, expected) <= 1e-5
+    assert rel_error(out, expected) <= 1e-5
     said = [w for w in record if "runs per call" in str(w.message)]
     assert said[0].filename.endswith("fixtures/pipelines.py")  # generate()'s pipeline call
 
@@ -72,11 +60,11 @@ def test_a_step_the_compiler_cannot_chunk_raises_or_falls_back_when_asked():
     make = FAMILIES["sana"]
     serial = generate(*make(), steps=3)
     with pytest.raises(tp.TokpipeError, match="sums over every token"):
-        generate(*_ring(make, mode="causal"), steps=3)
-    pipe, kwargs = _ring(make, mode="causal", fallback=True)
+        generate(*parallelized(make, mode="causal"), steps=3)
+    pipe, kwargs = parallelized(make, mode="causal", fallback=True)
     with pytest.warns(UserWarning, match="runs per call .*cannot be pipelined"):
         out = generate(pipe, kwargs, steps=3)
-    assert _relative(out, serial) <= 1e-5
+    assert rel_error(out, serial) <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["flux_img2img", "wan_video2video"])
@@ -87,10 +75,10 @@ def test_a_loop_left_with_one_step_runs_per_call_and_says_why(family):
     make = FAMILIES[family]
     kwargs = {**make()[1], "strength": 0.25}
     serial = generate(make()[0], kwargs, steps=4)
-    pipe, _ = _ring(make, mode="sync")
+    pipe, _ = parallelized(make, mode="sync")
     with pytest.warns(UserWarning, match="runs per call .*1 step: nothing to overlap"):
         out = generate(pipe, kwargs, steps=4)
-    assert _relative(out, serial) <= 1e-5
+    assert rel_error(out, serial) <= 1e-5
 
 
 def test_a_step_the_ring_cannot_replay_starts_again_per_call_and_says_why():
@@ -98,10 +86,10 @@ def test_a_step_the_ring_cannot_replay_starts_again_per_call_and_says_why():
     step's probes show a step the ring does not replay. Only probes ran, so the call starts
     again per call, from the same random state: the serial pipeline's latents."""
     serial = generate(*wan22_5b_image2video(), steps=3)
-    pipe, kwargs = _ring(wan22_5b_image2video, mode="sync")
+    pipe, kwargs = parallelized(wan22_5b_image2video, mode="sync")
     with pytest.warns(UserWarning, match="could not replay .* started again per call"):
         out = generate(pipe, kwargs, steps=3)
-    assert _relative(out, serial) <= 1e-5
+    assert rel_error(out, serial) <= 1e-5
 
 
 def test_a_diffusers_cutoff_callback_runs_per_call_and_says_why():
@@ -115,17 +103,17 @@ def test_a_diffusers_cutoff_callback_runs_per_call_and_says_why():
 
     serial, kwargs = sd3()
     expected = generate(serial, with_cutoff(kwargs), steps=4)
-    pipe, kwargs = _ring(sd3, mode="sync")
+    pipe, kwargs = parallelized(sd3, mode="sync")
     with pytest.warns(UserWarning, match="runs per call.*SD3CFGCutoffCallback: diffusers' "
                                          "cutoff callbacks"):
         out = generate(pipe, with_cutoff(kwargs), steps=4)
-    assert _relative(out, expected) <= 1e-5
-    assert _relative(out, generate(serial, kwargs, steps=4)) > 1e-3  # the cutoff mattered
+    assert rel_error(out, expected) <= 1e-5
+    assert rel_error(out, generate(serial, kwargs, steps=4)) > 1e-3  # the cutoff mattered
 
 
 def test_a_pipeline_outside_the_table_runs_per_call(monkeypatch):
     monkeypatch.delitem(table.RING_PIPELINES, "PixArtAlphaPipeline")
-    pipe, kwargs = _ring(pixart_alpha, mode="sync")
+    pipe, kwargs = parallelized(pixart_alpha, mode="sync")
     with pytest.warns(UserWarning, match="PixArtAlphaPipeline is not in the ring table"):
         generate(pipe, kwargs, steps=2)
 
@@ -135,10 +123,10 @@ def test_a_controlnet_pipeline_runs_per_call_and_says_why():
     ring's step holds: per call, pipelined as any other call (ControlNet's per-block
     outputs are per-token inputs, cut to each chunk)."""
     serial = generate(*flux_controlnet(), steps=3)
-    pipe, kwargs = _ring(flux_controlnet, mode="sync")
+    pipe, kwargs = parallelized(flux_controlnet, mode="sync")
     with pytest.warns(UserWarning, match="runs per call.*runs its ControlNet"):
-        assert _relative(generate(pipe, kwargs, steps=3), serial) <= 1e-5
-    pipe, kwargs = _ring(flux_controlnet, mode="stale", warmup_steps=1)
+        assert rel_error(generate(pipe, kwargs, steps=3), serial) <= 1e-5
+    pipe, kwargs = parallelized(flux_controlnet, mode="stale", warmup_steps=1)
     with pytest.warns(UserWarning, match="runs its ControlNet"):
         stale = generate(pipe, kwargs, steps=3)
-    assert 0 < _relative(stale, serial) < 0.05  # stale K/V after the warmup step
+    assert 0 < rel_error(stale, serial) < 0.05  # stale K/V after the warmup step
