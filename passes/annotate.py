@@ -48,7 +48,7 @@ from tokpipe_compiler.passes.piecewise_maps import join_piecewise_maps
 from tokpipe_compiler.passes.rule_base import RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
 from tokpipe_compiler.passes.slice_updates import functional_slice_adds
-from tokpipe_compiler.passes.token_input import find_token_input, seed_axes
+from tokpipe_compiler.passes.token_input import find_token_input, is_conditioning, seed_axes
 from tokpipe_compiler.passes.torch_attention import write_out_torch_attention
 from tokpipe_compiler.runtime.chunking import chunk_slice
 
@@ -187,8 +187,12 @@ def _aligned_with(node: torch.fx.Node, seed: torch.fx.Node) -> bool:
     """User inputs shaped exactly like the token input (a scheduler's history, a second
     latent) carry tokens on the same axis. Of another dtype only when both are floating:
     a float32 history of bfloat16 latents is aligned; integer ids and a boolean mask of
-    their shape are not (the mask covers every key)."""
+    their shape are not (the mask covers every key). A conditioning stream by its name is
+    not, whatever its shape: in a block of a joint-attention model the text stream has the
+    image stream's width, and as many tokens where the lengths tie."""
     if node.op != "placeholder" or not is_user_input(node):
+        return False
+    if is_conditioning(node) and not is_conditioning(seed):
         return False
     value, ref = example_value(node), example_value(seed)
     if not isinstance(value, torch.Tensor) or value.shape != ref.shape:

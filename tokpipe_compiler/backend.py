@@ -17,7 +17,7 @@ import torch.fx
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
-from tokpipe_compiler.core.fx import argument_of, is_parameter, record_sources
+from tokpipe_compiler.core.fx import argument_of, is_parameter, record_sources, source_name
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.driver import build_plan
@@ -141,8 +141,7 @@ class LazyProgram:
         self.dynamic = has_symbolic_shapes(gm)
         self.floats = wrapped_floats(gm) if self.dynamic else ()  # dynamic=True's floats
         self.numbers = number_arguments()  # the call's Python numbers: specialised on
-        self.owner_index = next((i for i, n in enumerate(placeholders(gm)) if is_parameter(n)),
-                                None)
+        self.owner_index = owner_placeholder(gm)
         self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> plan, select
         self.programs = PerOwner()  # per model: input shapes -> callable
         # A piece's timestep argument, for its model's pieces that read none.
@@ -247,6 +246,15 @@ def _timestep_choice(config_fn) -> str | None:
         return config_fn().timestep_input
     except ValueError:
         return None
+
+
+def owner_placeholder(gm: torch.fx.GraphModule) -> int | None:
+    """The position of the weight that tells models apart: the first parameter, else the
+    first buffer (a hook may rebuild a buffer at every call, as accelerate's model
+    offloading does to Wan's rotary tables, which would make every call a new model)."""
+    weights = [(i, n) for i, n in enumerate(placeholders(gm)) if is_parameter(n)]
+    parameters = [i for i, n in weights if "_parameters" in (source_name(n) or n.name)]
+    return next(iter(parameters or [i for i, _ in weights]), None)
 
 
 def placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

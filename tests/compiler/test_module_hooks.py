@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
-from tests.fixtures.pipelines import generate, pixart_alpha
+from tests.fixtures.pipelines import flux, generate, pixart_alpha, wan
 from tests.fixtures.tracing import rel_error
 from tokpipe_compiler.pipelines.probes import output_structure
 
@@ -78,3 +78,39 @@ def test_a_probe_that_replaced_the_weights_raises():
     model = SwapsItsWeight()
     with pytest.raises(tp.TokpipeError, match=r"replaced or moved 1 of its weights \(weight"):
         output_structure(model.forward, {"x": torch.randn(2, 4)})
+
+
+def test_group_offloaded_joint_blocks_with_as_many_text_as_image_tokens():
+    """Offloading hooks split each Flux block at graph breaks; inside a block the text
+    stream has the image stream's width, and with as many tokens (16 = 16 here) it has the
+    image's shape too. It is still text: the image stream alone is chunked (it was taken
+    for a second copy of the tokens and the joint concatenation refused)."""
+    serial, kwargs = flux(true_cfg=False)
+    tokens = (kwargs["height"] // 16) * (kwargs["width"] // 16)  # 2x2-packed latent pixels
+    kwargs["prompt_embeds"] = torch.randn(1, tokens, kwargs["prompt_embeds"].shape[-1])
+    _group_offload(serial.transformer)
+    expected = generate(serial, kwargs, steps=2)
+    pipe, _ = flux(true_cfg=False)
+    _group_offload(pipe.transformer)
+    tp.pipelines.parallelize(pipe, **{**OPTIONS, "mode": "stale", "warmup_steps": 2})
+    with pytest.warns(UserWarning, match="runs per call"):
+        out = generate(pipe, kwargs, steps=2)
+    assert rel_error(out, expected) <= 1e-5  # stale within its warmup is exact
+
+
+def test_model_offloading_pipelines_every_call_as_without_it():
+    """accelerate's model offloading breaks the graph at the transformer's hook: Dynamo
+    resumes in a frame whose inputs are the hook's returned (args, kwargs), where the
+    timestep is still told by its keyword, and which is handed the model's rotary buffers
+    anew at every call while its parameters stay. Stale mode then runs as it does without
+    offloading (it made a new program, a first warmup step, at every call)."""
+    options = {**OPTIONS, "mode": "stale", "ring": False, "warmup_steps": 1}
+    plain, kwargs = wan()
+    tp.pipelines.parallelize(plain, **options)
+    expected = generate(plain, kwargs, steps=3)
+    pipe, _ = wan()
+    pipe.enable_model_cpu_offload(device="cpu")
+    tp.pipelines.parallelize(pipe, **options)
+    out = generate(pipe, kwargs, steps=3)
+    assert rel_error(out, expected) <= 1e-5
+    assert [p.calls for p in tp.pipelines.programs(pipe)] == [6]  # 3 steps, 2 branches

@@ -69,8 +69,11 @@ def source_name(node: torch.fx.Node) -> str:
     return node.meta.get(SOURCE_KEY, "")
 
 
-# L['name'], optionally one subscript: L['kwargs']['hidden_states'], L['args'][0].
-_ARGUMENT = re.compile(r"L\['(?P<name>\w+)'\](?:\['(?P<key>[^']+)'\]|\[(?P<index>\d+)\])?")
+# L['name'], optionally one subscript: L['kwargs']['hidden_states'], L['args'][0]; or a
+# keyword on the stack of a frame resumed after a graph break: a hook's
+# `args, kwargs = pre_forward(...)` leaves the call's keywords at L['___stack0'][1]['t'].
+_ARGUMENT = re.compile(r"L\['(?P<name>\w+)'\](?:\['(?P<key>[^']+)'\]|\[(?P<index>\d+)\])?"
+                       r"|L\['___stack\d+'\](?:\[\d+\])*\['(?P<stacked>[^']+)'\]")
 
 
 def argument_of(node: torch.fx.Node) -> str | int | None:
@@ -78,13 +81,15 @@ def argument_of(node: torch.fx.Node) -> str | int | None:
     source: a parameter ("L['latents']" -> "latents"), a keyword gathered by **kwargs
     ("L['kwargs']['hidden_states']" -> "hidden_states"), a position gathered by *args
     ("L['args'][0]" -> 0). An entry of a dict or list argument is named the same way, by
-    its key or index. None for module parameters and buffers, closures, globals, and
-    anything nested deeper."""
+    its key or index, and so is a keyword held on a resumed frame's stack. None for module
+    parameters and buffers, closures, globals, and anything nested deeper."""
     if node.op != "placeholder":
         return None
     match = _ARGUMENT.fullmatch(source_name(node))
     if match is None or match["name"] == "self":
         return None
+    if match["stacked"] is not None:
+        return match["stacked"]
     if match["key"] is not None:
         return match["key"]
     if match["index"] is not None:
