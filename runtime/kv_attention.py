@@ -132,15 +132,22 @@ def _refuse_unseen_keys(mask: torch.Tensor | None, start: int, stop: int | None)
     captured (the uncaptured first call of a chunk checked the same mask)."""
     if mask is None or stop is None or start >= stop or _capturing(mask):
         return
-    hidden = mask[..., start:stop]
-    shown = hidden.any() if hidden.dtype == torch.bool else (hidden > MASKED_BELOW).any()
-    if bool(shown):
+    visible = mask if mask.dtype == torch.bool else mask > MASKED_BELOW
+    showing = visible[..., start:stop].any(dim=-1)
+    if bool(showing.any()):
+        whole = visible.all(dim=-1)
+        # Only rows that see every key show later keys, and some rows do not: a causal mask
+        # whose fully hidden rows were unmasked.
+        whole_rows = bool((whole | ~showing).all()) and not bool(whole.all())
         raise TokpipeError(
             f"mode='causal': an attention without is_causal=True has a mask that lets the "
             f"tokens of a chunk see keys {start}..{stop - 1} of later chunks (a padding or "
             "bidirectional mask, not a causal one); causal mode attends each chunk to the "
-            "chunks up to its own, which would change the answer. Use mode='stale' or "
-            "'sync', or pass is_causal=True where the model is causal")
+            "chunks up to its own, which would change the answer"
+            + (" (some of its rows see every key: padding rows a causal mask left fully "
+               "unmasked, as transformers does for left padding, differ too)"
+               if whole_rows else "") +
+            ". Use mode='stale' or 'sync', or pass is_causal=True where the model is causal")
 
 
 def _capturing(t: torch.Tensor) -> bool:

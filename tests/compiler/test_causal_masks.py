@@ -92,3 +92,17 @@ def test_other_modes_run_a_padding_mask(mode):
     """Stale's first call is a warmup (whole sequence): it equals eager."""
     out, expected = run(padding_bool(), mode)
     assert_rel_close(out, expected)
+
+
+def test_left_padding_rows_left_unmasked_are_named():
+    """transformers' SDPA path unmasks the rows of left-padding queries that a causal mask
+    with padding hides completely (else SDPA gives NaN): those rows see every key, later
+    chunks' too, and the error says so."""
+    allowed = causal_bool().clone().expand(2, 1, TOKENS, TOKENS).clone()
+    allowed[1, :, :, :8] = False  # 8 tokens of left padding in the second sequence
+    allowed[1, :, :8, :] = True  # their rows unmasked
+    with pytest.raises(TokpipeError, match=r"rows see every key.*left padding"):
+        run(allowed)
+    with pytest.raises(TokpipeError) as plain:
+        run(padding_bool())
+    assert "every key" not in str(plain.value)
