@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.fixtures.models import TinyCausalLM, TinyDiT, dit_inputs
+from tokpipe_compiler.programs import pipelined
 from tokpipe_compiler.runtime import executor
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.testing import (
@@ -37,8 +38,31 @@ def test_passes_on_correct_pipelines(opts):
     model, args = dit()
     report = assert_equivalent(model, args, **opts)
     assert report.checks and report.max_relative_error <= 1e-5
-    assert report.checks[-1].name == ("exact mode, caches reused" if opts["mode"] == "sync"
-                                      else "stale mode, repeated input")
+    names = [c.name for c in report.checks]
+    if opts["mode"] == "sync":
+        assert names == ["exact mode", "exact mode, caches reused"]
+    else:
+        assert "stale mode, repeated input" in names
+        assert names[-1] == "stale mode, given input after another's K/V"
+
+
+def test_catches_caches_that_stop_following_the_calls(monkeypatch):
+    """After warmup, stage programs get copies of the K/V caches: every later call attends
+    to the warmup's K/V. Repeating the warmup's input cannot tell; the generation warmed
+    up on another input can."""
+    original = pipelined.PipelinedProgram._call_env
+
+    def frozen(self, args):
+        env = original(self, args)
+        if self.caches.filled:
+            env.update({k: v.clone() for k, v in env.items() if k.startswith("kv_cache")})
+        return env
+
+    monkeypatch.setattr(pipelined.PipelinedProgram, "_call_env", frozen)
+    model, args = dit()
+    with pytest.raises(NotEquivalent) as info:
+        assert_equivalent(model, args, stages=2, chunks=4, mode="stale")
+    assert info.value.check.name == "stale mode, given input after another's K/V"
 
 
 def test_passes_on_causal():

@@ -5,7 +5,12 @@
 
 Exact modes (sync, causal) must equal eager on every call. Stale mode must equal eager on
 its warmup calls, and once the same input is repeated (its stale K/V are then the fresh
-ones). On a difference, NotEquivalent names the largest one and where it arose: the first
+ones); then, in a new generation warmed up on another input (`other_input`: the token-like
+tensors changed, the timestep moved one step), once the given input has been repeated long
+enough for its K/V to replace the other's, layer by layer: a program whose caches stopped
+following its calls passes the first check but not this one.
+
+On a difference, NotEquivalent names the largest one and where it arose: the first
 stage and chunk whose outputs differ from the same values of an unchunked run.
 
 Hypothesis strategies (`options`, `latents_like`) live in tokpipe_compiler.testing.strategies
@@ -14,6 +19,8 @@ and are importable from tokpipe_compiler.testing too.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from tokpipe_compiler.backend import LazyProgram, TokpipeBackend
 from tokpipe_compiler.config import Config
+from tokpipe_compiler.programs.generations import timestep_names
 from tokpipe_compiler.programs.pipelined import PipelinedProgram
 from tokpipe_compiler.testing.locate import Where, locate
 
@@ -89,42 +97,92 @@ def assert_equivalent(model: torch.nn.Module, args: tuple = (), kwargs: dict | N
     """
     options = {"compiler": "eager", **options}
     config = Config.from_options(options)
-    kwargs = kwargs or {}
+    inputs = {"given": (args, kwargs or {})}
+    if config.mode == "stale":
+        inputs["other"] = other_input(model, args, kwargs or {}, config.timestep_input)
     with torch.no_grad():
-        expected = model(*args, **kwargs)
+        expected = {key: model(*a, **k) for key, (a, k) in inputs.items()}
     torch.compiler.reset()
     recorder = _Recorder(config)
     compiled = torch.compile(model, backend=recorder, dynamic=False)
     report = Report(options, rtol)
-    call, last = 0, False
-    while not last:
+    call = first = 0  # calls made; the first call of the current generation
+    for key, name in _calls(config, recorder):
+        if key is None:  # a new generation
+            recorder.backend.reset()
+            first = call
+            continue
         call += 1
         with torch.no_grad():
-            actual = compiled(*args, **kwargs)
-        name, last = _role(config, call, recorder)
+            actual = compiled(*inputs[key][0], **inputs[key][1])
         if name is None:
             continue
-        check = _compare(name, call, expected, actual)
+        check = _compare(name, call, expected[key], actual)
         report.checks.append(check)
         if not check.passes(rtol):
-            where = _locate(recorder, call, rtol)
+            where = _locate(recorder, first, call, rtol)
             raise NotEquivalent(_message(report, check, where), check, where)
     return report
 
 
-def _role(config: Config, call: int, recorder: _Recorder) -> tuple[str | None, bool]:
-    """(what call `call` must satisfy, or None; whether it is the last call to make)."""
+def _calls(config: Config, recorder: _Recorder) -> Iterator[tuple[str | None, str | None]]:
+    """(input, what its output must satisfy or None) of each call in turn; (None, None)
+    starts a new generation. Read lazily: the layer count is known after the first call."""
     if config.mode != "stale":
-        return "exact mode" if call == 1 else "exact mode, caches reused", call == 2
-    if call <= config.warmup_steps:
-        return "stale mode, warmup call", False
-    # After a warmup call every stale K/V is exact. Without one, layer l's K/V become exact
-    # one call after layer l-1's: the repeated input is exact after L+1 calls.
-    layers = max((len(p.plan.caches) for p in recorder.pipelined()), default=0)
-    target = config.warmup_steps + 1 if config.warmup_steps else layers + 1
-    if call >= target:
-        return "stale mode, repeated input", True
-    return None, False
+        yield from (("given", "exact mode"), ("given", "exact mode, caches reused"))
+        return
+    # The given input repeated: after a warmup call every stale K/V is exact; without one,
+    # layer l's K/V become exact one call after layer l-1's: after L+1 calls.
+    warmup = config.warmup_steps
+    yield from [("given", "stale mode, warmup call")] * warmup
+    if not warmup:
+        yield "given", None
+        yield from [("given", None)] * (_layers(recorder) - 1)
+    yield "given", "stale mode, repeated input"
+    # A new generation that warms up on another input: the given input's K/V replace the
+    # other's layer by layer (L+1 calls), which a cache that stopped following the calls
+    # (exact on the repetitions above) does not.
+    yield None, None
+    yield from [("other", "stale mode, warmup call on another input")] * warmup
+    if not warmup:
+        yield "other", None
+    yield from [("given", None)] * _layers(recorder)
+    yield "given", "stale mode, given input after another's K/V"
+
+
+def _layers(recorder: _Recorder) -> int:
+    """The most layers with K/V caches of any program made so far."""
+    return max((len(p.plan.caches) for p in recorder.pipelined()), default=0)
+
+
+def other_input(model: torch.nn.Module, args: tuple, kwargs: dict,
+                timestep_input: str | None = None) -> tuple[tuple, dict]:
+    """Another input of the same shapes: floating tensors of rank >= 3 (latents, text)
+    changed, a timestep tensor moved by one (so the given input's first call is the next
+    step, not another guidance branch at the same timestep). Python numbers stay."""
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*args, **kwargs)
+    timesteps = timestep_names(timestep_input)
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind == inspect.Parameter.VAR_KEYWORD:  # **kwargs: each by its keyword
+            value = {key: _changed(v, key in timesteps) for key, v in value.items()}
+        elif kind == inspect.Parameter.VAR_POSITIONAL:
+            value = tuple(_changed(v, False) for v in value)
+        else:
+            value = _changed(value, name in timesteps)
+        bound.arguments[name] = value
+    return bound.args, bound.kwargs
+
+
+def _changed(value: Any, timestep: bool) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if timestep:
+        return value + 1
+    if value.is_floating_point() and value.dim() >= 3:
+        return 0.25 - value
+    return value
 
 
 class _Recorder:
@@ -176,10 +234,11 @@ def _relative(check: Check) -> float:
     return check.error / check.scale if check.scale else check.error
 
 
-def _locate(recorder: _Recorder, call: int, rtol: float) -> Where | None:
+def _locate(recorder: _Recorder, first: int, call: int, rtol: float) -> Where | None:
+    """Where the generation of calls first+1..call first differs (replayed afresh)."""
     for lazy, calls in recorder.graphs:
         for program in _programs(lazy):
-            where = locate(program.plan, calls[:call], rtol)
+            where = locate(program.plan, calls[first:call], rtol)
             if where is not None:
                 return where
     return None
