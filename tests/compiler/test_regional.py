@@ -42,6 +42,34 @@ def test_blocks_compiled_one_by_one_are_refused():
         model(torch.randn(1, 16, 16))
 
 
+class BlockNamedS(Block):
+    def forward(s, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, cond)
+
+
+class SelfNamedS(Blocks):
+    """A model and blocks whose forwards call their instance `s`, not `self`."""
+
+    def __init__(s):
+        super().__init__()
+        s.blocks = nn.ModuleList(BlockNamedS(16, 2) for _ in range(3))
+
+    def forward(s, x: torch.Tensor) -> torch.Tensor:
+        for block in s.blocks:
+            x = block(x, s.cond)
+        return x
+
+
+def test_blocks_are_refused_whatever_the_forwards_call_their_instance():
+    torch.manual_seed(0)
+    model = SelfNamedS().eval()
+    for block in model.blocks:
+        block.compile(backend="tokpipe", dynamic=False, options=OPTIONS)
+    with pytest.raises(tp.TokpipeError, match="one of the 3 BlockNamedS blocks of SelfNamedS"), \
+            torch.no_grad():
+        model(torch.randn(1, 16, 16))
+
+
 def test_diffusers_regional_compilation_is_refused_and_runs_as_traced_with_fallback():
     expected = generate(*wan(), steps=2)
     pipe, kwargs = wan()

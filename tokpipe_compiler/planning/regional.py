@@ -67,7 +67,8 @@ def _traced_module() -> torch.nn.Module | None:
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        module = InstructionTranslator.current_tx().f_locals.get("self")
+        tx = InstructionTranslator.current_tx()
+        module = tx.f_locals.get(tx.f_code.co_varnames[0]) if tx.f_code.co_argcount else None
     except Exception:  # a Dynamo internal: without it, nothing is known
         return None
     return module if isinstance(module, torch.nn.Module) else None
@@ -87,9 +88,9 @@ def _calling_module(block: torch.nn.Module) -> torch.nn.Module | None:
         if os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR):
             continue  # the module call machinery (the block's own __call__)
         code = frame.f_code
-        if code.co_name != "forward" or not code.co_argcount or code.co_varnames[0] != "self":
+        if code.co_name != "forward" or not code.co_argcount:
             return None
-        caller = frame.f_locals.get("self")
+        caller = frame.f_locals.get(code.co_varnames[0])  # `self`, whatever its name
         if isinstance(caller, torch.nn.Module) and caller is not block and \
                 any(m is block for m in caller.modules()):
             return caller
