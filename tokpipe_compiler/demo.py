@@ -120,6 +120,17 @@ def save_image(serial_x: torch.Tensor, pipelined_x: torch.Tensor, path: Path,
     image.save(path)
 
 
+def image_path(out: Path, parser: argparse.ArgumentParser) -> Path:
+    """`--out` as an image file: a folder (or a name without a suffix) gets the default
+    name inside; a suffix PIL cannot write is refused before the run, not after it."""
+    if out.is_dir() or not out.suffix:
+        return out / DEFAULT_NAME
+    if out.suffix.lower() not in IMAGE_SUFFIXES:
+        parser.error(f"--out {out}: '{out.suffix}' is not an image format; use one of "
+                     f"{', '.join(IMAGE_SUFFIXES)}, or a folder")
+    return out
+
+
 def _grid(images: torch.Tensor, columns: int = 5) -> torch.Tensor:
     """[N, 1, s, s] -> [rows * (s + 1) + 1, columns * (s + 1) + 1], gray 1-pixel lines."""
     n, _, s, _ = images.shape
@@ -132,18 +143,27 @@ def _grid(images: torch.Tensor, columns: int = 5) -> torch.Tensor:
     return grid
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+DEFAULT_NAME = "tokpipe_demo.png"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIDES), default="default",
                         help="default: 32x32 images (1,024 tokens); small: 8x8 (64 tokens)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="DDIM steps")
     parser.add_argument("--chunks", type=parse_chunks, default=4,
                         help="a count, auto, or token lengths like 384,256,224,160")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--compiler", choices=["eager", "inductor"], default="eager")
-    parser.add_argument("--out", type=Path, default=Path("out/tokpipe_demo.png"))
+    parser.add_argument("--ranks", type=int, default=2, help="processes, one stage each")
+    parser.add_argument("--compiler", choices=["eager", "inductor"], default="eager",
+                        help="how each stage runs")
+    parser.add_argument("--out", type=Path, default=Path("out") / DEFAULT_NAME,
+                        help=f"the image to save (a folder: {DEFAULT_NAME} in it)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    args.out = image_path(args.out, parser)
     options = {"chunks": args.chunks, "mode": "stale", "warmup_steps": 1,
                "compiler": args.compiler, "timeout": 600.0}
     side = SIDES[args.size]
