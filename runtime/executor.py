@@ -43,7 +43,7 @@ StageRunner = Callable[[int, Chunk, list[torch.Tensor]], Sequence[torch.Tensor]]
 
 @dataclass
 class Event:
-    """One thing a rank did: compute, send, recv or wait."""
+    """One thing a rank did: compute, send or recv (posted ahead: its time is the wait)."""
 
     kind: str
     rank: int

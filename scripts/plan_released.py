@@ -37,7 +37,8 @@ as many chunks (`mode="stale"`, `token_input="hidden_states"`).
 - **share**: each stage's FLOPs over one step's chunks over the total (what the
   partition balances).
 - **max/mean**: the slowest stage over the mean; the plan is balanced at <= {balance:.2f}.
-- **params held (GiB)**: `StagePlan.param_bytes` of each stage's rank, float32.
+- **params held (GiB)**: `StagePlan.param_bytes` of each stage's rank (parameters and
+  buffers), float32.
 - (!): not as expected; the notes below the table say why.
 
 | model | stages | tokens | expected | chunks | share | max/mean | params held (GiB) |

@@ -16,8 +16,15 @@ __version__ = "0.1.0"
 
 
 def simulate(plan, device="h200", link="nvlink4", world=None, steps=20):
-    """Predicted serial and pipelined times of a plan on preset devices and links (see
-    tokpipe_compiler.costmodel.simulator.simulate; imported on use so `python -m` runs it
+    """Predicted serial and pipelined times of `steps` steps of `plan` (from explain()) on
+    one `device` a stage ("h200", "a100-pcie", "l20", "cpu" or a DeviceModel) joined by
+    `link` ("nvlink4", "pcie4", "pcie4-no-p2p" or a LinkModel), in the plan's dtype.
+
+    Counts each stage's kernels per chunk, the warmup steps and the stale ring, and sends
+    overlapping compute; leaves out the work outside the transformer, memory, and the
+    host's time (kernel launches, the runtime's bookkeeping), which `tokpipe inspect --for`
+    adds: that predicts more time where the host bounds small chunks. See
+    tokpipe_compiler.costmodel.simulator.simulate (imported on use so `python -m` runs it
     cleanly)."""
     from tokpipe_compiler.costmodel.simulator import simulate as run
 

@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="released models: the weights' dtype (default float32)")
     inspect.add_argument("--for", dest="target", choices=tuple(TARGET_LINKS),
                          help="released models, planned without --run: choose chunks=auto at "
-                              "this GPU's rates and print its predicted times")
+                              "this GPU's rates in --dtype (float32 without tensor cores) and "
+                              "print its predicted times, warning where its memory is short")
     inspect.add_argument("--stages", type=_count(1), default=2)
     inspect.add_argument("--chunks", type=parse_chunks, default=4,
                         help="a count, auto, or token lengths like 1728,960,768,640")
@@ -102,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
                               "host time as a graph's replay, not kernel launches")
     inspect.add_argument("--out", type=Path, help="folder for the dump (default: none)")
     inspect.add_argument("--run", type=_count(0), default=0, metavar="K",
-                         help="run K calls in-process; write trace.json to --out")
+                         help="run K calls in-process, print each stage's measured time "
+                              "against the predicted one (over steady steps: K >= warmup "
+                              "steps + 4 gives a figure) and write trace.json to --out")
     inspect.set_defaults(func=_inspect)
     _add_generate(commands)
     return parser
@@ -162,8 +165,10 @@ def _add_generate(commands) -> None:
     gen.add_argument("--timeout", type=_seconds, default=3600.0, help="seconds for the run")
     gen.add_argument("--compare", action="store_true",
                      help="also run the serial pipeline: speedup and difference")
-    gen.add_argument("--profile", action="store_true",
-                     help="write a torch.profiler trace per rank to --out")
+    gen.add_argument("--profile", nargs="?", const="", metavar="DIR",
+                     help="write a torch.profiler trace per rank, profile_rank<R>.json, to "
+                          "DIR (default: --out, else the current folder) and print each "
+                          "rank's path")
     gen.add_argument("--out", type=Path, help="folder for the images (default: none)")
     gen.set_defaults(func=generate)
 
@@ -183,11 +188,14 @@ def _inspect(args: argparse.Namespace) -> int:
                "cuda_graphs": args.cuda_graphs}
     if args.target is not None and not _on_meta(model):
         raise SpecError(_FOR_META)
-    with planned_for(args.target, args.cuda_graphs):
+    with planned_for(args.target, args.cuda_graphs, build.dtype):
         plan = explain(model, call_args, call_kwargs, **options)
     print(plan)
     if args.target is not None:
-        print(predicted(plan, args.target))
+        line, warnings = predicted(plan, args.target)
+        print(line)
+        for warning in warnings:
+            print(f"tokpipe: warning: {warning}", file=sys.stderr)
     program = None
     if args.run:
         program = _run(model, call_args, call_kwargs, options, args.run, programs)

@@ -133,10 +133,12 @@ def available_memory() -> int:
 
 
 @contextmanager
-def planned_for(target: str | None, cuda_graphs: bool = False) -> Iterator[None]:
-    """Planning on the meta device as for `target` (a preset of costmodel.hardware):
-    chunks="auto" chooses at its rates and the runtime's host time per call on a GPU
-    (launching kernels, or replaying graphs); without a target, at this CPU's rates."""
+def planned_for(target: str | None, cuda_graphs: bool = False,
+                dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
+    """Planning on the meta device as for `target` (a preset of costmodel.hardware)
+    computing in `dtype`: chunks="auto" chooses at its rates and the runtime's host time per
+    call on a GPU (launching kernels, or replaying graphs); without a target, at this CPU's
+    rates."""
     if target is None:
         yield
         return
@@ -144,24 +146,48 @@ def planned_for(target: str | None, cuda_graphs: bool = False) -> Iterator[None]
     from tokpipe_compiler.costmodel.host import assume_host, runtime_host
     from tokpipe_compiler.costmodel.predict import target_device
 
-    with assume_rates("meta", target_device(target).rates()), \
+    with assume_rates("meta", target_device(target, dtype=dtype).rates()), \
             assume_host(runtime_host("cuda", cuda_graphs)):
         yield
 
 
-def predicted(plan: Any, target: str) -> str:
+def predicted(plan: Any, target: str) -> tuple[str, list[str]]:
     """One line: serial and pipelined seconds of TARGET_STEPS steps of stale `plan` on one
-    `target` per stage, as the calibrated simulator predicts the released runs
-    (BENCHMARKS.md), and the busiest GPU's memory."""
+    `target` per stage in the plan's dtype, as the calibrated simulator predicts the
+    released runs (BENCHMARKS.md), and the busiest GPU's memory; and warnings (the busiest
+    GPU's memory over the target's)."""
     from tokpipe_compiler.costmodel.hardware import LINKS
     from tokpipe_compiler.costmodel.host import runtime_host
     from tokpipe_compiler.costmodel.predict import predict, target_device
+    from tokpipe_compiler.costmodel.simulator import plan_dtype
 
     link, graphs = TARGET_LINKS[target], plan.config.cuda_graphs
-    result = predict(plan, "stale", target_device(target), LINKS[link], TARGET_STEPS,
+    dtype = plan_dtype(plan)
+    device = target_device(target, dtype=dtype)
+    result = predict(plan, "stale", device, LINKS[link], TARGET_STEPS,
                      warmup_steps=plan.config.warmup_steps, host=runtime_host("cuda", graphs))
     host = "chunks replayed from CUDA graphs" if graphs else "kernels launched one by one"
-    return (f"predicted on {len(plan.stages)} x {target} ({link}, {host}), {TARGET_STEPS} "
-            f"steps of the transformer: serial {result.serial_s:.2f} s, pipelined "
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.float32:  # say why it is slow: the default --dtype is float32
+        name += (f" (no tensor cores, as PyTorch runs it by default: "
+                 f"{device.peak(dtype) / 1e12:.1f} TFLOP/s peak against "
+                 f"{device.peak(torch.bfloat16) / 1e12:.0f} in bfloat16)")
+    peak = result.peak_memory.total
+    line = (f"predicted on {len(plan.stages)} x {target} ({link}, {host}), {TARGET_STEPS} "
+            f"steps of the transformer in {name}: serial {result.serial_s:.2f} s, pipelined "
             f"{result.pipelined_s:.2f} s ({result.speedup:.2f}x); the busiest GPU holds "
-            f"{result.peak_memory.total / 2**30:.1f} GiB (weights, K/V, boundary values)")
+            f"{peak / 2**30:.1f} GiB (weights, K/V, boundary values)")
+    return line, [over_memory(peak, device, len(plan.stages), dtype)] \
+        if device.memory and peak > device.memory else []
+
+
+def over_memory(peak: float, device: Any, stages: int, dtype: torch.dtype) -> str:
+    """The warning for a busiest GPU that would hold `peak` bytes, more than `device`'s
+    memory, with the ways out."""
+    more = -(-int(peak * stages) // int(device.memory))  # the bytes spread evenly
+    ways = f"plan more stages (--stages {max(more, stages + 1)} or more)"
+    if dtype.itemsize > 2:
+        ways += " or halve the bytes with --dtype bfloat16"
+    return (f"the busiest GPU would hold {peak / 2**30:.1f} GiB, more than the "
+            f"{device.memory / 2**30:.1f} GiB ({device.memory / 1e9:.0f} GB) of one "
+            f"{device.name}, before any activations: this plan does not fit; {ways}")

@@ -203,8 +203,8 @@ def _run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     # warmup would make (and compile) a program the timed call does not use.
     by_length = args.chunks == "auto" and not args.per_call
     _timed(pipe, kwargs if by_length else short, args.seed)
-    if args.profile:
-        result["trace"] = _profiled(pipe, kwargs, args, rank)
+    if args.profile is not None:
+        result["traces"] = [_profiled(pipe, kwargs, args, rank)]
     made = len(_programs(pipe))
     result["pipelined_s"], images = _timed(pipe, kwargs, args.seed)
     after = _programs(pipe)
@@ -279,7 +279,7 @@ def _timed(pipe: Any, kwargs: dict, seed: int) -> tuple[float, list]:
 def _profiled(pipe: Any, kwargs: dict, args: argparse.Namespace, rank: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    path = Path(args.out or ".") / f"profile_rank{rank}.json"
+    path = profile_folder(args) / f"profile_rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -288,6 +288,11 @@ def _profiled(pipe: Any, kwargs: dict, args: argparse.Namespace, rank: int) -> s
         _timed(pipe, kwargs, args.seed)
     prof.export_chrome_trace(str(path))
     return str(path)
+
+
+def profile_folder(args: argparse.Namespace) -> Path:
+    """Where --profile writes: its DIR, else --out, else the current folder."""
+    return Path(args.profile or args.out or ".")
 
 
 def _relative(a: list, b: list) -> float:
@@ -321,13 +326,17 @@ def generate(args: argparse.Namespace) -> int:
 
         results = launch(run, args.ranks, args=(args,), timeout=args.timeout,
                          device=args.device)
-        report(results[0], args)
+        traces = [path for result in results for path in result.get("traces", [])]
+        report({**results[0], "traces": traces}, args)  # every rank's trace, on one line
         for result in results[1:]:
             print(result["memory"])
         return 0
-    result = run(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), args)
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for all
+    rank = int(os.environ.get("RANK", "0"))
+    result = run(rank, int(os.environ.get("WORLD_SIZE", "1")), args)
+    if rank == 0:  # under torchrun, rank 0 speaks for all but the others' traces
         report(result, args)
+    elif result.get("traces"):
+        print(f"profile (rank {rank}): {', '.join(result['traces'])}")
     return 0
 
 
@@ -366,7 +375,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
               f"{result['difference']:.2e} of the largest "
               f"{'latent value' if args.released else 'pixel'}")
     print(result["memory"])
-    if result.get("trace"):
-        print(f"profile: {result['trace']}")
+    if result.get("traces"):
+        print(f"profile: {', '.join(result['traces'])}")
     if result.get("files"):
         print(f"saved {len(result['files'])} file(s) to {args.out}/")

@@ -77,6 +77,15 @@ def test_too_many_stages_is_a_clear_error(tmp_path, capsys, monkeypatch):
     assert "chunks=9 is more than the 4 rows" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore:tokpipe.*cannot be balanced")
+def test_stages_without_work_are_named(tmp_path, capsys, monkeypatch):
+    """20 stages of a 2-block model leave some computing nothing: a warning names them."""
+    (tmp_path / "my_models.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match=r"stages=20 leaves stage\(s\) 1,.*use fewer stages"):
+        assert main(["inspect", "my_models:tiny_dit", "--stages", "20"]) == 0
+
+
 @pytest.mark.parametrize(("chunks", "shown"), [("auto", "chunk(s)"), ("8,4,4", "x 3 chunk(s)")])
 def test_chunks_as_auto_or_token_lengths(chunks, shown, tmp_path, capsys, monkeypatch):
     (tmp_path / "my_models.py").write_text(MODULE)
@@ -134,7 +143,9 @@ def test_inspect_a_released_model_at_full_size_on_meta(capsys):
     assert "sd3-medium: SD3Transformer2DModel at its released widths, released depth, " \
            "latent grid 128 x 128, batch 2 (guidance), bfloat16 on meta" in printed.err
     assert "4096 tokens" in printed.out and "transformer_blocks.12-23" in printed.out
-    assert "parameters 3.9 GiB" in printed.out  # 2.03B in bfloat16 and the pos. table
+    # 2.03B parameters in bfloat16, and the positional table (a buffer)
+    assert "weights (parameters and buffers) 3.9 GiB" in printed.out
+    assert "  4096 + 333 text  " in printed.out  # every chunk attends to the text too
 
 
 def predicted_run(capsys, argv: list[str]) -> tuple[str, list[float], int]:
@@ -147,7 +158,8 @@ def predicted_run(capsys, argv: list[str]) -> tuple[str, list[float], int]:
     line = next(x for x in lines if x.startswith("predicted on"))
     chunks = int(re.search(r"x (\d+) chunk\(s\)", lines[0]).group(1))
     found = re.fullmatch(r"predicted on 2 x h200 \(nvlink4, ([a-zA-Z ]+)\), 20 steps of the "
-                         r"transformer: serial ([\d.]+) s, pipelined ([\d.]+) s \(([\d.]+)x\); "
+                         r"transformer in bfloat16: serial ([\d.]+) s, pipelined ([\d.]+) s "
+                         r"\(([\d.]+)x\); "
                          r"the busiest GPU holds ([\d.]+) GiB \(weights, K/V, boundary values\)",
                          line)
     assert found, line
@@ -171,6 +183,42 @@ def test_plan_a_released_model_for_a_gpu(capsys):
                            (["--mode", "sync"], "--for predicts stale-mode")):
         assert main([*argv, *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+def _for_line(capsys, argv: list[str]) -> tuple[str, str]:
+    """The --for line and what went to stderr."""
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    return next(x for x in printed.out.splitlines() if x.startswith("predicted on")), printed.err
+
+
+def test_a_gpu_prediction_computes_in_the_models_dtype(capsys):
+    """float32 (the default --dtype) runs without tensor cores, as PyTorch does by default:
+    the H200's 67 TFLOP/s, not bf16's 989. It was priced at the bf16 rate (0.87 s serial
+    against bf16's 0.69 s for full PixArt on 4 H200s: only its bytes differed)."""
+    import re
+
+    argv = ["inspect", "released:pixart-alpha-xl-2-1024-ms", "--layers", "4", "--stages", "2",
+            "--chunks", "4", "--for", "h200"]
+    half, _ = _for_line(capsys, [*argv, "--dtype", "bfloat16"])
+    full, _ = _for_line(capsys, argv)
+    assert "in float32 (no tensor cores, as PyTorch runs it by default: 67.0 TFLOP/s " \
+           "peak against 989 in bfloat16)" in full
+    serial = [float(re.search(r"serial ([\d.]+) s", x).group(1)) for x in (half, full)]
+    assert serial[1] > 5 * serial[0], serial
+
+
+def test_a_plan_larger_than_the_gpus_memory_is_warned_about(capsys):
+    """FLUX.1-dev in float32 on one L20 (48 GB): 50.3 GiB on the GPU was printed without a
+    word. The warning names the ways out; two stages in bfloat16 fit."""
+    argv = ["inspect", "released:flux1-dev", "--chunks", "4", "--for", "l20"]
+    line, err = _for_line(capsys, [*argv, "--stages", "1"])
+    assert "the busiest GPU holds 50.3 GiB" in line
+    assert "tokpipe: warning: the busiest GPU would hold 50.3 GiB, more than the 44.7 GiB " \
+           "(48 GB) of one l20, before any activations: this plan does not fit; plan more " \
+           "stages (--stages 2 or more) or halve the bytes with --dtype bfloat16" in err
+    _, err = _for_line(capsys, [*argv, "--stages", "2", "--dtype", "bfloat16"])
+    assert "would hold" not in err  # no word on fitting
 
 
 def test_a_released_format_config_builds_the_released_model(tmp_path, capsys):
@@ -317,3 +365,39 @@ def test_generate_shows_a_warning_on_one_line_with_its_rank(rank, world, prefix,
     with one_line_warnings(rank, world):
         warnings.warn("2 stages cannot be balanced", ImbalanceWarning, stacklevel=1)
     assert capsys.readouterr().err == f"{prefix}ImbalanceWarning: 2 stages cannot be balanced\n"
+
+
+@pytest.mark.parametrize(("argv", "folder"), [
+    (["--tiny", "dit", "--profile"], "."),
+    (["--tiny", "dit", "--profile", "--out", "images"], "images"),
+    (["--tiny", "dit", "--profile", "traces", "--out", "images"], "traces"),
+    (["--released", "sd3-medium", "--profile", "traces"], "traces"),  # which has no --out
+])
+def test_generate_profiles_to_the_folder_its_help_names(argv, folder):
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate import profile_folder
+
+    parser = _parser()
+    args = parser.parse_args(["generate", *argv])
+    assert str(profile_folder(args)) == folder
+    assert args.profile is not None and parser.parse_args(["generate", *argv[:2]]).profile is None
+
+
+def _ran(rank: int) -> dict:
+    """What a rank's run of `tokpipe generate --profile` returns."""
+    return {"pipelined_s": 1.0, "chunks": [4], "made_while_timed": 0,
+            "memory": f"rank {rank}: peak 1 MiB", "traces": [f"g1/profile_rank{rank}.json"]}
+
+
+def test_generate_prints_every_ranks_profile(capsys, monkeypatch):
+    from tokpipe_compiler import generate as generate_module
+    from tokpipe_compiler.runtime import launch
+
+    monkeypatch.setattr(launch, "launch", lambda run, world, **kw: [_ran(r) for r in range(world)])
+    assert main(["generate", "--tiny", "dit", "--ranks", "2", "--profile", "g1"]) == 0
+    assert "profile: g1/profile_rank0.json, g1/profile_rank1.json\n" in capsys.readouterr().out
+    # under torchrun each process is one rank: the others print their own
+    monkeypatch.setattr(generate_module, "run", lambda rank, world, args: _ran(rank))
+    monkeypatch.setenv("RANK", "1")
+    assert main(["generate", "--tiny", "dit", "--profile", "g1"]) == 0
+    assert capsys.readouterr().out == "profile (rank 1): g1/profile_rank1.json\n"

@@ -258,7 +258,8 @@ def test_the_plan_counts_the_text_rows_the_first_chunk_sends(joint):
             runtime = sum(math.prod(s.shape) * s.dtype.itemsize for s in specs)
             assert plan.send_bytes(stage.index, chunk) == runtime
     assert plan.stages[0].send_text_bytes == 5 * 16 * 4  # the text stream, 5 x 16 floats
-    slow, h200 = LinkModel("slow", 1e4, 0.0), DEVICES["h200"]
+    # simulate() computes in the plan's dtype: the reference below at the same rates
+    slow, h200 = LinkModel("slow", 1e4, 0.0), DEVICES["h200"].for_dtype(torch.float32)
     per_token = plan.tokens / plan.units
     image_only = simulate_chunks(
         [s.cost for s in plan.stages], [s.send_bytes_per_unit / per_token for s in plan.stages],
@@ -266,6 +267,16 @@ def test_the_plan_counts_the_text_rows_the_first_chunk_sends(joint):
         20, 1, h200, slow, 2)
     text_s = slow.seconds(plan.stages[0].send_text_bytes)  # on the first chunk of each step
     assert simulate(plan, h200, slow).pipelined_s > image_only.pipelined_s + 19 * text_s / 2
+
+
+def test_the_chunk_table_context_holds_the_text(joint):
+    """Every chunk attends over the 12 image tokens and the 5 text tokens (whichever chunk
+    computes the text): the printed context says both."""
+    _, traced = joint
+    plan = traced.program(mode="stale", stages=2, chunks=3, warmup_steps=1).plan
+    assert plan.text_tokens == 5 and plan.summary()["text_tokens"] == 5
+    table = str(plan).split("\nchunk ")[1]
+    assert table.count(" 12 + 5 text ") == 3
 
 
 class ScaledByText(TinyJoint):

@@ -43,6 +43,16 @@ def test_stage_parameter_bytes_sum_to_the_model():
     assert all(s.param_bytes > s.prelude_param_bytes > 0 for s in plan.stages)
 
 
+def test_the_printed_weights_say_they_hold_buffers_too():
+    """The figure counts buffers (a positional table, say) with the parameters."""
+    from tokpipe_compiler.inspection.report import human_bytes
+
+    model, plan = dit_plan()
+    text = str(plan)
+    assert f"weights (parameters and buffers) {human_bytes(model_bytes(model))}" in text
+    assert "weights held" in text and "params held" not in text
+
+
 def test_a_rank_holds_its_stage_and_its_share_of_the_prelude():
     """A block's modulation (`ada`) runs in the prelude on every rank whose stage runs part
     of the block; the timestep and label embeddings feed every block, so every rank."""
@@ -137,6 +147,9 @@ def test_causal_chunks_cost_more_later():
     flops = [plan.stage_flops(0, c) for c in plan.chunks]
     assert flops == sorted(flops) and flops[0] < flops[-1]
     assert [plan.context_tokens(c) for c in plan.chunks] == [4, 8, 12, 16]
+    # Causal calls each fill and drain the pipeline: no PipeFusion ring bubble (stale's).
+    assert "PipeFusion ring" not in str(plan)
+    assert "PipeFusion ring" in str(dit_plan()[1])
 
 
 def test_bubble_of_balanced_stages_is_the_fill(monkeypatch):

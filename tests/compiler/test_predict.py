@@ -55,6 +55,27 @@ def test_h200_is_measured_and_the_l20_borrows_the_a100_fit():
     assert l20.matmul_flops == pytest.approx(fitted_share() * 119.5e12)
 
 
+def test_each_gpu_has_a_matmul_rate_per_dtype():
+    """float32 as PyTorch runs it (TF32 off) at the non-tensor FP32 peak, bf16 and fp16 at
+    the dense tensor-core peak, the share of peak sustained kept (spec sheets in
+    hardware.py); the per-score attention time and the bandwidth do not change."""
+    peaks = {"h200": (989e12, 67e12), "a100-pcie": (312e12, 19.5e12), "l20": (119.5e12, 59.8e12)}
+    for name, (tensor, fp32) in peaks.items():
+        half = target_device(name)
+        assert half.peak(torch.float16) == half.peak(torch.bfloat16) == tensor
+        assert target_device(name, dtype=torch.float16).matmul_flops == half.matmul_flops
+        full = target_device(name, dtype=torch.float32)
+        assert full.matmul_flops == pytest.approx(half.matmul_flops * fp32 / tensor)
+        assert full.rates().attention_flops == pytest.approx(
+            half.rates().attention_flops * fp32 / tensor)
+        assert (full.mem_bandwidth, full.score_seconds) == (half.mem_bandwidth,
+                                                           half.score_seconds)
+    assert target_device("h200", dtype=torch.float32).matmul_flops == pytest.approx(
+        778e12 * 67 / 989)
+    with pytest.warns(UserWarning, match="h200 has no spec-sheet matmul rate in float64"):
+        assert target_device("h200", dtype=torch.float64) == DEVICES["h200"]
+
+
 def test_pipelining_pays_on_two_and_four_gpus(predictions):
     preds, _ = predictions
     for (stages, mode), p in preds.items():

@@ -70,9 +70,11 @@ def test_meta_models_are_planned_with_the_cpu_rates(tmp_path, monkeypatch):
     no clock, so the CPU's rates are used (measured or cached), never a "meta" measurement."""
     monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
     measured = []
-    real = calibrate.measure_rates
+    # Fixed rates: a real measurement on a busy machine is refused and not cached.
+    rates = calibrate.DeviceRates(matmul_flops=1e11, mem_bandwidth=5e10, attention_flops=5e10,
+                                  per_op_overhead=2e-6, matmul_half=8.0)
     monkeypatch.setattr(calibrate, "measure_rates",
-                        lambda device, threads: measured.append(device) or real("cpu", threads))
+                        lambda device, threads: measured.append(device) or rates)
     name = "DiTTransformer2DModel"
     with torch.device("meta"):
         model = diffusers.DiTTransformer2DModel(**ZOO[name].config).eval()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import replace
 
 import pytest
+import torch
 
 from tokpipe_compiler.costmodel import published, released_runs
 from tokpipe_compiler.costmodel import simulator as simulate_module
@@ -98,6 +101,81 @@ def test_simulate_a_plan_from_explain():
     assert fast.serial_s < slow.serial_s
     with pytest.raises(ValueError, match="world=3"):
         tp.simulate(plan, world=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_plans():
+    """A PixArt-alpha-wide block on a 32 x 32 latent, on meta: in float32 and bfloat16."""
+    import tokpipe_compiler as tp
+    from tokpipe_compiler import released
+
+    name, grid = "pixart-alpha-xl-2-1024-ms", (32, 32)
+    plans = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = released.build(name, layers=2, device="meta", grid=grid).to(dtype)
+        inputs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                  else v for k, v in released.inputs(name, batch=2, grid=grid,
+                                                     device="meta").items()}
+        plans.append(tp.explain(model, (), inputs, stages=2, chunks=4))
+    return plans
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"device": "H200"}, "unknown device 'H200': use one of h200, a100-pcie, l20, cpu"),
+    ({"device": ""}, "unknown device '': use one of h200"),
+    ({"link": "nvlink"}, "unknown link 'nvlink': use one of nvlink4, pcie4, pcie4-no-p2p"),
+    ({"steps": 0}, "steps=0: need a whole number of denoising steps >= 1"),
+    ({"steps": -5}, "steps=-5"),
+    ({"steps": 2.5}, "steps=2.5"),
+    ({"world": 0}, "world=0: need a whole number of devices >= 1"),
+    ({"world": 3}, "world=3 but the plan has 2 stages"),
+])
+def test_simulate_refuses_bad_arguments_naming_the_valid_ones(tiny_plans, kwargs, message):
+    """Bare KeyErrors, a ZeroDivisionError, negative times and world=0 taken as 'one a
+    stage' before."""
+    import tokpipe_compiler as tp
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tp.simulate(tiny_plans[0], **kwargs)
+
+
+def test_simulate_computes_in_the_plans_dtype(tiny_plans):
+    """A float32 plan runs its products at the GPU's FP32 rate, a bf16 one at its tensor
+    cores': the float32 plan's matrix products take 989 / 67 times as long on the H200."""
+    import tokpipe_compiler as tp
+    from tokpipe_compiler.costmodel.simulator import plan_dtype
+
+    full, half = tiny_plans
+    assert (plan_dtype(full), plan_dtype(half)) == (torch.float32, torch.bfloat16)
+    fast = replace(DEVICES["h200"], mem_bandwidth=1e30)  # compute alone
+    ratio = tp.simulate(full, fast).serial_s / tp.simulate(half, fast).serial_s
+    assert ratio == pytest.approx(989 / 67, rel=0.05)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--pixart", "--chunks", "0"], "from 1 to 4096 (PixArt's tokens), got '0'"),
+    (["--pixart", "--chunks", "-2"], "got '-2'"),
+    (["--pixart", "--chunks", "100000"], "got '100000'"),
+    (["--pixart", "--chunks", "x"], "got 'x'"),
+    (["--chunks", "4"], "nothing to predict: pass --pixart"),
+    ([], "nothing to predict: pass --pixart"),
+])
+def test_the_simulator_command_refuses_bad_arguments(capsys, argv, message):
+    """A ZeroDivisionError, max() of an empty sequence, 100000 one-token chunks of 4096
+    tokens predicted, and the help printed with exit code 0 before."""
+    with pytest.raises(SystemExit) as exited:
+        simulate_module.main(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_simulate_model_needs_a_token_a_chunk():
+    stages, boundary = pixart_stage_costs(2)
+    device, link = DEVICES["l20"], LINKS["pcie4"]
+    for chunks in (0, -2, 4097):
+        with pytest.raises(ValueError, match=f"chunks={chunks}: need 1 <= chunks <= tokens"):
+            simulate_model(stages, boundary, 4096, chunks, 20, 1, device, link, 2)
+    with pytest.raises(ValueError, match="steps=0"):
+        simulate_model(stages, boundary, 4096, 4, 0, 1, device, link, 2)
 
 
 def test_a_ring_with_fewer_chunks_than_ranks_keeps_ranks_idle():

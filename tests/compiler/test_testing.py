@@ -4,13 +4,16 @@ broken one. The hypothesis test is the pattern the README shows for users' own m
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tokpipe_compiler as tp
 from tests.fixtures.models import TinyCausalLM, TinyDiT, dit_inputs
+from tokpipe_compiler.passes.partition import ImbalanceWarning
 from tokpipe_compiler.programs import pipelined
 from tokpipe_compiler.runtime import executor
 from tokpipe_compiler.runtime.chunking import Chunk
@@ -125,6 +128,24 @@ CAUSAL = TinyCausalLM(depth=1, width=16, heads=1).eval()
 @given(opts=options(CAUSAL, (torch.zeros(1, 3, 16),), max_chunks=8))
 def test_options_respect_the_model(opts):
     assert 1 <= opts["chunks"] <= 3 and opts["mode"] in ("stale", "causal", "sync")
+
+
+@pytest.mark.filterwarnings("ignore:tokpipe.*cannot be balanced")
+def test_options_draw_no_more_stages_than_have_work():
+    """The most stages drawn is the most every stage of which has a FLOP to compute (the
+    cut points alone allow dozens more on two blocks); one more warns of the idle stage."""
+    from tokpipe_compiler.testing.strategies import model_facts
+
+    model = TinyDiT(depth=2, width=16, heads=2, grid=8).eval()
+    args = dit_inputs(model, 8)
+    most = model_facts(model, args).max_stages(100)
+    assert 2 < most < 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ImbalanceWarning)  # not even that one
+        warnings.filterwarnings("ignore", "tokpipe.*cannot be balanced")
+        tp.explain(model, args, stages=most, chunks=1, compiler="eager")
+    with pytest.warns(ImbalanceWarning, match="nothing to compute.*use fewer stages"):
+        tp.explain(model, args, stages=most + 1, chunks=1, compiler="eager")
 
 
 def test_options_refuse_modes_the_model_lacks():

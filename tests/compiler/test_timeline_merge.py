@@ -138,3 +138,37 @@ def test_one_process_trace_has_no_empty_rows_and_counts_steps():
     assert steps == [0, 1, 2]
     whole = [e for e in data["traceEvents"] if e["ph"] == "X" and e["args"]["whole"]]
     assert {e["args"]["step"] for e in whole} == {0} and len(whole) == 2
+
+
+def test_the_command_names_a_missing_file(tmp_path, capsys):
+    path = write_chrome_trace(two_ranks()[0], tmp_path / "rank0.json")
+    assert main([str(tmp_path / "merged.json"), str(path), str(tmp_path / "nosuch.json")]) == 2
+    err = capsys.readouterr().err
+    assert "error: No such file or directory" in err and "nosuch.json" in err
+    assert "Traceback" not in err and not (tmp_path / "merged.json").exists()
+
+
+def test_the_command_refuses_a_torch_profiler_trace(tmp_path, capsys):
+    """torch.profiler's Chrome trace (tokpipe generate --profile) is not a tokpipe timeline:
+    its events' args are not a tokpipe Event's."""
+    path = write_chrome_trace(two_ranks()[0], tmp_path / "rank0.json")
+    profile = tmp_path / "profile_rank0.json"
+    profile.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [
+        {"ph": "X", "name": "aten::mm", "ts": 1.0, "dur": 2.0, "pid": 1, "tid": 1,
+         "args": {"External id": 3}}]}))
+    assert main([str(tmp_path / "merged.json"), str(path), str(profile)]) == 2
+    err = capsys.readouterr().err
+    assert f"{profile} is not a tokpipe timeline" in err and "torch.profiler" in err
+    (tmp_path / "bad.json").write_text("{")
+    assert main([str(tmp_path / "merged.json"), str(tmp_path / "bad.json")]) == 2
+    assert "bad.json is not JSON" in capsys.readouterr().err
+
+
+def test_a_rank_given_twice_is_refused(tmp_path, capsys):
+    """The same rank's file twice would duplicate every event."""
+    ranks = two_ranks()
+    paths = [write_chrome_trace(ranks[0], tmp_path / "rank0.json"),
+             write_chrome_trace(ranks[1], tmp_path / "rank1.json")]
+    assert main([str(tmp_path / "merged.json"), *map(str, paths), str(paths[0])]) == 2
+    err = capsys.readouterr().err
+    assert "both hold rank 0's events: give each rank's trace once" in err

@@ -5,10 +5,8 @@ fingerprint check)."""
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -44,9 +42,7 @@ def _table_at(rates: calibrate.DeviceRates) -> list[int]:
 def _rank(rank: int, world: int) -> dict:
     """Plans from this rank's own rates cache (rank r's: RATES[r])."""
     os.environ[calibrate.CACHE_ENV] = tempfile.mkdtemp()
-    path = calibrate.cache_path("cpu")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(RATES[rank])))
+    calibrate.save_rates(RATES[rank])
     model = _model()
     compiled = torch.compile(model, backend=tp.backend(**OPTIONS), dynamic=False)
     latents, t, labels = dit_inputs(model, GRID)

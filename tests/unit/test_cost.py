@@ -389,11 +389,12 @@ def test_rates_cache_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "measure_rates", lambda d, t: calls.append(d) or RATES)
     assert calibrate.load_or_measure("cpu", 3) == RATES
     path = tmp_path / "rates-cpu-3.json"
-    assert json.loads(path.read_text())["matmul_half"] == 8.0
+    assert json.loads(path.read_text())["rates"]["matmul_half"] == 8.0
     assert calibrate.load_or_measure("cpu", 3) == RATES
     assert calls == ["cpu"]
     path.write_text("{not json")
     assert calibrate.load_or_measure("cpu", 3) == RATES and len(calls) == 2
     older = {k: v for k, v in asdict(RATES).items() if k != "causal_tile"}
-    path.write_text(json.dumps(older))  # written by a version that measured less
+    key = calibrate.cache_key("cpu", 3)
+    path.write_text(json.dumps({"key": key, "rates": older}))  # a version that measured less
     assert calibrate.load_or_measure("cpu", 3) == RATES and len(calls) == 3

@@ -1,6 +1,7 @@
 """Seconds from a Cost: rates of the local device, measured once and cached on disk.
 
 rates = load_or_measure("cpu")          # ~2 s the first time, then read from the cache
+                                        # (measurement: costmodel/measure.py)
 seconds(graph_cost(nodes, 4096), rates, n=512, c=4096)
 """
 
@@ -9,8 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
-import time
+import platform
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import sympy
 import torch
-import torch.nn.functional as F
 
 from tokpipe_compiler.costmodel.cost import TEXT, TILE, C, Cost, N
 
@@ -29,6 +29,9 @@ _ASSUMED: dict[str, DeviceRates] = {}
 # shared_rates); innermost last.
 Share = Callable[[str, Callable[[], "DeviceRates"]], "DeviceRates"]
 _SHARING: list[tuple[Share, dict]] = []
+# Rates this process plans with after a refused measurement, by (device, threads): it
+# warns and measures once (see _local).
+_UNCACHED: dict[tuple[str, int], DeviceRates] = {}
 
 
 @dataclass
@@ -142,103 +145,26 @@ def _combine(
     return compute + memory + launches * rates.per_op_overhead
 
 
-# ---- measurement -----------------------------------------------------------------------
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def _time(fn: Callable[[], object], device: str, budget: float = 0.05) -> float:
-    """Fastest of repeated calls over about `budget` seconds (the minimum shrugs off
-    other processes that share the device)."""
-    fn()
-    _sync(device)
-    samples: list[float] = []
-    start = time.perf_counter()
-    while len(samples) < 3 or time.perf_counter() - start < budget:
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - t0)
-        if len(samples) >= 1000:
-            break
-    return min(samples)
-
-
-def _matmul_fit(device: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(peak, m_half) from 1/rate = 1/peak + (m_half/peak) / m, least squares."""
-    k = 1024
-    w = torch.randn(k, k, device=device, dtype=dtype)
-    points = []
-    for m in (8, 32, 128, 512):
-        x = torch.randn(m, k, device=device, dtype=dtype)
-        rate = 2 * m * k * k / _time(lambda x=x: x @ w, device)
-        points.append((1 / m, 1 / rate))
-    mean_x = statistics.fmean(p[0] for p in points)
-    mean_y = statistics.fmean(p[1] for p in points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum(
-        (x - mean_x) ** 2 for x, _ in points
-    )
-    intercept = mean_y - slope * mean_x
-    if intercept <= 0 or slope < 0:  # noisy fit: fall back to the best rate seen
-        return 1 / min(p[1] for p in points), 0.0
-    return 1 / intercept, slope / intercept
-
-
-def _attention_rate(device: str, dtype: torch.dtype) -> float:
-    heads, q_len, kv_len, dim = 4, 256, 1024, 64
-    q = torch.randn(1, heads, q_len, dim, device=device, dtype=dtype)
-    kv = torch.randn(1, heads, kv_len, dim, device=device, dtype=dtype)
-    flops = heads * q_len * kv_len * (4 * dim + 5)  # as the cost pass counts it
-    return flops / _time(lambda: F.scaled_dot_product_attention(q, kv, kv), device)
-
-
-def _causal_tile(device: str, dtype: torch.dtype) -> float:
-    """Tile width that explains the causal kernel's time on a square n x n block: it
-    computes n * (n + tile) / 2 scores where n * n / 2 are needed."""
-    n = 1024
-    q = torch.randn(1, 4, n, 64, device=device, dtype=dtype)
-    full = _time(lambda: F.scaled_dot_product_attention(q, q, q), device)
-    causal = _time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), device)
-    return min(max(n * (2 * causal / full - 1), 0.0), float(n))
-
-
-def _bandwidth(device: str, dtype: torch.dtype) -> float:
-    # On a CPU a chunk's activations and a layer's weights live in the last-level cache, so
-    # measure at that size (12 MB moved); on a GPU stream well past L2.
-    a = torch.randn(1 << (20 if device == "cpu" else 26), device=device, dtype=dtype)
-    b = torch.randn_like(a)
-    return 3 * a.numel() * a.element_size() / _time(lambda: a + b, device)
-
-
-def _overhead(device: str) -> float:
-    a = torch.ones(1, device=device)
-    return _time(lambda: a + a, device, budget=0.02)
+# ---- measurement and cache -------------------------------------------------------------
 
 
 def measure_rates(device: str = "cpu", threads: int | None = None) -> DeviceRates:
-    """Measure the rates of `device` (about a second), with `threads` CPU threads."""
+    """Measure the rates of `device` (about a second a round, up to measure.ROUNDS), with
+    `threads` CPU threads. Raises measure.CalibrationError when the figures stay
+    implausible (a machine too busy to measure)."""
+    from tokpipe_compiler.costmodel import measure
+
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
         with torch.no_grad():
-            peak, half = _matmul_fit(device, dtype)
-            rates = DeviceRates(
-                matmul_flops=peak,
-                mem_bandwidth=_bandwidth(device, dtype),
-                attention_flops=_attention_rate(device, dtype),
-                per_op_overhead=_overhead(device),
-                matmul_half=half,
-                causal_tile=_causal_tile(device, dtype),
-            )
+            rates = measure.measure(device, dtype)
             if torch.device(device).type == "cuda":  # waves of tiles, attention per score
                 from tokpipe_compiler.costmodel.gpu_rates import refine
 
-                rates = refine(rates, device, dtype, _time)
+                rates = refine(rates, device, dtype, measure.time_call)
             return rates
     finally:
         torch.set_num_threads(previous)
@@ -251,13 +177,62 @@ def cache_path(device: str = "cpu", threads: int | None = None) -> Path:
     return Path(root) / f"rates-{name}-{threads}.json"
 
 
+def cache_key(device: str = "cpu", threads: int | None = None) -> dict[str, object]:
+    """What cached rates hold for: the device, its thread count, this torch and the
+    hardware (the CPU's model and cores, or the GPU's name)."""
+    threads = threads if threads is not None else torch.get_num_threads()
+    if torch.device(device).type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = f"{_cpu_model()}, {os.cpu_count()} cores"
+    return {"device": device, "threads": threads, "torch": torch.__version__,
+            "hardware": hardware}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def save_rates(rates: DeviceRates, device: str = "cpu", threads: int | None = None) -> Path:
+    """Write `rates` to the cache as this machine's for `device` at `threads`."""
+    path = cache_path(device, threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": cache_key(device, threads), "rates": asdict(rates)},
+                               indent=1))
+    return path
+
+
+def _cached(device: str, threads: int | None) -> DeviceRates | None:
+    """The cached rates, where they were measured for what this process runs on (the same
+    device, threads, torch and hardware) and are plausible."""
+    from tokpipe_compiler.costmodel.measure import problems
+
+    try:
+        cached = json.loads(cache_path(device, threads).read_text())
+        if cached.get("key") != cache_key(device, threads):
+            return None
+        rates = cached["rates"]
+        if set(rates) != {f.name for f in fields(DeviceRates)}:
+            return None  # written by a version with other rates
+        rates = DeviceRates(**rates)
+    except (OSError, TypeError, ValueError, KeyError, AttributeError):
+        return None  # missing or corrupt
+    return None if problems(rates) else rates
+
+
 def load_or_measure(
     device: str = "cpu", threads: int | None = None, refresh: bool = False
 ) -> DeviceRates:
-    """Cached rates of `device`, measured and written to the cache when missing. "meta"
-    (a model planned without memory behind it) has nothing to time: it gets the CPU's
-    rates, which weigh the nodes against each other as well as any, unless assume_rates
-    gave it others."""
+    """Cached rates of `device`, measured and written to the cache when missing, measured
+    for other hardware, threads or torch, or implausible. "meta" (a model planned without
+    memory behind it) has nothing to time: it gets the CPU's rates, which weigh the nodes
+    against each other as well as any, unless assume_rates gave it others."""
     if device in _ASSUMED:
         return _ASSUMED[device]
     if torch.device(device).type == "meta":
@@ -272,19 +247,24 @@ def load_or_measure(
 
 
 def _local(device: str, threads: int | None, refresh: bool) -> DeviceRates:
-    """This process's rates: read from the cache, or measured and cached."""
-    path = cache_path(device, threads)
-    if path.exists() and not refresh:
-        try:
-            cached = json.loads(path.read_text())
-            if set(cached) == {f.name for f in fields(DeviceRates)}:
-                return DeviceRates(**cached)
-        except (TypeError, ValueError):
-            pass
-        # a corrupt cache, or one from a version with other rates, is remeasured
-    rates = measure_rates(device, threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(rates), indent=1))
+    """This process's rates: read from the cache, or measured and cached. Rates that stay
+    implausible are used (one thread's figures where those are higher) with a warning, and
+    kept in this process only, so the next process measures again."""
+    from tokpipe_compiler.costmodel.measure import CalibrationError
+
+    key = (device, threads if threads is not None else torch.get_num_threads())
+    cached = None if refresh else _cached(device, threads) or _UNCACHED.get(key)
+    if cached is not None:
+        return cached
+    try:
+        rates = measure_rates(device, threads)
+    except CalibrationError as err:
+        warnings.warn(f"{err}; planning with the best figures measured (one thread's "
+                      "where higher), not cached: the next process measures again (or "
+                      "write rates with calibrate.save_rates)", stacklevel=3)
+        _UNCACHED[key] = err.rates
+        return err.rates
+    save_rates(rates, device, threads)
     return rates
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 import sympy
+import torch
 import torch.fx
 
 from tokpipe_compiler.config import Config
@@ -46,14 +47,16 @@ def fitted_share(name: str = CALIBRATED_LIKE) -> float:
     return ACHIEVABLE * fit_device(preset, serial).matmul_flops / preset.matmul_flops
 
 
-def target_device(name: str = "h200", like: str = CALIBRATED_LIKE) -> DeviceModel:
-    """`name`'s preset: as measured on the device where it was, else at `like`'s fitted
-    share of its peak."""
+def target_device(name: str = "h200", like: str = CALIBRATED_LIKE,
+                  dtype: torch.dtype = torch.bfloat16) -> DeviceModel:
+    """`name`'s preset computing in `dtype`: as measured on the device where it was, else
+    at `like`'s fitted share of its peak (`DeviceModel.for_dtype`: float32 at the
+    non-tensor FP32 peak)."""
     preset = DEVICES[name]
-    if preset.measured:
-        return preset
-    share = fitted_share(like)
-    return replace(preset, matmul_flops=preset.matmul_flops / ACHIEVABLE * share)
+    if not preset.measured:
+        share = fitted_share(like)
+        preset = replace(preset, matmul_flops=preset.matmul_flops / ACHIEVABLE * share)
+    return preset.for_dtype(dtype)
 
 
 def plan_for(gm: torch.fx.GraphModule, stages: int, device: DeviceModel,

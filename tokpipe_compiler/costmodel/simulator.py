@@ -6,9 +6,13 @@ python -m tokpipe_compiler.costmodel.simulator --pixart   # predicted vs publish
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from tokpipe_compiler.core.fx import example_value, is_parameter
 from tokpipe_compiler.costmodel import pipeline_time
 from tokpipe_compiler.costmodel.calibrate import load_or_measure, seconds
 from tokpipe_compiler.costmodel.cost import Cost
@@ -17,9 +21,23 @@ from tokpipe_compiler.costmodel.host import NO_HOST, HostModel
 
 
 def cpu_device(threads: int | None = None) -> DeviceModel:
-    """The local CPU as a DeviceModel, from the calibration cache (measured if missing)."""
+    """The local CPU as a DeviceModel, from the calibration cache (measured if missing), in
+    float32, the dtype it is calibrated in."""
     rates = load_or_measure("cpu", threads)
-    return DeviceModel("cpu", rates.matmul_flops, rates.mem_bandwidth, rates.matmul_half)
+    return DeviceModel("cpu", rates.matmul_flops, rates.mem_bandwidth, rates.matmul_half,
+                       dtype=torch.float32)
+
+
+def plan_dtype(plan: Any) -> torch.dtype:
+    """The dtype of most of `plan`'s weight bytes (float32 when it has no floating ones):
+    what its matrix products compute in."""
+    weights: Counter[torch.dtype] = Counter()
+    for node in plan.graphs.prelude.graph.nodes:
+        value = example_value(node)
+        if is_parameter(node) and isinstance(value, torch.Tensor) \
+                and value.is_floating_point():
+            weights[value.dtype] += value.numel() * value.element_size()
+    return weights.most_common(1)[0][0] if weights else torch.float32
 
 
 @dataclass(frozen=True)
@@ -61,7 +79,10 @@ def simulate_model(
     host: the host's time per launch and stage-chunk call (costmodel/host.py); a chunk
     takes at least its host time. A ring's set-up is paid once, and left out.
     """
-    n = max(tokens // chunks, 1)
+    if not 1 <= chunks <= tokens:
+        raise ValueError(f"chunks={chunks}: need 1 <= chunks <= tokens ({tokens}), so that "
+                         "every chunk holds a token")
+    n = tokens // chunks
     return simulate_chunks(stage_costs, boundary_bytes_per_token, tokens,
                            [(n, tokens, 1.0)] * chunks,
                            steps, warmup_steps, device, link, world, outside_s=outside_s,
@@ -92,6 +113,9 @@ def simulate_chunks(
     stage's seconds summed over one step's chunks."""
     if len(stage_costs) != world or len(boundary_bytes_per_token) != world:
         raise ValueError(f"need one stage cost and one boundary size per rank ({world})")
+    _check_steps(steps, warmup_steps)
+    if not chunks:
+        raise ValueError("need at least one chunk")
     rates = device.rates()
 
     text_bytes = text_bytes or [0.0] * world
@@ -121,39 +145,89 @@ def simulate_chunks(
     return SimResult(serial, total, serial / total, per_stage, bubble)
 
 
+def _check_steps(steps: int, warmup_steps: int) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r}: need a whole number of denoising steps >= 1")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) \
+            or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r}: need a whole number >= 0")
+
+
 def simulate(plan: Any, device: str | DeviceModel = "h200", link: str | LinkModel = "nvlink4",
              world: int | None = None, steps: int = 20) -> SimResult:
     """Predicted serial and pipelined time of `steps` steps of `plan` (from explain()) on
-    `world` devices (default: one per stage) joined by `link`; names pick the presets in
-    DEVICES and LINKS."""
-    device = DEVICES[device] if isinstance(device, str) else device
-    link = LINKS[link] if isinstance(link, str) else link
-    if device is None:
-        device = cpu_device()
-    world = world or len(plan.stages)
-    if world != len(plan.stages):
-        raise ValueError(f"world={world} but the plan has {len(plan.stages)} stages; "
-                         f"explain() with stages={world}")
+    `world` devices (default and only choice: one per stage) joined by `link`. `device`
+    names a preset of DEVICES ("cpu": this machine's calibrated rates) or is a
+    DeviceModel; `link` names a preset of LINKS or is a LinkModel.
+
+    Counted: each stage's kernels per chunk at `device`'s rates in the plan's dtype (its
+    weights'; float32 at the non-tensor FP32 rate, PyTorch's default), the plan's warmup
+    steps stage after stage, the stale ring after them, and each chunk's boundary values
+    over `link`, overlapping compute. Left out: the host's time (kernel launches, the
+    runtime's bookkeeping per chunk and per call), the work outside the transformer (text
+    encoders, VAE) and memory. So it predicts less time than `tokpipe inspect --for`, which
+    adds the runtime's host time per chunk (costmodel/host.py) and puts sends on the
+    compute stream (costmodel/predict.py): for PixArt-alpha on 4 x h200 in 4 chunks,
+    0.24 s against 0.32 s in bfloat16, where the host bounds the chunks, and 2.28 s for
+    both in float32, where the kernels are slow enough to hide it."""
+    device = _preset(device, DEVICES, "device")
+    link = _preset(link, LINKS, "link")
+    _check_steps(steps, plan.config.warmup_steps)
+    stages = len(plan.stages)
+    if world is not None and (isinstance(world, bool) or not isinstance(world, int)
+                              or world < 1):
+        raise ValueError(f"world={world!r}: need a whole number of devices >= 1, one a "
+                         f"stage (the plan has {stages}), or None")
+    if world is not None and world != stages:
+        raise ValueError(f"world={world} but the plan has {stages} stages; explain() with "
+                         f"stages={world}")
+    device = (cpu_device() if device is None else device).for_dtype(plan_dtype(plan))
     per_token = plan.tokens / plan.units
     sends = [s.send_bytes_per_unit / per_token for s in plan.stages]
     chunks = [(plan.chunk_tokens(c), plan.context_tokens(c), float(c.segments))
               for c in plan.chunks]
     return simulate_chunks([s.cost for s in plan.stages], sends, plan.tokens, chunks, steps,
-                           plan.config.warmup_steps, device, link, world,
+                           plan.config.warmup_steps, device, link, stages,
                            text_bytes=[s.send_text_bytes for s in plan.stages])
+
+
+def _preset(value: Any, presets: dict[str, Any], what: str) -> Any:
+    """The preset `value` names in `presets` (a model passes through)."""
+    if not isinstance(value, str):
+        return value
+    if value not in presets:
+        raise ValueError(f"unknown {what} {value!r}: use one of {', '.join(presets)}, or "
+                         f"pass a {'DeviceModel' if what == 'device' else 'LinkModel'} "
+                         "(costmodel/hardware.py)")
+    return presets[value]
+
+
+def _chunk_count(text: str) -> int:
+    """--chunks: a count of PixArt's chunks, 1 to its tokens."""
+    from tokpipe_compiler.costmodel.published import PIXART
+
+    tokens = PIXART["tokens"]
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= tokens:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {tokens} "
+                                         f"(PixArt's tokens), got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pixart", action="store_true", help="PixArt-alpha vs published")
-    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--chunks", type=_chunk_count, default=4,
+                        help="chunks a step is cut into (default 4, as published)")
     args = parser.parse_args(argv)
-    if args.pixart:
-        from tokpipe_compiler.costmodel.published import report
+    if not args.pixart:
+        parser.error("nothing to predict: pass --pixart (the published PixArt-alpha runs)")
+    from tokpipe_compiler.costmodel.published import report
 
-        report(args.chunks)
-    else:
-        parser.print_help()
+    report(args.chunks)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,12 @@ def _header(plan: Plan) -> list[str]:
             f"mode={c.mode}{warmup}, compiler={c.compiler}, attention={c.attention}"
             f"{', cuda_graphs' if c.cuda_graphs else ''}",
             f"token input '{plan.token_input}': {plan.units} grid rows, {plan.tokens} tokens; "
-            f"parameters {human_bytes(plan.model_param_bytes)} (each counted once)"]
+            f"weights (parameters and buffers) {human_bytes(plan.model_param_bytes)} (each "
+            "counted once)"]
 
 
 def _stage_table(plan: Plan) -> list[str]:
-    rows = [("stage", "layers", "nodes", "params held", "FLOP/chunk", "send/chunk",
+    rows = [("stage", "layers", "nodes", "weights held", "FLOP/chunk", "send/chunk",
              "K/V cache")]
     largest = max(plan.chunks, key=lambda c: c.units)
     for s in plan.stages:
@@ -44,19 +45,21 @@ def _stage_table(plan: Plan) -> list[str]:
     balance = (f"balance: the slowest stage costs {plan.imbalance:.2f}x an even share"
                + (f" (unbalanced: {plan.imbalance_warning})" if plan.imbalance_warning else ""))
     notes = [balance, "FLOP/chunk and send/chunk: the largest chunk",
-             "params held: the stage's weights and those of the prelude part its rank runs "
-             "(shared conditioning on every rank); prelude: its weights, each once"]
+             "weights held: the parameters and buffers of the stage and of the prelude part "
+             "its rank runs (shared conditioning on every rank); prelude: its weights, each "
+             "once"]
     return _table(rows, left=frozenset({1})) + notes
 
 
 def _chunk_table(plan: Plan) -> list[str]:
     rows = [("chunk", "grid rows", "tokens", "context", "FLOP (all stages)")]
     per_unit = plan.tokens // plan.units
+    text = f" + {plan.text_tokens} text" if plan.text_tokens else ""
     for c in plan.chunks:
         flops = sum(plan.stage_flops(s.index, c) for s in plan.stages)
         rows.append((str(c.index), f"[{c.start}, {c.stop})",
                      f"[{c.start * per_unit}, {c.stop * per_unit})",
-                     str(plan.context_tokens(c)), human_count(flops)))
+                     f"{plan.context_tokens(c)}{text}", human_count(flops)))
     if not all(c.segments for c in plan.chunks):
         return [*_table(rows), "text segments (joint attention): computed by each step's "
                 "first chunk; the later ones attend to their cached K/V"]
@@ -76,10 +79,11 @@ def _bubble(plan: Plan) -> list[str]:
     from tokpipe_compiler.planning.plan import RING_STEPS
 
     s, m = len(plan.stages), len(plan.chunks)
+    ring = (f"; {plan.bubble_fraction(RING_STEPS):.1%} over a {RING_STEPS}-step PipeFusion "
+            "ring" if plan.config.mode == "stale" else "")  # only stale steps run as a ring
     return [f"predicted bubble (from stage FLOPs per chunk): {plan.bubble_fraction(1):.1%} "
             f"per call that fills and drains the pipeline ((S-1)/(M+S-1) = "
-            f"{(s - 1) / (m + s - 1):.1%} if stages were balanced); "
-            f"{plan.bubble_fraction(RING_STEPS):.1%} over a {RING_STEPS}-step PipeFusion ring"]
+            f"{(s - 1) / (m + s - 1):.1%} if stages were balanced){ring}"]
 
 
 def _table(rows: list[tuple[str, ...]], left: frozenset[int] = frozenset()) -> list[str]:

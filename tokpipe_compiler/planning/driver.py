@@ -21,6 +21,8 @@ model for the chunk table and the stage weights. The meta keys each pass reads a
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.fx
 
@@ -40,7 +42,7 @@ from tokpipe_compiler.costmodel.chunk_choice import choose_causal, choose_stale
 from tokpipe_compiler.passes.annotate import Annotation, annotate, raise_unsupported
 from tokpipe_compiler.passes.chunk_attention import chunk_attention
 from tokpipe_compiler.passes.chunk_sums import chunk_sums
-from tokpipe_compiler.passes.partition import Partition, partition
+from tokpipe_compiler.passes.partition import ImbalanceWarning, Partition, partition
 from tokpipe_compiler.passes.split import split
 from tokpipe_compiler.passes.text_once import why_kept
 from tokpipe_compiler.planning.pass_runner import (
@@ -165,9 +167,27 @@ def assign_stages(gm: torch.fx.GraphModule, stages: int, tokens: int, chunk_toke
     """partition, its stages written on the nodes for split."""
     cut = partition(gm, stages, planning_costs.flops_weight(tokens, chunk_tokens, text),
                     chunk_tokens / max(tokens, 1), flops_per_byte)
+    warn_idle_stages(cut, stages)
     for node, stage in cut.stage_of.items():
         node.meta[STAGE_KEY] = stage
     return cut
+
+
+def idle_stages(cut: Partition) -> list[int]:
+    """The stages the cuts leave no FLOP (only views between their cuts)."""
+    bounds = [0, *cut.cuts, len(cut.weights)]
+    return [s for s, (a, b) in enumerate(pairwise(bounds)) if not any(cut.weights[a:b])]
+
+
+def warn_idle_stages(cut: Partition, stages: int) -> None:
+    """More stages than the model's work spreads over: the idle ranks only pass values on.
+    A warning, not an error: a graph that a graph break cut short (offloading hooks split
+    a block into pieces) gets the model's stage count without the user choosing it."""
+    idle = idle_stages(cut)
+    if stages > 1 and idle:
+        warn(f"tokpipe: stages={stages} leaves stage(s) {', '.join(map(str, idle))} of this "
+             "graph nothing to compute (no FLOP: only views fall between its cuts); they "
+             "only pass values on: use fewer stages", ImbalanceWarning)
 
 
 def plan_chunks(

@@ -81,10 +81,17 @@ class Plan:
         return chunk.units * self.tokens // self.units
 
     def context_tokens(self, chunk: Chunk) -> int:
-        """Tokens a chunk attends over: earlier ones (causal) or the whole sequence."""
+        """Image tokens a chunk attends over: earlier ones (causal) or the whole sequence;
+        joint attention's text (`text_tokens`) comes on top."""
         if self.config.mode == "causal":
             return chunk.stop * self.tokens // self.units
         return self.tokens
+
+    @property
+    def text_tokens(self) -> int:
+        """Text tokens of joint attention (one sample's), which every chunk's context
+        holds besides its image tokens; 0 without joint attention."""
+        return max((s.cost.text_rows for s in self.stages), default=0)
 
     def stage_flops(self, stage: int, chunk: Chunk) -> float:
         cost = self.stages[stage].cost
@@ -179,6 +186,7 @@ def summary(plan: Plan) -> dict[str, Any]:
         "token_input": plan.token_input,
         "units": plan.units,
         "tokens": plan.tokens,
+        "text_tokens": plan.text_tokens,
         "imbalance": plan.imbalance,
         "imbalance_warning": plan.imbalance_warning,
         "model_param_bytes": plan.model_param_bytes,

@@ -9,9 +9,10 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -20,12 +21,16 @@ from hypothesis import strategies as st
 from tokpipe_compiler.api import capture_graphs
 from tokpipe_compiler.config import MODES, Config
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
+from tokpipe_compiler.costmodel.planning_costs import send_cost
 from tokpipe_compiler.passes.annotate import annotate
-from tokpipe_compiler.passes.partition import live_counts, token_nodes
-from tokpipe_compiler.planning.driver import build_plan, copy_graph_module
-
-# partition() may cut where up to this many more token values are live than the fewest.
-_CUT_SLACK = 3
+from tokpipe_compiler.planning.driver import (
+    assign_stages,
+    build_plan,
+    copy_graph_module,
+    idle_stages,
+    sequence_tokens,
+    token_batch,
+)
 
 
 @dataclass(frozen=True)
@@ -33,8 +38,34 @@ class ModelFacts:
     """What bounds the options of one model at one input shape."""
 
     units: int  # rows of the token grid: at most this many chunks
-    max_stages: int  # places the token stream can be cut, plus one
     modes: tuple[str, ...]
+    graph: torch.fx.GraphModule = field(repr=False)  # annotated: what the partition cuts
+    token_input: torch.fx.Node = field(repr=False)
+    tokens: int = 0  # of the sequence, as the plan counts them
+    _plans_at: dict[int, bool] = field(default_factory=dict, repr=False, compare=False)
+
+    def max_stages(self, up_to: int) -> int:
+        """The most stages, at most `up_to`, such that every count up to it plans: each stage
+        has some work to compute (a partition of the whole sequence, as one chunk weighs
+        it; the driver warns of a stage without a FLOP) and the graph has places to cut."""
+        best = 1
+        for stages in range(2, up_to + 1):
+            if not self._plans(stages):
+                break
+            best = stages
+        return best
+
+    def _plans(self, stages: int) -> bool:
+        if stages not in self._plans_at:
+            try:
+                with warnings.catch_warnings():  # the warnings of this trial cut
+                    warnings.simplefilter("ignore")
+                    cut = assign_stages(self.graph, stages, self.tokens, self.tokens,
+                                        send_cost(self.token_input))
+                self._plans_at[stages] = not idle_stages(cut)
+            except TokpipeError:
+                self._plans_at[stages] = False
+        return self._plans_at[stages]
 
 
 def model_facts(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> ModelFacts:
@@ -62,13 +93,10 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> ModelF
             annotation = annotate(annotated, None)
         except NoTokenInput:
             continue
-        return ModelFacts(annotation.units, _max_stages(annotated), _modes(gm))
+        tokens = sequence_tokens(annotated, annotation.units, token_batch(annotated, annotation))
+        return ModelFacts(annotation.units, _modes(gm), annotated, annotation.token_input,
+                          tokens)
     raise TokpipeError("no traced graph of this model has a token input to pipeline")
-
-
-def _max_stages(annotated: torch.fx.GraphModule) -> int:
-    inner = live_counts(token_nodes(annotated))[1:]
-    return 1 + sum(n <= min(inner) + _CUT_SLACK for n in inner) if inner else 1
 
 
 def _modes(gm) -> tuple[str, ...]:
@@ -86,15 +114,15 @@ def options(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             max_stages: int = 4, max_chunks: int = 8,
             modes: Sequence[str] | None = None) -> st.SearchStrategy[dict]:
     """Backend options valid for `model(*args, **kwargs)`: stages the graph can be cut
-    into, chunks no more than its token rows, modes it supports (causal only for causal
-    attention), warmup_steps 0 or 1."""
+    into with work for each, chunks no more than its token rows, modes it supports (causal
+    only for causal attention), warmup_steps 0 or 1."""
     facts = model_facts(model, args, kwargs)
     allowed = [m for m in (modes or MODES) if m in facts.modes]
     if not allowed:
         raise ValueError(f"none of modes {list(modes or MODES)} suits this model "
                          f"(it supports {list(facts.modes)})")
     return st.fixed_dictionaries({
-        "stages": st.integers(1, max(1, min(max_stages, facts.max_stages))),
+        "stages": st.integers(1, facts.max_stages(max_stages)),
         "chunks": st.integers(1, max(1, min(max_chunks, facts.units))),
         "mode": st.sampled_from(allowed),
         "warmup_steps": st.integers(0, 1),
