@@ -310,9 +310,11 @@ def _guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
                 if guided.shape == noise_pred.shape and \
                         _close(guided.to(noise_pred.dtype), noise_pred):
                     return combine, dtype, channels, g
-    raise GlueNotFound("the prediction the pipeline passes to scheduler.step is not the "
-                       "transformer's output, nor classifier-free guidance over it "
-                       "(guidance rescaling takes statistics over all tokens)")
+    tried = ", ".join(f"{c:g}" for c in candidates)
+    raise GlueNotFound("the prediction the pipeline passes to scheduler.step is neither the "
+                       "transformer's output nor classifier-free guidance over it at a scale "
+                       f"the call passed or defaults to ({tried}) or one fitted to it (a "
+                       "guidance rescaled by statistics over all tokens cannot be chunked)")
 
 
 def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,

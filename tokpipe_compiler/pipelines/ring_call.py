@@ -136,9 +136,7 @@ class RingCalls:
         """A pipeline call: a generation, per call or ring, for its duration (per call where
         `reasons` say why). Yields the call's arguments, its step callbacks replaced by the
         generation's stand-in (`step_callbacks`) where it is a ring."""
-        candidates = [float(v) for v in kwargs.values()
-                      if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        candidates.append(float(getattr(self.pipe, "_guidance_scale", 1.0) or 1.0))
+        candidates = guidance_candidates(self.pipe, kwargs)
         denoisers = {name: rings.denoiser for name, rings in self.denoisers.items()}
         modules = [*cache_reasons(denoisers), *hook_reasons(denoisers)]
         self.generation = Generation([*per_call_reasons(self.pipe, kwargs), *modules, *reasons],
@@ -379,3 +377,19 @@ class RingCalls:
         if message not in self.warned:
             self.warned.add(message)
             warn(message)
+
+
+def guidance_candidates(pipe: Any, kwargs: dict[str, Any]) -> list[float]:
+    """The numbers a pipeline call may scale its guidance by: those passed, those its
+    `__call__` defaults to (PixArt's guidance_scale=4.5 when none is passed; a least-squares
+    fit of it in bfloat16, 4.4997, rounds the products otherwise than the pipeline), and
+    the last call's `_guidance_scale`."""
+    passed = list(kwargs.values())
+    try:
+        parameters = inspect.signature(pipe.__call__).parameters.values()
+        passed += [p.default for p in parameters if p.name not in kwargs]
+    except (TypeError, ValueError):  # no signature to read
+        pass
+    passed.append(getattr(pipe, "_guidance_scale", 1.0) or 1.0)
+    numbers = [float(v) for v in passed if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return list(dict.fromkeys(numbers))
