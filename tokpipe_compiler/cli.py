@@ -136,6 +136,10 @@ def _add_generate(commands) -> None:
                      help="--model: the image size in pixels (default: the pipeline's)")
     gen.add_argument("--class-label", type=int, default=1, help="DiT pipelines (default 1)")
     gen.add_argument("--guidance-scale", type=float)
+    gen.add_argument("--true-cfg-scale", type=float, metavar="SCALE",
+                     help="pipelines with true_cfg_scale (Flux): guidance over "
+                          "--negative-prompt at SCALE, a second transformer call a step "
+                          "(their --guidance-scale is the distilled guidance embedding)")
     gen.add_argument("--images", type=_count(1), default=1, metavar="N",
                      help="images (or videos) from the one prompt, batched (default 1)")
     gen.add_argument("--steps", type=_count(1), default=20)

@@ -143,13 +143,33 @@ def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
     else:
         kwargs["prompt"] = args.prompt
         kwargs.update(_per_prompt(pipe, args.images))
-        if args.negative_prompt is not None:
-            kwargs["negative_prompt"] = args.negative_prompt
+        kwargs.update(_negative_prompt(pipe, args))
         if args.size is not None:
             kwargs["height"], kwargs["width"] = args.size
     if args.guidance_scale is not None:
         kwargs["guidance_scale"] = args.guidance_scale
     return kwargs
+
+
+def _negative_prompt(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The negative prompt, and true_cfg_scale for the pipelines that guide over it only
+    with one above 1 (Flux: without it the negative prompt is dropped without a word)."""
+    true_cfg = "true_cfg_scale" in inspect.signature(type(pipe).__call__).parameters
+    name = type(pipe).__name__
+    if args.true_cfg_scale is not None and not true_cfg:
+        raise TokpipeError(f"{name} takes no true_cfg_scale; leave out --true-cfg-scale "
+                           "(--guidance-scale sets its guidance)")
+    if args.negative_prompt is None:
+        if args.true_cfg_scale is not None:
+            raise TokpipeError("--true-cfg-scale guides over a negative prompt: give "
+                               "--negative-prompt too")
+        return {}
+    if true_cfg and (args.true_cfg_scale or 1.0) <= 1.0:
+        raise TokpipeError(f"{name} uses --negative-prompt only with true classifier-free "
+                           "guidance: pass --true-cfg-scale above 1 (4.0, say), or leave out "
+                           "--negative-prompt")
+    scale = {"true_cfg_scale": args.true_cfg_scale} if true_cfg else {}
+    return {"negative_prompt": args.negative_prompt, **scale}
 
 
 def _check_class_label_args(args: argparse.Namespace) -> None:
@@ -207,6 +227,7 @@ def _run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         result["traces"] = [_profiled(pipe, kwargs, args, rank)]
     made = len(_programs(pipe))
     result["pipelined_s"], images = _timed(pipe, kwargs, args.seed)
+    result["made"] = len(images)
     after = _programs(pipe)
     result["made_while_timed"] = len(after) - made
     result["chunks"] = sorted({len(p.plan.chunks) for p in after})
@@ -362,10 +383,15 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     graphs = ", CUDA graphs" if args.cuda_graphs else ""
     layout = (f"{args.stages} stages x {chunks_ran(result['chunks'], args)}, {args.mode}"
               if result["chunks"] or args.cfg == 1 else "each branch whole")
+    made = result["made"]
     print(f"pipelined ({layout}{cfg}, "
           f"{args.device}{graphs}): "
           f"{result['pipelined_s']:.2f} s for {args.steps} steps"
-          f"{f', {args.images} images' if args.images > 1 else ''}")
+          f"{f', {made} images' if args.images > 1 else ''}")
+    if made < args.images:
+        print(f"warning: {args.images} images asked, the pipeline made {made}: it does not "
+              "batch its number per prompt (CogVideoX's pipelines make one video)",
+              file=sys.stderr)
     if result["made_while_timed"]:
         print(f"warning: the timed call made {result['made_while_timed']} new program(s); "
               "its time includes planning and compiling them", file=sys.stderr)

@@ -338,6 +338,47 @@ def test_generate_passes_the_prompt_options_to_the_pipeline_call():
         "num_images_per_prompt": 2, "num_inference_steps": 3, "output_type": "np"}
 
 
+class TrueGuidance:
+    """Flux's call: a negative prompt guides only with true_cfg_scale above 1."""
+
+    def __call__(self, prompt: str, negative_prompt: str | None = None,
+                 true_cfg_scale: float = 1.0, guidance_scale: float = 3.5): ...
+
+
+@pytest.mark.parametrize(("extra", "expected", "error"), [
+    (["--negative-prompt", "blur", "--true-cfg-scale", "4"],
+     {"negative_prompt": "blur", "true_cfg_scale": 4.0}, None),
+    (["--negative-prompt", "blur"], None, "only with true classifier-free guidance"),
+    (["--true-cfg-scale", "4"], None, "give --negative-prompt too"),
+])
+def test_generate_guides_flux_over_a_negative_prompt_only_when_told(extra, expected, error):
+    """FluxPipeline dropped --negative-prompt without a word (true_cfg_scale defaults to 1)."""
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.core.errors import TokpipeError
+    from tokpipe_compiler.generate import call_kwargs
+
+    args = _parser().parse_args(["generate", "--model", "x", "--prompt", "a cat", *extra])
+    if error is not None:
+        with pytest.raises(TokpipeError, match=error):
+            call_kwargs(TrueGuidance(), args)
+        return
+    kwargs = call_kwargs(TrueGuidance(), args)
+    assert {k: kwargs[k] for k in expected} == expected
+
+
+def test_generate_says_when_the_pipeline_made_fewer_images(capsys):
+    """CogVideoX's pipeline takes num_videos_per_prompt and makes one video whatever it is."""
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate import report
+
+    args = _parser().parse_args(["generate", "--model", "x", "--prompt", "a", "--images", "2"])
+    args.device = "cpu"
+    report({"made": 1, "pipelined_s": 1.0, "chunks": [4], "made_while_timed": 0,
+            "memory": ""}, args)
+    out, err = capsys.readouterr()
+    assert ", 1 images" in out and "2 images asked, the pipeline made 1" in err
+
+
 @pytest.mark.parametrize("argv, counts, shown", [
     (["--chunks", "4"], [4], "4 chunks"),
     (["--chunks", "auto"], [2, 3], "auto (2 or 3) chunks"),
@@ -385,7 +426,7 @@ def test_generate_profiles_to_the_folder_its_help_names(argv, folder):
 
 def _ran(rank: int) -> dict:
     """What a rank's run of `tokpipe generate --profile` returns."""
-    return {"pipelined_s": 1.0, "chunks": [4], "made_while_timed": 0,
+    return {"pipelined_s": 1.0, "made": 1, "chunks": [4], "made_while_timed": 0,
             "memory": f"rank {rank}: peak 1 MiB", "traces": [f"g1/profile_rank{rank}.json"]}
 
 
