@@ -80,10 +80,11 @@ def schedule_chart(plan: Plan, path: Path, steps: int = 3, ring: bool = False) -
     warm = whole_steps(plan, steps)
     handles = [_patch(colours[s], f"step {s}" + (" (whole)" if s < warm else ""))
                for s in range(steps)]
-    ax.legend(handles=handles, loc="upper right", fontsize=8)
+    # beside the boxes, not over them (the last rank's last chunks sat under it)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     how = "one ring: the steps run back to back" if ring else "each call fills and drains"
     ax.set_title(f"{ranks} stages x {len(plan.chunks)} chunks, mode={plan.config.mode}: "
-                 f"boxes are chunks ('all': the whole sequence); {how}", fontsize=9)
+                 f"boxes are chunks ('all': the whole sequence)\n{how}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
