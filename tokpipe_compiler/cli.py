@@ -134,6 +134,9 @@ def _add_generate(commands) -> None:
     gen.add_argument("--negative-prompt")
     gen.add_argument("--size", type=_count(1), nargs=2, metavar=("HEIGHT", "WIDTH"),
                      help="--model: the image size in pixels (default: the pipeline's)")
+    gen.add_argument("--frames", type=_count(1), metavar="N",
+                     help="--model, video pipelines: frames per video (default: the "
+                          "pipeline's, 81 for Wan)")
     gen.add_argument("--class-label", type=int, default=1, help="DiT pipelines (default 1)")
     gen.add_argument("--guidance-scale", type=float)
     gen.add_argument("--true-cfg-scale", type=float, metavar="SCALE",

@@ -78,9 +78,10 @@ def check_args(args: argparse.Namespace) -> None:
             raise TokpipeError("--released pipelines have no text encoder: their prompts are "
                                "random embeddings at the released text length; leave out "
                                f"{flag}")
-    if args.size is not None:
-        raise TokpipeError("--released pipelines are sized by --grid (in latent units); "
-                           "leave out --size")
+    for given, flag in ((args.size, "--size"), (args.frames, "--frames")):
+        if given is not None:
+            raise TokpipeError("--released pipelines are sized by --grid (in latent units, "
+                               f"frames first for video); leave out {flag}")
     if args.out is not None:
         raise TokpipeError("--released pipelines have no VAE: they make latents, not "
                            "images; leave out --out (--compare times and compares them)")
@@ -146,9 +147,20 @@ def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
         kwargs.update(_negative_prompt(pipe, args))
         if args.size is not None:
             kwargs["height"], kwargs["width"] = args.size
+        kwargs.update(_frames(pipe, args.frames))
     if args.guidance_scale is not None:
         kwargs["guidance_scale"] = args.guidance_scale
     return kwargs
+
+
+def _frames(pipe: Any, frames: int | None) -> dict[str, int]:
+    """num_frames of a video pipeline (refused where the pipeline takes none)."""
+    if frames is None:
+        return {}
+    if "num_frames" not in inspect.signature(type(pipe).__call__).parameters:
+        raise TokpipeError(f"{type(pipe).__name__} takes no number of frames; leave out "
+                           "--frames")
+    return {"num_frames": frames}
 
 
 def _negative_prompt(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -173,7 +185,8 @@ def _negative_prompt(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_class_label_args(args: argparse.Namespace) -> None:
-    for given, flag in ((args.negative_prompt, "--negative-prompt"), (args.size, "--size")):
+    for given, flag in ((args.negative_prompt, "--negative-prompt"), (args.size, "--size"),
+                        (args.frames, "--frames")):
         if given is not None:
             raise TokpipeError(f"DiTPipeline draws a class label at its one size; leave out "
                                f"{flag}")

@@ -276,6 +276,8 @@ def test_bad_released_specs_fail_clearly(argv, message, tmp_path, capsys, monkey
     (["--released", "sd3-medium", "--negative-prompt", "x"], "leave out --negative-prompt"),
     (["--released", "sd3-medium", "--size", "64", "64"], "sized by --grid"),
     (["--tiny", "dit", "--size", "64", "64"], "DiTPipeline draws a class label"),
+    (["--tiny", "dit", "--frames", "9"], "leave out --frames"),
+    (["--released", "wan2.1-t2v-1.3b", "--frames", "9"], "frames first for video"),
     (["--released", "wan2.1-t2v-1.3b", "--grid", "16", "16"],
      "wan2.1-t2v-1.3b: a latent grid of 3 sizes (frames, height, width), not (16, 16)"),
     (["--tiny", "dit", "--ranks", "3"], "--ranks 3 starts 3 processes, but --stages 2 x "
@@ -364,6 +366,20 @@ def test_generate_guides_flux_over_a_negative_prompt_only_when_told(extra, expec
         return
     kwargs = call_kwargs(TrueGuidance(), args)
     assert {k: kwargs[k] for k in expected} == expected
+
+
+def test_generate_passes_frames_to_a_video_pipeline_only():
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.core.errors import TokpipeError
+    from tokpipe_compiler.generate import call_kwargs
+
+    class Video:
+        def __call__(self, prompt: str, num_frames: int = 81): ...
+
+    args = _parser().parse_args(["generate", "--model", "x", "--prompt", "a", "--frames", "9"])
+    assert call_kwargs(Video(), args)["num_frames"] == 9
+    with pytest.raises(TokpipeError, match="TrueGuidance takes no number of frames"):
+        call_kwargs(TrueGuidance(), args)
 
 
 def test_generate_says_when_the_pipeline_made_fewer_images(capsys):
