@@ -137,6 +137,9 @@ def _add_generate(commands) -> None:
     gen.add_argument("--frames", type=_count(1), metavar="N",
                      help="--model, video pipelines: frames per video (default: the "
                           "pipeline's, 81 for Wan)")
+    gen.add_argument("--text-length", type=_count(1), metavar="N",
+                     help="--model: the prompt's tokens, for pipelines that take "
+                          "max_sequence_length (default: the pipeline's, 512 for Wan)")
     gen.add_argument("--class-label", type=int, default=1, help="DiT pipelines (default 1)")
     gen.add_argument("--guidance-scale", type=float)
     gen.add_argument("--true-cfg-scale", type=float, metavar="SCALE",

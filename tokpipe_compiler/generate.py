@@ -82,6 +82,9 @@ def check_args(args: argparse.Namespace) -> None:
         if given is not None:
             raise TokpipeError("--released pipelines are sized by --grid (in latent units, "
                                f"frames first for video); leave out {flag}")
+    if args.text_length is not None:
+        raise TokpipeError("--released pipelines' prompts are random embeddings at the "
+                           "released text length; leave out --text-length")
     if args.out is not None:
         raise TokpipeError("--released pipelines have no VAE: they make latents, not "
                            "images; leave out --out (--compare times and compares them)")
@@ -147,20 +150,22 @@ def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
         kwargs.update(_negative_prompt(pipe, args))
         if args.size is not None:
             kwargs["height"], kwargs["width"] = args.size
-        kwargs.update(_frames(pipe, args.frames))
+        kwargs.update(_taken(pipe, "num_frames", args.frames, "--frames", "frames"))
+        kwargs.update(_taken(pipe, "max_sequence_length", args.text_length, "--text-length",
+                             "text length"))
     if args.guidance_scale is not None:
         kwargs["guidance_scale"] = args.guidance_scale
     return kwargs
 
 
-def _frames(pipe: Any, frames: int | None) -> dict[str, int]:
-    """num_frames of a video pipeline (refused where the pipeline takes none)."""
-    if frames is None:
+def _taken(pipe: Any, name: str, value: int | None, flag: str, what: str) -> dict[str, int]:
+    """`{name: value}` for the pipeline's __call__, refused where it takes no `name`."""
+    if value is None:
         return {}
-    if "num_frames" not in inspect.signature(type(pipe).__call__).parameters:
-        raise TokpipeError(f"{type(pipe).__name__} takes no number of frames; leave out "
-                           "--frames")
-    return {"num_frames": frames}
+    if name not in inspect.signature(type(pipe).__call__).parameters:
+        raise TokpipeError(f"{type(pipe).__name__} takes no {what} ({name}); leave out "
+                           f"{flag}")
+    return {name: value}
 
 
 def _negative_prompt(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -186,7 +191,7 @@ def _negative_prompt(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_class_label_args(args: argparse.Namespace) -> None:
     for given, flag in ((args.negative_prompt, "--negative-prompt"), (args.size, "--size"),
-                        (args.frames, "--frames")):
+                        (args.frames, "--frames"), (args.text_length, "--text-length")):
         if given is not None:
             raise TokpipeError(f"DiTPipeline draws a class label at its one size; leave out "
                                f"{flag}")

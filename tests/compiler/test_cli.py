@@ -278,6 +278,7 @@ def test_bad_released_specs_fail_clearly(argv, message, tmp_path, capsys, monkey
     (["--tiny", "dit", "--size", "64", "64"], "DiTPipeline draws a class label"),
     (["--tiny", "dit", "--frames", "9"], "leave out --frames"),
     (["--released", "wan2.1-t2v-1.3b", "--frames", "9"], "frames first for video"),
+    (["--released", "sd3-medium", "--text-length", "9"], "leave out --text-length"),
     (["--released", "wan2.1-t2v-1.3b", "--grid", "16", "16"],
      "wan2.1-t2v-1.3b: a latent grid of 3 sizes (frames, height, width), not (16, 16)"),
     (["--tiny", "dit", "--ranks", "3"], "--ranks 3 starts 3 processes, but --stages 2 x "
@@ -368,17 +369,20 @@ def test_generate_guides_flux_over_a_negative_prompt_only_when_told(extra, expec
     assert {k: kwargs[k] for k in expected} == expected
 
 
-def test_generate_passes_frames_to_a_video_pipeline_only():
+def test_generate_passes_frames_and_text_length_to_pipelines_that_take_them():
     from tokpipe_compiler.cli import _parser
     from tokpipe_compiler.core.errors import TokpipeError
     from tokpipe_compiler.generate import call_kwargs
 
     class Video:
-        def __call__(self, prompt: str, num_frames: int = 81): ...
+        def __call__(self, prompt: str, num_frames: int = 81, max_sequence_length: int = 512):
+            ...
 
-    args = _parser().parse_args(["generate", "--model", "x", "--prompt", "a", "--frames", "9"])
-    assert call_kwargs(Video(), args)["num_frames"] == 9
-    with pytest.raises(TokpipeError, match="TrueGuidance takes no number of frames"):
+    args = _parser().parse_args(["generate", "--model", "x", "--prompt", "a", "--frames", "9",
+                                 "--text-length", "16"])
+    kwargs = call_kwargs(Video(), args)
+    assert (kwargs["num_frames"], kwargs["max_sequence_length"]) == (9, 16)
+    with pytest.raises(TokpipeError, match="TrueGuidance takes no frames"):
         call_kwargs(TrueGuidance(), args)
 
 
