@@ -1,0 +1,207 @@
+"""`tokpipe generate`: its options checked before a run, what it passes to the pipeline's
+call, and what it reports (the runs themselves: tests/slow/test_generate.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from tokpipe_compiler.cli import main
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--released", "sd3-medium", "--prompt", "a cat"], "leave out --prompt"),
+    (["--released", "sd3-medium", "--out", "x"], "they make latents, not images"),
+    (["--tiny", "dit", "--layers", "2"], "--layers sizes a --released pipeline"),
+    (["--tiny", "dit", "--grid", "8", "8"], "--grid sizes a --released pipeline"),
+    (["--released", "pixart-alpha"], "did you mean pixart-alpha-xl-2-1024-ms?"),
+    (["--released", "sd3-medium", "--negative-prompt", "x"], "leave out --negative-prompt"),
+    (["--released", "sd3-medium", "--size", "64", "64"], "sized by --grid"),
+    (["--tiny", "dit", "--size", "64", "64"], "DiTPipeline draws a class label"),
+    (["--tiny", "dit", "--frames", "9"], "leave out --frames"),
+    (["--released", "wan2.1-t2v-1.3b", "--frames", "9"], "frames first for video"),
+    (["--released", "sd3-medium", "--text-length", "9"], "leave out --text-length"),
+    (["--released", "wan2.1-t2v-1.3b", "--grid", "16", "16"],
+     "wan2.1-t2v-1.3b: a latent grid of 3 sizes (frames, height, width), not (16, 16)"),
+    (["--tiny", "dit", "--ranks", "3"], "--ranks 3 starts 3 processes, but --stages 2 x "
+                                        "--cfg 1 runs on 2: pass --ranks 2 (or --ranks 1"),
+    (["--tiny", "dit", "--ranks", "2", "--stages", "1"], "runs on 1: pass --ranks 1\n"),
+])
+def test_generate_released_options_that_do_not_fit_are_named(argv, message, capsys):
+    assert main(["generate", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seconds", ["-5", "0", "nan", "inf", "1e9", "soon"])
+def test_generate_takes_a_timeout_it_can_keep(seconds, capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--tiny", "dit", "--timeout", seconds])
+    assert f"--timeout: must be seconds in (0, 604800], got {seconds!r}" in \
+        capsys.readouterr().err
+
+
+def test_generate_refuses_a_released_pipeline_whose_ranks_would_not_fit(capsys, monkeypatch):
+    from tokpipe_compiler import cli_released
+
+    monkeypatch.setattr(cli_released, "available_memory", lambda: 16 * 2**30)
+    assert main(["generate", "--released", "flux1-dev", "--layers", "4", "--ranks", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "with 4 block(s) of each kind, in 2 processes, holds" in err
+    assert "pass --layers" in err
+
+
+def test_generate_images_go_by_the_pipelines_own_argument():
+    from tokpipe_compiler.core.errors import TokpipeError
+    from tokpipe_compiler.generate_call import _per_prompt
+
+    class Video:
+        def __call__(self, prompt: str, num_videos_per_prompt: int = 1): ...
+
+    class Single:
+        def __call__(self, prompt: str): ...
+
+    assert _per_prompt(Video(), 3) == {"num_videos_per_prompt": 3}
+    assert _per_prompt(Single(), 1) == {}
+    with pytest.raises(TokpipeError, match="Single takes no number of images per prompt"):
+        _per_prompt(Single(), 2)
+
+
+def test_generate_passes_the_prompt_options_to_the_pipeline_call():
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate_call import call_kwargs
+
+    class TextToImage:
+        def __call__(self, prompt: str, negative_prompt: str | None = None,
+                     height: int | None = None, width: int | None = None,
+                     num_images_per_prompt: int = 1): ...
+
+    args = _parser().parse_args(["generate", "--model", "x", "--prompt", "a cat",
+                                 "--negative-prompt", "blur", "--size", "48", "64",
+                                 "--images", "2", "--steps", "3"])
+    assert call_kwargs(TextToImage(), args) == {
+        "prompt": "a cat", "negative_prompt": "blur", "height": 48, "width": 64,
+        "num_images_per_prompt": 2, "num_inference_steps": 3, "output_type": "np"}
+
+
+class TrueGuidance:
+    """Flux's call: a negative prompt guides only with true_cfg_scale above 1."""
+
+    def __call__(self, prompt: str, negative_prompt: str | None = None,
+                 true_cfg_scale: float = 1.0, guidance_scale: float = 3.5): ...
+
+
+@pytest.mark.parametrize(("extra", "expected", "error"), [
+    (["--negative-prompt", "blur", "--true-cfg-scale", "4"],
+     {"negative_prompt": "blur", "true_cfg_scale": 4.0}, None),
+    (["--negative-prompt", "blur"], None, "only with true classifier-free guidance"),
+    (["--true-cfg-scale", "4"], None, "give --negative-prompt too"),
+])
+def test_generate_guides_flux_over_a_negative_prompt_only_when_told(extra, expected, error):
+    """FluxPipeline dropped --negative-prompt without a word (true_cfg_scale defaults to 1)."""
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.core.errors import TokpipeError
+    from tokpipe_compiler.generate_call import call_kwargs
+
+    args = _parser().parse_args(["generate", "--model", "x", "--prompt", "a cat", *extra])
+    if error is not None:
+        with pytest.raises(TokpipeError, match=error):
+            call_kwargs(TrueGuidance(), args)
+        return
+    kwargs = call_kwargs(TrueGuidance(), args)
+    assert {k: kwargs[k] for k in expected} == expected
+
+
+def test_generate_passes_frames_and_text_length_to_pipelines_that_take_them():
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.core.errors import TokpipeError
+    from tokpipe_compiler.generate_call import call_kwargs
+
+    class Video:
+        def __call__(self, prompt: str, num_frames: int = 81, max_sequence_length: int = 512):
+            ...
+
+    args = _parser().parse_args(["generate", "--model", "x", "--prompt", "a", "--frames", "9",
+                                 "--text-length", "16"])
+    kwargs = call_kwargs(Video(), args)
+    assert (kwargs["num_frames"], kwargs["max_sequence_length"]) == (9, 16)
+    with pytest.raises(TokpipeError, match="TrueGuidance takes no frames"):
+        call_kwargs(TrueGuidance(), args)
+
+
+def test_generate_says_when_the_pipeline_made_fewer_images(capsys):
+    """CogVideoX's pipeline takes num_videos_per_prompt and makes one video whatever it is."""
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate import report
+
+    args = _parser().parse_args(["generate", "--model", "x", "--prompt", "a", "--images", "2"])
+    args.device = "cpu"
+    report({"made": 1, "pipelined_s": 1.0, "chunks": [4], "made_while_timed": 0,
+            "memory": ""}, args)
+    out, err = capsys.readouterr()
+    assert ", 1 images" in out and "2 images asked, the pipeline made 1" in err
+
+
+@pytest.mark.parametrize("argv, counts, shown", [
+    (["--chunks", "4"], [4], "4 chunks"),
+    (["--chunks", "auto"], [2, 3], "auto (2 or 3) chunks"),
+    (["--chunks", "4", "--mode", "sync"], [1], "1 chunk (4 asked: sync mode runs each step whole)"),
+    (["--chunks", "96,32"], [2], "2 chunks (96,32 tokens)"),
+    (["--chunks", "96,32", "--mode", "sync"], [1],
+     "1 chunk (96,32 asked: sync mode runs each step whole)"),
+    (["--chunks", "4", "--cfg", "2"], [], "4 chunks"),
+])
+def test_generate_reports_the_chunks_its_programs_ran(argv, counts, shown):
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate import chunks_ran
+
+    args = _parser().parse_args(["generate", "--tiny", "dit", *argv])
+    assert chunks_ran(counts, args) == shown
+
+
+@pytest.mark.parametrize(("rank", "world", "prefix"), [(1, 2, "warning (rank 1): "),
+                                                       (0, 1, "warning: ")])
+def test_generate_shows_a_warning_on_one_line_with_its_rank(rank, world, prefix, capsys):
+    """Not Python's default: a line of the command's own code (or multiprocessing's)."""
+    from tokpipe_compiler.generate import one_line_warnings
+    from tokpipe_compiler.passes.partition import ImbalanceWarning
+
+    with one_line_warnings(rank, world):
+        warnings.warn("2 stages cannot be balanced", ImbalanceWarning, stacklevel=1)
+    assert capsys.readouterr().err == f"{prefix}ImbalanceWarning: 2 stages cannot be balanced\n"
+
+
+@pytest.mark.parametrize(("argv", "folder"), [
+    (["--tiny", "dit", "--profile"], "."),
+    (["--tiny", "dit", "--profile", "--out", "images"], "images"),
+    (["--tiny", "dit", "--profile", "traces", "--out", "images"], "traces"),
+    (["--released", "sd3-medium", "--profile", "traces"], "traces"),  # which has no --out
+])
+def test_generate_profiles_to_the_folder_its_help_names(argv, folder):
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate import profile_folder
+
+    parser = _parser()
+    args = parser.parse_args(["generate", *argv])
+    assert str(profile_folder(args)) == folder
+    assert args.profile is not None and parser.parse_args(["generate", *argv[:2]]).profile is None
+
+
+def _ran(rank: int) -> dict:
+    """What a rank's run of `tokpipe generate --profile` returns."""
+    return {"pipelined_s": 1.0, "made": 1, "chunks": [4], "made_while_timed": 0,
+            "memory": f"rank {rank}: peak 1 MiB", "traces": [f"g1/profile_rank{rank}.json"]}
+
+
+def test_generate_prints_every_ranks_profile(capsys, monkeypatch):
+    from tokpipe_compiler import generate as generate_module
+    from tokpipe_compiler.runtime import launch
+
+    monkeypatch.setattr(launch, "launch", lambda run, world, **kw: [_ran(r) for r in range(world)])
+    assert main(["generate", "--tiny", "dit", "--ranks", "2", "--profile", "g1"]) == 0
+    assert "profile: g1/profile_rank0.json, g1/profile_rank1.json\n" in capsys.readouterr().out
+    # under torchrun each process is one rank: the others print their own
+    monkeypatch.setattr(generate_module, "run", lambda rank, world, args: _ran(rank))
+    monkeypatch.setenv("RANK", "1")
+    assert main(["generate", "--tiny", "dit", "--profile", "g1"]) == 0
+    assert capsys.readouterr().out == "profile (rank 1): g1/profile_rank1.json\n"
