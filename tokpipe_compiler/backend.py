@@ -163,6 +163,8 @@ class LazyProgram:
     def _program(self, key: Any, args: tuple, owner: torch.Tensor | None):
         if key not in self.plans:
             self.plans[key] = self._plan(args)
+            if self.origin.piece and len(self.plans) == 1:  # not a new shape's plan
+                self.session.graphs.record(self.gm, self.plans[key][0] is not None)
         plan, select = self.plans[key]
         if plan is None:
             return self.gm.forward

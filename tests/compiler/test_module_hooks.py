@@ -10,6 +10,8 @@ output's largest value (float32 compute).
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -114,3 +116,25 @@ def test_model_offloading_pipelines_every_call_as_without_it():
     out = generate(pipe, kwargs, steps=3)
     assert rel_error(out, expected) <= 1e-5
     assert [p.calls for p in tp.pipelines.programs(pipe)] == [6]  # 3 steps, 2 branches
+
+
+def test_a_split_transformer_says_how_much_of_it_is_pipelined():
+    """Group offloading splits the transformer at every block: after the call that planned
+    its graphs, one line gives their count and the pipelined share; not again after a call
+    that planned none."""
+    pipe, kwargs = pixart_alpha()
+    _group_offload(pipe.transformer)
+    tp.pipelines.parallelize(pipe, **OPTIONS)
+    with pytest.warns(UserWarning) as record:
+        generate(pipe, kwargs, steps=2)
+    lines = [str(w.message) for w in record if "graphs (Dynamo split it" in str(w.message)]
+    assert len(lines) == 1, lines
+    found = re.search(r"PixArtTransformer2DModel ran as (\d+) graphs .*: (\d+) pipelined, "
+                      r"holding (\d+)% of its FLOPs, (\d+) run as traced", lines[0])
+    assert found, lines[0]
+    graphs, pipelined, percent, traced = (int(g) for g in found.groups())
+    assert 0 < pipelined < graphs and pipelined + traced == graphs and 0 < percent < 100
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        generate(pipe, kwargs, steps=2)
+    assert not [w for w in again if "graphs (Dynamo split it" in str(w.message)]

@@ -44,6 +44,7 @@ from tokpipe_compiler.pipelines.probes import RingUnavailable
 from tokpipe_compiler.pipelines.ring_call import RingCalls
 from tokpipe_compiler.pipelines.scheduler_route import route
 from tokpipe_compiler.planning.compile_calls import own_recompiles
+from tokpipe_compiler.planning.graph_share import GraphTally, summary
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS, StepMarks, count_step
 
 # The attributes that hold a pipeline's denoising transformers (Wan 2.2's low-noise expert
@@ -85,10 +86,11 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
         _check_denoiser(pipe, name, denoiser, config)
     for denoiser in denoisers.values():  # each with its own programs and recompile limit
         if getattr(denoiser, _PARALLELIZED, None) is None:
-            denoiser.compile(backend=TokpipeBackend(**options), dynamic=False,
-                             **own_recompiles(RECOMPILES))
+            backend = TokpipeBackend(**options)
+            denoiser.compile(backend=backend, dynamic=False, **own_recompiles(RECOMPILES))
             object.__setattr__(denoiser, _PARALLELIZED,
-                               Parallelized(config, denoiser._compiled_call_impl))
+                               Parallelized(config, denoiser._compiled_call_impl,
+                                            backend.session.graphs))
             _reset_with_the_pipeline(denoiser)
     if ring:
         hybrid = cfg == 2 and config.stages > 1
@@ -106,6 +108,7 @@ class Parallelized:
 
     config: Config
     per_call: Callable[..., Any]
+    graphs: GraphTally  # the per-call path's graphs (several where Dynamo split the model)
 
 
 def _check_denoiser(pipe: Any, name: str, denoiser: torch.nn.Module, config: Config) -> None:
@@ -222,6 +225,18 @@ def _steps_counted(pipe: Any) -> Iterator[None]:
         yield
     finally:
         PIPELINE_STEPS.reset(token)
+    _summarize_graphs(pipe)
+
+
+def _summarize_graphs(pipe: Any) -> None:
+    """After a call that planned the graphs of a transformer split at graph breaks: how
+    many there are and how much of it is pipelined, in one line."""
+    for denoiser in find_denoisers(pipe).values():
+        parallelized = getattr(denoiser, _PARALLELIZED, None)
+        if parallelized is not None:
+            line = summary(type(denoiser).__name__, parallelized.graphs.take_new())
+            if line is not None:
+                warn(line)
 
 
 def _counted_step(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

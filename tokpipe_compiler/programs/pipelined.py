@@ -22,6 +22,7 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import argument_of
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.core.warn import warn
+from tokpipe_compiler.planning.graph_share import GraphTally
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.generations import (
     SharedTimesteps,
@@ -51,6 +52,7 @@ class Session:
         self.last_by_role: dict[tuple[int | None, str], weakref.ref] = {}
         self.timesteps = SharedTimesteps()  # of graphs split at graph breaks
         self.warned: set[str] = set()  # the warnings given once per compile
+        self.graphs = GraphTally()  # each graph's outcome, for a split model's summary
 
     def reset(self) -> None:
         for program in list(self.programs):
