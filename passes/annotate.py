@@ -95,11 +95,27 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
 
 
 def _static_dtypes(gm: torch.fx.GraphModule) -> None:
-    """x.type_as(y) -> x.to(dtype of y): the dtype is known statically, and a token `y`
-    must not make an invariant `x` depend on the tokens."""
+    """x.type_as(y) and x.to(y) -> x.to(dtype and device of y): both are known statically,
+    and a token `y` must not make an invariant `x` (a positional table) depend on the
+    tokens."""
     for node in gm.graph.nodes:
-        if op_key(node) == "method:type_as" and isinstance(node.args[1], torch.fx.Node):
+        key = op_key(node)
+        if key == "method:type_as" and isinstance(node.args[1], torch.fx.Node):
             node.target, node.args = "to", (node.args[0], example_value(node.args[1]).dtype)
+        elif key == "method:to" and _tensor_like(node) is not None:
+            like = example_value(_tensor_like(node))
+            flags = dict(zip(("non_blocking", "copy"), node.args[2:], strict=False))
+            node.args = (node.args[0],)
+            node.kwargs = {**{k: v for k, v in node.kwargs.items() if k != "tensor"}, **flags,
+                           "dtype": like.dtype, "device": like.device}
+
+
+def _tensor_like(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor whose dtype and device `x.to(tensor)` takes, if it is called so."""
+    other = node.args[1] if len(node.args) > 1 else node.kwargs.get("tensor")
+    if isinstance(other, torch.fx.Node) and isinstance(example_value(other), torch.Tensor):
+        return other
+    return None
 
 
 def _first_supported(
