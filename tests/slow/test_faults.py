@@ -385,6 +385,43 @@ def test_a_rank_still_in_the_last_generation_is_named_as_the_likely_cause():
     """Without a scheduler the program learns a generation's length only as it ends: the
     rank that began the next one waits out the timeout, then says why its peer may not."""
     first, second = launch(per_call_compiled, 2, timeout=120)
-    assert "fingerprint of a generation's first call at step 3" in first, first
+    assert "fingerprint of a generation's first call (options" in first, first
     assert "may still be in the last" in first and "num_inference_steps" in first, first
     assert "waiting for step 3 chunk 0" in second, second
+
+
+def serving_disagreements(rank: int, world: int) -> list[tuple[str, float]]:
+    """A parallelized pipeline serving requests where the ranks' held programs differ: a
+    request new to one rank only, in disagreement, then agreeing requests that one rank
+    must plan alone. Returns (outcome, seconds) per request."""
+    from tokpipe_compiler.generate import tiny_dit_pipeline
+
+    pipe = tiny_dit_pipeline()
+    tp.pipelines.parallelize(pipe, stages=world, **{**OPTIONS, "timeout": 20.0})
+    requests = [([1], [1]), ([1], [1, 2]), ([1], [1]), ([1, 2, 3], [1, 2]), ([1, 2], [1, 2])]
+    outcomes, first = [], None
+    for labels in requests:
+        start = time.monotonic()
+        try:
+            out = torch.as_tensor(pipe(class_labels=labels[rank], output_type="latent",
+                                       num_inference_steps=3,
+                                       generator=torch.Generator().manual_seed(0)).images)
+            first = out if first is None else first
+            outcome = "same" if out.shape == first.shape and torch.equal(out, first) else "ran"
+        except tp.TokpipeError as err:
+            outcome = str(err)
+        outcomes.append((outcome, time.monotonic() - start))
+    return outcomes
+
+
+def test_ranks_holding_other_programs_disagree_at_once_and_serve_on():
+    """A rank that holds a program for its request while the other must plan one: both
+    used to wait out the timeout (one for rank 0's rates, one for fingerprints keyed by
+    each program's own call count), and the timeout closed gloo's pairs for good."""
+    for outcomes in launch(serving_disagreements, 2, timeout=300):
+        (first, _), (one_new, t1), (again, _), (both_new, t3), (alone, t4) = outcomes
+        assert first == "same" and again == "same", outcomes
+        for error, seconds in ((one_new, t1), (both_new, t3)):
+            assert "the ranks disagree at a generation's first call" in error, error
+            assert seconds < 15, outcomes
+        assert alone == "ran" and t4 < 15, outcomes

@@ -23,6 +23,7 @@ from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as
 
 FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
 RATES_STEP = -1  # the rates travel before any step's message
+FINGERPRINT_STEP = -2  # not a program's call count: ranks' programs may count apart
 STEP_COUNTS = ("ring steps", "scheduler steps")  # plan entries a caller adds: steps to run
 LATE_PEER = ("The ranks begin each generation together: a rank that has not begun this one "
              "may still be in the last, running steps this rank did not run. Run as many "
@@ -68,17 +69,18 @@ def fingerprint(plan: Plan, calls: Sequence[tuple]) -> dict[str, Any]:
     }
 
 
-def exchange_fingerprints(transport, mine: dict[str, Any], step: int,
-                          when: str) -> list[dict[str, Any]]:
-    """Every rank's fingerprint, in rank order. Messages have a fixed size, and each pair
-    posts in one order (the lower rank sends first), which NCCL needs and gloo accepts."""
+def exchange_fingerprints(transport, mine: dict[str, Any], when: str) -> list[dict[str, Any]]:
+    """Every rank's fingerprint, in rank order. Messages have a fixed size and key, so
+    that ranks meet whatever each has run before (one rank's program may be new, another's
+    have run generations), and each pair posts in one order (the lower rank sends first),
+    which NCCL needs and gloo accepts."""
     rank, world = transport.rank, transport.world_size
     spec = TensorSpec((FINGERPRINT_BYTES,), torch.uint8)
     data = _encode(mine).to(transport.device)
 
     def key(dst: int) -> MessageKey:
-        what = f"the fingerprint of {when} at step {step} (options, plan, inputs)"
-        return MessageKey(step, dst, WHOLE, "fingerprint", what)
+        what = f"the fingerprint of {when} (options, plan, inputs)"
+        return MessageKey(FINGERPRINT_STEP, dst, WHOLE, "fingerprint", what)
 
     handles = {}
     for peer in range(world):

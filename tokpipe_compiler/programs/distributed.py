@@ -161,7 +161,7 @@ class DistributedProgram(PipelinedProgram):
         mine = fingerprint(self.plan, calls)
         mine["plan"].update(plan)
         try:
-            every = exchange_fingerprints(self.transport, mine, self.calls, when)
+            every = exchange_fingerprints(self.transport, mine, when)
         except TokpipeError as err:
             if not absent_hint:
                 raise
@@ -244,13 +244,27 @@ def planned_alike(group: Any, timeout: float) -> Iterator[None]:
     """Within the block (the planning of a program for `group`), every rank of a group of
     several processes plans with rank 0's calibrated rates. Rates each rank measures or
     caches for itself differ a little, enough for chunks="auto" to pick another table or
-    the partition another cut, and ranks with different plans refuse to run together."""
+    the partition another cut, and ranks with different plans refuse to run together.
+    They travel once per group and device (the group's first planning, which every rank
+    does): a rank that plans later alone, for inputs the others hold a program for
+    already, must not wait for a message from rank 0, which waits for another."""
     if distributed_world(group) is None:
         yield
         return
     transport = DistributedTransport(timeout=timeout, group=group)
-    with calibrate.shared_rates(lambda device, local: exchange_rates(transport, device, local)):
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+    def share(device: str, local: Callable[[], calibrate.DeviceRates]) -> calibrate.DeviceRates:
+        if (ranks, device) not in _GROUP_RATES:
+            _GROUP_RATES[ranks, device] = exchange_rates(transport, device, local)
+        return _GROUP_RATES[ranks, device]
+
+    with calibrate.shared_rates(share):
         yield
+
+
+# Rank 0's rates each group plans with, by (the group's global ranks, device).
+_GROUP_RATES: dict[tuple[tuple[int, ...], str], calibrate.DeviceRates] = {}
 
 
 def make_program(plan: Plan, session: Session | None, owner: int | None = None,
