@@ -78,6 +78,15 @@ class TorchLinks:
     def connected(self, value: bool) -> None:
         self._pair.connected = value
 
+    @property
+    def broken(self) -> str:
+        """Why the group carries no message any more ("" while it does)."""
+        return self._pair.broken
+
+    @broken.setter
+    def broken(self, value: str) -> None:
+        self._pair.broken = value
+
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work | None:
         group = self._pair.groups[direction(self.rank, peer)]
         return dist.isend(tensor, group=group, tag=tag, group_dst=peer)
@@ -91,6 +100,7 @@ class TorchLinks:
 class _Groups:
     groups: tuple[Any, Any]  # by direction: the group itself, its back group
     connected: bool = False
+    broken: str = ""  # gloo closes a pair for good after a failed wait: the first one's
 
 
 _made: dict[int, tuple[Any, _Groups]] = {}  # id(group) -> (group, its two groups)

@@ -125,6 +125,28 @@ def send_error(rank: int, dst: int, key: MessageKey, reason: str) -> TokpipeErro
     )
 
 
+# What a failed wait under gloo means for every later message.
+GLOO_CLOSED = ("gloo closes a connection for good after a failed wait (a timeout, a lost "
+               "peer) on either rank: restart the ranks before running again")
+
+
+class GroupClosed(TokpipeError):
+    """The process group carries no message any more (gloo closed it after a failure)."""
+
+
+def closed_error(rank: int, key: MessageKey, since: str) -> GroupClosed:
+    return GroupClosed(
+        f"rank {rank} cannot exchange {key}: this process group has carried no message since "
+        f"an earlier failure ({since}); {GLOO_CLOSED} (or destroy the process group and "
+        "start another)."
+    )
+
+
+def _headline(err: TokpipeError) -> str:
+    """A recv or send error without its advice: what failed, and how."""
+    return str(err).split(". Check that", 1)[0]
+
+
 def message_tag(key: MessageKey, piece: int) -> int:
     """A tag derived from the key alone, identical in every process (unlike `hash`).
 
@@ -245,7 +267,14 @@ class DistributedTransport:
 
     def post_recv(self, key: MessageKey, src: int, spec: TensorSpec) -> RecvHandle:
         """Posts the receive now; `wait()` on the handle bounds the wait by `timeout`."""
+        self._check_open(key)
         return _DistRecv(self, key, src, spec)
+
+    def _check_open(self, key: MessageKey) -> None:
+        """Raises, naming the first failure, where gloo has closed the group's connections:
+        not the "check that the peer is alive" of a send that cannot be posted."""
+        if getattr(self.links, "broken", ""):
+            raise closed_error(self.rank, key, self.links.broken)
 
     def send(self, key: MessageKey, tensor: torch.Tensor, dst: int) -> None:
         """Starts sending; `tensor` must not be modified until `flush` returns."""
@@ -253,6 +282,7 @@ class DistributedTransport:
         def error(reason: str) -> TokpipeError:
             return send_error(self.rank, dst, key, reason)
 
+        self._check_open(key)
         if tensor.device != self.device:
             raise error(
                 f"the tensor is on {tensor.device}; this transport sends from {self.device}"
@@ -283,7 +313,11 @@ class DistributedTransport:
         try:
             work = op(piece, peer, tag)
         except (RuntimeError, ValueError) as e:  # e.g. gloo closes a pair after a timeout
-            raise error(f"could not post ({_first_line(e)})") from e
+            reason = f"could not post ({_first_line(e)})"
+            if self._native_timeout and hasattr(self.links, "broken"):
+                self.links.broken = self.links.broken or _headline(error(reason))
+                reason += f"; {GLOO_CLOSED}"
+            raise error(reason) from e
         if work is None:
             raise error(f"rank {self.rank} is not in the transport's process group")
         return work
@@ -320,6 +354,9 @@ class DistributedTransport:
             for work in works:
                 wait(work, deadline, self.timeout)
         except _Failed as failed:
+            if self._native_timeout and hasattr(self.links, "broken"):
+                self.links.broken = self.links.broken or _headline(error(failed.reason))
+                raise error(f"{failed.reason}; {GLOO_CLOSED}") from None
             raise error(failed.reason) from None
 
 

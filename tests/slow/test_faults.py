@@ -425,3 +425,38 @@ def test_ranks_holding_other_programs_disagree_at_once_and_serve_on():
             assert "the ranks disagree at a generation's first call" in error, error
             assert seconds < 15, outcomes
         assert alone == "ran" and t4 < 15, outcomes
+
+
+def after_a_timeout(rank: int, world: int) -> list[str]:
+    """Rank 0 begins a generation rank 1 joins only after rank 0's timeout; then both call
+    again. Returns each call's error."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend=tp.backend(stages=world, **OPTIONS),
+                             dynamic=False)
+    latents, _, labels = dit_inputs(model, 8)
+    errors = []
+    for call in range(3):
+        if call == 1 and rank == 1:
+            time.sleep(2 * FAULT_TIMEOUT)
+        start = time.monotonic()
+        try:
+            with torch.no_grad():
+                compiled(latents, torch.tensor([900]), labels)
+            errors.append("no error")
+        except tp.TokpipeError as err:
+            errors.append(f"{err} [{time.monotonic() - start:.1f} s]")
+        tp.reset(compiled)
+    return errors
+
+
+def test_after_a_timeout_every_later_call_says_the_ranks_must_restart():
+    """gloo closes a pair for good after a failed wait: the timeout says so, and later
+    calls name that first failure, not 'check that rank 1 is alive' (both are)."""
+    for rank, errors in enumerate(launch(after_a_timeout, 2, timeout=120)):
+        first, failed, later = errors
+        assert first == "no error", errors
+        assert "closes a connection for good" in failed, errors
+        assert "restart the ranks" in later and "since an earlier failure" in later, errors
+        assert "Check that rank" not in later, errors
+        assert float(later.rsplit("[", 1)[1].split()[0]) < 1.0, (rank, later)

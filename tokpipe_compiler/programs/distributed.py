@@ -46,6 +46,7 @@ from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
     DistributedTransport,
+    GroupClosed,
     MessageKey,
     TensorSpec,
     init_process_group_from_env,
@@ -162,6 +163,8 @@ class DistributedProgram(PipelinedProgram):
         mine["plan"].update(plan)
         try:
             every = exchange_fingerprints(self.transport, mine, when)
+        except GroupClosed:
+            raise  # not a peer late or absent: every later message fails alike
         except TokpipeError as err:
             if not absent_hint:
                 raise
