@@ -21,6 +21,7 @@ from tokpipe_compiler.core.fx import argument_of, is_parameter, record_sources, 
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.graph_share import summary
 from tokpipe_compiler.planning.pieces import origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.regional import repeated_block
@@ -37,7 +38,7 @@ from tokpipe_compiler.planning.timestep_checks import (
 )
 from tokpipe_compiler.planning.traced_frame import frame_parameters, number_arguments
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
-from tokpipe_compiler.programs.generations import timestep_index
+from tokpipe_compiler.programs.generations import PIPELINE_STEPS, timestep_index
 from tokpipe_compiler.programs.owners import PerOwner, owner_of, register
 from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session
 
@@ -156,15 +157,27 @@ class LazyProgram:
             publisher = (id(self), None if owner is None else id(owner))
             self.session.timesteps.publish(publisher, args[self.timestep_at])
         table = self.programs.table(owner)
+        # within a parallelized pipeline's call, parallelize gives the line at its end
+        if PIPELINE_STEPS.get() is None and self.session.graphs.call_done(self):
+            self._summarize_graphs()
         if key not in table:
             table[key] = self._program(key, args, owner)
         return table[key](*args)
+
+    def _summarize_graphs(self) -> None:
+        """A model compiled directly and split at graph breaks: after its first call, how
+        many graphs it ran as and how much of it is pipelined (`parallelize` says so at the
+        end of the pipeline's call)."""
+        line = summary(f"the model traced from {self.origin.where or 'its forward'}",
+                       self.session.graphs.take_new())
+        if line is not None:
+            warn(line)
 
     def _program(self, key: Any, args: tuple, owner: torch.Tensor | None):
         if key not in self.plans:
             self.plans[key] = self._plan(args)
             if self.origin.piece and len(self.plans) == 1:  # not a new shape's plan
-                self.session.graphs.record(self.gm, self.plans[key][0] is not None)
+                self.session.graphs.record(self.gm, self.plans[key][0] is not None, self)
         plan, select = self.plans[key]
         if plan is None:
             return self.gm.forward

@@ -55,6 +55,21 @@ def test_the_block_graph_is_pipelined_and_the_small_graphs_run_as_traced(mode):
     assert program.calls == 2
 
 
+
+def test_after_the_first_call_one_line_says_how_much_is_pipelined():
+    """Compiled directly: the model's second call gives the line (its first planned every
+    graph); no line after later calls."""
+    torch.manual_seed(0)
+    model = SplitDiT(depth=2, width=32, heads=2, grid=8).eval()
+    _, _, messages = run(model, dit_inputs(model, 8), calls=3)
+    lines = [m for m in messages if "graphs (Dynamo split it" in m]
+    assert len(lines) == 1, messages
+    assert "traced from forward (models.py:" in lines[0]
+    assert "ran as 3 graphs" in lines[0] and "1 pipelined, holding" in lines[0], lines[0]
+    assert "2 run as traced" in lines[0], lines[0]
+    assert messages.index(lines[0]) == len(messages) - 1  # after the planning's warnings
+
+
 class MaxInBlocks(SplitDiT):
     """The blocks' graph ends with a max over the tokens: no chunking for it."""
 

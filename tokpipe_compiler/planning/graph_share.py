@@ -32,13 +32,21 @@ class GraphTally:
     def __init__(self) -> None:
         self.outcomes: list[GraphOutcome] = []
         self._taken = 0
+        self._first: object = None  # what recorded the first outcome not yet taken
 
-    def record(self, gm: torch.fx.GraphModule, pipelined: bool) -> None:
+    def record(self, gm: torch.fx.GraphModule, pipelined: bool, by: object = None) -> None:
+        if len(self.outcomes) == self._taken:
+            self._first = by
         self.outcomes.append(GraphOutcome(pipelined, graph_flops(gm)))
 
     def take_new(self) -> list[GraphOutcome]:
         new, self._taken = self.outcomes[self._taken:], len(self.outcomes)
         return new
+
+    def call_done(self, caller: object) -> bool:
+        """Whether `caller`, the graph that recorded the first new outcome, is called again:
+        the model's call that planned the new graphs is over (its first graph runs first)."""
+        return len(self.outcomes) > self._taken and caller is self._first
 
 
 def graph_flops(gm: torch.fx.GraphModule) -> float | None:
