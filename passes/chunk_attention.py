@@ -7,8 +7,10 @@ becomes
 
 The caches and `tokpipe_chunk` are new graph inputs that the runtime provides: a persistent
 K/V buffer per layer, and [first unit, units, visible units] of the chunk being run.
-`lead`/`trail` count whole text tokens around the chunk's tokens (joint attention).
-With attention="triton", layers the fused kernel can run also get `fused=True`.
+`lead`/`trail` count whole tokens around the chunk's tokens (the text of joint attention, a
+start token). `refuse_unseen` (causal mode): a mask that shows a chunk keys of later chunks
+raises, where stale's first step without warmup cuts it to the keys it sees. With
+attention="triton", layers the fused kernel can run also get `fused=True`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.fx
 from tokpipe_compiler.core.args import SDPA, bound_args
 from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.fx import example_value
-from tokpipe_compiler.core.meta import ATTENTION, INVARIANT_INFO, META_KEY
+from tokpipe_compiler.core.meta import ATTENTION, INVARIANT_INFO, META_KEY, TokenInfo
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.runtime.caches import CacheSpec
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
@@ -38,10 +40,8 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str, kernel: str = "sdpa"
         causal = bool(args.get("is_causal", False))
         info = args["key"].meta[META_KEY]  # queries may lack the text segment of the keys
         if causal and info.segmented:
-            raise TokpipeError(
-                f"{describe(node)} is causal over a sequence with whole text segments around "
-                "the chunked tokens; tokpipe chunks causal attention only over one sequence"
-            )
+            _check_causal_segments(
+                node, args["query"].meta.get(META_KEY, INVARIANT_INFO), info, mode)
         if mode == "causal" and not causal and args.get("attn_mask") is None:
             raise TokpipeError(
                 f"mode='causal' needs causal attention, but {describe(node)} attends to the "
@@ -64,7 +64,7 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str, kernel: str = "sdpa"
                 (args["query"], args["key"], args["value"], k_cache, v_cache, chunk,
                  spec.per_unit, causal, args.get("scale"), args.get("attn_mask"), info.lead,
                  info.trail),
-                {"fused": True} if fused else {},
+                {"refuse_unseen": mode == "causal", **({"fused": True} if fused else {})},
             )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
@@ -76,6 +76,28 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str, kernel: str = "sdpa"
              f"layers run with SDPA instead, since the fused kernel takes CUDA tensors, no "
              f"mask and one sequence ({sdpa_layers[0]}{', ...' if len(sdpa_layers) > 1 else ''})")
     return specs
+
+
+def _check_causal_segments(node: torch.fx.Node, query: TokenInfo, key: TokenInfo,
+                           mode: str) -> None:
+    """Causal attention over [lead | chunked tokens | trail] runs when the queries hold the
+    keys' segments: a lead segment (a start or class token) precedes every chunk's tokens,
+    so each chunk sees it whole, as the model does. Tokens after the chunked ones see every
+    chunk's, which causal mode computes chunk by chunk."""
+    if (query.lead, query.trail) != (key.lead, key.trail):
+        raise TokpipeError(
+            f"{describe(node)} is causal with keys that hold {key.lead + key.trail} tokens "
+            f"outside the chunked ones and queries that hold {query.lead + query.trail}; "
+            "is_causal=True aligns such queries to the keys' first rows, which tokpipe does "
+            "not chunk. Give the queries the same tokens as the keys, or pass the causal "
+            "mask as attn_mask")
+    if mode == "causal" and key.trail:
+        raise TokpipeError(
+            f"mode='causal': {describe(node)} is causal over a sequence with {key.trail} "
+            "tokens after the chunked ones (tokens concatenated behind them); they see every "
+            "chunk's tokens, which causal mode attends to chunk by chunk. Put those tokens "
+            "before the chunked ones (a start or class token in front runs), or use "
+            "mode='stale' or 'sync'")
 
 
 def _why_unfused(k: torch.Tensor, mask: torch.fx.Node | None, segmented: bool) -> str:

@@ -52,18 +52,23 @@ def _kv_attention(
     trail: int = 0,
     segments: bool = True,
     fused: bool = False,
+    refuse_unseen: bool = True,
 ) -> torch.Tensor:
     """q, k, v: [..., n, D] for the chunk's n tokens; caches [..., L, D].
 
     Keys visible to query i (global position offset + i): cache positions < visible, and,
     when `causal`, <= offset + i. `mask` holds the chunk's rows of the model's own mask.
-    `lead`/`trail`: tokens before/after the chunk's (text tokens of joint attention), at the
-    cache's ends and always visible. `segments`: whether k and v hold them (the chunk
-    computes them and writes them to the cache) or not (the cache's are attended to).
+    `lead`/`trail`: tokens before/after the chunk's (text tokens of joint attention, a start
+    token), at the cache's ends and always visible but for causal masking. `segments`:
+    whether k and v hold them (the chunk computes them and writes them to the cache) or not
+    (the cache's are attended to). `refuse_unseen` (causal mode, whose chunks must give the
+    model's answer): a mask that shows the chunk keys it does not see raises; else (stale's
+    first step without warmup) the mask is cut to the visible keys, the mode's approximation.
     """
     if lead or trail:
         return _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask,
-                          (lead, trail) if segments else (0, 0), (lead, trail))
+                          (lead, trail) if segments else (0, 0), (lead, trail), causal,
+                          refuse_unseen)
     start, _, visible = (int(x) for x in chunk.tolist())
     offset, n, kv_len = start * per_unit, q.shape[-2], visible * per_unit
     if fused:  # never with text segments: chunk_attention asks for it only without them
@@ -74,7 +79,7 @@ def _kv_attention(
         k_cache[..., offset : offset + n, :].copy_(k)
         v_cache[..., offset : offset + n, :].copy_(v)
     keys, values = k_cache[..., :kv_len, :], v_cache[..., :kv_len, :]
-    if not causal:
+    if refuse_unseen and not causal:
         _refuse_unseen_keys(mask, kv_len, None if mask is None else mask.shape[-1])
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
     if causal and mask is None and kv_len == offset + n:
@@ -91,7 +96,8 @@ def _kv_attention(
 
 
 def _kv_attention_fake(q, k, v, k_cache, v_cache, chunk, per_unit, causal, scale=None,
-                       mask=None, lead=0, trail=0, segments=True, fused=False):
+                       mask=None, lead=0, trail=0, segments=True, fused=False,
+                       refuse_unseen=True):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
@@ -99,10 +105,13 @@ kv_attention = define_op("kv_attention", _kv_attention, _kv_attention_fake,
                          mutates=("k_cache", "v_cache"))
 
 
-def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, held, cached):
+def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, held, cached,
+               causal, refuse_unseen):
     """Attention over [lead segment, visible chunked cache, trail segment]. The queries are
     the chunk's tokens, with or without the segments (text attending too, or not). `held`:
-    the (lead, trail) segments k and v hold, written to the cache; `cached`: the cache's."""
+    the (lead, trail) segments k and v hold, written to the cache; `cached`: the cache's.
+    `causal`: over the whole sequence's order, the queries holding the segments the keys
+    hold (chunk_attention refuses other causal layouts)."""
     start, _, visible = (int(x) for x in chunk.tolist())
     (lead, trail), (held_lead, held_trail) = cached, held
     full, n = k_cache.shape[-2], k.shape[-2] - held_lead - held_trail
@@ -113,12 +122,18 @@ def _segmented(q, k, v, k_cache, v_cache, chunk, per_unit, scale, mask, held, ca
             if held_lead or held_trail:
                 cache[..., :lead, :].copy_(new[..., :lead, :])
                 cache[..., full - trail :, :].copy_(new[..., lead + n :, :])
-    _refuse_unseen_keys(mask, lead + visible * per_unit, full - trail)
+    if refuse_unseen and not causal:
+        _refuse_unseen_keys(mask, lead + visible * per_unit, full - trail)
     seen = torch.cat([torch.arange(lead + visible * per_unit, device=q.device),
                       torch.arange(full - trail, full, device=q.device)])
     keys, values = k_cache.index_select(-2, seen), v_cache.index_select(-2, seen)
     if mask is not None:
         mask = mask.index_select(-1, seen)
+    if causal:
+        rows = torch.cat([torch.arange(held_lead, device=q.device),
+                          torch.arange(offset, offset + n, device=q.device),
+                          torch.arange(full - held_trail, full, device=q.device)])
+        mask = _causal_and(mask, seen[None, :] <= rows[:, None])
     groups = q.shape[-3] // keys.shape[-3] if q.dim() >= 3 else 1
     return F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
@@ -206,7 +221,11 @@ def _visible_mask(
     if not causal:
         return mask
     rows = torch.arange(offset, offset + q.shape[-2], device=q.device)[:, None]
-    allowed = torch.arange(kv_len, device=q.device)[None, :] <= rows
+    return _causal_and(mask, torch.arange(kv_len, device=q.device)[None, :] <= rows)
+
+
+def _causal_and(mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
+    """The model's mask (bool or additive, or none) with the keys `allowed` hides hidden."""
     if mask is None:
         return allowed
     if mask.dtype == torch.bool:

@@ -74,7 +74,7 @@ def test_imports_point_down(module):
 def test_core_imports_only_torch():
     allowed = {"torch", "__future__", "typing", "dataclasses", "enum", "collections", "itertools",
                "logging", "os", "re", "pathlib", "operator", "fractions", "math", "functools",
-               "sys", "warnings"}
+               "sys", "warnings", "linecache"}
     for module, path in modules().items():
         if layer_of(module) != "core":
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import os
 
 import torch
@@ -31,6 +32,22 @@ def test_a_trace_only_inside_torch_names_its_innermost_frame():
     trace = f'  File "{TORCH_FILE}", line 203, in _add_batch_dim\n    return op(x)\n'
     assert user_line(node_with_trace(trace)) == (
         f'File "{TORCH_FILE}", line 203, in _add_batch_dim: return op(x)')
+
+
+def test_a_statement_over_several_lines_is_quoted_whole(tmp_path):
+    """A trace gives a call's first line; the rest is read from the file, or marked."""
+    source = tmp_path / "block.py"
+    source.write_text("def forward(q, k, v, mask):\n"
+                      "    x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,\n"
+                      "                                       is_causal=True)\n")
+    trace = f'  File "{source}", line 2, in forward\n' \
+            "    x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,\n"
+    assert user_line(node_with_trace(trace)) == (
+        f'File "{source}", line 2, in forward: x = F.scaled_dot_product_attention(q, k, v, '
+        "attn_mask=mask, is_causal=True)")
+    source.unlink()
+    linecache.clearcache()
+    assert user_line(node_with_trace(trace)).endswith("attn_mask=mask, ...")
 
 
 def test_no_trace():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import os
 import re
 
@@ -12,6 +13,8 @@ import torch.fx
 # line the user wrote; an error names the innermost frame outside it.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FRAME_FILE = re.compile(r'File "([^"]+)"')
+_FRAME_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+_MAX_CONTINUED = 8  # lines of a statement quoted after its first
 
 
 class TokpipeError(RuntimeError):
@@ -48,10 +51,32 @@ def user_line(node: torch.fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
     # Frames come in pairs: 'File "...", line N, in f' then the source line.
-    frames = [f"{lines[i]}: {lines[i + 1]}" for i in range(len(lines) - 1)
-              if lines[i].startswith("File ")]
+    frames = [f"{lines[i]}: {_whole_statement(lines[i], lines[i + 1])}"
+              for i in range(len(lines) - 1) if lines[i].startswith("File ")]
     outside = [f for f in frames if not _in_torch(f)]
     return (outside or frames or ["<unknown source line>"])[-1]
+
+
+def _whole_statement(frame: str, source: str) -> str:
+    """A frame's source line with the lines that continue its statement: a trace gives the
+    first line of a call spread over several, which would read as cut off mid-call. Ends
+    in '...' where the file cannot tell the rest."""
+    match = _FRAME_LINE.match(frame)
+    if match is None or _open_brackets(source) <= 0:
+        return source
+    path, first = match.group(1), int(match.group(2))
+    for number in range(first + 1, first + 1 + _MAX_CONTINUED):
+        line = linecache.getline(path, number).strip()
+        if not line:
+            break
+        source = f"{source} {line}"
+        if _open_brackets(source) <= 0:
+            return source
+    return f"{source} ..."
+
+
+def _open_brackets(code: str) -> int:
+    return sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
 
 
 def _in_torch(frame: str) -> bool:

@@ -18,11 +18,11 @@ import torch
 import torch.fx
 from hypothesis import strategies as st
 
-from tokpipe_compiler.api import capture_graphs
 from tokpipe_compiler.config import MODES, Config
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
 from tokpipe_compiler.costmodel.planning_costs import send_cost
 from tokpipe_compiler.passes.annotate import annotate
+from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import (
     assign_stages,
     build_plan,
@@ -31,6 +31,7 @@ from tokpipe_compiler.planning.driver import (
     sequence_tokens,
     token_batch,
 )
+from tokpipe_compiler.programs.pipelined import PipelinedProgram
 
 
 @dataclass(frozen=True)
@@ -86,28 +87,30 @@ def _shape(value: object) -> object:
 
 
 def _measure(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> ModelFacts:
-    torch.compiler.reset()
-    for gm in capture_graphs(model, args, kwargs):
-        annotated = copy_graph_module(gm)
+    for captured in capture(model, args, kwargs, fresh=True):
+        annotated = copy_graph_module(captured.gm)
         try:
             annotation = annotate(annotated, None)
         except NoTokenInput:
             continue
         tokens = sequence_tokens(annotated, annotation.units, token_batch(annotated, annotation))
-        return ModelFacts(annotation.units, _modes(gm), annotated, annotation.token_input,
-                          tokens)
+        modes = tuple(mode for mode in MODES
+                      if mode != "causal" or _runs_causal(captured, annotation.units))
+        return ModelFacts(annotation.units, modes, annotated, annotation.token_input, tokens)
     raise TokpipeError("no traced graph of this model has a token input to pipeline")
 
 
-def _modes(gm) -> tuple[str, ...]:
-    def plans(mode: str) -> bool:
-        try:
-            build_plan(gm, Config(stages=1, chunks=1, mode=mode, compiler="eager"))
-        except TokpipeError:
-            return False
-        return True
-
-    return tuple(mode for mode in MODES if mode != "causal" or plans("causal"))
+def _runs_causal(captured: Captured, units: int) -> bool:
+    """Whether causal mode plans the graph and runs it on the traced inputs: a mask that
+    shows a chunk keys of later chunks (padding, not causal) is refused at the call only."""
+    config = Config(stages=1, chunks=min(2, units), mode="causal", compiler="eager")
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            PipelinedProgram(build_plan(captured.gm, config))(*captured.inputs)
+    except TokpipeError:
+        return False
+    return True
 
 
 def options(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
@@ -115,7 +118,8 @@ def options(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             modes: Sequence[str] | None = None) -> st.SearchStrategy[dict]:
     """Backend options valid for `model(*args, **kwargs)`: stages the graph can be cut
     into with work for each, chunks no more than its token rows, modes it supports (causal
-    only for causal attention), warmup_steps 0 or 1."""
+    only where it runs on the given inputs: attention causal, or masked to hide later
+    keys), warmup_steps 0 or 1."""
     facts = model_facts(model, args, kwargs)
     allowed = [m for m in (modes or MODES) if m in facts.modes]
     if not allowed:
@@ -134,7 +138,9 @@ def latents_like(like: torch.Tensor, *,
     """Tensors of `like`'s dtype and device, normal noise at a drawn seed and scale.
 
     sizes: axis -> allowed sizes, for models that take several shapes (say, latent sides
-    that are multiples of the patch); by default the shape of `like`.
+    that are multiples of the patch); by default the shape of `like`. Options drawn for
+    `like` may hold more chunks than a smaller drawn grid has rows: draw the latents first,
+    then `options(model, (latents, ...))` for them.
     """
     if not like.is_floating_point():
         raise ValueError(f"latents_like needs a floating tensor, got {like.dtype}; draw "
