@@ -73,11 +73,12 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
     functional_slice_adds(gm)
     seed = find_token_input(gm, token_input)
     _static_dtypes(gm)
-    seeded, infos = _first_supported(gm, seed)
-    if mode == "sync" and any(i.kind == UNSUPPORTED for i in infos.values()):
-        infos = _propagate(gm, seed, seeded, whole_mixing=True)
+    seeded, ctx = _first_supported(gm, seed)
+    if mode == "sync" and any(i.kind == UNSUPPORTED for i in ctx.infos.values()):
+        ctx = _propagate(gm, seed, seeded, whole_mixing=True)
+    infos = ctx.infos
     scale = math.lcm(*(Fraction(i.per_unit).denominator for i in infos.values()
-                       if i.carries_tokens))
+                       if i.carries_tokens), *(band.denominator for band in ctx.bands))
     axis = seeded.axis
     rows = node_shape(seed)[axis] - seeded.lead - seeded.trail
     if rows % scale:
@@ -118,18 +119,17 @@ def _tensor_like(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-def _first_supported(
-    gm: torch.fx.GraphModule, seed: torch.fx.Node
-) -> tuple[TokenInfo, dict[torch.fx.Node, TokenInfo]]:
+def _first_supported(gm: torch.fx.GraphModule,
+                     seed: torch.fx.Node) -> tuple[TokenInfo, RuleContext]:
     """The seed's first candidate info whose propagation meets no unsupported op (else the
     first candidate, whose errors the user sees): each candidate token axis, then each
     with whole segments around its chunked range (segments.seed_candidates)."""
     tried = []
     for seeded in _seed_infos(gm, seed):
-        infos = _propagate(gm, seed, seeded)
-        if all(i.kind != UNSUPPORTED for i in infos.values()):
-            return seeded, infos
-        tried.append((seeded, infos))
+        ctx = _propagate(gm, seed, seeded)
+        if all(i.kind != UNSUPPORTED for i in ctx.infos.values()):
+            return seeded, ctx
+        tried.append((seeded, ctx))
     return tried[0]
 
 
@@ -143,10 +143,11 @@ def _seed_infos(gm: torch.fx.GraphModule, seed: torch.fx.Node) -> Iterator[Token
 
 
 def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, seeded: TokenInfo,
-               whole_mixing: bool = False) -> dict[torch.fx.Node, TokenInfo]:
-    """TokenInfos from the seed's (`seeded`). `whole_mixing`: a node that mixes tokens, and every
-    node computed from it, holds a whole value (segments.whole) instead of UNSUPPORTED; but
-    not a write into a tensor without tokens (its readers would be taken for invariant)."""
+               whole_mixing: bool = False) -> RuleContext:
+    """TokenInfos from the seed's (`seeded`), in the returned context with the bands the rules
+    asked chunks to keep whole. `whole_mixing`: a node that mixes tokens, and every node
+    computed from it, holds a whole value (segments.whole) instead of UNSUPPORTED; but not a
+    write into a tensor without tokens (its readers would be taken for invariant)."""
     infos: dict[torch.fx.Node, TokenInfo] = {}
     ctx = RuleContext(infos)
     mixed: set[torch.fx.Node] = set()
@@ -168,7 +169,7 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, seeded: TokenInfo,
             infos[node] = segments.whole(example_value(node))
             node.meta.pop(SLICES_KEY, None)  # the whole node reads its tables whole
             mixed.add(node)
-    return infos
+    return ctx
 
 
 def _writes_into_invariant(node: torch.fx.Node, infos: dict[torch.fx.Node, TokenInfo]) -> bool:
@@ -309,11 +310,26 @@ def raise_unsupported(annotation: Annotation) -> None:
         places[key] = places.get(key, 0) + 1
     lines = [f"  - {what}{f' ({count} times)' if count > 1 else ''}\n    why: {why}"
              for (what, why), count in list(places.items())[:5]]
+    attention = any(word in target_name(node) for node in annotation.unsupported
+                    for word in _ATTENTION_WORDS)
+    how = ("attention through F.scaled_dot_product_attention" if attention
+           else "each token's output rows from its own input rows")
+    fast_path = any(op in str(node.target) for node in annotation.unsupported
+                    for op in _FAST_PATH_OPS)
     raise TokpipeError(
         "tokpipe cannot split this graph into token chunks; these ops mix tokens:\n"
         + "\n".join(lines),
-        "\nWhat you can do: compute that part outside the compiled model, rewrite it "
-        "token-wise (attention through F.scaled_dot_product_attention), pass "
-        "options={'fallback': True} to run this graph unpipelined, or name another input "
-        "with options={'token_input': ...}."
+        f"\nWhat you can do: {_FAST_PATH_HINT if fast_path else ''}"
+        "compute that part outside the compiled model, rewrite it "
+        f"token-wise ({how}), pass options={{'fallback': True}} to run this graph "
+        "unpipelined, or name another input with options={'token_input': ...}."
     )
+
+
+# Ops of attention (SDPA, torch's fused layers) or of attention written by hand.
+_ATTENTION_WORDS = ("attention", "transformer", "softmax", "matmul", "bmm", "einsum")
+# The fast paths of nn.TransformerEncoderLayer and nn.MultiheadAttention, one op each.
+_FAST_PATH_OPS = ("_transformer_encoder_layer_fwd", "_native_multi_head_attention")
+_FAST_PATH_HINT = ("call torch.backends.mha.set_fastpath_enabled(False) before the first "
+                   "call, which makes torch's layer run through F.multi_head_attention_forward "
+                   "(tokpipe writes that out with sdpa); or ")

@@ -1,11 +1,12 @@
 """Token rules for ops that compute: contractions, norms, the patchify convolution (and its
-transpose, unpatchify), embeddings and attention. COMPUTE_RULES, merged with the others in
-`rules.py`."""
+transpose, unpatchify) and unfold, embeddings and attention. COMPUTE_RULES, merged with the
+others in `rules.py`."""
 
 from __future__ import annotations
 
 import operator
 from dataclasses import replace
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -193,6 +194,59 @@ def conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list
     if isinstance(value, str):
         return [-1] * dims  # 'same'/'valid' padding strings: treat as unsupported padding
     return list(value) if isinstance(value, (tuple, list)) else [value] * dims
+
+
+# -- unfold (patch embedding) ------------------------------------------------------------------
+
+_PATCHIFY = "chunked: kernel == stride, no padding, dilation 1; or patchify by view/reshape"
+
+
+@register(F.unfold, torch._C._nn.im2col)
+def unfold(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """F.unfold with kernel == stride along the token rows, a patchify: [B, C, H, W] ->
+    [B, C*kh*kw, L], each band of kh rows the next run of L (its windows, left to right)."""
+    src, info = first_token(node, ctx)
+    shape = node_shape(src)
+    rows = len(shape) - 2  # the spatial axes are the last two: rows, columns
+    if info.axis < rows - 1:
+        return info  # the token axis is the batch
+    if info.axis != rows:
+        axis = "channels" if info.axis < rows else "columns"
+        return unsupported(f"F.unfold of a token axis as {axis} lays each window out over "
+                           f"every chunk's tokens ({_PATCHIFY}, with the tokens along the "
+                           "rows, dim -2)")
+    if info.segmented:
+        return unsupported("F.unfold of a token axis with whole text segments around its rows")
+    kernel, dilation, padding, stride = (
+        conv_param(node, i, name, 2)
+        for i, name in enumerate(("kernel_size", "dilation", "padding", "stride"), 1))
+    if (kernel[0], padding[0], dilation[0]) != (stride[0], 0, 1):
+        return unsupported(
+            f"F.unfold with kernel {kernel[0]}, stride {stride[0]}, padding {padding[0]}, "
+            f"dilation {dilation[0]} along the token rows takes rows of neighbouring chunks "
+            f"({_PATCHIFY})")
+    columns = (shape[-1] + 2 * padding[1] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    bands = Fraction(info.per_unit) / kernel[0]
+    ctx.keep_bands(bands)  # the output's per_unit (bands * columns) would not show them
+    return replace(info, kind=TOKEN, axis=rows, per_unit=bands * columns)
+
+
+@register("method:unfold")
+def windows(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """x.unfold(dim, size, step): windows along `dim`, each one's elements on a new last
+    axis. Along the token axis with size == step, a patchify: the token axis counts the
+    windows, each inside one band of `size` rows."""
+    src, info = first_token(node, ctx)
+    if arg(node, 1, "dimension") % len(node_shape(src)) != info.axis:
+        return info  # windows of another axis: the token axis keeps its place
+    size, step = arg(node, 2, "size"), arg(node, 3, "step")
+    if size != step:
+        return unsupported(f"Tensor.unfold with size {size}, step {step} along the token axis "
+                           f"takes rows of neighbouring chunks ({_PATCHIFY}: size == step)")
+    if info.segmented:
+        return unsupported("Tensor.unfold of a token axis with whole text segments around its "
+                           "rows")
+    return replace(info, kind=TOKEN, per_unit=Fraction(info.per_unit) / size)
 
 
 # -- embeddings and attention ------------------------------------------------------------------

@@ -25,10 +25,20 @@ Register = Callable[..., Callable[[Rule], Rule]]
 
 
 class RuleContext:
-    """What a rule may ask: the TokenInfo of any earlier node."""
+    """What a rule may ask: the TokenInfo of any earlier node. What it may require: `bands`
+    that every chunk holds whole (see keep_bands)."""
 
     def __init__(self, infos: dict[torch.fx.Node, TokenInfo]):
         self.infos = infos
+        self.bands: set[Fraction] = set()
+
+    def keep_bands(self, per_unit: Fraction) -> None:
+        """Chunks hold whole bands of the op's input rows, `per_unit` bands per grid unit (a
+        Fraction, as a TokenInfo's): annotate makes the unit a multiple of its denominator.
+        For an op whose output's TokenInfo does not show the band: F.unfold lays each band
+        of 2 latent rows out as the next 8 tokens, and per_unit 4 alone would allow a chunk
+        of 1 latent row."""
+        self.bands.add(Fraction(per_unit))
 
     def info(self, arg: Any) -> TokenInfo | None:
         return self.infos.get(arg) if isinstance(arg, torch.fx.Node) else None

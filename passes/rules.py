@@ -6,7 +6,7 @@ them, not a branch in the pass. Nodes without token inputs are INVARIANT and nee
 
     view_rules      elementwise ops, views, reshapes, permutations, padding
     axis_rules      indexing, split/chunk, repeats, cat/stack/pad_sequence, softmax, reductions
-    compute_rules   contractions, norms, convolution, embeddings, attention
+    compute_rules   contractions, norms, convolution, unfold, embeddings, attention
 """
 
 from __future__ import annotations
