@@ -19,12 +19,16 @@ cross-attention token-wise). Self-attention projects with the packed weight at o
 splits the result, as PyTorch does. Only rounding differs from the fused ops. The rewrite
 applies where it computes what the op computes: batched inputs, evaluation (or dropout 0),
 no bias_k/bias_v, zero attention or static keys, an attention mask of [L, S] or none and
-a key padding mask of [N, S] or none (the encoder layer: no mask), and the attention
-weights not read (need_weights=False, or the second output unused).
+a key padding mask of [N, S] or none (the encoder layer: a mask of the shape its
+mask_type names, or of the scores' shape, or none), and the attention weights not read
+(need_weights=False, or the second output unused). A query row whose keys are all masked
+gets sdpa's finite output where the fused encoder layer gives NaN. The written-out nodes
+keep the op's module path and source line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 from typing import Any
@@ -44,6 +48,7 @@ ENCODER_LAYERS = (torch._transformer_encoder_layer_fwd,
                   torch.ops.aten._transformer_encoder_layer_fwd.default)
 ENCODER_PARAMETERS = tuple(
     a.name for a in torch.ops.aten._transformer_encoder_layer_fwd.default._schema.arguments)
+VALUE_META = ("example_value", "val", "tensor_meta")  # a node's own value, not its origin
 
 
 def write_out_torch_attention(gm: torch.fx.GraphModule) -> int:
@@ -64,13 +69,18 @@ def write_out_torch_attention(gm: torch.fx.GraphModule) -> int:
 
 
 def _with_its_line(graph: torch.fx.Graph, node: torch.fx.Node, write_out, args) -> None:
-    """`write_out(graph, node, args)`, the nodes it adds given `node`'s source line (errors
-    about them name the user's line of the call)."""
-    before, trace = set(graph.nodes), node.meta.get("stack_trace")
-    write_out(graph, node, args)
+    """`write_out(graph, node, args)`, the nodes it adds given `node`'s meta but its value:
+    its source line (errors about them name the user's line of the call) and module path
+    (the plan names their layer). Their values are computed in the fake mode of `node`'s,
+    where there is one: sdpa makes tensors of its own for a boolean mask, which a fake
+    tensor outside its mode refuses."""
+    before = set(graph.nodes)
+    kept = {k: v for k, v in node.meta.items() if k not in VALUE_META}
+    with getattr(example_value(node), "fake_mode", None) or contextlib.nullcontext():
+        write_out(graph, node, args)
     for new in graph.nodes:
         if new not in before:
-            new.meta["stack_trace"] = trace
+            new.meta.update(kept)
 
 
 def _bound(node: torch.fx.Node) -> dict[str, Any] | None:
@@ -194,9 +204,37 @@ def _additive(graph: torch.fx.Graph, mask: torch.fx.Node, dtype: torch.dtype) ->
 
 def _encoder_writable(args: dict[str, Any]) -> bool:
     src = example_value(args.get("src"))
-    return (set(args) <= set(ENCODER_PARAMETERS) and args.get("mask") is None
+    return (set(args) <= set(ENCODER_PARAMETERS)
             and isinstance(src, torch.Tensor) and src.dim() == 3
-            and src.shape[-1] == args["embed_dim"] and not src.shape[-1] % args["num_heads"])
+            and src.shape[-1] == args["embed_dim"] and not src.shape[-1] % args["num_heads"]
+            and _encoder_mask_fits(args, src.shape))
+
+
+def _encoder_mask_fits(args: dict[str, Any], shape: torch.Size) -> bool:
+    """No mask, or one of the shape its mask_type names (torch's merge_masks: 0 the attention
+    mask [L, L], 1 the key padding mask [N, L], 2 both merged [N, H, L, L]); the op also takes
+    one of the scores' shape [N, H, L, L] whatever the mask_type."""
+    if args.get("mask") is None:
+        return True
+    mask = example_value(args["mask"])
+    batch, length, heads = shape[0], shape[1], args["num_heads"]
+    scores = (batch, heads, length, length)
+    named = {0: (length, length), 1: (batch, length), 2: scores}.get(args.get("mask_type"))
+    return isinstance(mask, torch.Tensor) and tuple(mask.shape) in (scores, named)
+
+
+def _encoder_mask(graph: torch.fx.Graph, args: dict[str, Any]) -> dict[str, Any]:
+    """sdpa's attn_mask for the fused layer's mask. The op hides the keys where its mask is
+    nonzero (True, or a float mask's -inf: it reads any mask as boolean, a float one not as
+    scores to add), sdpa those where its boolean mask is False; the key padding mask [N, L]
+    as [N, 1, 1, L]."""
+    mask = args.get("mask")
+    if mask is None:
+        return {}
+    if example_value(mask).dim() == 2 and args["mask_type"] == 1:
+        mask = add_node(graph, "function", operator.getitem,
+                        (mask, (slice(None), None, None, slice(None))))
+    return {"attn_mask": add_node(graph, "function", torch.logical_not, (mask,))}
 
 
 def _write_out_encoder(graph: torch.fx.Graph, node: torch.fx.Node, args: dict[str, Any]
@@ -210,7 +248,8 @@ def _write_out_encoder(graph: torch.fx.Graph, node: torch.fx.Node, args: dict[st
 
     def attention(x: Any) -> torch.fx.Node:
         qkv = _packed_projection(graph, x, args["qkv_weight"], args["qkv_bias"])
-        out = _attend(graph, tuple(qkv), args["num_heads"], BATCH_FIRST, {})
+        out = _attend(graph, tuple(qkv), args["num_heads"], BATCH_FIRST,
+                      _encoder_mask(graph, args))
         return add_node(graph, "function", F.linear,
                         (out, args["proj_weight"], args["proj_bias"]))
 
