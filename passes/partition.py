@@ -24,7 +24,7 @@ from itertools import pairwise
 import torch.fx
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.fx import example_value, module_path
 from tokpipe_compiler.core.logs import LOG
 from tokpipe_compiler.core.meta import META_KEY
 from tokpipe_compiler.core.warn import warn
@@ -261,10 +261,18 @@ def _imbalance(order: list[torch.fx.Node], weights: list[float], cuts: list[int]
     ends = [0, *(i for i in range(1, len(weights)) if allowed[i]), len(weights)]
     a, b = max(pairwise(ends), key=lambda p: sum(weights[p[0]:p[1]]))
     piece = sum(weights[a:b]) / share
-    what = f"one node, {order[a].name}," if b - a == 1 else (
-        f"nodes {order[a].name}..{order[b - 1].name} (no cut may fall between them),")
+    what = f"one node, {_named(order[a])}," if b - a == 1 else (
+        f"nodes {_named(order[a])}..{_named(order[b - 1])} (no cut may fall between them),")
     why = (f"{stages} stages cannot be balanced: the slowest carries {ratio - 1:.0%} more than "
            f"an even share; the heaviest piece, {what} is {piece:.0%} of a share")
     if any(sends[i] for i in cuts):
         why += ", and the sends at the cuts count as compute"
     return ratio, why + "; use fewer stages"
+
+
+def _named(node: torch.fx.Node) -> str:
+    """A node as the user can find it: its module ('transformer_blocks.0.ff'), its op and
+    name; the name alone ('hidden_states_16') says little."""
+    where = module_path(node)
+    op = getattr(node.target, "__name__", str(node.target))
+    return f"{op} in {where} ({node.name})" if where else f"{op} ({node.name})"

@@ -460,3 +460,22 @@ def test_after_a_timeout_every_later_call_says_the_ranks_must_restart():
         assert "restart the ranks" in later and "since an earlier failure" in later, errors
         assert "Check that rank" not in later, errors
         assert float(later.rsplit("[", 1)[1].split()[0]) < 1.0, (rank, later)
+
+
+def other_class_labels(rank: int, world: int) -> list[str]:
+    """A ring where rank 1 asks for another class: the warnings each rank gives."""
+    from tokpipe_compiler.generate import tiny_dit_pipeline
+
+    pipe = tiny_dit_pipeline()
+    tp.pipelines.parallelize(pipe, stages=world, **{**OPTIONS, "timeout": 20.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe(class_labels=[1 + rank], output_type="latent", num_inference_steps=3,
+             generator=torch.Generator().manual_seed(0))
+    return [str(w.message) for w in caught if "differ between ranks" in str(w.message)]
+
+
+def test_a_ring_input_that_differs_between_ranks_is_named_as_the_call_names_it():
+    """The ring's fixed inputs were named by position ('input_0')."""
+    for lines in launch(other_class_labels, 2, timeout=120):
+        assert lines and all("input 'input_class_labels'" in line for line in lines), lines

@@ -8,7 +8,9 @@ guidance branch) become one batched call.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,14 +32,11 @@ from tokpipe_compiler.pipelines.schedulers import StepTable, update_state
 from tokpipe_compiler.runtime.branch_exchange import cfg_gather
 
 
-class _Tensor:
-    """Marks where a fixed input's tensor leaves go (a step-function input each)."""
+@dataclass(frozen=True)
+class TensorSlot:
+    """Marks where a fixed input's tensor leaf goes: step-function input `name`."""
 
-    def __repr__(self) -> str:
-        return "<tensor>"
-
-
-TENSOR = _Tensor()
+    name: str
 
 
 def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: list[Any],
@@ -56,7 +55,7 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
     pattern, states = table.pattern, [f"state_{i}" for i in range(table.state_size)]
 
     def step(sample, timestep, scale, coeffs, guidance, **tensors):
-        leaves = [tensors[f"input_{i}"] if c is TENSOR else c for i, c in enumerate(constants)]
+        leaves = [tensors[c.name] if isinstance(c, TensorSlot) else c for c in constants]
         inputs = pytree.tree_unflatten(leaves, spec)
         positions = inputs.pop(LATENT_POSITIONS, None)
         if positions is None:
@@ -158,11 +157,21 @@ def carry_condition(glue: Glue, sample: torch.Tensor,
 
 
 def split_fixed(fixed: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any]]:
-    """The step's tensor inputs (`input_<i>`), the tree spec, and the leaves with TENSOR
-    where a tensor input goes."""
-    leaves, spec = pytree.tree_flatten(fixed)
-    tensors = {f"input_{i}": v for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)}
-    return tensors, spec, [TENSOR if isinstance(v, torch.Tensor) else v for v in leaves]
+    """The step's tensor inputs, named by where they sit in the transformer's call
+    (`input_encoder_hidden_states`: what the ranks' agreement names), the tree spec, and the
+    leaves with a TensorSlot where a tensor input goes."""
+    with_paths, spec = pytree.tree_flatten_with_path(fixed)
+    tensors: dict[str, torch.Tensor] = {}
+    constants: list[Any] = []
+    for i, (path, value) in enumerate(with_paths):
+        if not isinstance(value, torch.Tensor):
+            constants.append(value)
+            continue
+        name = "input_" + (re.sub(r"\W+", "_", pytree.keystr(path)).strip("_") or str(i))
+        name = name if name not in tensors else f"{name}_{i}"
+        tensors[name] = value
+        constants.append(TensorSlot(name))
+    return tensors, spec, constants
 
 
 def same(a: Any, b: Any, rtol: float = 0.0) -> bool:

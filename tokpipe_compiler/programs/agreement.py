@@ -103,7 +103,9 @@ def check_agreement(every: list[dict[str, Any]], when: str) -> None:
     differences = [line for part in ("options", "plan", "inputs")
                    for line in _differences(part, [fp[part] for fp in every])]
     if any(fp["weights"] != every[0]["weights"] for fp in every):
-        differences.append("weights: the shapes or dtypes of the weights differ between ranks")
+        differences.append("weights: the shapes or dtypes of the parameters or buffers differ "
+                           "between ranks (with other input shapes: a buffer sized by the "
+                           "inputs, such as a positional table)")
     if differences:
         raise TokpipeError(
             f"the ranks disagree at {when} of a pipelined program, so they cannot run "
