@@ -239,7 +239,8 @@ def _run(model, call_args, call_kwargs, options, calls: int, programs):
             compiled(*call_args, **call_kwargs)
     program = programs(compiled)[0]
     print(f"\nmeasured against predicted, {calls} call(s):")
-    print(format_comparison(compare(program.plan, program.timeline)))
+    print(format_comparison(compare(program.plan, program.timeline),
+                            program.plan.config.compiler))
     return program
 
 

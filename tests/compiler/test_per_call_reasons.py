@@ -10,6 +10,8 @@ value.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 import tokpipe_compiler as tp
@@ -130,3 +132,28 @@ def test_a_controlnet_pipeline_runs_per_call_and_says_why():
     with pytest.warns(UserWarning, match="runs its ControlNet"):
         stale = generate(pipe, kwargs, steps=3)
     assert 0 < rel_error(stale, serial) < 0.05  # stale K/V after the warmup step
+
+
+def test_a_config_option_the_scheduler_never_reads_keeps_the_ring():
+    """CogVideoX's DDIM scheduler carries clip_sample=True by default and never clamps: the
+    call ran per call, blamed on 'clamping x0'. DDIM's own clip_sample=True still does."""
+    from diffusers import CogVideoXDDIMScheduler, DDIMScheduler
+
+    def cogvideox_default_scheduler():
+        pipe, kwargs = pipelines.cogvideox()
+        pipe.scheduler = CogVideoXDDIMScheduler()  # clip_sample=True
+        return pipe, kwargs
+
+    serial = generate(*cogvideox_default_scheduler(), steps=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: .* runs per call")
+        out = generate(*parallelized(cogvideox_default_scheduler, mode="sync"), steps=3)
+    assert rel_error(out, serial) <= 1e-5
+
+    def dit_clipping():
+        pipe, kwargs = pipelines.dit()
+        pipe.scheduler = DDIMScheduler(clip_sample=True)
+        return pipe, kwargs
+
+    with pytest.warns(UserWarning, match=r"runs per call .*clip_sample=True"):
+        generate(*parallelized(dit_clipping, mode="sync"), steps=3)

@@ -8,7 +8,8 @@ broadcast of the output to every rank are not recorded.
 
     program = tokpipe_compiler.programs(compiled)[0]          # after a few calls
     write_chrome_trace(program.timeline, "trace.json")       # ui.perfetto.dev, chrome://tracing
-    print(format_comparison(compare(program.plan, program.timeline)))
+    print(format_comparison(compare(program.plan, program.timeline),
+                            program.plan.config.compiler))
 
 The comparison covers the stages the timeline ran (on a rank, its own) and times each over its
 steady steps (`steady_steps`): not the steps that compile, nor those just after.
@@ -260,7 +261,9 @@ def compare(plan: Plan, events: Timeline | Iterable[Event],
     return rows
 
 
-def format_comparison(rows: list[StageTiming]) -> str:
+def format_comparison(rows: list[StageTiming], compiler: str = "eager") -> str:
+    """The table of `rows` and what it shows; `compiler`: the stages' (the advice for
+    op-overhead-bound chunks names Inductor only for eager stages)."""
     if not rows:
         return "no stage computed anything in this timeline: nothing to compare"
     lines = [f"{'stage':>5} {'steps':>8} {'chunks':>6} {'measured ms':>12} "
@@ -287,8 +290,9 @@ def format_comparison(rows: list[StageTiming]) -> str:
             f"stage(s) {_stage_list(small)}: a chunk of {small[0].chunk_tokens} tokens is "
             "too small for this device; more than half its time is the fixed cost of "
             "launching each op (beyond the predicted compute and memory time), which the "
-            "prediction holds loosely; use fewer chunks (or Inductor stages, or CUDA graphs "
-            "on a GPU)")
+            "prediction holds loosely; use fewer chunks ("
+            + ("or Inductor stages, " if compiler == "eager" else "")
+            + "or CUDA graphs on a GPU)")
     return "\n".join(lines)
 
 

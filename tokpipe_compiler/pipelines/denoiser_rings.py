@@ -25,8 +25,14 @@ from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.pipelines import cfg_parallel
 from tokpipe_compiler.pipelines.glue import Glue, model_timesteps
 from tokpipe_compiler.pipelines.module_state import ModuleState, changed_parts, module_state
-from tokpipe_compiler.pipelines.probes import output_structure
+from tokpipe_compiler.pipelines.probes import (
+    RingUnavailable,
+    fake_run_error,
+    fake_run_fits,
+    output_structure,
+)
 from tokpipe_compiler.pipelines.ring_step import (
+    batched_call,
     carry_condition,
     fixed_inputs,
     make_step,
@@ -92,7 +98,7 @@ class DenoiserRings:
         the steps from the segment's first to the loop's last."""
         self._follow_the_module()
         sample = start.sample
-        fixed = fixed_inputs(glue, calls, sample.shape[0])
+        fixed = self._fixed(glue, calls, sample.shape[0])
         if self.cfg == 2 and glue.combine == "none":
             raise TokpipeError("cfg=2: this call runs no classifier-free guidance (one "
                                "branch); use cfg=1")
@@ -146,6 +152,23 @@ class DenoiserRings:
             return Carried(latents_of(out[0]), tuple(out[1:]))
 
         return run
+
+    def _fixed(self, glue: Glue, calls: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+        """The fixed inputs of the ring's step. Two branches' calls become one batched call,
+        which the transformer must take: an input both pass alike with rows neither 1 nor
+        the batch is passed once, or, where the transformer refuses that (fake tensors
+        tell), batched as rows per sample."""
+        fixed = fixed_inputs(glue, calls, batch)
+        if len(calls) != 2 or not fake_run_fits(self.denoiser.forward, calls[0]):
+            return fixed  # one call, or a transformer fake tensors cannot judge
+        error = fake_run_error(self.denoiser.forward, batched_call(glue, calls, fixed))
+        if error is None:
+            return fixed
+        per_sample = fixed_inputs(glue, calls, batch, rows_per_sample=True)
+        if fake_run_fits(self.denoiser.forward, batched_call(glue, calls, per_sample)):
+            return per_sample
+        raise RingUnavailable(f"ring mode batches the two guidance branches' calls into one, "
+                              f"which {type(self.denoiser).__name__} refuses ({error})")
 
     def _follow_the_module(self) -> None:
         """Drop the rings (traced with the transformer's weights and modules as they were)

@@ -79,6 +79,27 @@ def output_structure(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
                                 lambda t: Spec(tuple(t.shape), t.dtype, t.device), out)
 
 
+def fake_run_error(forward: Callable[..., Any], call: dict[str, Any]) -> str | None:
+    """Why `forward(**call)` fails on fake tensors (its first line), None if it runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    weights = _weights(getattr(forward, "__self__", None))
+    try:
+        with _quiet(FAKE_TENSOR_LOG), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            forward(**pytree.tree_map_only(torch.Tensor, mode.from_tensor, call))
+    except TokpipeError:
+        raise
+    except Exception as err:  # any failure of the model's own code on these inputs
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
+    finally:
+        _check_kept(weights)
+    return None
+
+
+def fake_run_fits(forward: Callable[..., Any], call: dict[str, Any]) -> bool:
+    return fake_run_error(forward, call) is None
+
+
 Weights = list[tuple[torch.nn.Module, str, torch.Tensor, torch.device]]
 
 

@@ -81,10 +81,13 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
     return step
 
 
-def fixed_inputs(glue: Glue, calls: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+def fixed_inputs(glue: Glue, calls: list[dict[str, Any]], batch: int,
+                 rows_per_sample: bool = False) -> dict[str, Any]:
     """The transformer inputs that stay fixed over the generation, with the condition
     joined to the latent (`CONDITION`) where there is one; two calls (one per guidance
-    branch) become one batched call, cond first."""
+    branch) become one batched call, cond first. `rows_per_sample`: an input both calls
+    pass alike, with rows neither 1 nor `batch`, holds rows per sample (Wan's first and
+    last frame images: 2 for one sample) and is batched too, not passed once."""
     names = [n for n in calls[0] if n not in (glue.latent_arg, glue.timestep_arg)]
     condition = {} if glue.condition_dim is None else \
         {CONDITION: condition_part(glue, calls[0][glue.latent_arg])}
@@ -95,7 +98,8 @@ def fixed_inputs(glue: Glue, calls: list[dict[str, Any]], batch: int) -> dict[st
     spread = any(_spreads(cond, uncond, batch) for cond, uncond in pairs)
     fixed = {name: torch.cat([value, value]) for name, value in condition.items()}
     for name in names:
-        batched = functools.partial(_batched, name, batch=batch, spread=spread)
+        batched = functools.partial(_batched, name, batch=batch, spread=spread,
+                                    rows_per_sample=rows_per_sample)
         fixed[name] = pytree.tree_map(batched, calls[0][name], calls[1][name])
     return fixed
 
@@ -115,18 +119,34 @@ def _spreads(cond: Any, uncond: Any, batch: int) -> bool:
     return batch in rows or not same(cond, uncond)
 
 
-def _batched(name: str, cond: Any, uncond: Any, *, batch: int, spread: bool) -> Any:
+def _batched(name: str, cond: Any, uncond: Any, *, batch: int, spread: bool,
+             rows_per_sample: bool = False) -> Any:
     """One input of the two branches' calls as one input of the batched call. `spread`:
     whether any input needs a row per sample (`_spreads`; this one's different rows of
     one, if they differ, made it so)."""
     rows = [_rows(cond), _rows(uncond)]
     if set(rows) <= {1, batch} and (batch in rows or spread):
         return torch.cat([_per_sample(cond, batch), _per_sample(uncond, batch)])
+    if rows_per_sample and rows[0] == rows[1] and rows[0] is not None and \
+            rows[0] % batch == 0:
+        return torch.cat([cond, uncond])
     if same(cond, uncond):
         return cond
     raise TokpipeError(f"the two guidance branches pass different {name!r} that is not "
                        "batched along the latent's batch; ring mode cannot batch them: run it "
                        "per call with parallelize(pipe, ring=False)")
+
+
+def batched_call(glue: Glue, calls: list[dict[str, Any]],
+                 fixed: dict[str, Any]) -> dict[str, Any]:
+    """The one call the ring's step makes of the transformer for the branches' `calls`
+    (their latent and timestep inputs joined), to check it on fake tensors."""
+    call = {k: v for k, v in fixed.items() if k in calls[0]}
+    for name in (glue.latent_arg, glue.timestep_arg):
+        values = [c[name] for c in calls]
+        joined = all(isinstance(v, torch.Tensor) and v.dim() for v in values)
+        call[name] = torch.cat(values) if joined else values[0]
+    return call
 
 
 def _rows(value: Any) -> int | None:

@@ -28,8 +28,11 @@ arguments that add noise (DDIM's eta, Euler's s_churn) are taken at their zero d
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
+import inspect
+import textwrap
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -195,7 +198,7 @@ def _check_config(scheduler: Any, kwargs: dict[str, Any]) -> None:
         raise unsupported(scheduler, "it is not a diffusers scheduler")
     for option, bad, why, ok in NONLINEAR_OPTIONS:
         value = config.get(option)
-        if value in bad:
+        if value in bad and _reads(scheduler, option):
             raise ValueError(f"{name} option {option}={value!r} is not supported in ring mode "
                              f"({why}); supported: {option}={ok}")
     if getattr(scheduler, "solver_p", None) is not None:
@@ -205,6 +208,18 @@ def _check_config(scheduler: Any, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"{name} option use_dynamic_shifting=True is supported in ring mode "
                          "with the pipeline's mu (from the image sequence length): pass "
                          "step_table(..., mu=mu)")
+
+
+def _reads(scheduler: Any, option: str) -> bool:
+    """Whether the scheduler's methods read config `option` as an attribute (`self.config.
+    clip_sample`; CogVideoXDPMScheduler carries clip_sample=True in its config and never
+    clamps); True where the source is unknown."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(scheduler))))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    return any(isinstance(node, ast.Attribute) and node.attr == option
+               for node in ast.walk(tree))
 
 
 def _fresh(scheduler: Any, steps: int | None, begin_index: int, kwargs: dict[str, Any]) -> Any:

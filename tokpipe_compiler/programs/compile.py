@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
+from torch._guards import TracingContext, tracing
+
+from tokpipe_compiler.core.errors import TokpipeError
 
 log = logging.getLogger("tokpipe_compiler")
 
@@ -27,5 +31,34 @@ def compile_stage(gm: torch.fx.GraphModule, example_inputs: list, compiler: str)
 
     patches = {} if compiler == "inductor" else list_mode_options("max-autotune-no-cudagraphs")
     log.info("compiling %s with inductor%s", type(gm).__name__, f" ({compiler})" * bool(patches))
-    with torch.no_grad(), config.patch(patches):
-        return compile_fx(gm, example_inputs)
+    fake_mode, examples = _as_dynamo_hands_them(example_inputs)
+    with torch.no_grad(), config.patch(patches), tracing(TracingContext(fake_mode)):
+        return compile_fx(gm, examples)
+
+
+def _as_dynamo_hands_them(example_inputs: list) -> tuple[Any, list]:
+    """A fake mode with a shape environment and the inputs as its static fake tensors, as
+    Dynamo hands a backend its graph: Inductor's FX graph cache keys on the shape
+    environment and bypasses a compile without one ("No shape env"), so every process
+    compiled every stage anew."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    return mode, [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+                  for x in example_inputs]
+
+
+def compile_failed(what: str, compiler: str, err: BaseException) -> TokpipeError:
+    """Inductor's failure on `what`, in a line that names it and the way around (its own
+    error, often pages of compiler output, stays chained)."""
+    return TokpipeError(f"Inductor ({compiler!r}) could not compile {what}: {gist(err)}. "
+                        "compiler='eager' runs the stage graphs as traced (the same answer, "
+                        "slower); the compiler's whole error is chained above")
+
+
+def gist(err: BaseException, limit: int = 300) -> str:
+    """An error's first line and its first compiler 'error:' line, at most `limit` long."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    found = [line for line in lines[1:] if "error:" in line.lower()][:1]
+    return "; ".join([f"{type(err).__name__}: {lines[0] if lines else ''}", *found])[:limit]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch.fx
 
 from tokpipe_compiler.core.warn import warn
-from tokpipe_compiler.programs.compile import compile_stage
+from tokpipe_compiler.programs.compile import compile_stage, gist
 
 
 class Prelude:
@@ -50,7 +50,7 @@ class Prelude:
             return compile_stage(self.gm, args, self.compiler)
         except Exception as e:
             warn(f"tokpipe: the per-call prelude runs eagerly: inductor could not "
-                 f"compile it ({type(e).__name__}: {str(e)[:200]})")
+                 f"compile it ({gist(e)})")
             return self.gm
 
 
