@@ -125,6 +125,12 @@ def _traced_parameters(session: Session) -> set[str]:
     return known
 
 
+SYMBOLIC = ("tokpipe: Dynamo made a graph symbolic (a second input shape under torch.compile "
+            "without dynamic=False, or dynamic=True): tokpipe traces, plans and compiles it "
+            "again for each shape it is called with, a shape an earlier static graph held "
+            "included; torch.compile(..., dynamic=False) keeps one static graph per shape")
+
+
 class LazyProgram:
     """What Dynamo gets back: plans on the first call, then runs the pipeline. A graph with
     symbolic shapes gets one plan per concrete input shape; each model whose weights the
@@ -219,6 +225,7 @@ class LazyProgram:
             return self._whole_model_only(config)
         gm, select = self.gm, None
         if self.dynamic:
+            self._warn_once("symbolic", SYMBOLIC)
             static = StaticGraph(self.gm, args, self.floats)
             gm, select = static.gm, static.select
         try:

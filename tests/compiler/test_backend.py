@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import warnings
 
 import pytest
 import torch
@@ -220,10 +221,14 @@ def test_dynamic_shapes_are_made_static_per_shape():
     model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
     compiled = torch.compile(model, backend="tokpipe", options={
         "compiler": "eager", "stages": 2, "chunks": 2, "mode": "sync"})
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for batch in (1, 2, 3):
             inputs = dit_inputs(model, 8, seed=batch, batch=batch)
             assert_rel_close(compiled(*inputs), model(*inputs))
+    # said once, when the second shape made the graph symbolic
+    said = [w for w in caught if "Dynamo made a graph symbolic" in str(w.message)]
+    assert len(said) == 1 and "dynamic=False" in str(said[0].message)
 
 
 class ScaledDiT(TinyDiT):
