@@ -157,3 +157,20 @@ def test_a_config_option_the_scheduler_never_reads_keeps_the_ring():
 
     with pytest.warns(UserWarning, match=r"runs per call .*clip_sample=True"):
         generate(*parallelized(dit_clipping, mode="sync"), steps=3)
+
+
+def test_a_step_that_needs_more_arguments_is_named():
+    """CogVideoX's DPM step takes the last x0 and the timestep back: per call, said as such,
+    not as the TypeError a probe call raised."""
+    from diffusers import CogVideoXDPMScheduler
+
+    def cogvideox_dpm():
+        pipe, kwargs = pipelines.cogvideox()
+        pipe.scheduler = CogVideoXDPMScheduler()
+        return pipe, kwargs
+
+    serial = generate(*cogvideox_dpm(), steps=3)
+    with pytest.warns(UserWarning, match=r"runs per call .*its step needs "
+                                         r"old_pred_original_sample, timestep_back besides"):
+        out = generate(*parallelized(cogvideox_dpm, mode="sync"), steps=3)
+    assert rel_error(out, serial) <= 1e-5

@@ -9,6 +9,7 @@ of the scheduler's own loop on random tensors then checks the assembled table.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ class _Step:
 def probe_steps(sched: Any, begin: int = 0) -> tuple[list[float], list[_Step]]:
     """Steps `sched` through its schedule from step `begin` on identity probes; the input
     scale and the linear map of every step."""
+    _check_step_arguments(sched)
     scales, steps = [], []
     for k, t in enumerate(sched.timesteps[begin:]):
         read = _slots(sched)
@@ -61,6 +63,24 @@ def probe_steps(sched: Any, begin: int = 0) -> tuple[list[float], list[_Step]]:
             raise NotTokenWise(f"its step {k} changes the shape of the latents")
         steps.append(_Step(read, written, torch.stack([i.reshape(width) for i in images])))
     return scales, steps
+
+
+STEP_ARGUMENTS = ("model_output", "timestep", "sample")  # what the ring's step passes
+
+
+def _check_step_arguments(sched: Any) -> None:
+    """A step that needs more than the model output, timestep and sample (CogVideoX's DPM
+    step takes the last x0 and the timestep back) is not one the ring replays: said so,
+    not as the TypeError a probe call would raise."""
+    try:
+        parameters = inspect.signature(sched.step).parameters.values()
+    except (TypeError, ValueError):
+        return
+    extra = [p.name for p in parameters if p.default is p.empty and p.name not in STEP_ARGUMENTS
+             and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if extra:
+        raise NotTokenWise(f"its step needs {', '.join(extra)} besides the model output, "
+                           "timestep and sample, which is all the ring's step passes")
 
 
 def _input_scale(sched: Any, t: torch.Tensor, k: int) -> float:
