@@ -14,8 +14,8 @@ from tokpipe_compiler.runtime.transport import (
     RecvHandle,
     TensorSpec,
     check_timeout,
-    recv_error,
 )
+from tokpipe_compiler.runtime.transport_errors import recv_error
 
 
 class _LocalHub:

@@ -38,6 +38,13 @@ import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.runtime.links import Links, TorchLinks, Work
+from tokpipe_compiler.runtime.transport_errors import (
+    GLOO_CLOSED,
+    closed_error,
+    headline,
+    recv_error,
+    send_error,
+)
 
 _MAX_TAG = 2**31 - 1  # torch passes tags to the backend as a C int
 # How many steps behind the newest send a started send may stay incomplete (see above).
@@ -106,45 +113,6 @@ def check_timeout(timeout: float) -> None:
             not 0 < timeout <= MAX_TIMEOUT:  # also rejects nan
         raise TokpipeError(f"transport timeout must be a finite number of seconds, > 0 and "
                            f"<= {MAX_TIMEOUT:.0f} (a week), got {timeout!r}")
-
-
-def recv_error(rank: int, src: int, key: MessageKey, reason: str) -> TokpipeError:
-    return TokpipeError(
-        f"rank {rank} (stage {key.stage}) waiting for {key} from rank {src}: {reason}. "
-        f"Check that rank {src} is alive and not stuck (its own error, if any, is the cause), "
-        "that every rank runs the same plan and schedule, and raise the transport timeout "
-        "if a stage is just slow (a first call may spend minutes compiling)."
-    )
-
-
-def send_error(rank: int, dst: int, key: MessageKey, reason: str) -> TokpipeError:
-    return TokpipeError(
-        f"rank {rank} sending {key} to rank {dst} (stage {key.stage}): {reason}. "
-        f"Check that rank {dst} is alive and posts this receive (a send completes only "
-        "once it is received), and that every rank runs the same plan and schedule."
-    )
-
-
-# What a failed wait under gloo means for every later message.
-GLOO_CLOSED = ("gloo closes a connection for good after a failed wait (a timeout, a lost "
-               "peer) on either rank: restart the ranks before running again")
-
-
-class GroupClosed(TokpipeError):
-    """The process group carries no message any more (gloo closed it after a failure)."""
-
-
-def closed_error(rank: int, key: MessageKey, since: str) -> GroupClosed:
-    return GroupClosed(
-        f"rank {rank} cannot exchange {key}: this process group has carried no message since "
-        f"an earlier failure ({since}); {GLOO_CLOSED} (or destroy the process group and "
-        "start another)."
-    )
-
-
-def _headline(err: TokpipeError) -> str:
-    """A recv or send error without its advice: what failed, and how."""
-    return str(err).split(". Check that", 1)[0]
 
 
 def message_tag(key: MessageKey, piece: int) -> int:
@@ -313,11 +281,7 @@ class DistributedTransport:
         try:
             work = op(piece, peer, tag)
         except (RuntimeError, ValueError) as e:  # e.g. gloo closes a pair after a timeout
-            reason = f"could not post ({_first_line(e)})"
-            if self._native_timeout and hasattr(self.links, "broken"):
-                self.links.broken = self.links.broken or _headline(error(reason))
-                reason += f"; {GLOO_CLOSED}"
-            raise error(reason) from e
+            raise error(self._failed(f"could not post ({_first_line(e)})", error)) from e
         if work is None:
             raise error(f"rank {self.rank} is not in the transport's process group")
         return work
@@ -354,10 +318,15 @@ class DistributedTransport:
             for work in works:
                 wait(work, deadline, self.timeout)
         except _Failed as failed:
-            if self._native_timeout and hasattr(self.links, "broken"):
-                self.links.broken = self.links.broken or _headline(error(failed.reason))
-                raise error(f"{failed.reason}; {GLOO_CLOSED}") from None
-            raise error(failed.reason) from None
+            raise error(self._failed(failed.reason, error)) from None
+
+    def _failed(self, reason: str, error: ErrorFn) -> str:
+        """`reason`, said of a failed post or wait; under gloo, which closes the pair for
+        good, the group is marked closed (later messages raise at once) and it says so."""
+        if not (self._native_timeout and hasattr(self.links, "broken")):
+            return reason
+        self.links.broken = self.links.broken or headline(error(reason))
+        return f"{reason}; {GLOO_CLOSED}"
 
 
 def _wait_native(work: Work, deadline: float, timeout: float) -> None:

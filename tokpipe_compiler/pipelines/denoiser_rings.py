@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
@@ -81,6 +82,7 @@ class DenoiserRings:
         self.config = Config.from_options(options)
         self.rings: dict[Any, Ring] = {}
         self._shapes: dict[Any, Any] = {}  # call signature -> output structure (fake run)
+        self._batching: dict[Any, bool] = {}  # calls' signature -> rows_per_sample
         self._branch_forward: Callable[..., Any] | None = None
         self._state: ModuleState | None = None  # the transformer's `module_state` its rings traced
 
@@ -158,15 +160,23 @@ class DenoiserRings:
         which the transformer must take: an input both pass alike with rows neither 1 nor
         the batch is passed once, or, where the transformer refuses that (fake tensors
         tell), batched as rows per sample."""
-        fixed = fixed_inputs(glue, calls, batch)
-        if len(calls) != 2 or not fake_run_fits(self.denoiser.forward, calls[0]):
-            return fixed  # one call, or a transformer fake tensors cannot judge
-        error = fake_run_error(self.denoiser.forward, batched_call(glue, calls, fixed))
+        key = _signature(calls)  # fake runs of the transformer: once per call signature
+        if key not in self._batching:
+            self._batching[key] = self._batching_of(glue, calls, batch)
+        return fixed_inputs(glue, calls, batch, rows_per_sample=self._batching[key])
+
+    def _batching_of(self, glue: Glue, calls: list[dict[str, Any]], batch: int) -> bool:
+        """`rows_per_sample` for the batched call of `calls` (`_fixed`)."""
+        forward = self.denoiser.forward
+        if len(calls) != 2 or not fake_run_fits(forward, calls[0]):
+            return False  # one call, or a transformer fake tensors cannot judge
+        error = fake_run_error(forward, batched_call(glue, calls, fixed_inputs(glue, calls,
+                                                                             batch)))
         if error is None:
-            return fixed
+            return False
         per_sample = fixed_inputs(glue, calls, batch, rows_per_sample=True)
-        if fake_run_fits(self.denoiser.forward, batched_call(glue, calls, per_sample)):
-            return per_sample
+        if fake_run_fits(forward, batched_call(glue, calls, per_sample)):
+            return True
         raise RingUnavailable(f"ring mode batches the two guidance branches' calls into one, "
                               f"which {type(self.denoiser).__name__} refuses ({error})")
 
@@ -181,6 +191,7 @@ class DenoiserRings:
                  "tracing and planning them anew, so this call compiles again")
             self.rings.clear()
             self._shapes.clear()
+            self._batching.clear()
             self._branch_forward = None
         self._state = state
 
@@ -267,3 +278,11 @@ def _first_state(carried: torch.Tensor, state: tuple[torch.Tensor, ...],
                            f"({size} x {tuple(carried.shape)}); run the pipeline per call "
                            "with parallelize(pipe, ring=False)")
     return {f"state_{i}": s for i, s in enumerate(state)}
+
+
+def _signature(calls: list[dict[str, Any]]) -> tuple:
+    """The calls' argument names, tensor shapes and dtypes and other values."""
+    leaves = [(name, leaf) for call in calls for name, value in call.items()
+              for leaf in pytree.tree_leaves(value)]
+    return tuple((name, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v))
+                 for name, v in leaves)

@@ -61,13 +61,9 @@ def output_structure(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
     """`forward(**call)`'s output with each tensor as a Spec, from a fake-tensor run. Where
     that fails (inputs that do not fit the transformer, an op fake tensors cannot run),
     from the real call: it raises what the pipeline's own call would raise."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     weights = _weights(getattr(forward, "__self__", None))
     try:
-        with _quiet(FAKE_TENSOR_LOG), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, call)
-            out = forward(**fake)
+        out = _fake_forward(forward, call)
     except TokpipeError:
         raise
     except Exception:
@@ -81,12 +77,9 @@ def output_structure(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
 
 def fake_run_error(forward: Callable[..., Any], call: dict[str, Any]) -> str | None:
     """Why `forward(**call)` fails on fake tensors (its first line), None if it runs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     weights = _weights(getattr(forward, "__self__", None))
     try:
-        with _quiet(FAKE_TENSOR_LOG), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            forward(**pytree.tree_map_only(torch.Tensor, mode.from_tensor, call))
+        _fake_forward(forward, call)
     except TokpipeError:
         raise
     except Exception as err:  # any failure of the model's own code on these inputs
@@ -98,6 +91,14 @@ def fake_run_error(forward: Callable[..., Any], call: dict[str, Any]) -> str | N
 
 def fake_run_fits(forward: Callable[..., Any], call: dict[str, Any]) -> bool:
     return fake_run_error(forward, call) is None
+
+
+def _fake_forward(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
+    """`forward(**call)` on fake copies of the call's tensors, fake tensors' logs quiet."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with _quiet(FAKE_TENSOR_LOG), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        return forward(**pytree.tree_map_only(torch.Tensor, mode.from_tensor, call))
 
 
 Weights = list[tuple[torch.nn.Module, str, torch.Tensor, torch.device]]

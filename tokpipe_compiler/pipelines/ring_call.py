@@ -61,7 +61,7 @@ from tokpipe_compiler.pipelines.loop_schedule import (
     step_of,
 )
 from tokpipe_compiler.pipelines.probes import RingUnavailable, bind_call, probe, with_probe
-from tokpipe_compiler.pipelines.ring_step import same
+from tokpipe_compiler.pipelines.ring_step import check_combinable, same
 from tokpipe_compiler.pipelines.scheduler_route import (
     prev_sample,
     route,
@@ -268,7 +268,7 @@ class RingCalls:
     def _identify(self, gen: Generation, noise_pred: torch.Tensor, sample: torch.Tensor,
                   t: Any) -> None:
         """What the pipeline does around the transformer in a step (`gen.glue`)."""
-        self._check_combinable(noise_pred, sample)
+        check_combinable(type(self.pipe).__name__, noise_pred, sample)
         scale = float(gen.table.input_scale[gen.step])
         try:
             gen.glue = identify(gen.calls, gen.probes, noise_pred, sample, t, scale,
@@ -276,21 +276,6 @@ class RingCalls:
         except GlueNotFound as err:
             raise RingUnavailable(f"ring mode could not replay {type(self.pipe).__name__}'s "
                                   f"denoising step: {err}") from err
-
-    def _check_combinable(self, noise_pred: torch.Tensor, sample: torch.Tensor) -> None:
-        """The scheduler's step combines the prediction with the latents elementwise: shapes
-        that do not broadcast fail in the pipeline's own code, and would fail inside the
-        ring's traced step, far from the cause."""
-        try:
-            torch.broadcast_shapes(noise_pred.shape, sample.shape)
-        except RuntimeError:
-            raise TokpipeError(
-                f"{type(self.pipe).__name__}'s scheduler step gets a prediction of shape "
-                f"{tuple(noise_pred.shape)} for latents of {tuple(sample.shape)}, which do "
-                "not combine (the pipeline fails the same without tokpipe): the transformer "
-                "returns a grid other than the latents', as a height or width that is not a "
-                "multiple of the VAE's scale times the patch size makes it; pass one that "
-                "is") from None
 
     def _prepare_segment(self, gen: Generation, start: Carried) -> None:
         """Plans the ring of the segment that starts at this step, from `start`."""

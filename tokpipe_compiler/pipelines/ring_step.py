@@ -214,3 +214,19 @@ def same(a: Any, b: Any, rtol: float = 0.0) -> bool:
         return bool(a == b)
     except (RuntimeError, TypeError, ValueError):
         return False
+
+
+def check_combinable(pipeline: str, noise_pred: torch.Tensor, sample: torch.Tensor) -> None:
+    """The scheduler's step combines the prediction with the latents elementwise: shapes
+    that do not broadcast fail in the pipeline's own code, and would fail inside the
+    ring's traced step, far from the cause."""
+    try:
+        torch.broadcast_shapes(noise_pred.shape, sample.shape)
+    except RuntimeError:
+        raise TokpipeError(
+            f"{pipeline}'s scheduler step gets a prediction of shape "
+            f"{tuple(noise_pred.shape)} for latents of {tuple(sample.shape)}, which do "
+            "not combine (the pipeline fails the same without tokpipe): the transformer "
+            "returns a grid other than the latents', as a height or width that is not a "
+            "multiple of the VAE's scale times the patch size makes it; pass one that "
+            "is") from None

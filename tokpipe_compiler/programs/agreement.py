@@ -23,7 +23,7 @@ from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as
 
 FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
 RATES_STEP = -1  # the rates travel before any step's message
-FINGERPRINT_STEP = -2  # not a program's call count: ranks' programs may count apart
+FINGERPRINT_STEP = -3  # not a program's call count: ranks' programs may count apart
 STEP_COUNTS = ("ring steps", "scheduler steps")  # plan entries a caller adds: steps to run
 LATE_PEER = ("The ranks begin each generation together: a rank that has not begun this one "
              "may still be in the last, running steps this rank did not run. Run as many "

@@ -46,11 +46,11 @@ from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
     DistributedTransport,
-    GroupClosed,
     MessageKey,
     TensorSpec,
     init_process_group_from_env,
 )
+from tokpipe_compiler.runtime.transport_errors import GroupClosed
 
 
 def distributed_world(group: Any = None) -> tuple[int, int] | None:

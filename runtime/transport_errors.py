@@ -1,0 +1,51 @@
+"""The errors a transport raises: a receive or send that failed or timed out, and a
+process group gloo has closed for good (every later message raises at once, naming the
+first failure)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tokpipe_compiler.core.errors import TokpipeError
+
+if TYPE_CHECKING:
+    from tokpipe_compiler.runtime.transport import MessageKey
+
+
+def recv_error(rank: int, src: int, key: MessageKey, reason: str) -> TokpipeError:
+    return TokpipeError(
+        f"rank {rank} (stage {key.stage}) waiting for {key} from rank {src}: {reason}. "
+        f"Check that rank {src} is alive and not stuck (its own error, if any, is the cause), "
+        "that every rank runs the same plan and schedule, and raise the transport timeout "
+        "if a stage is just slow (a first call may spend minutes compiling)."
+    )
+
+
+def send_error(rank: int, dst: int, key: MessageKey, reason: str) -> TokpipeError:
+    return TokpipeError(
+        f"rank {rank} sending {key} to rank {dst} (stage {key.stage}): {reason}. "
+        f"Check that rank {dst} is alive and posts this receive (a send completes only "
+        "once it is received), and that every rank runs the same plan and schedule."
+    )
+
+
+# What a failed wait under gloo means for every later message.
+GLOO_CLOSED = ("gloo closes a connection for good after a failed wait (a timeout, a lost "
+               "peer) on either rank: restart the ranks before running again")
+
+
+class GroupClosed(TokpipeError):
+    """The process group carries no message any more (gloo closed it after a failure)."""
+
+
+def closed_error(rank: int, key: MessageKey, since: str) -> GroupClosed:
+    return GroupClosed(
+        f"rank {rank} cannot exchange {key}: this process group has carried no message since "
+        f"an earlier failure ({since}); {GLOO_CLOSED} (or destroy the process group and "
+        "start another)."
+    )
+
+
+def headline(err: TokpipeError) -> str:
+    """A recv or send error without its advice: what failed, and how."""
+    return str(err).split(". Check that", 1)[0]

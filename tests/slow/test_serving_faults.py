@@ -1,0 +1,110 @@
+"""Faults a service meets on two gloo ranks: requests the ranks' held programs answer
+differently (each disagreement raises at once, the next agreeing request runs), a timeout
+(gloo closes the group for good: later calls say the ranks must restart), and ring inputs
+that differ between ranks (named as the transformer's call names them)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import TinyDiT, dit_inputs
+from tests.slow.test_faults import FAULT_TIMEOUT, OPTIONS
+from tokpipe_compiler.runtime.launch import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
+
+
+def serving_disagreements(rank: int, world: int) -> list[tuple[str, float]]:
+    """A parallelized pipeline serving requests where the ranks' held programs differ: a
+    request new to one rank only, in disagreement, then agreeing requests that one rank
+    must plan alone. Returns (outcome, seconds) per request."""
+    from tokpipe_compiler.generate import tiny_dit_pipeline
+
+    pipe = tiny_dit_pipeline()
+    tp.pipelines.parallelize(pipe, stages=world, **{**OPTIONS, "timeout": 20.0})
+    requests = [([1], [1]), ([1], [1, 2]), ([1], [1]), ([1, 2, 3], [1, 2]), ([1, 2], [1, 2])]
+    outcomes, first = [], None
+    for labels in requests:
+        start = time.monotonic()
+        try:
+            out = torch.as_tensor(pipe(class_labels=labels[rank], output_type="latent",
+                                       num_inference_steps=3,
+                                       generator=torch.Generator().manual_seed(0)).images)
+            first = out if first is None else first
+            outcome = "same" if out.shape == first.shape and torch.equal(out, first) else "ran"
+        except tp.TokpipeError as err:
+            outcome = str(err)
+        outcomes.append((outcome, time.monotonic() - start))
+    return outcomes
+
+
+def test_ranks_holding_other_programs_disagree_at_once_and_serve_on():
+    """A rank that holds a program for its request while the other must plan one: both
+    used to wait out the timeout (one for rank 0's rates, one for fingerprints keyed by
+    each program's own call count), and the timeout closed gloo's pairs for good."""
+    for outcomes in launch(serving_disagreements, 2, timeout=300):
+        (first, _), (one_new, t1), (again, _), (both_new, t3), (alone, t4) = outcomes
+        assert first == "same" and again == "same", outcomes
+        for error, seconds in ((one_new, t1), (both_new, t3)):
+            assert "the ranks disagree at a generation's first call" in error, error
+            assert seconds < 15, outcomes
+        assert alone == "ran" and t4 < 15, outcomes
+
+
+def after_a_timeout(rank: int, world: int) -> list[str]:
+    """Rank 0 begins a generation rank 1 joins only after rank 0's timeout; then both call
+    again. Returns each call's error."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend=tp.backend(stages=world, **OPTIONS),
+                             dynamic=False)
+    latents, _, labels = dit_inputs(model, 8)
+    errors = []
+    for call in range(3):
+        if call == 1 and rank == 1:
+            time.sleep(2 * FAULT_TIMEOUT)
+        start = time.monotonic()
+        try:
+            with torch.no_grad():
+                compiled(latents, torch.tensor([900]), labels)
+            errors.append("no error")
+        except tp.TokpipeError as err:
+            errors.append(f"{err} [{time.monotonic() - start:.1f} s]")
+        tp.reset(compiled)
+    return errors
+
+
+def test_after_a_timeout_every_later_call_says_the_ranks_must_restart():
+    """gloo closes a pair for good after a failed wait: the timeout says so, and later
+    calls name that first failure, not 'check that rank 1 is alive' (both are)."""
+    for rank, errors in enumerate(launch(after_a_timeout, 2, timeout=120)):
+        first, failed, later = errors
+        assert first == "no error", errors
+        assert "closes a connection for good" in failed, errors
+        assert "restart the ranks" in later and "since an earlier failure" in later, errors
+        assert "Check that rank" not in later, errors
+        assert float(later.rsplit("[", 1)[1].split()[0]) < 1.0, (rank, later)
+
+
+def other_class_labels(rank: int, world: int) -> list[str]:
+    """A ring where rank 1 asks for another class: the warnings each rank gives."""
+    from tokpipe_compiler.generate import tiny_dit_pipeline
+
+    pipe = tiny_dit_pipeline()
+    tp.pipelines.parallelize(pipe, stages=world, **{**OPTIONS, "timeout": 20.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe(class_labels=[1 + rank], output_type="latent", num_inference_steps=3,
+             generator=torch.Generator().manual_seed(0))
+    return [str(w.message) for w in caught if "differ between ranks" in str(w.message)]
+
+
+def test_a_ring_input_that_differs_between_ranks_is_named_as_the_call_names_it():
+    """The ring's fixed inputs were named by position ('input_0')."""
+    for lines in launch(other_class_labels, 2, timeout=120):
+        assert lines and all("input 'input_class_labels'" in line for line in lines), lines
