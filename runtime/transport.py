@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 import zlib
 from collections.abc import Callable
@@ -41,7 +40,9 @@ from tokpipe_compiler.runtime.links import Links, TorchLinks, Work
 from tokpipe_compiler.runtime.transport_errors import (
     GLOO_CLOSED,
     closed_error,
+    first_line,
     headline,
+    reason_of,
     recv_error,
     send_error,
 )
@@ -281,7 +282,7 @@ class DistributedTransport:
         try:
             work = op(piece, peer, tag)
         except (RuntimeError, ValueError) as e:  # e.g. gloo closes a pair after a timeout
-            raise error(self._failed(f"could not post ({_first_line(e)})", error)) from e
+            raise error(self._failed(f"could not post ({first_line(e)})", error)) from e
         if work is None:
             raise error(f"rank {self.rank} is not in the transport's process group")
         return work
@@ -336,7 +337,7 @@ def _wait_native(work: Work, deadline: float, timeout: float) -> None:
     try:
         completed = work.wait(timeout=timedelta(seconds=remaining))
     except RuntimeError as e:
-        raise _Failed(_reason(e, timeout)) from None
+        raise _Failed(reason_of(e, timeout)) from None
     if completed is False:
         raise _Failed(f"timed out after {timeout:g} s")
 
@@ -355,29 +356,7 @@ def _wait_polling(work: Work, deadline: float, timeout: float) -> None:
     try:
         work.wait()  # raises the backend's error, if any; orders the current stream
     except RuntimeError as e:
-        raise _Failed(_reason(e, timeout)) from None
-
-
-def _reason(e: BaseException, timeout: float) -> str:
-    text = _first_line(e)
-    if "timed out" in text.lower():
-        return f"timed out after {timeout:g} s ({text})"
-    if any(sign in text for sign in _LOST):
-        return f"failed ({text}): the connection was lost, the peer has likely died"
-    return f"failed ({text})"
-
-
-# How gloo reports a peer process that is gone (exit, crash, kill).
-_LOST = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe")
-
-
-def _first_line(e: BaseException) -> str:
-    """The backend's message without the C++ source location gloo puts first."""
-    lines = str(e).strip().splitlines()
-    return _SOURCE_LOCATION.sub("", lines[0]) if lines else type(e).__name__
-
-
-_SOURCE_LOCATION = re.compile(r"^\[[^\]\s]+:\d+\]\s*")
+        raise _Failed(reason_of(e, timeout)) from None
 
 
 def init_process_group_from_env(device: torch.device | str | None = None) -> tuple[int, int]:

@@ -4,6 +4,7 @@ first failure)."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from tokpipe_compiler.core.errors import TokpipeError
@@ -49,3 +50,27 @@ def closed_error(rank: int, key: MessageKey, since: str) -> GroupClosed:
 def headline(err: TokpipeError) -> str:
     """A recv or send error without its advice: what failed, and how."""
     return str(err).split(". Check that", 1)[0]
+
+
+def reason_of(e: BaseException, timeout: float) -> str:
+    """What a backend error says of a failed wait, shortly: a timeout, a lost peer, or
+    the backend's first line."""
+    text = first_line(e)
+    if "timed out" in text.lower():
+        return f"timed out after {timeout:g} s ({text})"
+    if any(sign in text for sign in _LOST):
+        return f"failed ({text}): the connection was lost, the peer has likely died"
+    return f"failed ({text})"
+
+
+# How gloo reports a peer process that is gone (exit, crash, kill).
+_LOST = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe")
+
+
+def first_line(e: BaseException) -> str:
+    """The backend's message without the C++ source location gloo puts first."""
+    lines = str(e).strip().splitlines()
+    return _SOURCE_LOCATION.sub("", lines[0]) if lines else type(e).__name__
+
+
+_SOURCE_LOCATION = re.compile(r"^\[[^\]\s]+:\d+\]\s*")
