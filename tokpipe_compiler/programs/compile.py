@@ -9,6 +9,7 @@ graphs are the runtime's own, per chunk: the `cuda_graphs` option).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,10 @@ log = logging.getLogger("tokpipe_compiler")
 
 StageFn = Callable[..., Sequence[torch.Tensor]]
 
+# A compile this long makes a first call's latency worth explaining, once per process.
+SLOW_COMPILE_S = 10.0
+_explained = False
+
 
 def compile_stage(gm: torch.fx.GraphModule, example_inputs: list, compiler: str) -> StageFn:
     if compiler == "eager":
@@ -30,10 +35,33 @@ def compile_stage(gm: torch.fx.GraphModule, example_inputs: list, compiler: str)
     from torch._inductor.compile_fx import compile_fx
 
     patches = {} if compiler == "inductor" else list_mode_options("max-autotune-no-cudagraphs")
-    log.info("compiling %s with inductor%s", type(gm).__name__, f" ({compiler})" * bool(patches))
     fake_mode, examples = _as_dynamo_hands_them(example_inputs)
     with torch.no_grad(), config.patch(patches), tracing(TracingContext(fake_mode)):
         return compile_fx(gm, examples)
+
+
+def compile_named(what: str, gm: torch.fx.GraphModule, example_inputs: list,
+                  compiler: str) -> StageFn:
+    """`compile_stage`, logged with its time (INFO); the first slow compile of a process
+    says, once, why a first call at a new shape takes long: a pipeline compiles each
+    stage at each chunk length on its first call, and nothing else would say so."""
+    global _explained
+    if compiler == "eager":
+        return gm
+    log.info("compiling %s with Inductor (%s)", what, compiler)
+    start = time.perf_counter()
+    fn = compile_stage(gm, example_inputs, compiler)
+    seconds = time.perf_counter() - start
+    log.info("compiled %s in %.1f s", what, seconds)
+    if seconds >= SLOW_COMPILE_S and not _explained:
+        _explained = True
+        log.warning(
+            "tokpipe: Inductor took %.0f s to compile %s. Each stage is compiled once per "
+            "chunk length and input shape, at the first call that needs it, so a first "
+            "call at a new shape is slow; later calls reuse the code, and Inductor's "
+            "cache shortens later processes' compiles. TOKPIPE_LOGS=tokpipe logs each "
+            "compile; compiler='eager' skips them (slower steps)", seconds, what)
+    return fn
 
 
 def _as_dynamo_hands_them(example_inputs: list) -> tuple[Any, list]:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch.fx
 
 from tokpipe_compiler.core.warn import warn
-from tokpipe_compiler.programs.compile import compile_stage, gist
+from tokpipe_compiler.programs.compile import compile_named, gist
 
 
 class Prelude:
@@ -47,7 +47,7 @@ class Prelude:
 
     def _compiled(self, args: list) -> Callable[..., Sequence]:
         try:
-            return compile_stage(self.gm, args, self.compiler)
+            return compile_named("the per-call prelude", self.gm, args, self.compiler)
         except Exception as e:
             warn(f"tokpipe: the per-call prelude runs eagerly: inductor could not "
                  f"compile it ({gist(e)})")

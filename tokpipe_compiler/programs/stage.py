@@ -12,7 +12,7 @@ from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY
 from tokpipe_compiler.core.stage_graph import CALL, StageGraph
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.passes.specialize import specialize
-from tokpipe_compiler.programs.compile import StageFn, compile_failed, compile_stage
+from tokpipe_compiler.programs.compile import StageFn, compile_failed, compile_named
 from tokpipe_compiler.runtime.branch_exchange import cfg_gather
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.runtime.cuda_graphs import COPIED, HOST, PERSISTENT, GraphedStage
@@ -63,10 +63,10 @@ class StageProgram:
                     inputs[i] = inputs[i].contiguous()
         key = self.form(chunk.units, chunk.segments)
         if key not in self.compiled:
+            what = f"stage {self.graph.index}'s graph for chunks of {key[0]} token rows"
             try:
-                fn = compile_stage(self.graph_for(*key), inputs, self.compiler)
+                fn = compile_named(what, self.graph_for(*key), inputs, self.compiler)
             except Exception as err:  # Inductor's own failure: name what it compiled
-                what = f"stage {self.graph.index}'s graph for chunks of {key[0]} token rows"
                 raise compile_failed(what, self.compiler, err) from err
             self.compiled[key] = self._graphed(fn, inputs) if self.cuda_graphs else fn
         with torch.no_grad():

@@ -1,0 +1,55 @@
+"""A slow stage compile explains, once per process, why a first call at a new shape takes
+long (programs/compile.py); eager stages and quick compiles say nothing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tokpipe_compiler.programs import compile as stage_compile
+
+
+@pytest.fixture
+def slow_compiles(monkeypatch):
+    """Every compile counts as slow, and returns the graph as is (no Inductor run)."""
+    monkeypatch.setattr(stage_compile, "SLOW_COMPILE_S", 0.0)
+    monkeypatch.setattr(stage_compile, "_explained", False)
+    monkeypatch.setattr(stage_compile, "compile_stage", lambda gm, inputs, compiler: gm)
+
+
+def _graph() -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+
+
+def _notices(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_first_slow_compile_says_why_a_first_call_is_slow_once(slow_compiles, caplog):
+    with caplog.at_level(logging.INFO, logger="tokpipe_compiler"):
+        for units in (4, 8):
+            stage_compile.compile_named(f"stage 1's graph for chunks of {units} token rows",
+                                        _graph(), [torch.randn(1, 2)], "inductor")
+    said = _notices(caplog)
+    assert len(said) == 1
+    assert said[0].startswith("tokpipe: Inductor took 0 s to compile stage 1's graph for "
+                              "chunks of 4 token rows")
+    assert "first call at a new shape" in said[0] and "compiler='eager'" in said[0]
+    timed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled ")]
+    assert len(timed) == 2  # every compile is logged at INFO with its time
+
+
+def test_eager_stages_say_nothing(slow_compiles, caplog):
+    gm = _graph()
+    with caplog.at_level(logging.INFO, logger="tokpipe_compiler"):
+        assert stage_compile.compile_named("stage 0", gm, [], "eager") is gm
+    assert not caplog.records
+
+
+def test_a_quick_compile_says_nothing_by_default(slow_compiles, monkeypatch, caplog):
+    monkeypatch.setattr(stage_compile, "SLOW_COMPILE_S", 3600.0)
+    with caplog.at_level(logging.WARNING, logger="tokpipe_compiler"):
+        stage_compile.compile_named("stage 0", _graph(), [], "inductor")
+    assert not caplog.records
