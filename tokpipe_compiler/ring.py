@@ -23,8 +23,10 @@ from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.traced_modules import TracedModules
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
 from tokpipe_compiler.programs.step_watch import Watch
 from tokpipe_compiler.runtime.chunking import Chunk
@@ -34,8 +36,9 @@ class Ring:
     """A step function compiled once and run for whole generations.
 
     The step is traced once per input signature, with the weights it reads: values written
-    into them in place reach the ring; after assigning new parameters or modules, make a
-    new Ring.
+    into them in place reach the ring; where the modules it read them from changed
+    otherwise since (a parameter assigned anew, another module in their place, a processor
+    swapped), the next run warns and traces anew (`planning.traced_modules`).
 
     carry: names of the inputs that the step's outputs become, in output order.
     group: the torch.distributed group whose ranks run the stages (default: the world).
@@ -59,6 +62,7 @@ class Ring:
         self._traces: dict[tuple, Captured] = {}
         self._chosen: dict[tuple, tuple[Chunk, ...]] = {}  # (signature, steps) -> chunk table
         self._programs: dict[tuple, Any] = {}  # (signature, chunk table) -> program
+        self._modules: dict[tuple, TracedModules] = {}  # signature -> what its trace read
 
     def run(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor] | None = None,
             steps: int | None = None, progress: Callable[[int], None] | None = None,
@@ -128,8 +132,11 @@ class Ring:
         planned for this generation's ring steps (planning once per step count), a new
         program only where the chosen chunks differ."""
         signature = _signature(values)
+        self._follow_the_modules(signature, values)
         if signature not in self._traces:
             self._traces[signature] = trace_step(self.step_fn, values)
+            self._modules[signature] = TracedModules(self.step_fn, self._traces[signature].gm,
+                                                     values)
         self._traced = self._traces[signature]
         steps = max(ring_steps, 1) if self.config.chunks == "auto" else None
         if (signature, steps) not in self._chosen:
@@ -140,6 +147,17 @@ class Ring:
                 self._programs[signature, table] = make_program(plan, None, group=self.group)
         self.program = self._programs[signature, self._chosen[signature, steps]]
         return self.program
+
+    def _follow_the_modules(self, signature: tuple, values: dict[str, Any]) -> None:
+        """Drop every trace (each holds the weights as they were) where the modules this
+        signature's trace read its weights from changed other than in place."""
+        traced = self._modules.get(signature)
+        change = None if traced is None else traced.changed(values)
+        if change is not None:
+            warn(f"tokpipe: Ring: the step function's weights changed since it was traced "
+                 f"({change}): tracing and planning it anew, so this run compiles again")
+            for table in (self._traces, self._chosen, self._programs, self._modules):
+                table.clear()
 
     def _args(self, values: dict[str, Any], per_step: dict[str, torch.Tensor], k: int) -> tuple:
         current = {**values, **{name: v[k] for name, v in per_step.items()}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tokpipe_compiler.pipelines.module_state import changed_parts, module_state
+from tokpipe_compiler.planning.module_state import changed_parts, module_state
 
 
 class Block(torch.nn.Module):

@@ -25,7 +25,6 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.pipelines import cfg_parallel
 from tokpipe_compiler.pipelines.glue import Glue, model_timesteps
-from tokpipe_compiler.pipelines.module_state import ModuleState, changed_parts, module_state
 from tokpipe_compiler.pipelines.probes import (
     RingUnavailable,
     fake_run_error,
@@ -40,6 +39,7 @@ from tokpipe_compiler.pipelines.ring_step import (
     split_fixed,
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable
+from tokpipe_compiler.planning.module_state import ModuleState, changed_parts, module_state
 from tokpipe_compiler.ring import Ring
 from tokpipe_compiler.runtime.branch_exchange import exchanging
 

@@ -1,0 +1,148 @@
+"""A Ring follows its step function's modules between runs: where a weight was assigned
+anew, another module put in the place the step reads, or a module changed other than in
+place, the next run warns and traces anew, and computes what the step computes eagerly
+(sync mode, within 1e-5 relative, float32). Values written in place reach the ring without
+a new trace; nothing changed: nothing is traced again."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import TinyDiT, dit_inputs
+
+OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
+STEPS = 2
+TRACED_ANEW = "weights changed since it was traced"
+
+
+class Holder:
+    """A user's object that holds the model (as a pipeline holds its transformer)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+
+def _model(seed: int) -> TinyDiT:
+    torch.manual_seed(seed)
+    return TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+
+
+def _step(model: torch.nn.Module, latents, timestep, labels):
+    return (latents - 0.1 * model(latents, timestep[None], labels),)
+
+
+class Stepper(torch.nn.Module):
+    """A step as a module's method: the weights come from `self`."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def step(self, latents, timestep, labels):
+        return _step(self.model, latents, timestep, labels)
+
+
+def _forms() -> dict:
+    """Step functions reaching the model through a global-like holder, a closure, a bound
+    method and a partial's keyword; each returns (step, a function that gives the model)."""
+    holder = Holder(_model(0))
+    closed = _model(0)
+    stepper = Stepper(_model(0))
+    return {
+        "holder": (lambda latents, timestep, labels:
+                   _step(holder.model, latents, timestep, labels),
+                   lambda: holder.model, lambda m: setattr(holder, "model", m)),
+        "closure": (lambda latents, timestep, labels:
+                    _step(closed, latents, timestep, labels), lambda: closed, None),
+        "method": (stepper.step, lambda: stepper.model, lambda m: setattr(stepper, "model", m)),
+        "partial": (functools.partial(_step_with, model=closed), lambda: closed, None),
+    }
+
+
+def _step_with(latents, timestep, labels, model):
+    return _step(model, latents, timestep, labels)
+
+
+def _inputs():
+    latents, _, labels = dit_inputs(_model(0), 8)
+    return {"latents": latents, "labels": labels}, {"timestep": torch.tensor([900, 500])}
+
+
+def _eager(step, inputs: dict, per_step: dict) -> torch.Tensor:
+    x = inputs["latents"]
+    with torch.no_grad():
+        for k in range(STEPS):
+            (x,) = step(x, per_step["timestep"][k], inputs["labels"])
+    return x
+
+
+def _run(ring: tp.Ring, inputs: dict, per_step: dict) -> tuple[torch.Tensor, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (out,) = ring.run(inputs, per_step=per_step)
+    return out, [str(w.message) for w in caught if "tokpipe" in str(w.message)]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _assign_weight(model: torch.nn.Module) -> None:
+    layer = model.out
+    layer.weight = torch.nn.Parameter(layer.weight.detach() * 3.0)
+
+
+@pytest.mark.parametrize("form", ["holder", "closure", "method", "partial"])
+def test_a_weight_assigned_anew_is_traced_again(form):
+    step, model_of, _ = _forms()[form]
+    inputs, per_step = _inputs()
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    before, said = _run(ring, inputs, per_step)
+    assert not said
+    _assign_weight(model_of())
+    after, said = _run(ring, inputs, per_step)
+    assert len(said) == 1 and TRACED_ANEW in said[0] and "out" in said[0]
+    expected = _eager(step, inputs, per_step)
+    assert _relative(after, expected) <= 1e-5
+    assert _relative(before, expected) > 1e-3  # the change matters
+
+
+@pytest.mark.parametrize("form, named", [("holder", "holder.model is another object"),
+                                         ("method", "self changed in model, model.embed")])
+def test_another_module_in_the_place_the_step_reads_is_traced_again(form, named):
+    step, _, put = _forms()[form]
+    inputs, per_step = _inputs()
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    _run(ring, inputs, per_step)
+    put(_model(1))
+    after, said = _run(ring, inputs, per_step)
+    assert len(said) == 1 and named in said[0]
+    assert _relative(after, _eager(step, inputs, per_step)) <= 1e-5
+
+
+def test_values_written_in_place_reach_the_ring_without_a_new_trace():
+    step, model_of, _ = _forms()["holder"]
+    inputs, per_step = _inputs()
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    _run(ring, inputs, per_step)
+    program = ring.program
+    with torch.no_grad():
+        model_of().out.weight.mul_(2.0)
+    after, said = _run(ring, inputs, per_step)
+    assert not said and ring.program is program
+    assert _relative(after, _eager(step, inputs, per_step)) <= 1e-5
+
+
+def test_nothing_changed_nothing_traced_again():
+    step, _, _ = _forms()["closure"]
+    inputs, per_step = _inputs()
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    first, _ = _run(ring, inputs, per_step)
+    program = ring.program
+    second, said = _run(ring, inputs, per_step)
+    assert not said and ring.program is program and torch.equal(first, second)
