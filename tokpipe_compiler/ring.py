@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.config import Config
+from tokpipe_compiler.core.autocast import autocast_state
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
@@ -262,11 +263,12 @@ def _check_steps(steps: int | None, per_step: dict[str, torch.Tensor]) -> int:
 
 
 def _signature(values: dict[str, Any]) -> tuple:
-    """What a traced step is specialised to: each tensor's shape, dtype and device, and the
-    value of anything else (the trace holds those as constants)."""
-    return tuple(sorted(
+    """What a traced step is specialised to: each tensor's shape, dtype and device, the
+    value of anything else (the trace holds those as constants), and the autocast state
+    (it sets the dtypes of the values, caches and messages a plan allocates)."""
+    return (*sorted(
         (name, (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else repr(v))
-        for name, v in values.items()))
+        for name, v in values.items()), autocast_state())
 
 
 def _steps_of(per_step: dict[str, torch.Tensor]) -> int:

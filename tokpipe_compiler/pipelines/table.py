@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokpipe_compiler.core.autocast import autocast_state, describe
+
 RING_PIPELINES: dict[str, dict[str, Any]] = {
     "DiTPipeline": {},
     "PixArtAlphaPipeline": {},
@@ -82,6 +84,17 @@ def _callback_reasons(callback: Any) -> list[str]:
         return []
     return [f"callback_on_step_end={', '.join(changing)}: diffusers' cutoff callbacks change "
             "the guidance or the embeddings partway through the generation"]
+
+
+def autocast_reasons() -> list[str]:
+    """Why a call under `torch.autocast` runs per call: a ring's step is traced and planned
+    under one autocast state (its values', caches' and messages' dtypes) and would run the
+    same under another; per call, Dynamo guards on it and traces each state apart."""
+    state = autocast_state()
+    if not state:
+        return []
+    return [f"the call runs under {describe(state)}, which a ring, traced once, would hold "
+            "for every later call"]
 
 
 def cache_reasons(denoisers: dict[str, Any]) -> list[str]:
