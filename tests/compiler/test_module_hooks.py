@@ -138,3 +138,39 @@ def test_a_split_transformer_says_how_much_of_it_is_pipelined():
         warnings.simplefilter("always")
         generate(pipe, kwargs, steps=2)
     assert not [w for w in again if "graphs (Dynamo split it" in str(w.message)]
+
+
+def _halve_output(module: Any, args: Any, out: Any) -> Any:
+    return (out[0] * 0.5,) if isinstance(out, tuple) else type(out)(sample=out.sample * 0.5)
+
+
+def _halve_input(module: Any, args: tuple, kwargs: dict) -> tuple:
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * 0.5}
+    return (args[0] * 0.5, *args[1:]), kwargs
+
+
+@pytest.mark.parametrize("ring", [True, False])
+@pytest.mark.parametrize("register", [
+    lambda t: t.register_forward_hook(_halve_output),
+    lambda t: t.register_forward_pre_hook(_halve_input, with_kwargs=True),
+], ids=["forward_hook", "pre_hook"])
+def test_hooks_on_the_transformer_itself_run(register: Callable, ring: bool):
+    """A ring's step calls the transformer's forward, not its module call: with hooks of
+    its own it runs per call, saying so (they were dropped). Per call, the hook's own graph
+    (Dynamo traces it apart from the forward) runs as traced (it was planned as a model of
+    its own and refused: "stages=2 is more than this graph can be cut into")."""
+    pipe, kwargs = pixart_alpha()
+    register(pipe.transformer)
+    expected = generate(pipe, kwargs, steps=2)
+    tp.pipelines.parallelize(pipe, ring=ring, **OPTIONS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = generate(pipe, kwargs, steps=2)
+    said = " ".join(str(w.message) for w in caught)
+    assert rel_error(got, expected) <= 1e-5
+    if ring:
+        assert re.search(r"runs per call .*of its own, which run around its call", said)
+    else:
+        assert "running this graph unpipelined" in said
+    assert tp.pipelines.programs(pipe)  # the forward itself was pipelined

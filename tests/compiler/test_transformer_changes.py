@@ -16,7 +16,7 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
-from tests.fixtures.changes import CHANGES, add_lora
+from tests.fixtures.changes import CHANGES, add_lora, damp_processors
 from tests.fixtures.conditioned import CONDITIONED
 from tests.fixtures.pipelines import generate
 
@@ -41,6 +41,7 @@ def _pair(family: str) -> tuple:
     ("pixart_alpha", "swap_processors", None),
     ("flux", "add_lora", None),
     ("flux", "scale_lora", add_lora),  # a LoRA added before the first generation
+    ("pixart_alpha", "set_processor_scale", damp_processors),
 ])
 def test_a_changed_transformer_is_traced_anew(family, change, before):
     if "lora" in change:

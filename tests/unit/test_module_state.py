@@ -14,6 +14,7 @@ class Block(torch.nn.Module):
         self.proj = torch.nn.Linear(4, 4)
         self.scaling = {"style": 1.0}
         self.processor = object()
+        self.settable = Processor()
         self.eps = float("nan")  # equal to itself in the state
         self.register_buffer("table", torch.zeros(3))
 
@@ -49,6 +50,17 @@ def _processor(model):
     model[1].processor = object()
 
 
+class Processor:
+    """An attention processor with a setting of its own (as IP-Adapter's `scale`)."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+
+def _processor_setting(model):
+    model[0].settable.scale = 0.3
+
+
 def _module(model):
     model[0].proj = torch.nn.Linear(4, 4)
 
@@ -67,7 +79,7 @@ def _train(model):
 
 def test_each_change_changes_the_state_and_is_named():
     for change, where in [(_assign, "1.proj"), (_buffer, "0"), (_scale, "0"),
-                          (_processor, "1"), (_module, "0.proj"), (_convert, "1"),
+                          (_processor, "1"), (_processor_setting, "0"), (_module, "0.proj"), (_convert, "1"),
                           (_hook, "0.proj"), (_train, "the root module")]:
         model = _model()
         before = module_state(model)

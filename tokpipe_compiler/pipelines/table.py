@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from tokpipe_compiler.core.autocast import autocast_state, describe
 
 RING_PIPELINES: dict[str, dict[str, Any]] = {
@@ -112,9 +114,14 @@ def hook_reasons(denoisers: dict[str, Any]) -> list[str]:
     layerwise casting and group offloading, accelerate's offloading (enable_model_cpu_offload,
     a device_map) cast or move the weights as each module runs, which a ring's step, traced
     once, would hold fixed (and its probe, run on fake tensors, would leave them fake).
-    A step cache's hooks are cache_reasons'."""
+    A step cache's hooks are cache_reasons'. torch hooks on the transformer itself run in
+    its module call, which the ring's step does not make (it calls the forward)."""
     reasons = []
     for name, module in denoisers.items():
+        own = own_hooks(module)
+        if own:
+            reasons.append(f"{name} has {own} of its own, which run around its call, and a "
+                           "ring's step calls its forward")
         if getattr(module, "is_cache_enabled", False):
             continue
         hooks = module_hooks(module)
@@ -123,6 +130,18 @@ def hook_reasons(denoisers: dict[str, Any]) -> list[str]:
                            "which cast or move its weights at every call: per call, Dynamo "
                            "traces them, and breaks its graphs where they cannot be traced")
     return reasons
+
+
+def own_hooks(module: torch.nn.Module) -> str:
+    """torch forward hooks and pre-hooks on `module` itself or on every module, for a
+    message ("" where none)."""
+    from torch.nn.modules import module as torch_module
+
+    found = [kind for kind, hooks in [
+        ("forward hooks", {**module._forward_hooks, **torch_module._global_forward_hooks}),
+        ("forward pre-hooks", {**module._forward_pre_hooks,
+                               **torch_module._global_forward_pre_hooks})] if hooks]
+    return " and ".join(found)
 
 
 def module_hooks(module: Any) -> list[str]:

@@ -13,6 +13,7 @@ before each generation and traces anew when it changed.
 from __future__ import annotations
 
 import enum
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,9 @@ _HOOKS = "_diffusers_hook"
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
           enum.Enum)
 _DEPTH, _WIDTH = 3, 64  # how far containers are read by value; deeper or larger: by identity
+# Objects read by identity only (a module's own state is walked as a module).
+_OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType,
+           types.BuiltinFunctionType, types.ModuleType)
 
 
 @dataclass(eq=False)
@@ -94,8 +98,9 @@ def _hooks(module: torch.nn.Module) -> tuple:
 
 
 def _token(value: Any, depth: int, held: list) -> Any:
-    """The value itself where it is plain; containers item by item (to a depth); anything
-    else (a tensor attribute, an attention processor, a function) by identity."""
+    """The value itself where it is plain; containers item by item and other objects'
+    attributes (an attention processor's) by value, to a depth; anything else (a tensor
+    attribute, a function) by identity."""
     if isinstance(value, (float, complex)):
         return (type(value), repr(value))  # nan equals itself
     if isinstance(value, _PLAIN):
@@ -108,4 +113,14 @@ def _token(value: Any, depth: int, held: list) -> Any:
         return (dict, tuple((_token(k, depth + 1, held), _token(v, depth + 1, held))
                             for k, v in value.items()))
     held.append(value)
+    if depth < _DEPTH and _has_plain_state(value):  # an attention processor's own settings
+        return (type(value), id(value), _token(vars(value), depth + 1, held))
     return (type(value), id(value))
+
+
+def _has_plain_state(value: Any) -> bool:
+    """Whether `value` is an object whose attributes a call may read and which is changed
+    in place (`processor.scale = ...`, as diffusers' `set_ip_adapter_scale` does): an
+    instance with a `__dict__`, not a module (walked as one), tensor, function or class."""
+    return (not isinstance(value, _OPAQUE) and isinstance(getattr(value, "__dict__", None), dict)
+            and len(vars(value)) <= _WIDTH)

@@ -16,8 +16,9 @@ any graph) run as traced, each with a warning: pipelining them would fill and dr
 pipeline for a few token-wise ops.
 
 Which graphs are pieces is told while Dynamo traces (`origin`): a graph that ends at a
-break, a resume function after a break, and a function called from code that Dynamo ran
-outside its graphs (a submodule's forward when the model's own could not be traced).
+break, a resume function after a break, a function called from code that Dynamo ran
+outside its graphs (a submodule's forward when the model's own could not be traced), and
+a forward hook or pre-hook of the compiled module (torch runs them around the forward).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from tokpipe_compiler.planning.plan import Plan
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _RESUME = "torch_dynamo_resume_in_"
+_MODULE_CALL = ("_call_impl", "inner")  # torch's module call, and its closure with hooks
 
 
 @dataclass(frozen=True)
@@ -154,14 +156,29 @@ def _called_from_user_code() -> bool:
         frames.append(frame)
         frame = frame.f_back
     converting = [i for i, f in enumerate(frames) if _in_dynamo(f, "convert_frame.py")]
-    if not converting:
+    if not converting or converting[-1] + 1 >= len(frames):
         return False
+    if _a_hook_of(frames[converting[-1] + 1]):
+        return True
     for caller in frames[converting[-1] + 1:]:
         if _in_dynamo(caller, "eval_frame.py"):
             return False  # reached the torch.compile wrapper: only torch frames between
         if not os.path.abspath(caller.f_code.co_filename).startswith(_TORCH_DIR):
             return True
     return False
+
+
+def _a_hook_of(caller) -> bool:
+    """Whether the frame Dynamo traces is a forward hook or pre-hook run by torch's module
+    call `caller` (`Module._call_impl`, or the `inner` it runs hooks in): not the forward,
+    so a graph of its own beside the forward's (run as traced unless it holds attention)."""
+    if caller.f_code.co_name not in _MODULE_CALL or not caller.f_code.co_filename.endswith(
+            os.path.join("nn", "modules", "module.py")):
+        return False
+    module = caller.f_locals.get("self")
+    forward = getattr(getattr(module, "forward", None), "__code__", None)
+    traced = _traced_code()
+    return traced is not None and forward is not None and traced is not forward
 
 
 def _in_dynamo(frame, filename: str) -> bool:
