@@ -48,8 +48,9 @@ class Session:
 
     def __init__(self) -> None:
         self.programs: weakref.WeakSet[PipelinedProgram] = weakref.WeakSet()
-        # (model, role) -> the program that served it last (weakly: models come and go)
-        self.last_by_role: dict[tuple[int | None, str], weakref.ref] = {}
+        # (model, role) -> the programs that serve it now, of one set of input shapes
+        # (weakly: models come and go)
+        self.holders: dict[tuple[int | None, str], list[weakref.ref]] = {}
         self.timesteps = SharedTimesteps()  # of graphs split at graph breaks
         self.warned: set[str] = set()  # the warnings given once per compile
         self.graphs = GraphTally()  # each graph's outcome, for a split model's summary
@@ -57,19 +58,24 @@ class Session:
     def reset(self) -> None:
         for program in list(self.programs):
             program.reset()
-        self.last_by_role.clear()
+        self.holders.clear()
 
     def claim(self, program: PipelinedProgram, owner: int | None) -> None:
-        """Called per call: a program taking over its role (for the same model) from
-        another starts afresh, and the other's K/V are freed (a process drawing at many
-        sizes holds the caches of one)."""
+        """Called per call: a program of other input shapes than its role's holders (for
+        the same model) takes the role over: it starts afresh, and theirs' K/V are freed (a
+        process drawing at many sizes holds the caches of one). Programs of the same shapes
+        share the role, each with its caches: Dynamo made several graphs of one call (a
+        step cache's hooks trace each guidance branch apart), which alternate every step."""
         role = (owner, program.plan.token_input)
-        last = self.last_by_role.get(role)
-        if last is None or last() is not program:
-            program.reset()
-            self.last_by_role[role] = weakref.ref(program)
-            if last is not None and (previous := last()) is not None:
+        holders = [p for ref in self.holders.get(role, []) if (p := ref()) is not None]
+        if any(p is program for p in holders):
+            return
+        if holders and holders[0].shapes != program.shapes:
+            for previous in holders:
                 previous.end_generation()  # it starts afresh if it claims the role again
+            holders = []
+        program.reset()
+        self.holders[role] = [weakref.ref(p) for p in [*holders, program]]
 
 
 class PipelinedProgram:
@@ -100,6 +106,7 @@ class PipelinedProgram:
         self.clock = StepClock(timestep_index(arguments, plan.config.timestep_input),
                                [i for i, name in enumerate(arguments) if name is not None])
         self.calls = 0  # steps run by this program, for the timeline
+        self.shapes: tuple | None = None  # its inputs' shapes (static), once called
         self.ring_steps: int | None = None  # the steps of the ring run being run, if any
         self.peak_values_held = 0  # the last run's most (step, chunk) value sets at once
         self.timeline = Timeline()
@@ -147,6 +154,8 @@ class PipelinedProgram:
     def __call__(self, *args: torch.Tensor) -> Any:
         """One step: warmup (whole sequence) or chunked, by the mode and the step."""
         if self.session is not None:
+            if self.shapes is None:
+                self.shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
             self.session.claim(self, self.owner)
         tick = self.clock.tick(args)
         if tick.new_generation:
