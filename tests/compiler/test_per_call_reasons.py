@@ -10,6 +10,7 @@ value.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -52,6 +53,28 @@ def test_a_transformer_with_a_diffusers_cache_runs_per_call_and_says_why():
     assert rel_error(out, expected) <= 1e-5
     said = [w for w in record if "runs per call" in str(w.message)]
     assert said[0].filename.endswith("fixtures/pipelines.py")  # generate()'s pipeline call
+
+
+def test_a_cache_applied_by_its_hooks_is_named_as_a_cache():
+    """`apply_first_block_cache` registers the cache's hooks without `enable_cache`: the
+    reason names them as a step cache (they were taken for hooks that cast or move
+    weights)."""
+    from diffusers import FirstBlockCacheConfig
+    from diffusers.hooks import apply_first_block_cache
+
+    make = FAMILIES["flux"]
+    serial, kwargs = make()
+    apply_first_block_cache(serial.transformer, FirstBlockCacheConfig(threshold=0.5))
+    expected = generate(serial, kwargs, steps=3)
+    pipe, _ = parallelized(make, mode="sync")
+    apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=0.5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = generate(pipe, kwargs, steps=3)
+    said = " ".join(str(w.message) for w in caught if "runs per call" in str(w.message))
+    assert re.search(r"diffusers' step cache \(diffusers' fbc_", said)
+    assert "cast or move" not in said
+    assert rel_error(out, expected) <= 1e-5
 
 
 def test_a_step_the_compiler_cannot_chunk_raises_or_falls_back_when_asked():

@@ -100,13 +100,26 @@ def autocast_reasons() -> list[str]:
 
 
 def cache_reasons(denoisers: dict[str, Any]) -> list[str]:
-    """Why a transformer with one of diffusers' step caches on (`enable_cache`) runs per
-    call: the cache decides each step, from whole tensors of earlier steps, which blocks
-    to skip; the ring computes every step from the first step's form."""
-    return [f"{name} has diffusers' {type(getattr(module, '_cache_config', None)).__name__} "
-            "on, which decides each step from earlier steps' whole tensors which blocks to "
-            "skip"
-            for name, module in denoisers.items() if getattr(module, "is_cache_enabled", False)]
+    """Why a transformer with one of diffusers' step caches on (`enable_cache`, or its hooks
+    applied directly: `apply_first_block_cache`, ...) runs per call: the cache decides each
+    step, from whole tensors of earlier steps, which blocks to skip; the ring computes
+    every step from the first step's form."""
+    reasons = []
+    for name, module in denoisers.items():
+        config = getattr(module, "_cache_config", None)
+        hooks = [h for h in module_hooks(module) if is_step_cache(h)]
+        if getattr(module, "is_cache_enabled", False) or hooks:
+            cache = (type(config).__name__ if config is not None
+                     else f"step cache ({', '.join(hooks)})")
+            reasons.append(f"{name} has diffusers' {cache} on, which decides each step from "
+                           "earlier steps' whole tensors which blocks to skip")
+    return reasons
+
+
+def is_step_cache(hook: str) -> bool:
+    """Whether a diffusers hook (as `module_hooks` names it) is one of its step caches'."""
+    return hook.startswith("diffusers' ") and any(
+        word in hook for word in ("cache", "fbc_", "pyramid_attention_broadcast"))
 
 
 def hook_reasons(denoisers: dict[str, Any]) -> list[str]:
@@ -122,9 +135,7 @@ def hook_reasons(denoisers: dict[str, Any]) -> list[str]:
         if own:
             reasons.append(f"{name} has {own} of its own, which run around its call, and a "
                            "ring's step calls its forward")
-        if getattr(module, "is_cache_enabled", False):
-            continue
-        hooks = module_hooks(module)
+        hooks = [h for h in module_hooks(module) if not is_step_cache(h)]
         if hooks:
             reasons.append(f"{name} runs hooks as its modules run ({', '.join(hooks)}), "
                            "which cast or move its weights at every call: per call, Dynamo "
