@@ -197,3 +197,10 @@ def test_a_step_that_needs_more_arguments_is_named():
                                          r"old_pred_original_sample, timestep_back besides"):
         out = generate(*parallelized(cogvideox_dpm, mode="sync"), steps=3)
     assert rel_error(out, serial) <= 1e-5
+
+
+def test_programs_of_a_pipeline_without_any_says_both_causes():
+    pipe, _ = parallelized(FAMILIES["pixart_alpha"], mode="sync")
+    with pytest.raises(tp.TokpipeError, match="not parallelized and called yet, or every "
+                                              "graph of its transformer ran unpipelined"):
+        tp.pipelines.programs(pipe)

@@ -294,8 +294,9 @@ def programs(pipe: Any) -> list:
         raise TokpipeError(f"{type(pipe).__name__} runs each guidance branch whole on its "
                            "own rank (cfg=2, stages=1): it has no pipelined program")
     if not found:
-        raise TokpipeError(f"{type(pipe).__name__} has no tokpipe program yet: parallelize "
-                           "it and call it first")
+        raise TokpipeError(f"{type(pipe).__name__} has no pipelined program: it was not "
+                           "parallelized and called yet, or every graph of its transformer "
+                           "ran unpipelined (a warning at its first call said why)")
     return found
 
 
