@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,7 @@ def _forget(compiled: Callable[..., Any], codes: list[types.CodeType | None],
     except ImportError:
         return
     region = getattr(compiled, "_isolate_recompiles_id", None)
+    dropped = []
     for code in {c for c in codes if c is not None}:
         entries = (_debug_get_cache_entry_list(code) if region is None else
                    torch._C._dynamo.eval_frame._get_cache_entries_for_region(code, region))
@@ -151,6 +153,22 @@ def _forget(compiled: Callable[..., Any], codes: list[types.CodeType | None],
                     manager.cache_entry, DeletedGuardManagerWrapper("tokpipe capture done"))
             except AttributeError:
                 return
+            dropped.append(manager)
+    _detach_finalizers(dropped)
+
+
+def _detach_finalizers(managers: list[Any]) -> None:
+    """Detach the finalizers Dynamo put on the objects the dropped entries' guards matched
+    by identity (to drop an entry when its object dies): on objects that live as long as
+    the process (classes, functions) they never run, and each keeps its guards' manager,
+    about 2 MiB a parallelized pipeline (an internal API: where it is missing, they stay)."""
+    registry = getattr(weakref.finalize, "_registry", None)
+    if not managers or not isinstance(registry, dict):
+        return
+    for finalizer, info in list(registry.items()):
+        owner = getattr(getattr(info.func, "func", None), "__self__", None)
+        if any(getattr(owner, "guard_manager", None) is m for m in managers):
+            finalizer.detach()
 
 
 class _Traced(Exception):
