@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 
 from tokpipe_compiler.cli_models import EXAMPLES, SpecError, load_spec
-from tokpipe_compiler.cli_released import TARGET_LINKS, ReleasedBuild, planned_for, predicted
+from tokpipe_compiler.cli_released import (
+    TARGET_LINKS,
+    ReleasedBuild,
+    plan_for_ring,
+    planned_for,
+    predicted,
+    target_run,
+)
 from tokpipe_compiler.config import COMPILERS, MODES, parse_chunks
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.released import NAMES as RELEASED_NAMES
@@ -89,8 +96,13 @@ def _parser() -> argparse.ArgumentParser:
                          help="released models: the weights' dtype (default float32)")
     inspect.add_argument("--for", dest="target", choices=tuple(TARGET_LINKS),
                          help="released models, planned without --run: choose chunks=auto at "
-                              "this GPU's rates in --dtype (float32 without tensor cores) and "
-                              "print its predicted times, warning where its memory is short")
+                              "this GPU's rates in --dtype (float32 without tensor cores) for "
+                              "a ring of --steps steps and print its predicted times, warning "
+                              "where its memory is short")
+    inspect.add_argument("--steps", type=_count(1), metavar="N",
+                         help="with --for: the denoising steps of the predicted run "
+                              "(default: the released pipeline's default, as BENCHMARKS.md's "
+                              "table; 20 for another config)")
     inspect.add_argument("--stages", type=_count(1), default=2)
     inspect.add_argument("--chunks", type=parse_chunks, default=4,
                         help="a count, auto, or token lengths like 1728,960,768,640")
@@ -140,17 +152,23 @@ def _add_generate(commands) -> None:
     gen.add_argument("--text-length", type=_count(1), metavar="N",
                      help="--model: the prompt's tokens, for pipelines that take "
                           "max_sequence_length (default: the pipeline's, 512 for Wan)")
-    gen.add_argument("--class-label", type=int, default=1, help="DiT pipelines (default 1)")
-    gen.add_argument("--guidance-scale", type=float)
+    gen.add_argument("--class-label", type=int, default=1,
+                     help="DiT pipelines: the class label drawn (default %(default)s)")
+    gen.add_argument("--guidance-scale", type=float,
+                     help="the pipeline's guidance_scale (default: the pipeline's)")
     gen.add_argument("--true-cfg-scale", type=float, metavar="SCALE",
                      help="pipelines with true_cfg_scale (Flux): guidance over "
                           "--negative-prompt at SCALE, a second transformer call a step "
                           "(their --guidance-scale is the distilled guidance embedding)")
     gen.add_argument("--images", type=_count(1), default=1, metavar="N",
                      help="images (or videos) from the one prompt, batched (default 1)")
-    gen.add_argument("--steps", type=_count(1), default=20)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--stages", type=_count(1), default=2)
+    gen.add_argument("--steps", type=_count(1), default=20,
+                     help="denoising steps (default %(default)s)")
+    gen.add_argument("--seed", type=int, default=0,
+                     help="the generation's random seed; --released: its weights' and "
+                          "prompt embeddings' too (default %(default)s)")
+    gen.add_argument("--stages", type=_count(1), default=2,
+                     help="pipeline stages (default %(default)s)")
     gen.add_argument("--chunks", type=parse_chunks, default=4,
                      help="a count, auto, or token lengths like 512,512 (default 4)")
     gen.add_argument("--mode", choices=MODES, default="stale", help=MODE_HELP)
@@ -163,7 +181,8 @@ def _add_generate(commands) -> None:
     gen.add_argument("--compiler", choices=COMPILERS, default="inductor",
                      help="how stages are compiled: inductor (default), max-autotune "
                           "(Inductor's autotuning: slower compiles) or eager (none)")
-    gen.add_argument("--dtype", choices=DTYPES, default="float32")
+    gen.add_argument("--dtype", choices=DTYPES, default="float32",
+                     help="the pipeline's dtype (default %(default)s)")
     gen.add_argument("--device", choices=DEVICES, default="auto",
                      help="where each rank runs (default auto: a GPU a rank where there "
                           "are GPUs, over NCCL; else the CPU, over gloo)")
@@ -171,10 +190,15 @@ def _add_generate(commands) -> None:
                      help="the cuda_graphs option: each chunk replayed from a CUDA graph")
     gen.add_argument("--ranks", type=_count(1), default=1,
                      help="processes to start here (default 1: this one, or torchrun's)")
-    gen.add_argument("--threads", type=_count(1), default=1, help="CPU threads per rank")
-    gen.add_argument("--timeout", type=_seconds, default=3600.0, help="seconds for the run")
+    gen.add_argument("--threads", type=_count(1), default=1,
+                     help="CPU threads per rank (default %(default)s)")
+    gen.add_argument("--timeout", type=_seconds, default=3600.0,
+                     help="seconds the command's ranks may take (default %(default).0f): "
+                          "--ranks ends them after it, and the other ranks wait this long "
+                          "for rank 0's --compare run; not the backend's timeout option")
     gen.add_argument("--compare", action="store_true",
-                     help="also run the serial pipeline: speedup and difference")
+                     help="first time the serial pipeline, eager, on rank 0 while the other "
+                          "ranks wait: the speedup and the largest difference")
     gen.add_argument("--profile", nargs="?", const="", metavar="DIR",
                      help="write a torch.profiler trace per rank, profile_rank<R>.json, to "
                           "DIR (default: --out, else the current folder) and print each "
@@ -190,6 +214,8 @@ def _inspect(args: argparse.Namespace) -> int:
         raise SpecError(f"--for predicts stale-mode (PipeFusion) runs, not {args.mode}")
     if args.target is not None and args.run:  # checked before a run's weights are made
         raise SpecError(_FOR_META)
+    if args.steps is not None and args.target is None:
+        raise SpecError("--steps sets the steps of the run --for predicts: give --for too")
     build = ReleasedBuild(args.layers, tuple(args.grid) if args.grid else None,
                           getattr(torch, args.dtype))
     model, call_args, call_kwargs = load_spec(args.spec, args.config, build, bool(args.run))
@@ -198,11 +224,13 @@ def _inspect(args: argparse.Namespace) -> int:
                "cuda_graphs": args.cuda_graphs}
     if args.target is not None and not _on_meta(model):
         raise SpecError(_FOR_META)
+    run = None if args.target is None else target_run(_config_name(args), args.steps)
     with planned_for(args.target, args.cuda_graphs, build.dtype):
-        plan = explain(model, call_args, call_kwargs, **options)
+        plan = explain(model, call_args, call_kwargs, **options) if run is None else \
+            plan_for_ring(model, call_args, call_kwargs, options, run.steps - args.warmup_steps)
     print(plan)
-    if args.target is not None:
-        line, warnings = predicted(plan, args.target)
+    if run is not None:
+        line, warnings = predicted(plan, args.target, run)
         print(line)
         for warning in warnings:
             print(f"tokpipe: warning: {warning}", file=sys.stderr)
@@ -223,6 +251,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 _FOR_META = "--for plans a released model on the meta device: give a released:name spec, " \
     "without --run"
+
+
+def _config_name(args: argparse.Namespace) -> str:
+    """The released config a --for spec names: released:NAME, or diffusers:Class --config
+    FILE in the released format."""
+    return args.config if args.config is not None else args.spec.partition(":")[2]
 
 
 def _on_meta(model: torch.nn.Module) -> bool:

@@ -36,7 +36,7 @@ from tokpipe_compiler.cli_released import (
 
 EXAMPLES = """examples:
   tokpipe inspect released:flux1-dev --stages 4 --chunks auto      (full size, no memory)
-  tokpipe inspect released:sd3-medium --layers 2 --grid 32 32 --run 3
+  tokpipe inspect released:sd3-medium --layers 2 --grid 32 32 --run 5
   tokpipe inspect diffusers:DiTTransformer2DModel --config dit.json --stages 2 --chunks 4
   tokpipe inspect my_models:tiny_dit --stages 2 --chunks 4 --mode stale --out plan_dump
       (my_models.py defines tiny_dit() returning (model, args, kwargs))

@@ -22,11 +22,11 @@ import torch
 
 from tokpipe_compiler import released
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.costmodel.released_runs import RUNS
+from tokpipe_compiler.costmodel.released_runs import RUNS, Run
 
 # The link a target device's ranks are joined by: NVLink on SXM parts, PCIe on the others.
 TARGET_LINKS = {"h200": "nvlink4", "a100-pcie": "pcie4", "l20": "pcie4"}
-TARGET_STEPS = 20  # steps of the predicted run
+TARGET_STEPS = 20  # steps of a predicted run of a config without a released pipeline
 # A run may take at most this share of the memory available now for the model's weights
 # (activations, K/V caches and the eager reference need the rest).
 RUN_MEMORY_SHARE = 0.4
@@ -64,16 +64,14 @@ def load_released(name: str, build: ReleasedBuild,
     """(model, args, kwargs) of a released model: on the meta device to plan, on the CPU
     with random weights to run."""
     spec = released.load(name)
-    # A file named as a bundled config runs as that model's pipeline does.
-    run_of = RUNS.get(Path(name).stem if name.endswith(".json") else name)
-    batch = run_of.batch if run_of is not None else 2
+    pipeline = run_of(name)
+    batch = pipeline.batch if pipeline is not None else 2
     device = "cpu" if run else "meta"
     if run:
         check_memory(name, build, way_out="or plan without --run (the meta device holds no "
                      "weights)")
     model = released.build(name, build.layers, device, build.grid)
-    if build.dtype != torch.float32:  # as built; diffusers warns on any .to(dtype)
-        model = model.to(build.dtype)
+    model = released.cast(model, build.dtype)
     kwargs = {key: value.to(build.dtype) if _floating(value) else value
               for key, value in released.inputs(name, batch=batch, grid=build.grid,
                                                 device=device).items()}
@@ -84,6 +82,12 @@ def load_released(name: str, build: ReleasedBuild,
           f"{' (guidance)' if batch == 2 else ''}, {str(build.dtype).removeprefix('torch.')}"
           f" on {device}", file=sys.stderr)
     return model, (), kwargs
+
+
+def run_of(name: str) -> Run | None:
+    """How the released pipeline of config `name` runs (a file named as a bundled config
+    runs as that model's pipeline does); None for another config."""
+    return RUNS.get(Path(name).stem if name.endswith(".json") else name)
 
 
 def _floating(value: object) -> bool:
@@ -151,20 +155,60 @@ def planned_for(target: str | None, cuda_graphs: bool = False,
         yield
 
 
-def predicted(plan: Any, target: str) -> tuple[str, list[str]]:
-    """One line: serial and pipelined seconds of TARGET_STEPS steps of stale `plan` on one
-    `target` per stage in the plan's dtype, as the calibrated simulator predicts the
-    released runs (BENCHMARKS.md), and the busiest GPU's memory; and warnings (the busiest
-    GPU's memory over the target's)."""
+@dataclass(frozen=True)
+class TargetRun:
+    """The run a --for prediction is of: `steps` denoising steps (`why`: where the count
+    comes from), and `run`, the released pipeline's, whose text encoders and VAE decode
+    are counted too (None: a config without one, the transformer alone)."""
+
+    steps: int
+    why: str
+    run: Run | None
+
+
+def target_run(name: str, steps: int | None) -> TargetRun:
+    """The run to predict for config `name`: its pipeline's default step count, as
+    BENCHMARKS.md's table has it, unless `steps` (--steps) is given."""
+    run = run_of(name)
+    if steps is not None:
+        return TargetRun(steps, "--steps", run)
+    if run is not None:
+        return TargetRun(run.steps, "the pipeline's default; --steps sets another", run)
+    return TargetRun(TARGET_STEPS, "no released pipeline to take a default from; --steps "
+                     "sets another", None)
+
+
+def plan_for_ring(model: torch.nn.Module, args: tuple, kwargs: dict, options: dict,
+                  ring_steps: int) -> Any:
+    """The plan of a released model (one graph) with chunks="auto" chosen for a ring of
+    `ring_steps` steps, as its pipeline runs it and BENCHMARKS.md's table plans it."""
+    from tokpipe_compiler.api import capture_graphs
+    from tokpipe_compiler.config import Config
+    from tokpipe_compiler.planning.driver import build_plan
+
+    graphs = capture_graphs(model, args, kwargs)
+    if len(graphs) != 1:
+        raise TokpipeError(f"--for predicts a model Dynamo traces as one graph; this one has "
+                           f"{len(graphs)} (graph breaks): plan it without --for")
+    return build_plan(graphs[0], Config.from_options(options), ring_steps=max(ring_steps, 1))
+
+
+def predicted(plan: Any, target: str, run: TargetRun) -> tuple[str, list[str]]:
+    """One line: serial and pipelined seconds of `run` of stale `plan` on one `target` per
+    stage in the plan's dtype, as the calibrated simulator predicts the released runs
+    (BENCHMARKS.md), and the busiest GPU's memory; and warnings (the busiest GPU's memory
+    over the target's)."""
     from tokpipe_compiler.costmodel.hardware import LINKS
     from tokpipe_compiler.costmodel.host import runtime_host
     from tokpipe_compiler.costmodel.predict import predict, target_device
+    from tokpipe_compiler.costmodel.released_runs import outside_seconds
     from tokpipe_compiler.costmodel.simulator import plan_dtype
 
     link, graphs = TARGET_LINKS[target], plan.config.cuda_graphs
     dtype = plan_dtype(plan)
     device = target_device(target, dtype=dtype)
-    result = predict(plan, "stale", device, LINKS[link], TARGET_STEPS,
+    outside = 0.0 if run.run is None else outside_seconds(run.run, device.rates())
+    result = predict(plan, "stale", device, LINKS[link], run.steps, outside,
                      warmup_steps=plan.config.warmup_steps, host=runtime_host("cuda", graphs))
     host = "chunks replayed from CUDA graphs" if graphs else "kernels launched one by one"
     name = str(dtype).removeprefix("torch.")
@@ -173,10 +217,12 @@ def predicted(plan: Any, target: str) -> tuple[str, list[str]]:
                  f"{device.peak(dtype) / 1e12:.1f} TFLOP/s peak against "
                  f"{device.peak(torch.bfloat16) / 1e12:.0f} in bfloat16)")
     peak = result.peak_memory.total
-    line = (f"predicted on {len(plan.stages)} x {target} ({link}, {host}), {TARGET_STEPS} "
-            f"steps of the transformer in {name}: serial {result.serial_s:.2f} s, pipelined "
-            f"{result.pipelined_s:.2f} s ({result.speedup:.2f}x); the busiest GPU holds "
-            f"{peak / 2**30:.1f} GiB (weights, K/V, boundary values)")
+    extra = "" if run.run is None else \
+        f", plus {outside:.3f} s of text encoders and VAE decode"
+    line = (f"predicted on {len(plan.stages)} x {target} ({link}, {host}), {run.steps} steps "
+            f"({run.why}) of the transformer in {name}{extra}: serial {result.serial_s:.2f} "
+            f"s, pipelined {result.pipelined_s:.2f} s ({result.speedup:.2f}x); the busiest "
+            f"GPU holds {peak / 2**30:.1f} GiB (weights, K/V, boundary values)")
     return line, [over_memory(peak, device, len(plan.stages), dtype)] \
         if device.memory and peak > device.memory else []
 

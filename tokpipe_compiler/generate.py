@@ -22,6 +22,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.generate_call import call_kwargs, check_class_label_args
+from tokpipe_compiler.released import cast as cast_model
 from tokpipe_compiler.released import load as load_released_spec
 from tokpipe_compiler.released.pipelines import pipeline, small_grid
 from tokpipe_compiler.run_device import clock, rank_device, resolve_device, to_device
@@ -120,7 +122,11 @@ def released_layers(args: argparse.Namespace) -> int:
 
 def _load_weights(args: argparse.Namespace) -> Any:
     if args.tiny:
-        return tiny_dit_pipeline().to(_dtype(args))
+        pipe = tiny_dit_pipeline()
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):  # in place, quietly: released.cast
+                cast_model(component, _dtype(args))
+        return pipe
     import diffusers
 
     path = Path(args.model)
@@ -137,12 +143,16 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
 
 
 def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One rank's part: an optional serial generation, then the pipelined one."""
-    with one_line_warnings(rank, world):
-        return _run(rank, args)
+    """One rank's part: an optional serial generation (rank 0's), then the pipelined one.
+    Rank 0's result carries every rank's memory table and profile path."""
+    with one_line_warnings(rank, world), command_group(world, args) as group:
+        result = _run(rank, args, group)
+        if group is not None:
+            result.update(_gathered(result, group))
+        return result
 
 
-def _run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+def _run(rank: int, args: argparse.Namespace, group: Any) -> dict[str, Any]:
     from tokpipe_compiler.pipelines.parallelize import parallelize
 
     torch.set_num_threads(args.threads)
@@ -154,11 +164,11 @@ def _run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     # Short calls first, to trace and compile; two steps, since PixArt-alpha's pipeline
     # takes a one-step call for its one-step (DMD) scheduler's.
     short = {**kwargs, "num_inference_steps": min(2, args.steps)}
-    result: dict[str, Any] = {}
+    serial = None
     if args.compare:
-        say(f"serial: a {short['num_inference_steps']}-step call, then the timed one")
-        _timed(pipe, short, args.seed)  # first-call costs
-        result["serial_s"], serial = _timed(pipe, kwargs, args.seed)
+        say(f"serial: a {short['num_inference_steps']}-step call, then the timed one (eager"
+            f"{'; on rank 0 while the other ranks wait' if group is not None else ''})")
+        serial = _serial(pipe, kwargs, short, args, rank, group)
     say(f"pipelined: a first call traces, plans and compiles the stages ({args.compiler}), "
         "then the timed one")
     parallelize(pipe, stages=args.stages, chunks=args.chunks, mode=args.mode,
@@ -168,6 +178,7 @@ def _run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     # warmup would make (and compile) a program the timed call does not use.
     by_length = args.chunks == "auto" and not args.per_call
     _timed(pipe, kwargs if by_length else short, args.seed)
+    result: dict[str, Any] = {}
     if args.profile is not None:
         result["traces"] = [_profiled(pipe, kwargs, args, rank)]
     made = len(_programs(pipe))
@@ -177,11 +188,58 @@ def _run(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     result["made_while_timed"] = len(after) - made
     result["chunks"] = sorted({len(p.plan.chunks) for p in after})
     result["memory"] = _memory(after, rank)
-    if args.compare:
-        result["difference"] = _relative(images, serial)
+    if serial is not None:
+        result["serial_s"], result["difference"] = serial[0], _relative(images, serial[1])
     if rank == 0 and args.out is not None:
         result["files"] = save(images, Path(args.out))
     return result
+
+
+@contextmanager
+def command_group(world: int, args: argparse.Namespace) -> Iterator[Any]:
+    """A gloo group of every rank for the command's own waits (None in one process), whose
+    limit is --timeout: in it the other ranks wait out rank 0's serial run, which may outlast
+    the default group's timeout (gloo's 30 minutes, NCCL's 10). Under torchrun the default
+    group starts here, before the serial run."""
+    if world == 1:
+        yield None
+        return
+    import torch.distributed as dist
+
+    from tokpipe_compiler.runtime.transport import init_process_group_from_env
+
+    init_process_group_from_env(args.device)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
+    yield group
+    # only after success: tearing down after a failure can block on a broken peer
+    dist.destroy_process_group(group)
+
+
+def _serial(pipe: Any, kwargs: dict, short: dict, args: argparse.Namespace, rank: int,
+            group: Any) -> tuple[float, list] | None:
+    """The unpipelined pipeline's time and images, on rank 0 alone (None elsewhere): ranks
+    that ran it too would share the machine with the one timed."""
+    timed = None
+    if rank == 0:
+        _timed(pipe, short, args.seed)  # first-call costs
+        timed = _timed(pipe, kwargs, args.seed)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
+    return timed
+
+
+def _gathered(result: dict[str, Any], group: Any) -> dict[str, Any]:
+    """Every rank's memory table and profile paths, in rank order, for rank 0 to print
+    (under torchrun no launcher collects the ranks' results)."""
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (result["memory"], result.get("traces", [])), group=group)
+    every = {"memory": "\n".join(memory for memory, _ in parts)}
+    traces = [path for _, paths in parts for path in paths]
+    return {**every, "traces": traces} if traces else every
 
 
 def print_on(rank: int) -> Callable[[str], None]:
@@ -292,17 +350,12 @@ def generate(args: argparse.Namespace) -> int:
 
         results = launch(run, args.ranks, args=(args,), timeout=args.timeout,
                          device=args.device)
-        traces = [path for result in results for path in result.get("traces", [])]
-        report({**results[0], "traces": traces}, args)  # every rank's trace, on one line
-        for result in results[1:]:
-            print(result["memory"])
+        report(results[0], args)  # rank 0's result holds every rank's tables and traces
         return 0
     rank = int(os.environ.get("RANK", "0"))
     result = run(rank, int(os.environ.get("WORLD_SIZE", "1")), args)
-    if rank == 0:  # under torchrun, rank 0 speaks for all but the others' traces
+    if rank == 0:  # under torchrun, rank 0 speaks for all
         report(result, args)
-    elif result.get("traces"):
-        print(f"profile (rank {rank}): {', '.join(result['traces'])}")
     return 0
 
 
@@ -323,14 +376,26 @@ def chunks_ran(counts: list[int], args: argparse.Namespace) -> str:
     return f"{ran} chunk{'s' if counts != [1] else ''} ({asked} asked{why})"
 
 
+def compare(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """The serial run's line, and where the two sides ran unlike, a note that says so."""
+    print(f"serial (eager): {result['serial_s']:.2f} s; speedup "
+          f"{result['serial_s'] / result['pipelined_s']:.2f}x; largest difference "
+          f"{result['difference']:.2e} of the largest "
+          f"{'latent value' if args.released else 'pixel'}")
+    if args.compiler != "eager":
+        print(f"note: the serial pipeline runs eager, the pipelined one compiled by "
+              f"{args.compiler}: the speedup includes the compiler's; --compiler eager "
+              "compares like with like")
+
+
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     cfg = f", guidance branches on {args.cfg} rank groups" if args.cfg > 1 else ""
     graphs = ", CUDA graphs" if args.cuda_graphs else ""
     layout = (f"{args.stages} stages x {chunks_ran(result['chunks'], args)}, {args.mode}"
               if result["chunks"] or args.cfg == 1 else "each branch whole")
     made = result["made"]
-    print(f"pipelined ({layout}{cfg}, "
-          f"{args.device}{graphs}): "
+    compiled = "eager" if args.compiler == "eager" else f"compiled by {args.compiler}"
+    print(f"pipelined ({layout}{cfg}, {compiled}, {args.device}{graphs}): "
           f"{result['pipelined_s']:.2f} s for {args.steps} steps"
           f"{f', {made} images' if args.images > 1 else ''}")
     if made < args.images:
@@ -341,10 +406,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"warning: the timed call made {result['made_while_timed']} new program(s); "
               "its time includes planning and compiling them", file=sys.stderr)
     if "serial_s" in result:
-        print(f"serial: {result['serial_s']:.2f} s; speedup "
-              f"{result['serial_s'] / result['pipelined_s']:.2f}x; largest difference "
-              f"{result['difference']:.2e} of the largest "
-              f"{'latent value' if args.released else 'pixel'}")
+        compare(result, args)
     print(result["memory"])
     if result.get("traces"):
         print(f"profile: {', '.join(result['traces'])}")

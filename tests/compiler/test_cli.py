@@ -147,41 +147,82 @@ def test_inspect_a_released_model_at_full_size_on_meta(capsys):
     assert "  4096 + 333 text  " in printed.out  # every chunk attends to the text too
 
 
-def predicted_run(capsys, argv: list[str]) -> tuple[str, list[float], int]:
-    """The host named in the --for line, its serial s, pipelined s, speedup and GiB, and
-    the plan's chunk count."""
+def predicted_run(capsys, argv: list[str]) -> tuple[str, list[float], int, str]:
+    """The host named in the --for line, its serial s, pipelined s, speedup and GiB, the
+    plan's chunk count, and the line's steps (with where they come from)."""
     import re
 
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     line = next(x for x in lines if x.startswith("predicted on"))
     chunks = int(re.search(r"x (\d+) chunk\(s\)", lines[0]).group(1))
-    found = re.fullmatch(r"predicted on 2 x h200 \(nvlink4, ([a-zA-Z ]+)\), 20 steps of the "
-                         r"transformer in bfloat16: serial ([\d.]+) s, pipelined ([\d.]+) s "
-                         r"\(([\d.]+)x\); "
+    found = re.fullmatch(r"predicted on 2 x h200 \(nvlink4, ([a-zA-Z ]+)\), (\d+ steps "
+                         r"\([^)]+\)) of the transformer in bfloat16(?:, plus [\d.]+ s of "
+                         r"text encoders and VAE decode)?: serial ([\d.]+) s, pipelined "
+                         r"([\d.]+) s \(([\d.]+)x\); "
                          r"the busiest GPU holds ([\d.]+) GiB \(weights, K/V, boundary values\)",
                          line)
     assert found, line
-    return found.group(1), [float(x) for x in found.groups()[1:]], chunks
+    return found.group(1), [float(x) for x in found.groups()[2:]], chunks, found.group(2)
+
+
+def benchmarks_row(name: str, stages: int, host: str) -> tuple[int, list[float]]:
+    """BENCHMARKS.md's H200 table row of stale `name` on `stages` GPUs with `host`: its
+    chunk count, serial s, pipelined s and speedup."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "BENCHMARKS.md").read_text()
+    found = re.search(rf"^\| {re.escape(name)} \| {stages} \| stale \| {host} \| ([^|]+) \| "
+                      r"([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|", text, re.MULTILINE)
+    chunks = found.group(1)  # "1856 + 1 x 2240", "3 x 1408 (last 1280)"
+    count = sum(int(n) for n in re.findall(r"(\d+) x", chunks)) + chunks.count("+")
+    return count, [float(x) for x in found.groups()[1:]]
 
 
 def test_plan_a_released_model_for_a_gpu(capsys):
-    """--for h200: chunks="auto" chosen at the H200's rates and the runtime's host time, and
-    the predicted run printed (two GPUs cannot more than double the transformer's speed);
-    with --cuda-graphs a chunk's host time is a replay, so smaller chunks pay."""
+    """--for h200: chunks="auto" chosen at the H200's rates and the runtime's host time for
+    a ring of the pipeline's default steps (SD3: 28), and the predicted run printed as
+    BENCHMARKS.md's table has it, text encoders and VAE decode included (it printed 20
+    steps of the transformer alone, with chunks chosen for one call: 3 where the table has
+    2); with --cuda-graphs a chunk's host time is a replay, so smaller chunks pay."""
     argv = ["inspect", "released:sd3-medium", "--stages", "2", "--chunks", "auto",
             "--dtype", "bfloat16", "--for", "h200"]
-    host, (serial, pipelined, speedup, memory), chunks = predicted_run(capsys, argv)
+    host, (serial, pipelined, speedup, memory), chunks, steps = predicted_run(capsys, argv)
     assert host == "kernels launched one by one"
-    assert 1.0 < speedup < 2.0 and serial > pipelined > 0
+    assert steps == "28 steps (the pipeline's default; --steps sets another)"
+    assert (chunks, [serial, pipelined, speedup]) == benchmarks_row("sd3-medium", 2, "launches")
     assert 2.0 < memory < 4.0  # half of 3.9 GiB of weights, the K/V of 12 blocks, buffers
-    host, graphed, graphed_chunks = predicted_run(capsys, [*argv, "--cuda-graphs"])
+    host, graphed, graphed_chunks, _ = predicted_run(capsys, [*argv, "--cuda-graphs"])
     assert host == "chunks replayed from CUDA graphs"
-    assert 1.0 < graphed[2] < 2.0 and graphed_chunks > chunks
+    assert (graphed_chunks, graphed[:3]) == benchmarks_row("sd3-medium", 2, "graphs")
+    assert graphed_chunks > chunks
     for extra, message in ((["--run", "1", "--layers", "1"], "--for plans a released model"),
                            (["--mode", "sync"], "--for predicts stale-mode")):
         assert main([*argv, *extra]) == 2
         assert message in capsys.readouterr().err
+    assert main([*argv[:-2], "--steps", "20"]) == 2
+    assert "--steps sets the steps of the run --for predicts" in capsys.readouterr().err
+
+
+def test_steps_of_a_gpu_prediction(tmp_path, capsys):
+    """--steps sets the predicted run's steps; a released-format config of no released
+    pipeline predicts 20 steps of the transformer alone."""
+    from tokpipe_compiler import released
+
+    argv = ["inspect", "released:pixart-alpha-xl-2-1024-ms", "--layers", "2", "--chunks", "4",
+            "--dtype", "bfloat16", "--for", "h200"]
+    *_, steps = predicted_run(capsys, argv)
+    assert steps == "20 steps (the pipeline's default; --steps sets another)"
+    _, ten, *_ = predicted_run(capsys, [*argv, "--steps", "10"])
+    _, forty, _, steps = predicted_run(capsys, [*argv, "--steps", "40"])
+    assert steps == "40 steps (--steps)" and forty[0] > 1.9 * ten[0]  # serial seconds
+    config = tmp_path / "my-pixart.json"
+    config.write_text(json.dumps(released.load("pixart-alpha-xl-2-1024-ms")))
+    assert main([*argv[:1], f"released:{config}", *argv[2:]]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("predicted on"))
+    assert "20 steps (no released pipeline to take a default from; --steps sets another) of " \
+           "the transformer in bfloat16: serial" in line
 
 
 def _for_line(capsys, argv: list[str]) -> tuple[str, str]:
@@ -264,3 +305,11 @@ def test_bad_released_specs_fail_clearly(argv, message, tmp_path, capsys, monkey
     monkeypatch.setattr(cli_released, "available_memory", lambda: 16 * 2**30)
     assert main(["inspect", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_released_model_in_another_dtype_is_cast_quietly(capfd):
+    """diffusers' `to(dtype)` warned that modules "should be kept in float32: []" (none)."""
+    argv = ["inspect", "released:dit-xl-2-256", "--layers", "1", "--stages", "1",
+            "--chunks", "2", "--dtype", "bfloat16"]
+    assert main(argv) == 0
+    assert "should be kept in float32" not in capfd.readouterr().err

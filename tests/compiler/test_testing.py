@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyCausalLM, TinyDiT, dit_inputs
 from tokpipe_compiler.passes.partition import ImbalanceWarning
+from tokpipe_compiler.programs import compile as compile_module
 from tokpipe_compiler.programs import pipelined
 from tokpipe_compiler.runtime import executor
 from tokpipe_compiler.runtime.chunking import Chunk
@@ -152,3 +153,25 @@ def test_options_refuse_modes_the_model_lacks():
     model, args = dit()
     with pytest.raises(ValueError, match="none of modes"):
         options(model, args, modes=["causal"])
+
+
+def test_names_the_compiler_when_no_stage_differs(monkeypatch):
+    """Compiled stages and prelude round differently from eager: no stage differs from the
+    unchunked run (compiled alike), so the diagnosis measures the compiled run against the
+    same calls run with compiler="eager" and names the compiler, not the assembling."""
+    def rounding(gm, example_inputs, compiler):  # stands in for Inductor's code
+        def run(*args):
+            return [x * (1 + 1e-6) if x.is_floating_point() else x for x in gm(*args)]
+
+        return run
+
+    monkeypatch.setattr(compile_module, "compile_stage", rounding)
+    model, args = dit()
+    with pytest.raises(NotEquivalent) as info:
+        assert_equivalent(model, args, rtol=1e-7, stages=2, chunks=4, mode="stale",
+                          compiler="inductor")
+    message = str(info.value)
+    assert info.value.where is None and info.value.check.name == "stale mode, warmup call"
+    assert "compiled with inductor, whose code rounds differently from eager" in message
+    assert "replayed with compiler='eager' differ from the inductor-compiled run" in message
+    assert "outside the stages" not in message

@@ -120,3 +120,21 @@ def test_a_released_joint_attention_pipeline_on_two_ranks_equals_serial(capsys):
     assert difference <= 1e-5, out
     assert "rank 0: peak" in out and "rank 1: peak" in out
 
+
+
+def test_rank_0s_result_speaks_for_every_rank(tmp_path):
+    """What `generate` prints under torchrun, where no launcher collects the ranks' results:
+    rank 0's holds every rank's memory table and profile path (only its own printed), and
+    rank 0 alone ran the serial pipeline while the other waited (every rank ran it, and
+    rank 0's timed run shared the machine with the others')."""
+    from tokpipe_compiler.generate import check_args, run
+    from tokpipe_compiler.runtime.launch import launch
+
+    args = _parser().parse_args(["generate", "--tiny", "dit", "--steps", "2", "--compiler",
+                                 "eager", "--compare", "--profile", str(tmp_path)])
+    check_args(args)
+    first, other = launch(run, 2, args=(args,), timeout=600)
+    assert re.fullmatch(r"rank 0: peak .*\nrank 1: peak .*", first["memory"], re.S)
+    assert first["traces"] == [str(tmp_path / f"profile_rank{r}.json") for r in range(2)]
+    assert "serial_s" in first and "difference" in first
+    assert "serial_s" not in other

@@ -79,7 +79,8 @@ def _train(model):
 
 def test_each_change_changes_the_state_and_is_named():
     for change, where in [(_assign, "1.proj"), (_buffer, "0"), (_scale, "0"),
-                          (_processor, "1"), (_processor_setting, "0"), (_module, "0.proj"), (_convert, "1"),
+                          (_processor, "1"), (_processor_setting, "0"), (_module, "0.proj"),
+                          (_convert, "1"),
                           (_hook, "0.proj"), (_train, "the root module")]:
         model = _model()
         before = module_state(model)

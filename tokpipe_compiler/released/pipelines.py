@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tokpipe_compiler.released import build, check_grid, family, load
+from tokpipe_compiler.released import build, cast, check_grid, family, load
 from tokpipe_compiler.released.families import Grid
 
 Built = tuple[Any, dict[str, Any]]  # the pipeline, the keyword arguments of a guided call
@@ -95,8 +95,7 @@ def _dit(parts: Parts) -> Built:
         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
         block_out_channels=(8, 8), latent_channels=parts.spec["inputs"]["latent_channels"],
         norm_num_groups=4).eval()
-    if parts.dtype != torch.float32:  # diffusers warns on any .to(dtype)
-        vae = vae.to(parts.dtype)
+    vae = cast(vae, parts.dtype)
     pipe = d.DiTPipeline(transformer=parts.transformer, vae=vae,
                          scheduler=d.DDIMScheduler(clip_sample=False))
     return pipe, {"class_labels": [207], "guidance_scale": 4.0}
@@ -236,7 +235,6 @@ def pipeline(name: str, layers: int | None = 1, grid: Grid | None = None, seed: 
     spec = load(name)
     grid = small_grid(name) if grid is None else check_grid(name, grid)
     transformer = build(name, layers, grid=grid, seed=seed)
-    if dtype != torch.float32:  # as built; diffusers warns on any .to(dtype)
-        transformer = transformer.to(dtype)
+    transformer = cast(transformer, dtype)
     pipe, kwargs = BUILDERS[spec["class"]](Parts(name, spec, transformer, grid, dtype, seed))
     return pipe, {**kwargs, "output_type": "latent"}

@@ -11,7 +11,9 @@ enough for its K/V to replace the other's, layer by layer: a program whose cache
 following its calls passes the first check but not this one.
 
 On a difference, NotEquivalent names the largest one and where it arose: the first
-stage and chunk whose outputs differ from the same values of an unchunked run.
+stage and chunk whose outputs differ from the same values of an unchunked run; where none
+does and the stages were compiled, how far the compiled run is from the same calls run
+with compiler="eager" (compiled code rounds differently from eager).
 
 Hypothesis strategies (`options`, `latents_like`) live in tokpipe_compiler.testing.strategies
 and are importable from tokpipe_compiler.testing too.
@@ -31,7 +33,7 @@ from tokpipe_compiler.backend import LazyProgram, TokpipeBackend
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.programs.generations import timestep_names
 from tokpipe_compiler.programs.pipelined import PipelinedProgram
-from tokpipe_compiler.testing.locate import Where, locate
+from tokpipe_compiler.testing.locate import Drift, Where, compiler_drift, locate
 
 # Also `options` and `latents_like` (see __getattr__ below).
 __all__ = ["Check", "NotEquivalent", "Report", "Where", "assert_equivalent"]
@@ -121,7 +123,8 @@ def assert_equivalent(model: torch.nn.Module, args: tuple = (), kwargs: dict | N
         report.checks.append(check)
         if not check.passes(rtol):
             where = _locate(recorder, first, call, rtol)
-            raise NotEquivalent(_message(report, check, where), check, where)
+            drift = _drift(recorder, first, call) if where is None else None
+            raise NotEquivalent(_message(report, check, where, drift), check, where)
     return report
 
 
@@ -244,12 +247,31 @@ def _locate(recorder: _Recorder, first: int, call: int, rtol: float) -> Where | 
     return None
 
 
-def _message(report: Report, check: Check, where: Where | None) -> str:
+def _drift(recorder: _Recorder, first: int, call: int) -> Drift | None:
+    """The compiled program furthest from itself run eagerly on calls first+1..call; None
+    where the stages ran eagerly."""
+    drifts = [compiler_drift(program.plan, calls[first:call])
+              for lazy, calls in recorder.graphs for program in _programs(lazy)
+              if program.plan.config.compiler != "eager"]
+    return max(drifts, key=lambda d: d.error / d.scale if d.scale else d.error, default=None)
+
+
+def _message(report: Report, check: Check, where: Where | None, drift: Drift | None) -> str:
     lines = [f"pipelined output differs from eager; options {report.options}",
              f"  {check}", f"  tolerance: {report.rtol:g} * max |eager| = "
              f"{report.rtol * check.scale:.3e}"]
-    lines.append(f"  arose at {where}" if where is not None else
-                 "  every stage's output matches the unchunked run chunk by chunk: the "
-                 "difference comes from outside the stages (assembling outputs, or the "
-                 "unpipelined parts of the model)")
+    if where is not None:
+        lines.append(f"  arose at {where}")
+    elif drift is not None and not drift.passes(report.rtol):
+        lines.append(f"  every stage's output matches the unchunked run chunk by chunk, so "
+                     f"chunking is not the cause; the stages and the per-call prelude were "
+                     f"compiled with {drift.compiler}, whose code rounds differently from "
+                     f"eager: {drift}. Pass compiler='eager' to test the chunking alone, or "
+                     f"a larger rtol to allow for the compiler's rounding")
+    else:
+        outside = ("  every stage's output matches the unchunked run chunk by chunk: the "
+                   "difference comes from outside the stages (assembling outputs, or the "
+                   "unpipelined parts of the model)")
+        lines.append(outside if drift is None else f"{outside}; {drift}, within the "
+                     f"tolerance")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.pipelined import PipelinedProgram
@@ -61,6 +62,42 @@ def locate(plan: Plan, calls: list[tuple], rtol: float) -> Where | None:
             if not error <= rtol * scale:  # also catches NaN
                 return Where(stage, chunk.index, chunk.start, chunk.stop, name, error, scale)
     return None
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How far a program compiled by `compiler` is from the same program run eagerly."""
+
+    compiler: str
+    error: float  # max |compiled - eager| over the last call's outputs
+    scale: float  # max |eager| there
+
+    def passes(self, rtol: float) -> bool:
+        return self.error <= rtol * self.scale
+
+    def __str__(self) -> str:
+        return (f"the same pipelined calls replayed with compiler='eager' differ from the "
+                f"{self.compiler}-compiled run by {self.error:.3e} (max |value| "
+                f"{self.scale:.3e})")
+
+
+def compiler_drift(plan: Plan, calls: list[tuple]) -> Drift:
+    """Replay `calls` on fresh programs of `plan`, compiled as planned and with
+    compiler="eager" (same chunks, same schedule), and compare their last outputs."""
+    eager = replace(plan, config=replace(plan.config, compiler="eager"))
+    compiled, reference = (_replay(PipelinedProgram(p), calls) for p in (plan, eager))
+    pairs = [(c.float(), e.float()) for c, e in zip(compiled, reference, strict=True)
+             if e.numel()]
+    return Drift(plan.config.compiler,
+                 max(((c - e).abs().max().item() for c, e in pairs), default=0.0),
+                 max((e.abs().max().item() for _, e in pairs), default=0.0))
+
+
+def _replay(program: PipelinedProgram, calls: list[tuple]) -> list[torch.Tensor]:
+    """The tensors of the last call's output, after replaying every call in order."""
+    for args in calls[:-1]:
+        program(*args)
+    return [x for x in tree_leaves(program(*calls[-1])) if isinstance(x, torch.Tensor)]
 
 
 def record_stage_outputs(program: PipelinedProgram, args: tuple) -> Record:
