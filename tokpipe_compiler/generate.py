@@ -19,10 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +26,13 @@ import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.generate_call import call_kwargs, check_class_label_args
+from tokpipe_compiler.generate_ranks import (
+    command_group,
+    gathered,
+    one_line_warnings,
+    print_on,
+    wait_for_each_other,
+)
 from tokpipe_compiler.released import cast as cast_model
 from tokpipe_compiler.released import load as load_released_spec
 from tokpipe_compiler.released.pipelines import pipeline, small_grid
@@ -148,7 +151,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     with one_line_warnings(rank, world), command_group(world, args) as group:
         result = _run(rank, args, group)
         if group is not None:
-            result.update(_gathered(result, group))
+            result.update(gathered(result, group))
         return result
 
 
@@ -195,26 +198,6 @@ def _run(rank: int, args: argparse.Namespace, group: Any) -> dict[str, Any]:
     return result
 
 
-@contextmanager
-def command_group(world: int, args: argparse.Namespace) -> Iterator[Any]:
-    """A gloo group of every rank for the command's own waits (None in one process), whose
-    limit is --timeout: in it the other ranks wait out rank 0's serial run, which may outlast
-    the default group's timeout (gloo's 30 minutes, NCCL's 10). Under torchrun the default
-    group starts here, before the serial run."""
-    if world == 1:
-        yield None
-        return
-    import torch.distributed as dist
-
-    from tokpipe_compiler.runtime.transport import init_process_group_from_env
-
-    init_process_group_from_env(args.device)
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
-    yield group
-    # only after success: tearing down after a failure can block on a broken peer
-    dist.destroy_process_group(group)
-
-
 def _serial(pipe: Any, kwargs: dict, short: dict, args: argparse.Namespace, rank: int,
             group: Any) -> tuple[float, list] | None:
     """The unpipelined pipeline's time and images, on rank 0 alone (None elsewhere): ranks
@@ -223,46 +206,8 @@ def _serial(pipe: Any, kwargs: dict, short: dict, args: argparse.Namespace, rank
     if rank == 0:
         _timed(pipe, short, args.seed)  # first-call costs
         timed = _timed(pipe, kwargs, args.seed)
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.barrier(group=group)
+    wait_for_each_other(group)
     return timed
-
-
-def _gathered(result: dict[str, Any], group: Any) -> dict[str, Any]:
-    """Every rank's memory table and profile paths, in rank order, for rank 0 to print
-    (under torchrun no launcher collects the ranks' results)."""
-    import torch.distributed as dist
-
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, (result["memory"], result.get("traces", [])), group=group)
-    every = {"memory": "\n".join(memory for memory, _ in parts)}
-    traces = [path for _, paths in parts for path in paths]
-    return {**every, "traces": traces} if traces else every
-
-
-def print_on(rank: int) -> Callable[[str], None]:
-    """A print to stderr on rank 0 (the others stay quiet: they run the same steps)."""
-    def say(text: str) -> None:
-        if rank == 0:
-            print(text, file=sys.stderr, flush=True)
-    return say
-
-
-@contextmanager
-def one_line_warnings(rank: int, world: int) -> Iterator[None]:
-    """Warnings as `warning (rank R): Category: message`: Python's default names a line of
-    this command's code (or, on a started rank, of multiprocessing) and repeats it, which
-    says nothing to someone running the command."""
-    where = f" (rank {rank})" if world > 1 else ""
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        print(f"warning{where}: {category.__name__}: {message}", file=sys.stderr, flush=True)
-
-    with warnings.catch_warnings():
-        warnings.showwarning = show
-        yield
 
 
 def _describe_released(args: argparse.Namespace, pipe: Any, kwargs: dict[str, Any]) -> str:

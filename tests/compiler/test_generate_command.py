@@ -163,7 +163,7 @@ def test_generate_reports_the_chunks_its_programs_ran(argv, counts, shown):
                                                        (0, 1, "warning: ")])
 def test_generate_shows_a_warning_on_one_line_with_its_rank(rank, world, prefix, capsys):
     """Not Python's default: a line of the command's own code (or multiprocessing's)."""
-    from tokpipe_compiler.generate import one_line_warnings
+    from tokpipe_compiler.generate_ranks import one_line_warnings
     from tokpipe_compiler.passes.partition import ImbalanceWarning
 
     with one_line_warnings(rank, world):
