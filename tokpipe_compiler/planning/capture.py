@@ -7,6 +7,7 @@ example inputs and placeholder names) and runs it as is.
 
 from __future__ import annotations
 
+import gc
 import logging
 import types
 import weakref
@@ -165,10 +166,22 @@ def _detach_finalizers(managers: list[Any]) -> None:
     registry = getattr(weakref.finalize, "_registry", None)
     if not managers or not isinstance(registry, dict):
         return
-    for finalizer, info in list(registry.items()):
+    for finalizer, info in _snapshot(registry).items():
         owner = getattr(getattr(info.func, "func", None), "__self__", None)
         if any(getattr(owner, "guard_manager", None) is m for m in managers):
             finalizer.detach()
+
+
+def _snapshot(registry: dict) -> dict:
+    """A copy of the finalizer registry, taken with the collector off: a collection during
+    the copy runs finalizers, which change the registry under the copy."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return registry.copy()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Traced(Exception):
