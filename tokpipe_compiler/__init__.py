@@ -7,11 +7,12 @@ from tokpipe_compiler.backend import tokpipe
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.logs import set_logs
+from tokpipe_compiler.pipelines import parallelize
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.ring import Ring
 
 __all__ = ["Config", "Plan", "Ring", "TokpipeError", "backend", "capture_graphs", "explain",
-           "pipelines", "programs", "reset", "set_logs", "simulate", "tokpipe"]
+           "parallelize", "pipelines", "programs", "reset", "set_logs", "simulate", "tokpipe"]
 __version__ = "0.1.0"
 
 

@@ -313,3 +313,19 @@ def test_a_released_model_in_another_dtype_is_cast_quietly(capfd):
             "--chunks", "2", "--dtype", "bfloat16"]
     assert main(argv) == 0
     assert "should be kept in float32" not in capfd.readouterr().err
+
+
+def test_a_released_model_keeps_its_float32_modules_as_loaded():
+    """Wan names modules to keep in float32: cast as `from_pretrained(torch_dtype=...)`
+    loads them (they stayed bfloat16 and diffusers warned, even at float32)."""
+    import torch
+
+    from tokpipe_compiler import released
+
+    model = released.build("wan2.1-t2v-1.3b", 1)
+    keep = model._keep_in_fp32_modules
+    released.cast(model, torch.bfloat16)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    kept = [n for n in dtypes if any(k in n.split(".") for k in keep)]
+    assert kept and all(dtypes[n] == torch.float32 for n in kept)
+    assert all(d == torch.bfloat16 for n, d in dtypes.items() if n not in kept)

@@ -295,3 +295,7 @@ def test_a_stale_ring_without_warmup_is_refused_at_once():
         tp.pipelines.parallelize(FAMILIES["dit"]()[0], warmup_steps=0)
     tp.pipelines.parallelize(FAMILIES["dit"]()[0], warmup_steps=0, ring=False)
     tp.pipelines.parallelize(FAMILIES["dit"]()[0], warmup_steps=0, mode="sync")
+
+
+def test_parallelize_is_at_the_top_of_the_package():
+    assert tp.parallelize is tp.pipelines.parallelize

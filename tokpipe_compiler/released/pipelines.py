@@ -231,7 +231,9 @@ def pipeline(name: str, layers: int | None = 1, grid: Grid | None = None, seed: 
     """(pipeline, call keyword arguments) of the released model `name` in its diffusers
     pipeline: `layers` blocks per depth field (None: all), latent `grid` (default
     `small_grid(name)`), random weights and embeddings from `seed`, guided, returning
-    latents. Add `num_inference_steps` and a `generator` to call it."""
+    latents. Add `num_inference_steps` and a `generator` to call it. A video's first grid
+    axis is its latent frames: Latte's transformer is built for that count (its temporal
+    positions), so ask for another by `grid=(F, H, W)`, not by the call's `video_length`."""
     spec = load(name)
     grid = small_grid(name) if grid is None else check_grid(name, grid)
     transformer = build(name, layers, grid=grid, seed=seed)
