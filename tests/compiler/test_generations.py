@@ -213,3 +213,20 @@ def test_graphs_of_the_same_shapes_alternating_each_keep_their_generation():
             assert torch.equal(got, expected)
             if step >= 1:  # past warmup: chunked, stale, not the eager answer
                 assert not torch.allclose(got, eager[step], rtol=1e-6, atol=0)
+
+
+def test_a_graph_of_the_same_shapes_left_behind_lets_its_caches_go():
+    """A graph Dynamo made again for a new Python value (here the flag; a guidance scale
+    passed as a float is another) of the same shapes: the old one's program, no longer
+    called, frees its K/V within a few calls, as one of other shapes does at once."""
+    torch.manual_seed(0)
+    model = Flagged(TinyDiT(depth=2, width=32, heads=2, grid=8).eval())
+    latents, _, labels = dit_inputs(model.model, 8)
+    compiled = torch.compile(model, backend="tokpipe", options=OPTIONS, dynamic=False)
+    _branch_steps(compiled, latents, labels, (True,))
+    (first,) = tp.programs(compiled)
+    assert first.branches
+    with torch.no_grad():
+        for t in torch.linspace(900, 100, 6):
+            compiled(latents, t.round().long()[None], labels, False)
+    assert not first.branches

@@ -49,8 +49,9 @@ class Session:
     def __init__(self) -> None:
         self.programs: weakref.WeakSet[PipelinedProgram] = weakref.WeakSet()
         # (model, role) -> the programs that serve it now, of one set of input shapes
-        # (weakly: models come and go)
-        self.holders: dict[tuple[int | None, str], list[weakref.ref]] = {}
+        # (weakly: models come and go), each with the role's call it last served
+        self.holders: dict[tuple[int | None, str], dict[weakref.ref, int]] = {}
+        self.calls: dict[tuple[int | None, str], int] = {}  # calls served per role
         self.timesteps = SharedTimesteps()  # of graphs split at graph breaks
         self.warned: set[str] = set()  # the warnings given once per compile
         self.graphs = GraphTally()  # each graph's outcome, for a split model's summary
@@ -59,23 +60,36 @@ class Session:
         for program in list(self.programs):
             program.reset()
         self.holders.clear()
+        self.calls.clear()
 
     def claim(self, program: PipelinedProgram, owner: int | None) -> None:
         """Called per call: a program of other input shapes than its role's holders (for
         the same model) takes the role over: it starts afresh, and theirs' K/V are freed (a
         process drawing at many sizes holds the caches of one). Programs of the same shapes
-        share the role, each with its caches: Dynamo made several graphs of one call (a
-        step cache's hooks trace each guidance branch apart), which alternate every step."""
+        share the role, each with its caches, while they alternate: Dynamo made several
+        graphs of one call (a step cache's hooks trace each guidance branch apart). One
+        not called in the role's last MANY_BRANCHES calls is let go (a graph Dynamo made
+        again for a new Python value would otherwise keep the old one's K/V)."""
         role = (owner, program.plan.token_input)
-        holders = [p for ref in self.holders.get(role, []) if (p := ref()) is not None]
-        if any(p is program for p in holders):
-            return
-        if holders and holders[0].shapes != program.shapes:
-            for previous in holders:
-                previous.end_generation()  # it starts afresh if it claims the role again
-            holders = []
-        program.reset()
-        self.holders[role] = [weakref.ref(p) for p in [*holders, program]]
+        calls = self.calls[role] = self.calls.get(role, 0) + 1
+        holders = {p: last for ref, last in self.holders.get(role, {}).items()
+                   if (p := ref()) is not None}
+        if program not in holders:
+            program.reset()
+            if holders and next(iter(holders)).shapes != program.shapes:
+                holders = self._let_go(holders)
+        holders[program] = calls
+        kept = {p: last for p, last in holders.items() if calls - last <= MANY_BRANCHES}
+        self._let_go({p: last for p, last in holders.items() if p not in kept})
+        self.holders[role] = {weakref.ref(p): last for p, last in kept.items()}
+
+    @staticmethod
+    def _let_go(programs: dict) -> dict:
+        """End the programs' generations (their K/V freed; each starts afresh if it claims
+        its role again); an empty holding."""
+        for previous in programs:
+            previous.end_generation()
+        return {}
 
 
 class PipelinedProgram:
