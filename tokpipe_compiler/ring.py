@@ -43,12 +43,15 @@ class Ring:
 
     carry: names of the inputs that the step's outputs become, in output order.
     group: the torch.distributed group whose ranks run the stages (default: the world).
+    follow_modules: look for changed modules before each run (a caller that follows them
+    itself and makes a new Ring on a change, as `parallelize` does, passes False).
     options: the backend's options (stages, chunks, mode, warmup_steps, compiler, timeout).
     """
 
     def __init__(self, step_fn: Callable[..., Any], carry: Sequence[str], group: Any = None,
-                 **options: Any):
+                 *, follow_modules: bool = True, **options: Any):
         self.step_fn = step_fn
+        self.follow_modules = follow_modules
         self.carry = _carry_names(carry)
         self.group = group
         self.config = Config.from_options({"token_input": self.carry[0], **options})
@@ -133,11 +136,13 @@ class Ring:
         planned for this generation's ring steps (planning once per step count), a new
         program only where the chosen chunks differ."""
         signature = _signature(values)
-        self._follow_the_modules(signature, values)
+        if self.follow_modules:
+            self._follow_the_modules(signature, values)
         if signature not in self._traces:
             self._traces[signature] = trace_step(self.step_fn, values)
-            self._modules[signature] = TracedModules(self.step_fn, self._traces[signature].gm,
-                                                     values)
+            if self.follow_modules:
+                self._modules[signature] = TracedModules(self.step_fn,
+                                                         self._traces[signature].gm, values)
         self._traced = self._traces[signature]
         steps = max(ring_steps, 1) if self.config.chunks == "auto" else None
         if (signature, steps) not in self._chosen:

@@ -146,3 +146,15 @@ def test_nothing_changed_nothing_traced_again():
     program = ring.program
     second, said = _run(ring, inputs, per_step)
     assert not said and ring.program is program and torch.equal(first, second)
+
+
+def test_a_ring_told_not_to_follow_its_modules_keeps_its_trace():
+    """`parallelize` follows the transformer itself and makes new rings on a change."""
+    step, model_of, _ = _forms()["holder"]
+    inputs, per_step = _inputs()
+    ring = tp.Ring(step, carry=["latents"], follow_modules=False, **OPTIONS)
+    _run(ring, inputs, per_step)
+    program = ring.program
+    _assign_weight(model_of())
+    _, said = _run(ring, inputs, per_step)
+    assert not said and ring.program is program

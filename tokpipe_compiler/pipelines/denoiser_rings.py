@@ -223,7 +223,9 @@ class DenoiserRings:
                              blended)
             carry = ["sample", *(f"state_{i}" for i in range(table.state_size))]
             group = None if self.branches is None else self.branches.stage_group
-            self.rings[key] = Ring(step, carry=carry, group=group, **self.options)
+            # the transformer is followed here (_follow_the_module), for every ring at once
+            self.rings[key] = Ring(step, carry=carry, group=group, follow_modules=False,
+                                   **self.options)
         return self.rings[key]
 
     def _exchange(self) -> contextlib.AbstractContextManager:

@@ -70,12 +70,7 @@ from tokpipe_compiler.pipelines.scheduler_route import (
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.step_callbacks import LEGACY, ON_STEP_END, StepCallbacks
-from tokpipe_compiler.pipelines.table import (
-    autocast_reasons,
-    cache_reasons,
-    hook_reasons,
-    per_call_reasons,
-)
+from tokpipe_compiler.pipelines.table import call_reasons
 from tokpipe_compiler.programs.generations import count_step
 
 
@@ -143,8 +138,7 @@ class RingCalls:
         generation's stand-in (`step_callbacks`) where it is a ring."""
         candidates = guidance_candidates(self.pipe, kwargs)
         denoisers = {name: rings.denoiser for name, rings in self.denoisers.items()}
-        modules = [*cache_reasons(denoisers), *hook_reasons(denoisers), *autocast_reasons()]
-        self.generation = Generation([*per_call_reasons(self.pipe, kwargs), *modules, *reasons],
+        self.generation = Generation([*call_reasons(self.pipe, kwargs, denoisers), *reasons],
                                      candidates)
         self.take_transformers()
         # the pipeline's scheduler may have been replaced since the last call

@@ -57,6 +57,13 @@ WHY = {
 }
 
 
+def call_reasons(pipe: Any, kwargs: dict[str, Any], denoisers: dict[str, Any]) -> list[str]:
+    """Why this call of `pipe`, with these transformers as they are now, runs per call:
+    the pipeline and its options, the transformers' caches and hooks, autocast."""
+    return [*per_call_reasons(pipe, kwargs), *cache_reasons(denoisers),
+            *hook_reasons(denoisers), *autocast_reasons()]
+
+
 def per_call_reasons(pipe: Any, kwargs: dict[str, Any]) -> list[str]:
     """Why this call of `pipe` cannot run as a ring (empty: it can)."""
     name = type(pipe).__name__

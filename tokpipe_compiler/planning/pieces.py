@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,7 @@ def origin(gm: torch.fx.GraphModule) -> Origin:
     if code is None:
         return Origin(bool(broke), "", broke)
     where = f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
-    piece = bool(broke) or code.co_name.startswith(_RESUME) or _called_from_user_code()
+    piece = bool(broke) or code.co_name.startswith(_RESUME) or _called_from_user_code(code)
     return Origin(piece, where, broke)
 
 
@@ -146,7 +147,7 @@ def _traced_code():
         return None
 
 
-def _called_from_user_code() -> bool:
+def _called_from_user_code(traced: types.CodeType) -> bool:
     """Whether the frame Dynamo traces was called by code outside torch within the compiled
     call: by a frame Dynamo ran outside its graphs, so not the frame torch.compile was
     called with (that one is entered from torch's module call, or directly)."""
@@ -158,7 +159,7 @@ def _called_from_user_code() -> bool:
     converting = [i for i, f in enumerate(frames) if _in_dynamo(f, "convert_frame.py")]
     if not converting or converting[-1] + 1 >= len(frames):
         return False
-    if _a_hook_of(frames[converting[-1] + 1]):
+    if _a_hook_of(frames[converting[-1] + 1], traced):
         return True
     for caller in frames[converting[-1] + 1:]:
         if _in_dynamo(caller, "eval_frame.py"):
@@ -168,7 +169,7 @@ def _called_from_user_code() -> bool:
     return False
 
 
-def _a_hook_of(caller) -> bool:
+def _a_hook_of(caller: types.FrameType, traced: types.CodeType) -> bool:
     """Whether the frame Dynamo traces is a forward hook or pre-hook run by torch's module
     call `caller` (`Module._call_impl`, or the `inner` it runs hooks in): not the forward,
     so a graph of its own beside the forward's (run as traced unless it holds attention)."""
@@ -177,8 +178,7 @@ def _a_hook_of(caller) -> bool:
         return False
     module = caller.f_locals.get("self")
     forward = getattr(getattr(module, "forward", None), "__code__", None)
-    traced = _traced_code()
-    return traced is not None and forward is not None and traced is not forward
+    return forward is not None and traced is not forward
 
 
 def _in_dynamo(frame, filename: str) -> bool:
