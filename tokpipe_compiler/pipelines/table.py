@@ -60,8 +60,9 @@ WHY = {
 def call_reasons(pipe: Any, kwargs: dict[str, Any], denoisers: dict[str, Any]) -> list[str]:
     """Why this call of `pipe`, with these transformers as they are now, runs per call:
     the pipeline and its options, the transformers' caches and hooks, autocast."""
-    return [*per_call_reasons(pipe, kwargs), *cache_reasons(denoisers),
-            *hook_reasons(denoisers), *autocast_reasons()]
+    hooks = {name: module_hooks(module) for name, module in denoisers.items()}
+    return [*per_call_reasons(pipe, kwargs), *cache_reasons(denoisers, hooks),
+            *hook_reasons(denoisers, hooks), *autocast_reasons()]
 
 
 def per_call_reasons(pipe: Any, kwargs: dict[str, Any]) -> list[str]:
@@ -106,18 +107,18 @@ def autocast_reasons() -> list[str]:
             "for every later call"]
 
 
-def cache_reasons(denoisers: dict[str, Any]) -> list[str]:
+def cache_reasons(denoisers: dict[str, Any], hooks: dict[str, list[str]]) -> list[str]:
     """Why a transformer with one of diffusers' step caches on (`enable_cache`, or its hooks
     applied directly: `apply_first_block_cache`, ...) runs per call: the cache decides each
     step, from whole tensors of earlier steps, which blocks to skip; the ring computes
-    every step from the first step's form."""
+    every step from the first step's form. `hooks`: each transformer's `module_hooks`."""
     reasons = []
     for name, module in denoisers.items():
         config = getattr(module, "_cache_config", None)
-        hooks = [h for h in module_hooks(module) if is_step_cache(h)]
-        if getattr(module, "is_cache_enabled", False) or hooks:
+        caches = [h for h in hooks[name] if is_step_cache(h)]
+        if getattr(module, "is_cache_enabled", False) or caches:
             cache = (type(config).__name__ if config is not None
-                     else f"step cache ({', '.join(hooks)})")
+                     else f"step cache ({', '.join(caches)})")
             reasons.append(f"{name} has diffusers' {cache} on, which decides each step from "
                            "earlier steps' whole tensors which blocks to skip")
     return reasons
@@ -129,7 +130,7 @@ def is_step_cache(hook: str) -> bool:
         word in hook for word in ("cache", "fbc_", "pyramid_attention_broadcast"))
 
 
-def hook_reasons(denoisers: dict[str, Any]) -> list[str]:
+def hook_reasons(denoisers: dict[str, Any], hooks: dict[str, list[str]]) -> list[str]:
     """Why a transformer with hooks at its modules' calls runs per call: diffusers'
     layerwise casting and group offloading, accelerate's offloading (enable_model_cpu_offload,
     a device_map) cast or move the weights as each module runs, which a ring's step, traced
@@ -142,9 +143,9 @@ def hook_reasons(denoisers: dict[str, Any]) -> list[str]:
         if own:
             reasons.append(f"{name} has {own} of its own, which run around its call, and a "
                            "ring's step calls its forward")
-        hooks = [h for h in module_hooks(module) if not is_step_cache(h)]
-        if hooks:
-            reasons.append(f"{name} runs hooks as its modules run ({', '.join(hooks)}), "
+        others = [h for h in hooks[name] if not is_step_cache(h)]
+        if others:
+            reasons.append(f"{name} runs hooks as its modules run ({', '.join(others)}), "
                            "which cast or move its weights at every call: per call, Dynamo "
                            "traces them, and breaks its graphs where they cannot be traced")
     return reasons

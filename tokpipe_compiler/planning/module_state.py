@@ -3,9 +3,10 @@ weights, its module tree, and its modules' plain attributes.
 
 A ring traces the transformer once and keeps the graph: its weights are the very tensors
 the module held then, specialized to their dtypes and shapes. Values written in place
-(`load_state_dict`, `fuse_lora`) reach the graph; other changes do not: a conversion
-(`.to(dtype)` keeps the tensors, in another dtype), a parameter assigned anew, a LoRA
-adapter added or removed, an attention processor swapped, an adapter's scale set. Dynamo
+(`load_state_dict`) reach the graph; other changes do not: a conversion (`.to(dtype)`
+keeps the tensors, in another dtype), a parameter assigned anew, a LoRA adapter added,
+removed or fused, an attention processor swapped or its settings changed, an adapter's
+scale set. Dynamo
 guards on these for a compiled call; the ring compares the transformer's `ModuleState`
 before each generation and traces anew when it changed.
 """
