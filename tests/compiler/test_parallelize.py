@@ -16,6 +16,7 @@ import torch
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED
+from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import SMALL_RING, generate, parallelized, pixart_alpha, sd3
 from tests.fixtures.tracing import rel_error
 from tokpipe_compiler.pipelines.step_callbacks import StepCallbacks
@@ -27,8 +28,8 @@ OPTIONS = SMALL_RING
 # One of each kind of step, and the pipelines the ring table took last.
 CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "hunyuan_video",
                "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video", "qwenimage",
-               "wan22", "wan22_5b", "flux_inpaint", "wan_first_last_frame")
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
+               "wan22", "wan22_5b", "flux_inpaint", "wan_first_last_frame", "pixart_sigma_pag")
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED}
 
 
 def _families():
@@ -284,6 +285,9 @@ def test_cfg_parallel_checks_its_degrees():
     pipe, kwargs = FAMILIES["flux"](true_cfg=False)
     tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
     with pytest.raises(tp.TokpipeError, match="no classifier-free guidance"):
+        generate(pipe, kwargs, steps=2)
+    pipe, kwargs = parallelized(PERTURBED["pixart_sigma_pag"], cfg=2, stages=1)
+    with pytest.raises(tp.TokpipeError, match="perturbed-attention guidance, whose attention"):
         generate(pipe, kwargs, steps=2)
 
 

@@ -18,6 +18,7 @@ import pytest
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED, flux_controlnet, wan22_5b_image2video
+from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import generate, hunyuan, parallelized, pixart_alpha, sd3
 from tests.fixtures.tracing import rel_error
 from tokpipe_compiler.pipelines import table
@@ -34,6 +35,18 @@ def test_a_scheduler_without_a_token_wise_step_runs_per_call_and_says_why():
     with pytest.warns(UserWarning, match=r"runs per call .*DDPMScheduler"):
         out = generate(pipe, kwargs, steps=3)
     assert rel_error(out, serial) <= 1e-5
+
+
+def test_adaptive_perturbed_attention_guidance_runs_per_call_and_says_why():
+    """Its scale falls with the timestep, step after step: per call, as serial."""
+    make = PERTURBED["sd3_pag"]
+    serial, kwargs = make()
+    kwargs = {**kwargs, "pag_adaptive_scale": 0.002}
+    expected = generate(serial, kwargs, steps=3)
+    pipe, _ = parallelized(make, mode="sync")
+    with pytest.warns(UserWarning, match=r"runs per call .*pag_adaptive_scale=0.002: adaptive"):
+        out = generate(pipe, kwargs, steps=3)
+    assert rel_error(out, expected) <= 1e-5
 
 
 def test_a_transformer_with_a_diffusers_cache_runs_per_call_and_says_why():

@@ -18,6 +18,7 @@ import tokpipe_compiler as tp
 from tests.fixtures import pipelines
 from tests.fixtures.changes import CHANGES, add_lora, damp_processors
 from tests.fixtures.conditioned import CONDITIONED
+from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import generate
 
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
@@ -64,15 +65,16 @@ def test_a_changed_transformer_is_traced_anew(family, change, before):
 
 
 # Those whose pipelines create diffusers' (empty) hook registry on the transformer at the
-# end of the first call (the rest: in the exhaustive set).
-QUICK = ("chroma", "flux_fill", "latte", "wan")
+# end of the first call, and a PAG pipeline (the rest: in the exhaustive set).
+QUICK = ("chroma", "flux_fill", "latte", "wan", "sd3_pag")
 
 
 @pytest.mark.parametrize("family", [
     name if name in QUICK else pytest.param(name, marks=pytest.mark.full)
-    for name in {**pipelines.FAMILIES, **CONDITIONED}])
+    for name in {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED}])
 def test_nothing_is_traced_again_when_nothing_changed(family):
-    pipe, kwargs = {**pipelines.FAMILIES, **CONDITIONED}[family]()
+    """PAG pipelines swap their attention processors at every call, for new ones alike."""
+    pipe, kwargs = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED}[family]()
     tp.pipelines.parallelize(pipe, **{**OPTIONS, "mode": "stale"})
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=f".*{TRACED_ANEW}")

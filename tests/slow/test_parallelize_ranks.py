@@ -10,6 +10,7 @@ import torch
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED
+from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import generate, in_dtype
 from tests.fixtures.ranks import launch_cases, selected
 from tokpipe_compiler.runtime.launch import launch
@@ -17,7 +18,7 @@ from tokpipe_compiler.runtime.launch import launch
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 pytest.importorskip("transformers")
 
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED}
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -44,6 +45,7 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
     "wan22",  # two experts: a ring each, the second from the first one's latents and state
     "wan22_5b",  # the timestep passed for every token, cut per chunk like the latent
     "flux_inpaint",  # the latents blended with the noised image after every step
+    "sd3_pag",  # perturbed-attention guidance: three parts of the batch, one perturbed
     pytest.param("wan_video2video", marks=pytest.mark.full),  # starts inside the schedule
 ])
 def test_two_ranks_equal_one_process(family, two_rank_runs):

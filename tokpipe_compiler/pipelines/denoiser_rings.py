@@ -24,7 +24,7 @@ from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.pipelines import cfg_parallel
-from tokpipe_compiler.pipelines.glue import Glue, model_timesteps
+from tokpipe_compiler.pipelines.glue import PERTURBED, Glue, model_timesteps
 from tokpipe_compiler.pipelines.probes import (
     RingUnavailable,
     fake_run_error,
@@ -104,6 +104,10 @@ class DenoiserRings:
         if self.cfg == 2 and glue.combine == "none":
             raise TokpipeError("cfg=2: this call runs no classifier-free guidance (one "
                                "branch); use cfg=1")
+        if self.cfg == 2 and glue.combine in PERTURBED:
+            raise TokpipeError("cfg=2: this call runs perturbed-attention guidance, whose "
+                               "attention processors split the guidance batch inside the "
+                               "transformer, so its branches cannot run apart; use cfg=1")
         if self.cfg == 2 and self.config.stages == 1:
             return self._branches_in_turn(table, start, fixed)
         batch = sample.shape[0] * glue.copies

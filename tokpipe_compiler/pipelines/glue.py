@@ -1,12 +1,14 @@
 """What a pipeline does around its transformer in one denoising step, found by probing.
 
 Every covered diffusers pipeline wraps the transformer call in the same few token-wise
-forms: the latent passed once or twice (the guidance batch), maybe cast to the
+forms: the latent passed once, twice or three times (the guidance batch), maybe cast to the
 transformer's dtype, the timestep `t` or `t / 1000` broadcast over the batch,
 classifier-free guidance `uncond + g * (cond - uncond)` over the two halves of the batch
-(or over two calls), maybe rescaled to the conditional prediction's norm per token, in
-the prediction's dtype or upcast first, and the learned-variance channels dropped; the
-latent may be joined with a fixed condition (an image's latents) after it.
+(or over two calls), perturbed-attention guidance (PAG: a third part of the batch whose
+attention the transformer perturbs, `+ s * (cond - perturbed)`), maybe rescaled to the
+conditional prediction's norm per token, in the prediction's dtype or upcast first, and
+the learned-variance channels dropped; the latent may be joined with a fixed condition (an
+image's latents) after it.
 At the first step of a generation the transformer answers with random probes instead of
 computing; what reaches `scheduler.step` then says which form the pipeline used, and with
 which guidance scale. Nothing about a family is written here: its own loop is observed.
@@ -18,6 +20,7 @@ ring's step function, and `guide` also checks every later step against it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +34,11 @@ from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
 DIVISORS = (1.0, 1000.0)  # pipelines pass t, or t / 1000 (flow-matching transformers)
 # How the timestep passed is made from the scheduler's t: (divisor, divide_first), see Glue.
 TimestepForm = tuple[float, bool]
-COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both", "cond_first_rescaled")
+COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both", "cond_first_rescaled",
+            "perturbed", "uncond_first_perturbed")
+# diffusers' PAG pipelines: (cond, perturbed) with scale s, or (uncond, cond, perturbed) with
+# scales (g, s); their attention processors split the batch inside the transformer call.
+PERTURBED = ("perturbed", "uncond_first_perturbed")
 # The names the condition joined to the latent (see Glue) takes among the step's fixed inputs,
 # and the mask of the latent's own positions where the ring carries the condition's.
 CONDITION = "_tokpipe_condition"
@@ -48,7 +55,8 @@ class Glue:
     """One denoising step of a pipeline, as seen from the transformer.
 
     latent_arg / timestep_arg: the transformer parameters that take the latent and timestep.
-    copies: the latent passed once, or twice (the guidance batch; two calls are batched).
+    copies: the latent passed once, or twice (the guidance batch; two calls are batched),
+        or three times (classifier-free and perturbed-attention guidance together).
     latent_dtype: the dtype the latent is passed in (Sana, Wan, LTX keep float32 latents
         and cast them to the transformer's dtype).
     timestep_forms: the (divisor, divide_first) forms that agree with every timestep passed
@@ -59,11 +67,13 @@ class Glue:
     combine: the guidance form (see COMBINES); cond_first_both is DiT's, which keeps the
         doubled latent and writes the guided prediction to both halves; cond_first_rescaled
         is QwenImage's, which rescales the guided prediction to the conditional one's norm
-        over the last axis (channels, per token).
+        over the last axis (channels, per token); perturbed and uncond_first_perturbed are
+        the PAG pipelines' (see PERTURBED).
     guidance_dtype / prediction_dtype: the dtype guidance is computed in (CogVideoX and
         Sana upcast the prediction to float32 first), and the one the scheduler gets.
     channels: output channels the scheduler gets (the learned variance dropped), or None.
-    guidance: the guidance scale g.
+    guidance: the guidance scale g; PAG's scale s for perturbed, the pair (g, s) for
+        uncond_first_perturbed.
     calls: transformer calls per step in the pipeline (2: one per guidance branch).
     condition_dim / condition_size: where the latent is passed joined with a fixed
         condition (an image's latents), the axis they are joined along, latent first, and
@@ -87,7 +97,7 @@ class Glue:
     guidance_dtype: torch.dtype
     prediction_dtype: torch.dtype
     channels: int | None
-    guidance: float
+    guidance: float | tuple[float, float]
     calls: int
     condition_dim: int | None = None
     condition_size: int = 0
@@ -157,7 +167,7 @@ def carried_input(glue: Glue, carried: torch.Tensor, scale: torch.Tensor,
 
 
 def _copied(glue: Glue, x: torch.Tensor) -> torch.Tensor:
-    """`x` once, or twice along the batch (the guidance batch)."""
+    """`x` once, or `glue.copies` times along the batch (the guidance batch)."""
     return torch.cat([x] * glue.copies) if glue.copies > 1 else x
 
 
@@ -212,6 +222,8 @@ def first_tensor(output: Any, leaf: type = torch.Tensor) -> Any:
 def _combine(combine: str, out: torch.Tensor, g: Any, calls: int) -> torch.Tensor:
     if combine == "none":
         return out
+    if combine in PERTURBED:
+        return _perturbed(combine, out, g)
     first, second = out.chunk(2)
     if combine == "uncond_first":
         return first + _times(g, second - first)
@@ -220,6 +232,16 @@ def _combine(combine: str, out: torch.Tensor, g: Any, calls: int) -> torch.Tenso
         return guided * (torch.norm(first, dim=-1, keepdim=True) /
                          torch.norm(guided, dim=-1, keepdim=True))
     return torch.cat([guided, guided]) if combine == "cond_first_both" else guided
+
+
+def _perturbed(combine: str, out: torch.Tensor, g: Any) -> torch.Tensor:
+    """diffusers' PAG guidance, in its order of operations: `cond + s * (cond - perturbed)`,
+    or `uncond + g * (cond - uncond) + s * (cond - perturbed)` with g = (g, s)."""
+    if combine == "perturbed":
+        cond, perturbed = out.chunk(2)
+        return cond + _times(g, cond - perturbed)
+    uncond, cond, perturbed = out.chunk(3)
+    return uncond + _times(g[0], cond - uncond) + _times(g[1], cond - perturbed)
 
 
 def _times(g: Any, x: torch.Tensor) -> torch.Tensor:
@@ -233,12 +255,12 @@ def _times(g: Any, x: torch.Tensor) -> torch.Tensor:
 
 def _latent(arguments: dict[str, Any], scaled: torch.Tensor,
             step_arg: str) -> tuple[str, int, tuple[int | None, int]]:
-    """The argument that carries the sample, whether it is passed once or twice, and where
+    """The argument that carries the sample, how many times it is passed, and where
     it is joined with a condition (axis and extent, see Glue)."""
     for name, value in arguments.items():
         if name == step_arg or not isinstance(value, torch.Tensor):
             continue
-        for copies in (1, 2):
+        for copies in (1, 2, 3):
             expected = torch.cat([scaled] * copies) if copies > 1 else scaled
             joined = _joined(value, expected)
             if joined is not None:
@@ -295,49 +317,87 @@ def _check_branch_calls(calls: Sequence[dict[str, Any]], latent_arg: str, step_a
 
 
 def _guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
-              candidates: Sequence[float]) -> tuple[str, torch.dtype, int | None, float]:
-    """The guidance form, the dtype it is computed in, the channels kept and the scale."""
+              candidates: Sequence[float]) -> tuple[str, torch.dtype, int | None, Any]:
+    """The guidance form, the dtype it is computed in, the channels kept and the scale.
+    The call's own numbers are tried in every form before fitted ones, and the form that
+    gives the pipeline's numbers most closely wins: one batch fits several forms (a batch
+    of two is classifier-free guidance at g, or PAG at s = g - 1 with the rows read the
+    other way), which differ only in rounding."""
     channels = None
     if probe.dim() > 1 and noise_pred.dim() > 1 and probe.shape[1] != noise_pred.shape[1]:
         channels = noise_pred.shape[1]
         probe = probe[:, :channels]
     forms = ("cond_first", "cond_first_rescaled") if calls == 2 else COMBINES
-    for combine in forms:
-        for dtype in dict.fromkeys((probe.dtype, noise_pred.dtype)):
-            cast = probe.to(dtype)
-            for g in _scales(combine, cast, noise_pred, calls, candidates):
-                guided = _combine(combine, cast, g, calls)
-                if guided.shape == noise_pred.shape and \
-                        _close(guided.to(noise_pred.dtype), noise_pred):
-                    return combine, dtype, channels, g
+    for own in (True, False):
+        best: tuple[float, Any] | None = None
+        for combine in forms:
+            for dtype in dict.fromkeys((probe.dtype, noise_pred.dtype)):
+                cast = probe.to(dtype)
+                for g in _scales(combine, cast, noise_pred, candidates, own):
+                    guided = _combine(combine, cast, g, calls)
+                    if guided.shape != noise_pred.shape:
+                        continue
+                    error = _error(guided.to(noise_pred.dtype), noise_pred)
+                    if error <= EXACT and (best is None or error < best[0]):
+                        best = error, (combine, dtype, channels, g)
+                    if error == 0:
+                        return best[1]
+        if best is not None:
+            return best[1]
     tried = ", ".join(f"{c:g}" for c in candidates)
     raise GlueNotFound("the prediction the pipeline passes to scheduler.step is neither the "
-                       "transformer's output nor classifier-free guidance over it at a scale "
-                       f"the call passed or defaults to ({tried}) or one fitted to it (a "
-                       "guidance rescaled by statistics over all tokens cannot be chunked)")
+                       "transformer's output nor classifier-free or perturbed-attention "
+                       f"guidance over it at scales the call passed or defaults to ({tried}) "
+                       "or fitted to it (a guidance rescaled by statistics over all tokens "
+                       "cannot be chunked)")
 
 
-def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
-            candidates: Sequence[float]) -> list[float]:
-    """Guidance scales to try: the pipeline's own values first, then the least-squares one."""
+def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor,
+            candidates: Sequence[float], own: bool) -> list[Any]:
+    """Guidance scales to try: the call's own values (own), or the least-squares fit."""
     if combine == "none":
-        return [1.0]
+        return [1.0] if own else []
     if combine == "cond_first_rescaled":  # not linear in g: the pipeline's own values only
-        return [float(c) for c in candidates]
-    first, second = probe.chunk(2)
-    base, other = (first, second) if combine == "uncond_first" else (second, first)
+        return [float(c) for c in candidates] if own else []
+    parts = 3 if combine == "uncond_first_perturbed" else 2
     if combine == "cond_first_both" and noise_pred.shape[0] == probe.shape[0]:
         target = noise_pred.chunk(2)[0]
-    elif noise_pred.shape[0] * 2 == probe.shape[0]:
+    elif noise_pred.shape[0] * parts == probe.shape[0]:
         target = noise_pred
     else:
         return []
-    diff = (other - base).double()
-    fitted = float(((target.double() - base.double()) * diff).sum() / (diff * diff).sum())
-    near = [float(c) for c in candidates if abs(float(c) - fitted) <= 1e-3 * max(1, abs(fitted))]
-    return [*near, fitted]
+    base, directions = _directions(combine, probe.double().chunk(parts))
+    fitted = _least_squares(target.double() - base, directions)
+    if not own:
+        return [fitted[0] if len(fitted) == 1 else tuple(fitted)]
+    near = [[float(c) for c in candidates if abs(float(c) - f) <= 1e-3 * max(1, abs(f))]
+            for f in fitted]
+    return near[0] if len(near) == 1 else list(itertools.product(*near))
+
+
+def _directions(combine: str, parts: Sequence[torch.Tensor]
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The guided prediction's base and the directions its scales multiply."""
+    if combine == "uncond_first":
+        return parts[0], [parts[1] - parts[0]]
+    if combine == "perturbed":
+        return parts[0], [parts[0] - parts[1]]
+    if combine == "uncond_first_perturbed":
+        return parts[0], [parts[1] - parts[0], parts[1] - parts[2]]
+    return parts[1], [parts[0] - parts[1]]  # cond first
+
+
+def _least_squares(target: torch.Tensor, directions: list[torch.Tensor]) -> list[float]:
+    """The scales that best make `target` from `directions` (0 where they do not fix it)."""
+    matrix = torch.stack([d.flatten() for d in directions], 1)
+    solution = torch.linalg.lstsq(matrix, target.flatten()[:, None]).solution
+    return [float(x) for x in solution.flatten()]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    scale = max(b.abs().max().item(), 1e-30)
-    return (a - b).abs().max().item() <= EXACT * scale
+    return _error(a, b) <= EXACT
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |b|."""
+    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)

@@ -47,6 +47,12 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "QwenImageEditPipeline": {},
     "QwenImageImg2ImgPipeline": {},
     "QwenImageInpaintPipeline": {},
+    # perturbed-attention guidance: the same steps with a third, perturbed part of the batch
+    "PixArtSigmaPAGPipeline": {"pag_adaptive_scale": 0.0},
+    "StableDiffusion3PAGPipeline": {"pag_adaptive_scale": 0.0},
+    "StableDiffusion3PAGImg2ImgPipeline": {"pag_adaptive_scale": 0.0},
+    "HunyuanDiTPAGPipeline": {"guidance_rescale": 0.0, "pag_adaptive_scale": 0.0},
+    "SanaPAGPipeline": {"pag_adaptive_scale": 0.0},
 }
 
 WHY = {
@@ -54,6 +60,8 @@ WHY = {
                             "steps only",
     "guidance_rescale": "guidance rescaling takes statistics over all tokens",
     "use_dynamic_cfg": "dynamic guidance changes the guidance scale every step",
+    "pag_adaptive_scale": "adaptive perturbed-attention guidance changes its scale every "
+                          "step",
 }
 
 

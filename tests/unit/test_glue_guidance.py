@@ -1,0 +1,75 @@
+"""Identifying the guidance a pipeline applies to the transformer's output (glue.identify):
+classifier-free guidance and diffusers' perturbed-attention guidance (PAG), at the call's
+own scales, replayed in the pipeline's own arithmetic (bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokpipe_compiler.pipelines.glue import GlueNotFound, guide, identify
+
+T = torch.tensor(800.0)
+CANDIDATES = [20.0, 4.5, 3.0, 2.5, 4.0, 1.0]  # numbers a call passes or defaults to
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _identify(copies: int, probe: torch.Tensor, noise_pred: torch.Tensor,
+              candidates: list[float] = CANDIDATES):
+    sample = _randn(1, 4, 6, seed=0)
+    call = {"hidden_states": torch.cat([sample] * copies), "timestep": T.expand(copies)}
+    return identify([call], [probe], noise_pred, sample, T, 1.0, candidates)
+
+
+def test_pag_with_classifier_free_guidance():
+    """uncond + g * (cond - uncond) + s * (cond - perturbed), as diffusers writes it."""
+    probe = _randn(3, 4, 6, seed=1)
+    uncond, cond, perturbed = probe.chunk(3)
+    noise_pred = uncond + 4.5 * (cond - uncond) + 2.5 * (cond - perturbed)
+    glue = _identify(3, probe, noise_pred)
+    assert (glue.combine, glue.copies, glue.guidance) == ("uncond_first_perturbed", 3, (4.5, 2.5))
+    assert torch.equal(guide(glue, probe, glue.guidance), noise_pred)
+    # the ring passes the scales as a tensor: the same numbers
+    assert torch.equal(guide(glue, probe, torch.tensor(glue.guidance)), noise_pred)
+
+
+def test_pag_alone_is_read_as_pag_at_its_own_scale():
+    """cond + s * (cond - perturbed) is also classifier-free guidance at -s, or at s + 1
+    with the rows read the other way; the call's own s names the form, bit for bit."""
+    probe = _randn(2, 4, 6, seed=1)
+    cond, perturbed = probe.chunk(2)
+    noise_pred = cond + 2.5 * (cond - perturbed)
+    glue = _identify(2, probe, noise_pred, [*CANDIDATES, 3.5])  # 3.5 = s + 1 is on offer
+    assert (glue.combine, glue.guidance) == ("perturbed", 2.5)
+    assert torch.equal(guide(glue, probe, glue.guidance), noise_pred)
+
+
+@pytest.mark.parametrize("cond_first", [False, True])
+def test_classifier_free_guidance_stays_itself_where_pag_also_fits(cond_first):
+    """A guidance of 4 over (cond, uncond) is PAG at 3 over the same rows, and 3 is on
+    offer: the pipeline's own form is the one that gives its numbers exactly."""
+    probe = _randn(2, 4, 6, seed=1)
+    first, second = probe.chunk(2)
+    noise_pred = second + 4.0 * (first - second) if cond_first else first + 4.0 * (second - first)
+    glue = _identify(2, probe, noise_pred)
+    assert glue.combine == ("cond_first" if cond_first else "uncond_first")
+    assert glue.guidance == 4.0
+
+
+def test_scales_not_on_offer_are_fitted():
+    probe = _randn(3, 4, 6, seed=1)
+    uncond, cond, perturbed = probe.chunk(3)
+    noise_pred = uncond + 6.25 * (cond - uncond) + 1.75 * (cond - perturbed)
+    glue = _identify(3, probe, noise_pred, [])
+    assert glue.combine == "uncond_first_perturbed"
+    assert glue.guidance == pytest.approx((6.25, 1.75), rel=1e-6)
+
+
+def test_an_unknown_combination_of_three_parts_is_refused():
+    probe = _randn(3, 4, 6, seed=1)
+    uncond, cond, perturbed = probe.chunk(3)
+    with pytest.raises(GlueNotFound, match="perturbed-attention guidance"):
+        _identify(3, probe, uncond * cond + perturbed)
