@@ -3,6 +3,7 @@ broken one. The hypothesis test is the pattern the README shows for users' own m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -67,6 +68,29 @@ def test_catches_caches_that_stop_following_the_calls(monkeypatch):
     with pytest.raises(NotEquivalent) as info:
         assert_equivalent(model, args, stages=2, chunks=4, mode="stale")
     assert info.value.check.name == "stale mode, given input after another's K/V"
+
+
+@dataclasses.dataclass
+class Prediction:  # a plain dataclass, which torch's pytree does not flatten
+    sample: torch.Tensor
+    note: str = "x"
+
+
+class DataclassOutput(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        return Prediction(self.model(*args))
+
+
+def test_compares_a_plain_dataclass_output():
+    model, args = dit()
+    report = assert_equivalent(DataclassOutput(model), args, stages=2, chunks=2, mode="sync")
+    assert report.checks and report.max_relative_error <= 1e-5
+    with torch.no_grad():  # the sample inside it is what was compared
+        assert report.checks[0].scale == model(*args).abs().max().item()
 
 
 def test_passes_on_causal():

@@ -21,6 +21,7 @@ and are importable from tokpipe_compiler.testing too.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -214,9 +215,20 @@ def _programs(lazy: LazyProgram) -> list[PipelinedProgram]:
     return list(lazy.pipelined)
 
 
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors in a model's output, in order: torch's pytree leaves, and the fields of
+    the dataclasses it does not know (a plain `@dataclass` output, not registered)."""
+    found: list[torch.Tensor] = []
+    for leaf in tree_leaves(output):
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found += output_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+        elif isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+    return found
+
+
 def _compare(name: str, call: int, expected: Any, actual: Any) -> Check:
-    pairs = [(e, a) for e, a in zip(tree_leaves(expected), tree_leaves(actual), strict=True)
-             if isinstance(e, torch.Tensor)]
+    pairs = list(zip(output_tensors(expected), output_tensors(actual), strict=True))
     worst: Check | None = None
     for i, (e, a) in enumerate(pairs):
         diff = (a.float() - e.float()).abs()
