@@ -144,7 +144,7 @@ def test_inspect_a_released_model_at_full_size_on_meta(capsys):
     assert "4096 tokens" in printed.out and "transformer_blocks.12-23" in printed.out
     # 2.03B parameters in bfloat16, and the positional table (a buffer)
     assert "weights (parameters and buffers) 3.9 GiB" in printed.out
-    assert "  4096 + 333 text  " in printed.out  # every chunk attends to the text too
+    assert "  4096 + 333 unchunked  " in printed.out  # every chunk attends to the text too
 
 
 def predicted_run(capsys, argv: list[str]) -> tuple[str, list[float], int, str]:

@@ -54,15 +54,18 @@ def _stage_table(plan: Plan) -> list[str]:
 def _chunk_table(plan: Plan) -> list[str]:
     rows = [("chunk", "grid rows", "tokens", "context", "FLOP (all stages)")]
     per_unit = plan.tokens // plan.units
-    text = f" + {plan.text_tokens} text" if plan.text_tokens else ""
+    # joint attention's text, or tokens joined before or after the chunked ones (a class
+    # token, registers): every chunk attends to them whole
+    text = f" + {plan.text_tokens} unchunked" if plan.text_tokens else ""
     for c in plan.chunks:
         flops = sum(plan.stage_flops(s.index, c) for s in plan.stages)
         rows.append((str(c.index), f"[{c.start}, {c.stop})",
                      f"[{c.start * per_unit}, {c.stop * per_unit})",
                      f"{plan.context_tokens(c)}{text}", human_count(flops)))
     if not all(c.segments for c in plan.chunks):
-        return [*_table(rows), "text segments (joint attention): computed by each step's "
-                "first chunk; the later ones attend to their cached K/V"]
+        return [*_table(rows), "unchunked tokens (joint attention's text, class or register "
+                "tokens): computed by each step's first chunk; the later ones attend to their "
+                "cached K/V"]
     return _table(rows)
 
 

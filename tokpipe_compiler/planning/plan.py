@@ -89,8 +89,9 @@ class Plan:
 
     @property
     def text_tokens(self) -> int:
-        """Text tokens of joint attention (one sample's), which every chunk's context
-        holds besides its image tokens; 0 without joint attention."""
+        """Tokens outside the chunked ones (one sample's): joint attention's text, or a
+        class or register token joined to the image's, which every chunk's context holds
+        besides its image tokens; 0 where there are none."""
         return max((s.cost.text_rows for s in self.stages), default=0)
 
     def stage_flops(self, stage: int, chunk: Chunk) -> float:
