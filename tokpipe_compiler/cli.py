@@ -118,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="run K calls in-process, print each stage's measured time "
                               "against the predicted one (over steady steps: K >= warmup "
                               "steps + 4 gives a figure) and write trace.json to --out")
+    inspect.add_argument("--threads", type=_count(1), metavar="N",
+                         help="for --run: CPU threads (default: torch's, "
+                              f"{torch.get_num_threads()} here); a figure measured on cores "
+                              "that other work shares is slow by that work")
     inspect.set_defaults(func=_inspect)
     _add_generate(commands)
     return parser
@@ -216,6 +220,8 @@ def _inspect(args: argparse.Namespace) -> int:
         raise SpecError(_FOR_META)
     if args.steps is not None and args.target is None:
         raise SpecError("--steps sets the steps of the run --for predicts: give --for too")
+    if args.threads is not None and not args.run:
+        raise SpecError("--threads sets the CPU threads of --run: give --run too")
     build = ReleasedBuild(args.layers, tuple(args.grid) if args.grid else None,
                           getattr(torch, args.dtype))
     model, call_args, call_kwargs = load_spec(args.spec, args.config, build, bool(args.run))
@@ -236,6 +242,8 @@ def _inspect(args: argparse.Namespace) -> int:
             print(f"tokpipe: warning: {warning}", file=sys.stderr)
     program = None
     if args.run:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
         program = _run(model, call_args, call_kwargs, options, args.run, programs)
         plan = program.plan
     if args.out is not None:
@@ -272,7 +280,9 @@ def _run(model, call_args, call_kwargs, options, calls: int, programs):
         for _ in range(calls):
             compiled(*call_args, **call_kwargs)
     program = programs(compiled)[0]
-    print(f"\nmeasured against predicted, {calls} call(s):")
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    threads = f" on {torch.get_num_threads()} CPU thread(s)" if on_cpu else ""
+    print(f"\nmeasured against predicted, {calls} call(s){threads}:")
     print(format_comparison(compare(program.plan, program.timeline),
                             program.plan.config.compiler))
     return program

@@ -7,6 +7,7 @@ import json
 import textwrap
 
 import pytest
+import torch
 
 from tokpipe_compiler.cli import main
 
@@ -45,10 +46,14 @@ def test_inspect_a_function_and_run_it(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "dump"
     argv = ["inspect", "my_models:tiny_dit", "--stages", "2", "--chunks", "4", "--mode", "stale",
-            "--out", str(out), "--run", "2"]
-    assert main(argv) == 0
+            "--out", str(out), "--run", "2", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
     printed = capsys.readouterr().out
-    assert "measured/predicted" in printed
+    assert "measured/predicted" in printed and "2 call(s) on 1 CPU thread(s)" in printed
     assert json.loads((out / "trace.json").read_text())["traceEvents"]
     assert main(["inspect", f"{tmp_path / 'my_models.py'}:tiny_dit", "--stages", "1"]) == 0
 
@@ -101,7 +106,8 @@ def test_unreadable_chunks_are_a_usage_error(capsys):
         capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", [["--run", "-1"], ["--stages", "0"], ["--warmup-steps", "x"]])
+@pytest.mark.parametrize("flag", [["--run", "-1"], ["--stages", "0"], ["--warmup-steps", "x"],
+                                  ["--threads", "0"]])
 def test_bad_counts_are_usage_errors(flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["inspect", "my_models:tiny_dit", *flag])
@@ -203,6 +209,8 @@ def test_plan_a_released_model_for_a_gpu(capsys):
         assert message in capsys.readouterr().err
     assert main([*argv[:-2], "--steps", "20"]) == 2
     assert "--steps sets the steps of the run --for predicts" in capsys.readouterr().err
+    assert main([*argv[:-2], "--threads", "1"]) == 2
+    assert "--threads sets the CPU threads of --run" in capsys.readouterr().err
 
 
 def test_steps_of_a_gpu_prediction(tmp_path, capsys):
