@@ -8,8 +8,10 @@ diffusers' classic `AttnProcessor` (what `set_default_attn_processor()` installs
 what older models such as T5FilmDecoder use) computes attention this way: its scores
 matrix mixes every token with every other, so no token rule can chunk it, while the
 attention it spells is what the K/V-cache rewrite (chunk_attention) chunks. Also matched:
-`q @ k.transpose(-1, -2)` (matmul, bmm or the operator) and latent diffusion's einsums
-("b i d, b j d -> b i j", then "b i j, b j d -> b i d"), scaled by a number (`* s`, `/ s`)
+`q @ k.transpose(-1, -2)` or `q @ k.mT` (matmul, bmm or the operator) and einsums, latent
+diffusion's ("b i d, b j d -> b i j", then "b i j, b j d -> b i d") or with the heads
+between tokens and features ("bnhd,bmhd->bhnm", then "bhnm,bmhd->bnhd": permuted to sdpa's
+layout and back, `attention_einsums.py`), scaled by a number (`* s`, `/ s`)
 and plus a mask or filled with -inf where a boolean table says so (nanoGPT's causal
 `masked_fill`; sdpa gets the table's negation as its mask), casts of the scores or
 probabilities (an upcast softmax), and a dropout that is off. A causal table reaches sdpa
@@ -19,7 +21,7 @@ keys after the chunk too.
 The fold is exact in value and approximate in rounding: the scores are no longer
 materialised, so float32 results move by about 1e-7 relative. It applies only where
 nothing else reads the scores or the probabilities, the operands share a dtype and a rank,
-and a mask has the operands' dtype.
+and a mask has the operands' dtype (and is added to scores laid out as sdpa's [..., L, S]).
 """
 
 from __future__ import annotations
@@ -36,17 +38,20 @@ import torch.nn.functional as F
 from tokpipe_compiler.core.args import arg
 from tokpipe_compiler.core.fx import add_node, example_value, rewritten
 from tokpipe_compiler.core.ops import op_key
+from tokpipe_compiler.passes import attention_einsums
+from tokpipe_compiler.passes.attention_einsums import Perm, permuted_shape
+from tokpipe_compiler.passes.view_rules import swapped_axes
 
 MATMULS = {torch.matmul, torch.bmm, operator.matmul, "method:matmul", "method:bmm"}
 SOFTMAXES = {torch.softmax, F.softmax, "method:softmax"}
 BADDBMMS = {torch.baddbmm, "method:baddbmm"}
 CASTS = {"method:float", "method:half", "method:bfloat16"}
 DROPOUTS = {F.dropout, torch.dropout}
-TRANSPOSES = {torch.transpose, "method:transpose"}
 ADDS = {operator.add, torch.add, "method:add"}
 MULS = {operator.mul, torch.mul, "method:mul"}
 DIVS = {operator.truediv, torch.div, "method:div"}
 MASKED_FILLS = {torch.masked_fill, "method:masked_fill"}
+_SDPA_LAYOUT = attention_einsums.ScoresLayout(None, None, None)  # matmuls' and baddbmm's
 
 
 @dataclass
@@ -60,6 +65,7 @@ class Scores:
     nodes: list[torch.fx.Node]  # each before the nodes it reads
     transposed: bool = True
     excluded: bool = False  # the mask is boolean and marks what may not be attended
+    layout: attention_einsums.ScoresLayout = _SDPA_LAYOUT  # an einsum's may differ
 
 
 @dataclass
@@ -70,6 +76,8 @@ class HandWritten:
     value: Any
     output: torch.fx.Node
     replaced: list[torch.fx.Node]  # the output first, then backwards to the scores
+    value_perm: Perm = None  # to sdpa's [..., S, Ev]
+    output_perm: Perm = None  # from sdpa's [..., L, Ev] to the output's layout
 
 
 def fold_hand_written_attention(gm: torch.fx.GraphModule) -> int:
@@ -89,8 +97,8 @@ def match(node: torch.fx.Node) -> HandWritten | None:
     """The hand-written attention whose `probs @ v` is `node`, or None."""
     if op_key(node) in MATMULS and len(node.args) == 2 and not node.kwargs:
         probs, value = node.args
-    elif _einsum(node, "output") is not None:
-        probs, value = _einsum(node, "output")
+    elif attention_einsums.output_einsum(node) is not None:
+        probs, value = attention_einsums.output_einsum(node)
     else:
         return None
     replaced = [node]
@@ -102,7 +110,10 @@ def match(node: torch.fx.Node) -> HandWritten | None:
     scores = _scores(scores_node) if scores_node is not None else None
     if scores is None:
         return None
-    attention = HandWritten(scores, value, node, replaced + scores.nodes)
+    layouts = attention_einsums.output_layout(node, probs, scores.layout.order)
+    if layouts is None:
+        return None
+    attention = HandWritten(scores, value, node, replaced + scores.nodes, *layouts)
     return attention if _operands_fit(attention) else None
 
 
@@ -168,14 +179,14 @@ def _scaled_product(node: Any) -> Scores | None:
     """`q @ kT`, `(q @ kT) * s` or `(q @ kT) / s` read by one node, or None."""
     if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
         return None
-    key = op_key(node)
-    if _einsum(node, "scores") is None and (len(node.args) != 2 or node.kwargs):
+    key, einsum = op_key(node), attention_einsums.scores_einsum(node)
+    if einsum is not None:
+        query, keys, layout = einsum
+        return Scores(query, keys, None, 1.0, [node], transposed=False, layout=layout)
+    if len(node.args) != 2 or node.kwargs:
         return None
     if key in MATMULS:
         return Scores(node.args[0], node.args[1], None, 1.0, [node])
-    if _einsum(node, "scores") is not None:
-        query, keys = _einsum(node, "scores")
-        return Scores(query, keys, None, 1.0, [node], transposed=False)
     if key not in MULS and key not in DIVS:
         return None
     product, factor = node.args
@@ -190,71 +201,52 @@ def _scaled_product(node: Any) -> Scores | None:
     return replace(found, scale=scale, nodes=[node, *found.nodes])
 
 
-def _einsum(node: torch.fx.Node, role: str) -> tuple[Any, Any] | None:
-    """The two operands of an einsum that computes attention scores from queries and keys
-    ("bid,bjd->bij": `role` "scores") or attends with probabilities to values
-    ("bij,bjd->bid": "output"), over any shared leading letters; else None."""
-    if op_key(node) is not torch.einsum or len(node.args) < 2:
-        return None
-    operands = node.args[1:]
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = tuple(operands[0])
-    equation = node.args[0]
-    if len(operands) != 2 or not isinstance(equation, str) or "->" not in equation:
-        return None
-    inputs, out = equation.replace(" ", "").split("->")
-    terms = inputs.split(",")
-    if len(terms) != 2 or len({len(terms[0]), len(terms[1]), len(out)}) != 1:
-        return None
-    (a, b), lead = terms, out[:-2]
-    if a[:-2] != lead or b[:-2] != lead or len(set(a[-2:] + b[-2:] + out[-2:])) != 3:
-        return None
-    i, x = a[-2:]
-    wanted = {"scores": (b[-2:] == out[-1] + x and out[-2] == i),
-              "output": (b[-2] == x and out[-2:] == i + b[-1])}
-    return tuple(operands) if wanted[role] and set(lead).isdisjoint(a[-2:] + b[-2:]) else None
-
-
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _operands_fit(attention: HandWritten) -> bool:
-    """Operands sdpa takes as they are: one floating dtype, one rank (at least 3), keys and
-    values of one length, a mask of the same dtype that broadcasts to the scores."""
-    scores = attention.scores
-    q, kt, v = (example_value(n) for n in (scores.query, scores.keys, attention.value))
-    if not all(isinstance(t, torch.Tensor) for t in (q, kt, v)):
+    """Operands sdpa takes once permuted: one floating dtype, one rank (at least 3), keys
+    and values of one length, a mask of the same dtype that broadcasts to the scores (an
+    einsum's scores laid out as sdpa's, then)."""
+    scores, layout = attention.scores, attention.scores.layout
+    values = [example_value(n) for n in (scores.query, scores.keys, attention.value)]
+    if not all(isinstance(t, torch.Tensor) for t in values):
         return False
-    kt = kt if scores.transposed else kt.transpose(-1, -2)
-    if not q.is_floating_point() or len({q.dtype, kt.dtype, v.dtype}) != 1:
+    if not values[0].is_floating_point() or len({t.dtype for t in values}) != 1:
         return False
-    if not q.dim() == kt.dim() == v.dim() >= 3:
+    q, k, v = (permuted_shape(t.shape, perm) for t, perm in
+               zip(values, (layout.query, layout.key, attention.value_perm), strict=True))
+    if scores.transposed:
+        k = (*k[:-2], k[-1], k[-2])
+    if not len(q) == len(k) == len(v) >= 3 or len({q[:-2], k[:-2], v[:-2]}) != 1:
         return False
-    if len({q.shape[:-2], kt.shape[:-2], v.shape[:-2]}) != 1:
-        return False
-    if q.shape[-1] != kt.shape[-2] or kt.shape[-1] != v.shape[-2]:
+    if q[-1] != k[-1] or k[-2] != v[-2]:
         return False
     if scores.mask is None:
         return True
-    mask, shape = example_value(scores.mask), (*q.shape[:-1], kt.shape[-1])
-    dtype = torch.bool if scores.excluded else q.dtype
-    return (isinstance(mask, torch.Tensor) and mask.dtype == dtype
+    mask, shape = example_value(scores.mask), torch.Size((*q[:-1], k[-2]))
+    dtype = torch.bool if scores.excluded else values[0].dtype
+    return (layout.order is None and isinstance(mask, torch.Tensor) and mask.dtype == dtype
             and mask.dim() <= len(shape) and torch.broadcast_shapes(mask.shape, shape) == shape)
 
 
 def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
     graph, out, scores = gm.graph, attention.output, attention.scores
+    layout = scores.layout
     with graph.inserting_before(out):
-        key = _untransposed(graph, scores.keys) if scores.transposed else scores.keys
+        query = _permuted(graph, scores.query, layout.query)
+        key = (_untransposed(graph, scores.keys) if scores.transposed
+               else _permuted(graph, scores.keys, layout.key))
+        value = _permuted(graph, attention.value, attention.value_perm)
         kwargs = {"scale": scores.scale}
         if scores.mask is not None:
             kwargs["attn_mask"] = (add_node(graph, "function", torch.logical_not, (scores.mask,))
                                    if scores.excluded else scores.mask)
-        sdpa = graph.call_function(F.scaled_dot_product_attention,
-                                   (scores.query, key, attention.value), kwargs)
-    sdpa.meta.update(out.meta)
-    out.replace_all_uses_with(sdpa)
+        sdpa = graph.call_function(F.scaled_dot_product_attention, (query, key, value), kwargs)
+        sdpa.meta.update(out.meta)
+        result = _back_to(graph, sdpa, out, attention.output_perm)
+    out.replace_all_uses_with(result)
     leftovers = {a for n in attention.replaced for a in n.all_input_nodes}
     for node in attention.replaced:  # users before what they use
         graph.erase_node(node)
@@ -263,16 +255,42 @@ def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
             graph.erase_node(node)
 
 
+def _permuted(graph: torch.fx.Graph, node: torch.fx.Node, perm: Perm) -> torch.fx.Node:
+    return node if perm is None else add_node(graph, "method", "permute", (node, *perm))
+
+
+def _back_to(graph: torch.fx.Graph, sdpa: torch.fx.Node, out: torch.fx.Node,
+             perm: Perm) -> torch.fx.Node:
+    """sdpa's output in the layout of the einsum `out` it replaces (`perm`), contiguous
+    where that was: a later `.view` may rely on it."""
+    if perm is None:
+        return sdpa
+    wanted = example_value(out)
+    sdpa.meta["example_value"] = wanted.permute(sorted(range(len(perm)), key=perm.__getitem__))
+    permute = add_node(graph, "method", "permute", (sdpa, *perm))
+    result = (add_node(graph, "method", "contiguous", (permute,)) if wanted.is_contiguous()
+              else permute)
+    for node in (permute, result):  # the source line, for messages
+        node.meta = {**out.meta, "example_value": example_value(node)}
+    return result
+
+
 def _untransposed(graph: torch.fx.Graph, keys_t: torch.fx.Node) -> torch.fx.Node:
     """The keys [..., S, E]: what `keys_t` transposed, else a transpose of it."""
-    if op_key(keys_t) in TRANSPOSES:
-        rank = example_value(keys_t).dim()
-        dims = {d % rank for d in (arg(keys_t, 1, "dim0"), arg(keys_t, 2, "dim1"))}
-        if dims == {rank - 1, rank - 2}:
-            return keys_t.args[0]
+    if _swaps_last_two(keys_t):
+        return keys_t.args[0]
     return add_node(graph, "method", "transpose", (keys_t, -1, -2))
+
+
+def _swaps_last_two(node: torch.fx.Node) -> bool:
+    """A transpose of the last two axes: `transpose(-2, -1)`, `.mT` or `.mH` (which a
+    complex dtype keeps from being folded)."""
+    rank = example_value(node).dim()
+    swapped = swapped_axes(node)
+    return swapped is not None and {d % rank for d in swapped} == {rank - 1, rank - 2}
 
 
 def _pure(node: torch.fx.Node) -> bool:
     """A transpose, or a factory of a new tensor (nothing else can observe its removal)."""
-    return op_key(node) in {*TRANSPOSES, torch.empty, torch.zeros, torch.ones, torch.full}
+    return swapped_axes(node) is not None or op_key(node) in {
+        torch.empty, torch.zeros, torch.ones, torch.full}

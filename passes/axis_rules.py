@@ -27,7 +27,7 @@ from tokpipe_compiler.passes.rule_base import (
     summed,
     unsupported,
 )
-from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis
+from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis, item_range
 from tokpipe_compiler.runtime import branch_exchange  # noqa: F401  (defines tokpipe::cfg_gather)
 
 AXIS_RULES: dict[Any, Rule] = {}
@@ -52,6 +52,9 @@ def setitem(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     if isinstance(moved, str):
         return unsupported(moved)
     part = info
+    if moved[1] is not None and not isinstance(items[moved[1]], slice):
+        return unsupported(f"a write into the token axis at index {items[moved[1]]} (write "
+                           "a slice of it instead)")
     if moved[1] is not None:  # a write into the image tokens after a text segment, say
         start, stop, _ = items[moved[1]].indices(shape[info.axis])
         part = segments.cut(info, shape[info.axis], start, stop)
@@ -81,9 +84,20 @@ def getitem(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     axis, position = moved
     if position is None:
         return info.moved(axis)
-    start, stop, _ = items[position].indices(shape[info.axis])
+    start, stop = item_range(items[position], shape[info.axis])
     piece = segments.cut(info, shape[info.axis], start, stop)
-    return unsupported(piece) if isinstance(piece, str) else piece.moved(axis)
+    if isinstance(items[position], slice) or info.outer > 1:
+        return unsupported(piece) if isinstance(piece, str) else piece.moved(axis)
+    if isinstance(piece, str) or piece.per_unit:
+        lo, hi = info.lead, shape[info.axis] - info.trail
+        return unsupported(
+            f"indexing the token axis with {items[position]}: token {start} is one of the "
+            f"chunked tokens [{lo}, {hi}), of which a chunk holds only its own; only tokens "
+            "joined whole before or after them (a class token) can be taken by position")
+    # One token of a segment, its axis dropped: a value every chunk holds whole.
+    value = example_value(node)
+    return segments.whole(value) if value.dim() else unsupported(
+        "indexing a token tensor down to a scalar")
 
 
 def _tuple_element(src: torch.fx.Node, info: TokenInfo, index: int) -> TokenInfo:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tokpipe_compiler.core.args import SDPA, arg, bound_args, varargs
 from tokpipe_compiler.core.fx import node_shape
 from tokpipe_compiler.core.meta import ATTENTION, TOKEN, TOKEN_SUM, UNSUPPORTED, TokenInfo
+from tokpipe_compiler.passes.attention_einsums import FORMS
 from tokpipe_compiler.passes.rule_base import (
     Rule,
     RuleContext,
@@ -91,10 +92,12 @@ def einsum(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
         if info is not None and info.carries_tokens:
             letter = spec[info.axis]
             if token_letter not in (None, letter):
-                return unsupported("einsum operands carry tokens on different letters")
+                return unsupported("einsum operands carry tokens on different letters; if it "
+                                   f"is attention: {FORMS}")
             token_letter, token_info = letter, info
     if token_letter not in output:
-        return unsupported(f"einsum sums over the token index '{token_letter}'")
+        return unsupported(f"einsum sums over the token index '{token_letter}'; if it is "
+                           f"attention: {FORMS}")
     return token_info.moved(output.index(token_letter))
 
 

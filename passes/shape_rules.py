@@ -71,7 +71,8 @@ def getitem_axis(items: list, axis: int, shape: Sequence[int]) -> tuple[int, int
     tensor[items] (see expand_index), or why it cannot be followed.
 
     Only basic indexing is followed: None inserts an axis, an int drops one, a slice keeps
-    one; the token axis itself may only be sliced with step 1.
+    one; the token axis itself may only be sliced with step 1, or taken at one position (an
+    int: the output axis is where it would have been).
     """
     in_dim, out_dim = 0, 0
     for position, item in enumerate(items):
@@ -79,6 +80,8 @@ def getitem_axis(items: list, axis: int, shape: Sequence[int]) -> tuple[int, int
             out_dim += 1
             continue
         if in_dim == axis:
+            if _is_int(item):
+                return out_dim, position
             if not isinstance(item, slice) or item.indices(shape[axis])[2] != 1:
                 return f"indexing the token axis with {item!r}"
             return out_dim, None if _is_whole(item, shape[axis]) else position
@@ -88,6 +91,18 @@ def getitem_axis(items: list, axis: int, shape: Sequence[int]) -> tuple[int, int
             return f"advanced indexing with {type(item).__name__}"
         in_dim += 1
     return out_dim + (axis - in_dim), None
+
+
+def item_range(item: slice | int, size: int) -> tuple[int, int]:
+    """[start, stop) of an axis of `size` that a slice (step 1) or an int takes."""
+    if _is_int(item):
+        return item % size, item % size + 1
+    start, stop, _ = item.indices(size)
+    return start, stop
+
+
+def _is_int(item: object) -> bool:
+    return isinstance(item, int) and not isinstance(item, bool)
 
 
 def _is_whole(item: slice, size: int) -> bool:

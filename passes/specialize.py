@@ -26,7 +26,7 @@ from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TokenInfo
 from tokpipe_compiler.core.ops import op_key
 from tokpipe_compiler.passes.axis_rules import split_pieces
 from tokpipe_compiler.passes.segments import to_chunk
-from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis
+from tokpipe_compiler.passes.shape_rules import expand_index, getitem_axis, item_range
 from tokpipe_compiler.passes.text_once import drop_segments
 
 _SHAPE_ARG_OPS = {"method:view", "method:reshape", "method:expand", torch.reshape}
@@ -75,8 +75,8 @@ def _rewrite_sizes(node: torch.fx.Node, shape: tuple[int, ...]) -> None:
 
 
 def _rewrite_token_bounds(node: torch.fx.Node, units: int, segments: bool) -> None:
-    """Slices and splits of a segmented token axis (`x[:, 16:]`, `x.split([5, 16], 1)`)
-    have literal bounds on the full axis: move them to the chunk's axis."""
+    """Slices, positions and splits of a segmented token axis (`x[:, 16:]`, `x[:, -1]`,
+    `x.split([5, 16], 1)`) are literal on the full axis: move them to the chunk's axis."""
     src = arg(node, 0, "input")
     info = src.meta.get(META_KEY, INVARIANT_INFO) if isinstance(src, torch.fx.Node) else None
     if info is None or not info.carries_tokens or not isinstance(example_value(src), torch.Tensor):
@@ -88,9 +88,10 @@ def _rewrite_token_bounds(node: torch.fx.Node, units: int, segments: bool) -> No
         items = expand_index(arg(node, 1, "index"), len(shape))
         moved = getitem_axis(items, info.axis, shape)
         if not isinstance(moved, str) and moved[1] is not None:
-            start, stop, _ = items[moved[1]].indices(full)
-            items[moved[1]] = slice(to_chunk(start, info, full, units, segments),
-                                    to_chunk(stop, info, full, units, segments))
+            start, stop = item_range(items[moved[1]], full)
+            at = to_chunk(start, info, full, units, segments)
+            items[moved[1]] = (slice(at, to_chunk(stop, info, full, units, segments))
+                               if isinstance(items[moved[1]], slice) else at)
             node.args = (src, tuple(items), *node.args[2:])
     elif split_pieces(node, info) is not None:
         sizes = [piece.extent(units, segments) for piece in split_pieces(node, info)]

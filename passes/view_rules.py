@@ -1,5 +1,6 @@
 """Token rules for elementwise ops and for ops that only move elements around: views,
-reshapes, permutations, padding. VIEW_RULES, merged with the others in `rules.py`."""
+reshapes, permutations and transposes, pixel shuffles, padding. VIEW_RULES, merged with the
+others in `rules.py`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from tokpipe_compiler.core.args import arg, varargs
 from tokpipe_compiler.core.fx import node_shape, target_name
 from tokpipe_compiler.core.meta import INVARIANT_INFO, TOKEN, TokenInfo
+from tokpipe_compiler.core.ops import op_key
 from tokpipe_compiler.passes.rule_base import (
     Rule,
     RuleContext,
@@ -189,11 +191,53 @@ def permute(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     return info.moved(permute_axis(info.axis, dims, len(node_shape(src))))
 
 
-@register("method:transpose", torch.transpose, "method:swapaxes", torch.swapaxes)
+_TRANSPOSES = {"method:transpose", torch.transpose, "method:swapaxes", torch.swapaxes}
+# Attributes that transpose (Dynamo records `k.mT` as getattr(k, "mT")): the last two axes,
+# conjugated for mH and H (elementwise); T and H only of a matrix (of more axes, T reverses
+# them all, which PyTorch deprecates).
+_TRANSPOSE_ATTRIBUTES = {"mT": None, "mH": None, "T": 2, "H": 2}
+
+
+def swapped_axes(node: torch.fx.Node) -> tuple[int, int] | None:
+    """The two axes a transpose (op or attribute) swaps; None for any other node."""
+    if op_key(node) in _TRANSPOSES:
+        return arg(node, 1, "dim0"), arg(node, 2, "dim1")
+    shape = node_shape(node.args[0]) if op_key(node) is getattr else None
+    if shape is None or node.args[1] not in _TRANSPOSE_ATTRIBUTES:
+        return None
+    return (-2, -1) if _TRANSPOSE_ATTRIBUTES[node.args[1]] in (None, len(shape)) else None
+
+
+@register(*_TRANSPOSES, getattr)
 def transpose(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
-    d0, d1 = arg(node, 1, "dim0"), arg(node, 2, "dim1")
-    return info.moved(transpose_axis(info.axis, d0, d1, len(node_shape(src))))
+    swapped = swapped_axes(node)
+    if swapped is None:
+        return unsupported(f"no token rule for the tensor attribute '.{node.args[1]}' "
+                           "(followed: .mT, .mH, and .T and .H of a 2-d tensor)")
+    return info.moved(transpose_axis(info.axis, *swapped, len(node_shape(src))))
+
+
+@register(F.pixel_shuffle, F.pixel_unshuffle)
+def pixel_shuffle(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """[..., C * r * r, H, W] -> [..., C, H * r, W * r], an unpatchify: each input row (or
+    column) becomes r of its own, as with the unpatchify reshape. pixel_unshuffle, its
+    inverse, a patchify: each band of r rows becomes one."""
+    src, info = first_token(node, ctx)
+    shape, shuffle = node_shape(src), node.target is F.pixel_shuffle
+    factor = arg(node, 1, "upscale_factor" if shuffle else "downscale_factor")
+    ratio = Fraction(factor) if shuffle else Fraction(1, factor)
+    if info.axis < len(shape) - 3:
+        return info  # the token axis is a batch axis
+    if info.axis == len(shape) - 3:
+        return unsupported(f"{target_name(node)} of a token axis as channels moves its "
+                           "elements across chunks (chunked: tokens along the rows or columns)")
+    sizes = (info.lead, info.trail, shape[info.axis] // info.outer)
+    if any((size * ratio).denominator != 1 for size in sizes):
+        return unsupported(f"{target_name(node)} takes bands of rows across the edge of a "
+                           "whole segment (a class or text token) or of an outer block")
+    return replace(info, per_unit=info.per_unit * ratio, lead=int(info.lead * ratio),
+                   trail=int(info.trail * ratio))
 
 
 @register("method:expand", "method:expand_as")

@@ -65,6 +65,26 @@ def einsum_heads_masked(q, k, v, bias):
     return torch.einsum("...qk,...kd->...qd", scores.softmax(-1), v4).reshape(B * HEADS, N, D)
 
 
+def einsum_heads_after_tokens(q, k, v, bias):
+    """x-transformers' layout, [B, N, H, D]: permuted to sdpa's [B, H, N, D] and back."""
+    q4, k4, v4 = (t.view(B, HEADS, N, D).transpose(1, 2) for t in (q, k, v))
+    scores = torch.einsum("bnhd,bmhd->bhnm", q4, k4) * D ** -0.5
+    out = torch.einsum("bhnm,bmhd->bnhd", scores.softmax(-1), v4)
+    return out.transpose(1, 2).reshape(B * HEADS, N, D)
+
+
+def einsum_keys_first_masked(q, k, v, bias):
+    """The keys as the first operand and the values as the first: the letters tell them."""
+    scores = torch.einsum("b j d, b i d -> b i j", k, q) + bias
+    return torch.einsum("b j d, b i j -> b i d", v, scores.softmax(-1))
+
+
+def keys_by_mT(q, k, v, bias):
+    """`k.mT`, which Dynamo records as getattr(k, "mT"), with the softmax upcast."""
+    scores = torch.matmul(q, k.mT) / math.sqrt(D)
+    return torch.matmul(F.softmax(scores.float(), dim=-1).to(q.dtype), v)
+
+
 def masked_fill_causal(q, k, v, bias):
     """nanoGPT's spelling: scores filled with -inf where a lower-triangular table is 0."""
     table = torch.tril(torch.ones(N, N)).view(1, N, N)
@@ -108,6 +128,14 @@ def masked_fill_finite(q, k, v, bias):
     return scores.softmax(-1) @ v
 
 
+def einsum_heads_last_masked(q, k, v, bias):
+    """Scores laid out [B, N, H, M] with a mask added: sdpa's mask would need permuting."""
+    q4, k4, v4 = (t.view(B, HEADS, N, D).transpose(1, 2) for t in (q, k, v))
+    scores = torch.einsum("bnhd,bmhd->bnhm", q4, k4) + bias.view(B, 1, HEADS, N)
+    out = torch.einsum("bnhm,bmhd->bnhd", scores.softmax(-1), v4)
+    return out.transpose(1, 2).reshape(B * HEADS, N, D)
+
+
 def probabilities_read_twice(q, k, v, bias):
     probs = torch.bmm(q, k.transpose(-1, -2)).softmax(-1)
     return torch.bmm(probs, v) + probs.sum()
@@ -137,6 +165,7 @@ def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
 
 @pytest.mark.parametrize("fn", [classic, classic_masked_upcast, scaled_matmul_masked, divided,
                                 keys_given_transposed, einsum_scaled, einsum_heads_masked,
+                                einsum_heads_after_tokens, einsum_keys_first_masked, keys_by_mT,
                                 masked_fill_causal, chained])
 def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
     args = inputs()
@@ -144,13 +173,14 @@ def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
     assert fold_hand_written_attention(traced.gm) == (2 if fn is chained else 1)
     ops = graph_ops(traced.gm)
     assert "scaled_dot_product_attention" in ops
-    assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum", "masked_fill"}, ops
+    assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum", "masked_fill",
+                      "getattr"}, ops
     assert_rel_close(traced.gm(*traced.args())[0], fn(*args))
 
 
 @pytest.mark.parametrize("fn", [scores_returned, softmax_over_queries, half_beta, double_mask,
                                 einsum_over_queries, masked_fill_finite,
-                                probabilities_read_twice])
+                                einsum_heads_last_masked, probabilities_read_twice])
 def test_what_is_not_exactly_attention_is_left_as_written(fn):
     traced = trace(Wrap(fn), *inputs())
     before = [n.format_node() for n in traced.gm.graph.nodes]

@@ -1,5 +1,7 @@
 """Hand-written DiTs in the styles model authors use, each once broke planning: a
-positional table cast to the input with `table.to(x)` (the form `.to(other)`).
+positional table cast to the input with `table.to(x)` (the form `.to(other)`); attention
+in x-transformers' einsum layout or with `k.mT`; a class token read by position; patches
+by pixel_unshuffle and pixel_shuffle.
 
 Tolerance: float32, max |pipelined - eager| <= 1e-5 * max |eager| (assert_equivalent).
 """
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokpipe_compiler import TokpipeError
 from tokpipe_compiler.testing import assert_equivalent
 
 
@@ -56,3 +59,117 @@ def test_a_table_cast_like_the_input_stays_invariant(cast: str, mode: str):
         warnings.simplefilter("ignore")
         assert_equivalent(CastTable(cast).eval(), (torch.randn(1, 4, 16, 24),), stages=2,
                           chunks=4, mode=mode)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spelling: str,
+           causal: bool) -> torch.Tensor:
+    """Attention over [B, N, H, D] queries, keys and values, spelt as research code does."""
+    n, scale = q.shape[1], q.shape[-1] ** -0.5
+    if spelling == "sdpa":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+    if spelling == "einsum bnhd":  # x-transformers' layout: heads after the tokens
+        scores = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale
+    else:  # "k.mT"
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.mT) * scale
+    if causal:  # the later keys hidden
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    if spelling == "einsum bnhd":
+        return torch.einsum("bhnm,bmhd->bnhd", scores.softmax(-1), v)
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+class TokenDiT(nn.Module):
+    """Patches by a convolution (or pixel_unshuffle and a linear layer), a class token
+    prepended or a register token appended and read back by position, two blocks of
+    attention, patches back to pixels by a reshape (or pixel_shuffle)."""
+
+    def __init__(self, spelling: str = "sdpa", causal: bool = False, readout: str = "",
+                 shuffle: bool = False, width: int = 32, heads: int = 2):
+        super().__init__()
+        self.spelling, self.causal, self.readout, self.shuffle = spelling, causal, readout, shuffle
+        self.heads = heads
+        self.embed = nn.Linear(16, width) if shuffle else nn.Conv2d(4, width, 2, 2)
+        self.token = nn.Parameter(torch.randn(1, 1, width))
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(2))
+        self.out, self.head = nn.Linear(width, 16), nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        b, grid = x.shape[0], (x.shape[2] // 2, x.shape[3] // 2)
+        if self.shuffle:
+            h = self.embed(F.pixel_unshuffle(x, 2).flatten(2).transpose(1, 2))
+        else:
+            h = self.embed(x).flatten(2).transpose(1, 2)
+        token = self.token.expand(b, -1, -1)
+        extra = {"class": [token, h], "register": [h, token]}.get(self.readout, [h])
+        h = torch.cat(extra, 1)
+        for qkv in self.qkv:
+            q, k, v = qkv(h).view(b, h.shape[1], 3, self.heads, -1).unbind(2)
+            h = h + attend(q, k, v, self.spelling, self.causal).reshape(h.shape)
+        read = {"class": 0, "register": -1, "patch": 5}.get(self.readout)
+        logits = self.head(h[:, read]) if read is not None else None
+        h = self.out(h[:, 1:] if self.readout == "class" else h[:, :grid[0] * grid[1]])
+        if self.shuffle:
+            image = F.pixel_shuffle(h.transpose(1, 2).reshape(b, 16, *grid), 2)
+        else:
+            image = unpatchify(h, grid, 4)
+        return image if logits is None else (image, logits)
+
+
+def check(model: nn.Module, mode: str) -> None:
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_equivalent(model.eval(), (torch.randn(2, 4, 16, 24),), stages=2, chunks=4,
+                          mode=mode)
+
+
+@pytest.mark.parametrize("spelling", ["einsum bnhd", "k.mT"])
+@pytest.mark.parametrize("mode", ["sync", "stale", "causal"])
+def test_attention_spelt_in_other_layouts_is_folded(spelling: str, mode: str):
+    """einsum("bnhd,bmhd->bhnm") attention used to be left as einsums ('einsum operands
+    carry tokens on different letters'), and `q @ k.mT` left a getattr(k, "mT") without a
+    token rule: stale and causal refused both."""
+    torch.manual_seed(0)
+    check(TokenDiT(spelling, causal=mode == "causal"), mode)
+
+
+@pytest.mark.parametrize(("readout", "mode"), [("class", "sync"), ("class", "stale"),
+                                               ("class", "causal"), ("register", "sync"),
+                                               ("register", "stale")])
+def test_a_token_outside_the_chunked_ones_is_read_by_position(readout: str, mode: str):
+    """`h[:, 0]` of a class token prepended by cat (or `h[:, -1]` of one appended) used to
+    be refused: 'indexing the token axis with 0'; `h[:, :1]` was not."""
+    torch.manual_seed(0)
+    check(TokenDiT(causal=mode == "causal", readout=readout), mode)
+
+
+def test_a_position_among_the_chunked_tokens_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(TokpipeError, match=r"indexing the token axis with 5: token 5 is one "
+                                           r"of the chunked tokens \[0, 96\)"):
+        check(TokenDiT(readout="patch"), "stale")
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale", "causal"])
+def test_pixel_shuffle_unpatchifies_and_pixel_unshuffle_patchifies(mode: str):
+    """F.pixel_shuffle and F.pixel_unshuffle had no token rule."""
+    torch.manual_seed(0)
+    check(TokenDiT(causal=mode == "causal", shuffle=True), mode)
+
+
+def test_einsum_attention_left_unfolded_names_the_folded_forms():
+    """Einsum scores that no softmax reads are not attention: the refusal of the einsum
+    says which einsums are folded."""
+
+    class ScoresRead(TokenDiT):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x).flatten(2).transpose(1, 2)
+            q, k, _ = self.qkv[0](h).view(*h.shape[:2], 3, self.heads, -1).unbind(2)
+            scores = torch.einsum("bnhd,bmhd->bhnm", q, k)
+            return unpatchify(self.out(h) * scores.amax(), (x.shape[2] // 2, x.shape[3] // 2), 4)
+
+    torch.manual_seed(0)
+    with pytest.raises(TokpipeError, match=r"einsum\('bhid,bhjd->bhij', q, k\)"):
+        check(ScoresRead(), "stale")

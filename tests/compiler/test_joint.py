@@ -276,7 +276,7 @@ def test_the_chunk_table_context_holds_the_text(joint):
     plan = traced.program(mode="stale", stages=2, chunks=3, warmup_steps=1).plan
     assert plan.text_tokens == 5 and plan.summary()["text_tokens"] == 5
     table = str(plan).split("\nchunk ")[1]
-    assert table.count(" 12 + 5 text ") == 3
+    assert table.count(" 12 + 5 unchunked ") == 3
 
 
 class ScaledByText(TinyJoint):

@@ -152,6 +152,31 @@ def test_transpose_and_permute_follow_the_token_axis():
     assert g.infer(g.call(torch.permute, x, dims=(1, 0, 2))) == tok(0)
 
 
+def test_transposing_attributes_and_pixel_shuffles_follow_the_token_axis():
+    """Dynamo records `k.mT` as getattr(k, "mT"); pixel_shuffle is an unpatchify."""
+    g = Graph()
+    k = g.input("k", (1, 2, 16, 8), tok(2))
+    assert g.infer(g.call(getattr, k, "mT")) == tok(3)
+    assert "attribute '.real'" in g.infer(g.call(getattr, k, "real")).reason
+    x = g.input("x", (1, 16, 8, 6), TokenInfo(TOKEN, 2, 1, lead=2))
+    assert g.infer(g.call(F.pixel_shuffle, x, 2)) == TokenInfo(TOKEN, 2, 2, lead=4)
+    unshuffled = g.infer(g.call(F.pixel_unshuffle, x, downscale_factor=2))
+    assert unshuffled == TokenInfo(TOKEN, 2, Fraction(1, 2), lead=1)
+    assert "as channels" in g.infer(g.call(F.pixel_shuffle, g.input("c", (1, 16, 8, 6), tok(1)),
+                                           2)).reason
+
+
+def test_a_position_outside_the_chunked_tokens_is_a_whole_value():
+    """A class token (lead 1) or a register token (trail 1) read by position."""
+    g = Graph()
+    x = g.input("x", (2, 18, 8), TokenInfo(TOKEN, 1, 4, lead=1, trail=1))
+    for at in (0, -1):
+        assert g.infer(g.call(operator.getitem, x, (slice(None), at))) == TokenInfo(
+            TOKEN, 0, 0, lead=2)  # [2, 8]: the batch axis, held whole
+    info = g.infer(g.call(operator.getitem, x, (slice(None), 5)))
+    assert info.kind == UNSUPPORTED and "one of the chunked tokens [1, 17)" in info.reason
+
+
 def test_repeat_keeps_the_token_axis_where_its_factor_is_one():
     """Grouped-query K/V heads (Lumina-Next): k.unsqueeze(3).repeat(1, 1, 1, n_rep, 1)."""
     g = Graph()

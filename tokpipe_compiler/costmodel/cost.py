@@ -195,7 +195,8 @@ _VIEWS = (
     "expand", "expand_as", "view_as", "getitem", "chunk", "split", "unbind", "narrow", "select",
     "movedim", "t", "detach", "size", "dim",
 )  # fmt: skip
-_COPIES = ("cat", "stack", "clone", "contiguous", "pad", "repeat", "roll", "index_select")
+_COPIES = ("cat", "stack", "clone", "contiguous", "pad", "repeat", "roll", "index_select",
+           "pixel_shuffle", "pixel_unshuffle")
 _CASTS = ("to", "float", "half", "bfloat16", "type", "type_as")
 _NORMS = ("layer_norm", "group_norm", "rms_norm", "batch_norm", "instance_norm", "normalize")
 _TRANSCENDENTAL = ("exp", "log", "sin", "cos", "tanh", "sigmoid", "rsqrt", "sqrt", "erf", "pow")
