@@ -32,6 +32,7 @@ from tokpipe_compiler.core.fx import (
 )
 from tokpipe_compiler.core.meta import (
     ATTENTION,
+    INVARIANT,
     INVARIANT_INFO,
     META_KEY,
     SLICES_KEY,
@@ -48,6 +49,7 @@ from tokpipe_compiler.passes.piecewise_maps import join_piecewise_maps
 from tokpipe_compiler.passes.rule_base import RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
 from tokpipe_compiler.passes.slice_updates import functional_slice_adds
+from tokpipe_compiler.passes.split import written_base
 from tokpipe_compiler.passes.token_input import find_token_input, is_conditioning, seed_axes
 from tokpipe_compiler.passes.torch_attention import write_out_torch_attention
 from tokpipe_compiler.runtime.chunking import chunk_slice
@@ -161,6 +163,13 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, seeded: TokenInfo,
             infos[node] = INVARIANT_INFO
         elif mixed.isdisjoint(node.all_input_nodes):
             infos[node] = _apply_rule(node, ctx)
+        if _writes_tokens_into_input(node, infos):
+            infos[node] = unsupported(
+                f"it writes a value computed from the tokens in place into "
+                f"'{written_base(node).name}', a graph input (a buffer, parameter or argument) "
+                "that outlives the call: pipelined, each chunk would write its own part, and "
+                "only on its stage's rank; update it outside the compiled model")
+            continue
         if whole_mixing and (node not in infos or infos[node].kind == UNSUPPORTED):
             if _writes_into_invariant(node, infos):
                 infos.setdefault(node, unsupported("a value that mixes tokens is written "
@@ -170,6 +179,16 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, seeded: TokenInfo,
             node.meta.pop(SLICES_KEY, None)  # the whole node reads its tables whole
             mixed.add(node)
     return ctx
+
+
+def _writes_tokens_into_input(node: torch.fx.Node,
+                              infos: dict[torch.fx.Node, TokenInfo]) -> bool:
+    """An in-place write into an input (or a view of it) that reads tokens (a write of
+    invariant values runs once per call in the prelude)."""
+    base = written_base(node)
+    if base is None or base.op != "placeholder":
+        return False
+    return node not in infos or infos[node].kind != INVARIANT
 
 
 def _writes_into_invariant(node: torch.fx.Node, infos: dict[torch.fx.Node, TokenInfo]) -> bool:

@@ -77,6 +77,7 @@ def split(gm: torch.fx.GraphModule, stages: int, runtime_inputs: set[str]) -> Sp
     """`runtime_inputs`: placeholders the runtime provides itself (K/V caches, the chunk)."""
     regions = _vmap_regions(gm)
     _check_vmap_regions(regions)
+    _check_written_inputs(gm, runtime_inputs)
     graph_outputs = _output_nodes(gm)
     stage_graphs = [_stage_graph(gm, s, graph_outputs) for s in range(stages)]
     needed = {i.source for g in stage_graphs for i in g.inputs if i.kind != BOUNDARY}
@@ -149,12 +150,14 @@ def _prelude(
     gm: torch.fx.GraphModule, needed: set[str], runtime_inputs: set[str],
     vmap_regions: list[list[torch.fx.Node]],
 ) -> tuple[torch.fx.GraphModule, list[str]]:
-    """A graph from the original inputs to every invariant value the stages read; a traced
-    vmap it reads from comes whole (its last nesting call has no users)."""
+    """A graph from the original inputs to every invariant value the stages read, and to
+    every write into an input (annotate refused those of token values); a traced vmap it
+    reads from comes whole (its last nesting call has no users)."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     by_name = {n.name: n for n in gm.graph.nodes}
-    wanted = _with_writes(gm.graph, _ancestors([by_name[name] for name in needed]))
+    roots = [by_name[name] for name in needed] + input_writes(gm.graph, runtime_inputs)
+    wanted = _with_writes(gm.graph, _ancestors(roots))
     for region in vmap_regions:
         if wanted.intersection(region):
             wanted |= _ancestors(region)
@@ -174,15 +177,30 @@ def _with_writes(graph: torch.fx.Graph, wanted: set[torch.fx.Node]) -> set[torch
     and through views: `x[:, 5:].copy_(y)`, `x.data[...]`): they have no users, so following
     inputs alone would drop them."""
     while True:
-        writes = [n for n in graph.nodes if n not in wanted and _written_base(n) in wanted]
+        writes = [n for n in graph.nodes if n not in wanted and written_base(n) in wanted]
         if not writes:
             return wanted
         wanted |= _ancestors(writes)
 
 
+# Python's augmented assignments, in place on a tensor (`x += y`, `x[i] = y`).
+_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
+                       operator.itruediv, operator.ifloordiv, operator.ipow, operator.imod,
+                       operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                       operator.irshift}
+
+
 def _writes_into(node: torch.fx.Node) -> torch.fx.Node | None:
-    in_place = node.target is operator.setitem or (
-        node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"))
+    """The tensor an op writes in place: `x.add_(y)`, `torch.relu_(x)`, `x += y`,
+    `x[i] = y`, `F.relu(x, inplace=True)`, `torch.add(a, b, out=x)`."""
+    if node.op not in ("call_method", "call_function"):
+        return None
+    out = node.kwargs.get("out")
+    if isinstance(out, torch.fx.Node):
+        return out
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    in_place = (node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True
+                or (name.endswith("_") and not name.startswith("_")))
     target = node.args[0] if in_place and node.args else None
     return target if isinstance(target, torch.fx.Node) else None
 
@@ -196,14 +214,54 @@ _VIEW_METHODS = {"view", "narrow", "select", "transpose", "permute", "unsqueeze"
                  "detach", "reshape", "flatten", "expand", "view_as", "unflatten", "movedim"}
 
 
-def _written_base(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The value an in-place write changes: its target, or what that target views."""
+def _alias_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """What `node`'s value shares storage with: the input of a view, the target of an
+    in-place write (`x.mul_(a).add_(b)` writes `x` twice); None for a value of its own."""
+    if node.args and (node.target in _VIEWS
+                      or (node.op == "call_method" and node.target in _VIEW_METHODS)):
+        return node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+    return _writes_into(node)
+
+
+def written_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The value an in-place write changes: its target, or what that target views or was
+    (through an earlier write: `x.mul_(a).add_(b)` changes `x`)."""
     target = _writes_into(node)
-    while isinstance(target, torch.fx.Node) and target.args and (
-            target.target in _VIEWS
-            or (target.op == "call_method" and target.target in _VIEW_METHODS)):
-        target = target.args[0]
-    return target if isinstance(target, torch.fx.Node) else None
+    while isinstance(target, torch.fx.Node) and _alias_of(target) is not None:
+        target = _alias_of(target)
+    return target
+
+
+def input_writes(graph: torch.fx.Graph, runtime_inputs: set[str]) -> list[torch.fx.Node]:
+    """The in-place writes into the graph's inputs (buffers, parameters, arguments, or views
+    of them), but not the runtime's own (K/V caches): they outlive the call, so each runs
+    once per call, though nothing in the graph reads what it wrote."""
+    return [n for n in graph.nodes if (base := written_base(n)) is not None
+            and base.op == "placeholder" and base.name not in runtime_inputs]
+
+
+def _check_written_inputs(gm: torch.fx.GraphModule, runtime_inputs: set[str]) -> None:
+    """A write into an input runs in the per-call prelude, ahead of every stage: a stage (or
+    a chunk cut of a table) reading that input, or a view of it, before the write, where
+    eager reads the old value, would read the new one."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    last: dict[torch.fx.Node, torch.fx.Node] = {}  # an input -> the last write into it
+    for write in input_writes(gm.graph, runtime_inputs):
+        last[written_base(write)] = write
+    for base, write in last.items():
+        shared = {base}
+        for node in gm.graph.nodes:
+            if _alias_of(node) in shared:
+                shared.add(node)
+        reader = next((u for n in shared for u in n.users
+                       if _info(u).carries_tokens and order[u] < order[write]), None)
+        if reader is not None:
+            raise TokpipeError(
+                f"tokpipe cannot pipeline {describe(reader)}: it reads '{base.name}' before "
+                f"{describe(write)} writes it in place. The write runs once per call ahead "
+                "of the stages, so they would read the new value where eager reads the old. "
+                "Read a copy (`.clone()`), update it after the call, outside the compiled "
+                "model, or pass options={'fallback': True} to run this graph unpipelined.")
 
 
 def _ancestors(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -251,7 +309,8 @@ def prelude_part(graphs: SplitGraphs, stages: set[int]
                  ) -> tuple[set[torch.fx.Node], dict[str, torch.fx.Node]]:
     """(the prelude's nodes that what `stages` read needs, the output values kept by name,
     in output order). Writes into needed values (`mask.masked_fill_(...)`, which FX does
-    not take for impure) and vmap levels are needed too."""
+    not take for impure) and into the inputs (every rank's copy of a buffer updated alike)
+    and vmap levels are needed too."""
     needed = {i.source for g in graphs.stages if g.index in stages for i in g.inputs
               if i.kind != BOUNDARY}
     needed |= {o.source for o in graphs.outputs if o.kind == OutputKind.CALL}
@@ -259,7 +318,7 @@ def prelude_part(graphs: SplitGraphs, stages: set[int]
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     kept = {name: node for name, node in zip(graphs.prelude_outputs, output.args[0],
                                              strict=True) if name in needed}
-    writes = _with_writes(graph, _ancestors(list(kept.values())))
+    writes = _with_writes(graph, _ancestors(list(kept.values()) + input_writes(graph, set())))
     roots = list(kept.values()) + [n for n in writes if _writes_into(n) is not None] + [
         n for n in graph.nodes if n.op not in ("placeholder", "output") and _is_impure(n)]
     return _ancestors(roots), kept

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch.fx
 
+from tokpipe_compiler.core.fx import node_count
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.programs.compile import compile_named, gist
 
@@ -26,18 +27,21 @@ class Prelude:
     graph, each would cost a size and stride check and an output alias every call (608
     inputs and 708 outputs for a 28-block PixArt, 454 of them passed on).
 
-    A prelude Inductor cannot compile runs eagerly from then on, with a warning.
+    It also runs the writes into the inputs (`self.ema.mul_(0.9)`), once per call, when
+    it computes nothing else. A prelude Inductor cannot compile runs eagerly from then on,
+    with a warning.
     """
 
     def __init__(self, gm: torch.fx.GraphModule, outputs: list[str], compiler: str):
         self.compiler = compiler
         self.passed, self.reads, self.computed, self.gm = _without_pass_through(gm, outputs)
+        self.runs = bool(node_count(self.gm))  # it computes, or writes into an input
         self._fn: Callable[..., Sequence] | None = self.gm if compiler == "eager" else None
 
     def __call__(self, *args) -> dict:
         """The prelude's values by name."""
         values = {name: args[i] for name, i in self.passed}
-        if not self.computed:
+        if not self.runs:
             return values
         reads = [args[i] for i in self.reads]
         if self._fn is None:

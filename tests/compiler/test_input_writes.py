@@ -1,0 +1,191 @@
+"""In-place writes into a graph's inputs (buffers, parameters, arguments) that nothing in the
+graph reads back: each runs once per call, as eager runs it; a write of a value computed
+from the tokens, or one that a stage reads the input before, is refused by name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.fixtures.models import TinyDiT, UpdatesBuffers, dit_inputs
+from tokpipe_compiler.core.errors import TokpipeError
+
+SEEDS = (0, 0, 1)  # stale: warmup, a repeated input (exact), a new one
+
+
+def _runs(model: nn.Module, inputs: list[tuple], **options) -> tuple[list, nn.Module]:
+    """[(pipelined, eager)] per call of `inputs`, and the eager copy of `model` (`model`
+    itself is compiled); each side gets its own copy of the inputs, which it may write."""
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={"stages": 2, "chunks": 2, "warmup_steps": 1,
+                                      "compiler": "eager", **options})
+    outputs = []
+    with torch.no_grad():
+        for args in inputs:
+            got = compiled(*copy.deepcopy(args))
+            outputs.append((got, reference(*copy.deepcopy(args))))
+    return outputs, reference
+
+
+def _assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = max(expected.abs().max().item(), 1e-30)
+    assert (got - expected).abs().max().item() <= 1e-5 * scale, (got, expected)
+
+
+def _assert_same_state(model: nn.Module, reference: nn.Module) -> None:
+    for (name, got), (_, expected) in zip(model.named_buffers(), reference.named_buffers(),
+                                          strict=True):
+        assert torch.equal(got, expected), (name, got, expected)
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_buffers_updated_in_forward_are_updated_once_per_call(mode):
+    torch.manual_seed(0)
+    model = UpdatesBuffers().eval()
+    outputs, reference = _runs(model, [dit_inputs(model, 8, seed) for seed in SEEDS],
+                               mode=mode)
+    for call, (got, expected) in enumerate(outputs):
+        if mode == "sync" or call < 2:
+            _assert_close(got, expected)
+    assert model.calls.item() == 3
+    _assert_same_state(model, reference)
+
+
+class CountsCalls(nn.Module):
+    """Self-attention layers over [B, N, D] tokens and a call counter: its prelude computes
+    nothing but the counter's update (every weight goes to the stages as it is)."""
+
+    def __init__(self, width: int = 16, depth: int = 2):
+        super().__init__()
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(depth))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1.0)
+        b, n, w = x.shape
+        for qkv in self.qkv:
+            q, k, v = qkv(x).view(b, n, 3, 2, w // 2).permute(2, 0, 3, 1, 4)
+            x = x + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, w)
+        return x
+
+
+def test_a_prelude_that_only_writes_still_runs():
+    model = CountsCalls().eval()
+    inputs = [(torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(s)),)
+              for s in SEEDS]
+    outputs, reference = _runs(model, inputs, mode="sync")
+    for got, expected in outputs:
+        _assert_close(got, expected)
+    assert model.calls.item() == reference.calls.item() == 3
+
+
+class WritesInputs(TinyDiT):
+    """Every spelling of an in-place write Dynamo keeps, into buffers, a view of one and the
+    timestep argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.full((3,), -1.0))
+        self.register_buffer("b", torch.zeros(3))
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, labels: torch.Tensor):
+        t = timestep.float()
+        F.relu(self.a, inplace=True)
+        torch.relu_(self.b)
+        self.a += t
+        self.b.data.copy_(t * 2)
+        self.a.unsqueeze(0).add_(1)
+        self.b.view(3)[1:].sub_(1)
+        torch.add(self.a, 1.0, out=self.b)
+        self.a[0] = 5.0
+        timestep.add_(1)
+        return super().forward(latents, timestep, labels)
+
+
+def test_every_spelling_of_a_write_into_an_input_runs():
+    model = WritesInputs().eval()
+    outputs, reference = _runs(model, [dit_inputs(model, 8, seed) for seed in SEEDS],
+                               mode="sync")
+    for got, expected in outputs:
+        _assert_close(got, expected)  # the timestep was written before the blocks read it
+    _assert_same_state(model, reference)
+
+
+class WritesTokens(TinyDiT):
+    """A write of a value computed from the tokens: into a buffer (a statistic over the
+    tokens, copied or added) or into the latents argument."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.register_buffer("stat", torch.zeros(32))
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, labels: torch.Tensor):
+        tokens = self.embed(latents).flatten(2).transpose(1, 2)
+        if self.how == "copy":
+            self.stat.copy_(tokens.mean((0, 1)))
+        elif self.how == "add":
+            self.stat.add_(tokens.mean((0, 1)))
+        else:
+            latents.mul_(0.5)
+        return super().forward(latents, timestep, labels)
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+@pytest.mark.parametrize(("how", "written"), [("copy", "stat"), ("add", "stat"),
+                                              ("latents", "latents")])
+def test_a_write_of_token_values_into_an_input_is_refused(mode, how, written):
+    model = WritesTokens(how).eval()
+    with pytest.raises(TokpipeError, match=rf"writes a value computed from the tokens in "
+                                           rf"place into 'l_\w*{written}_'"):
+        _runs(model, [dit_inputs(model, 8)], mode=mode)
+
+
+class ScalesLatents(TinyDiT):
+    """The latents scaled by a buffer the stages read, and the buffer updated in place
+    before or after that read."""
+
+    def __init__(self, update_first: bool):
+        super().__init__()
+        self.update_first = update_first
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, labels: torch.Tensor):
+        if self.update_first:
+            self.scale.mul_(1.5)
+        scaled = latents * self.scale.view(1, 4, 1, 1)
+        if not self.update_first:
+            self.scale.mul_(1.5)
+        return super().forward(scaled, timestep, labels)
+
+
+def test_a_stage_reading_an_input_after_its_write_reads_the_new_value():
+    model = ScalesLatents(update_first=True).eval()
+    outputs, reference = _runs(model, [dit_inputs(model, 8, seed) for seed in SEEDS],
+                               mode="sync")
+    for got, expected in outputs:
+        _assert_close(got, expected)
+    _assert_same_state(model, reference)
+
+
+def test_a_stage_reading_an_input_before_its_write_is_refused():
+    model = ScalesLatents(update_first=False).eval()
+    with pytest.raises(TokpipeError, match=r"it reads 'l_self_buffers_scale_' before "
+                                           r"mul_.*writes it in place"):
+        _runs(model, [dit_inputs(model, 8)], mode="sync")
+
+
+@pytest.mark.slow
+def test_buffer_updates_compiled_by_inductor():
+    torch.manual_seed(0)
+    model = UpdatesBuffers().eval()
+    outputs, reference = _runs(model, [dit_inputs(model, 8, seed) for seed in SEEDS],
+                               mode="sync", compiler="inductor")
+    for got, expected in outputs:
+        _assert_close(got, expected)
+    _assert_same_state(model, reference)
