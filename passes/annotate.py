@@ -15,6 +15,7 @@ cut to the chunk by a `chunk_slice` node inserted in front of the use.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -163,12 +164,9 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, seeded: TokenInfo,
             infos[node] = INVARIANT_INFO
         elif mixed.isdisjoint(node.all_input_nodes):
             infos[node] = _apply_rule(node, ctx)
-        if _writes_tokens_into_input(node, infos):
-            infos[node] = unsupported(
-                f"it writes a value computed from the tokens in place into "
-                f"'{written_base(node).name}', a graph input (a buffer, parameter or argument) "
-                "that outlives the call: pipelined, each chunk would write its own part, and "
-                "only on its stage's rank; update it outside the compiled model")
+        written = _tokens_written_into(node, infos)
+        if written is not None:
+            infos[node] = unsupported(_written_reason(written))
             continue
         if whole_mixing and (node not in infos or infos[node].kind == UNSUPPORTED):
             if _writes_into_invariant(node, infos):
@@ -181,14 +179,34 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, seeded: TokenInfo,
     return ctx
 
 
-def _writes_tokens_into_input(node: torch.fx.Node,
-                              infos: dict[torch.fx.Node, TokenInfo]) -> bool:
-    """An in-place write into an input (or a view of it) that reads tokens (a write of
-    invariant values runs once per call in the prelude)."""
+def _written_reason(written: torch.fx.Node) -> str:
+    """Why a write of token values into `written` (see _tokens_written_into) is refused."""
+    name = written.name
+    if written.op == "placeholder":
+        return (f"it writes a value computed from the tokens in place into '{name}', a graph "
+                "input (a buffer, parameter or argument) that outlives the call: pipelined, "
+                "each chunk would write its own part, and only on its stage's rank; update it "
+                "outside the compiled model")
+    return (f"it writes a value computed from the tokens in place into '{name}', a tensor "
+            "computed without them, which its readers would take for the same in every "
+            f"chunk; write it out of place ({name} = {name} + ...)")
+
+
+def _tokens_written_into(node: torch.fx.Node,
+                         infos: dict[torch.fx.Node, TokenInfo]) -> torch.fx.Node | None:
+    """The tensor without tokens that `node` writes a value read from the tokens into, in
+    place: an input (or a view of it), or a value computed without tokens (its readers
+    would read it as invariant). None for a write of invariant values, which runs once per
+    call in the prelude. An item assignment into a computed value has its own rule
+    (`x[:, :n] = h` fills a buffer of the tokens' length)."""
     base = written_base(node)
-    if base is None or base.op != "placeholder":
-        return False
-    return node not in infos or infos[node].kind != INVARIANT
+    if base is None or (node in infos and infos[node].kind == INVARIANT):
+        return None
+    if base.op == "placeholder":
+        return base
+    if node.target is operator.setitem or base not in infos:
+        return None
+    return base if not infos[base].carries_tokens else None
 
 
 def _writes_into_invariant(node: torch.fx.Node, infos: dict[torch.fx.Node, TokenInfo]) -> bool:

@@ -146,6 +146,37 @@ def test_a_write_of_token_values_into_an_input_is_refused(mode, how, written):
         _runs(model, [dit_inputs(model, 8)], mode=mode)
 
 
+class WritesTokensIntoItsOwn(TinyDiT):
+    """A tensor made without tokens, then written in place with a value read from them:
+    a statistic over the tokens (sync computes it whole) or the tokens themselves."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, labels: torch.Tensor):
+        out = super().forward(latents, timestep, labels)
+        if self.how == "statistic":
+            scale = torch.ones(1)
+            scale.add_(out.mean())
+            return out * scale
+        tokens = self.embed(latents).flatten(2).transpose(1, 2)
+        total = torch.zeros(tokens.shape)
+        total.add_(tokens)
+        return out + total.mean()
+
+
+@pytest.mark.parametrize(("mode", "how", "written"), [
+    ("sync", "statistic", "scale"), ("sync", "tokens", "total"), ("stale", "tokens", "total")])
+def test_a_write_of_token_values_into_a_tensor_without_tokens_is_refused(mode, how, written):
+    """Its readers would take it for invariant: computed once, ahead of the stages (where it
+    crashed on the chunk's inputs), or the same in every chunk."""
+    model = WritesTokensIntoItsOwn(how).eval()
+    with pytest.raises(TokpipeError, match=rf"in place into '{written}', a tensor computed "
+                                           rf"without them.*\({written} = {written} \+"):
+        _runs(model, [dit_inputs(model, 8)], mode=mode)
+
+
 class ScalesLatents(TinyDiT):
     """The latents scaled by a buffer the stages read, and the buffer updated in place
     before or after that read."""
