@@ -47,12 +47,14 @@ def predictions(traced):
     return out, params
 
 
-def test_h200_is_measured_and_the_l20_borrows_the_a100_fit():
-    assert 0.4 < fitted_share() < 0.6
+def test_h200_is_measured_and_the_published_gpus_use_their_own_fit():
+    """The A100 and the L20 each at the share fitted to its own published run (the L20 at
+    the A100's, 52% where its own is 89%, predicted the published L20 run 1.7x slow)."""
+    assert 0.4 < fitted_share() < 0.6 < fitted_share("l20")
     assert target_device("h200") == DEVICES["h200"]  # rates measured on the device
     assert DEVICES["h200"].measured and DEVICES["h200"].memory == 141e9
-    l20 = target_device("l20")
-    assert l20.matmul_flops == pytest.approx(fitted_share() * 119.5e12)
+    assert target_device("l20").matmul_flops == pytest.approx(fitted_share("l20") * 119.5e12)
+    assert target_device("a100-pcie").matmul_flops == pytest.approx(fitted_share() * 312e12)
 
 
 def test_each_gpu_has_a_matmul_rate_per_dtype():

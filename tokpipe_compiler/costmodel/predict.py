@@ -32,10 +32,11 @@ from tokpipe_compiler.costmodel.simulator import simulate_chunks
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.plan import Plan
 
-# A device without a published run to fit borrows the sustained share fitted for this one:
-# the A100 is the other HBM data-centre part with a published PipeFusion run, and its fit
-# (49%) is what large bf16 GEMMs and FlashAttention-2 reach on Ampere/Hopper SXM parts;
-# the L20's fit (84%) is above what its GEMMs sustain (BENCHMARKS.md).
+# A device without a published run of its own borrows the sustained share fitted for this
+# one: the A100 is the other HBM data-centre part with a published PipeFusion run, and its
+# fit (52%) is what large bf16 GEMMs and FlashAttention-2 reach on Ampere/Hopper SXM parts;
+# the L20's fit (89%) is above what its GEMMs sustain, so only the L20 uses it
+# (BENCHMARKS.md).
 CALIBRATED_LIKE = "a100-pcie"
 
 
@@ -50,11 +51,11 @@ def fitted_share(name: str = CALIBRATED_LIKE) -> float:
 def target_device(name: str = "h200", like: str = CALIBRATED_LIKE,
                   dtype: torch.dtype = torch.bfloat16) -> DeviceModel:
     """`name`'s preset computing in `dtype`: as measured on the device where it was, else
-    at `like`'s fitted share of its peak (`DeviceModel.for_dtype`: float32 at the
-    non-tensor FP32 peak)."""
+    at the share of its peak fitted to its own published run (the A100's, the L20's), else
+    at `like`'s (`DeviceModel.for_dtype`: float32 at the non-tensor FP32 peak)."""
     preset = DEVICES[name]
     if not preset.measured:
-        share = fitted_share(like)
+        share = fitted_share(name if any(run[0] == name for run in PUBLISHED) else like)
         preset = replace(preset, matmul_flops=preset.matmul_flops / ACHIEVABLE * share)
     return preset.for_dtype(dtype)
 
