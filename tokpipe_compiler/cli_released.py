@@ -201,7 +201,7 @@ def predicted(plan: Any, target: str, run: TargetRun) -> tuple[str, list[str]]:
     from tokpipe_compiler.costmodel.hardware import LINKS
     from tokpipe_compiler.costmodel.host import runtime_host
     from tokpipe_compiler.costmodel.predict import predict, target_device
-    from tokpipe_compiler.costmodel.released_runs import outside_seconds
+    from tokpipe_compiler.costmodel.released_runs import encoder_bytes, outside_seconds
     from tokpipe_compiler.costmodel.simulator import plan_dtype
 
     link, graphs = TARGET_LINKS[target], plan.config.cuda_graphs
@@ -217,23 +217,46 @@ def predicted(plan: Any, target: str, run: TargetRun) -> tuple[str, list[str]]:
                  f"{device.peak(dtype) / 1e12:.1f} TFLOP/s peak against "
                  f"{device.peak(torch.bfloat16) / 1e12:.0f} in bfloat16)")
     peak = result.peak_memory.total
+    encoders = 0.0 if run.run is None else encoder_bytes(run.run, dtype.itemsize)
     extra = "" if run.run is None else \
         f", plus {outside:.3f} s of text encoders and VAE decode"
+    held = "" if not encoders else f", and {encoders / 2**30:.1f} GiB of text encoders"
     line = (f"predicted on {len(plan.stages)} x {target} ({link}, {host}), {run.steps} steps "
             f"({run.why}) of the transformer in {name}{extra}: serial {result.serial_s:.2f} "
             f"s, pipelined {result.pipelined_s:.2f} s ({result.speedup:.2f}x); the busiest "
-            f"GPU holds {peak / 2**30:.1f} GiB (weights, K/V, boundary values)")
-    return line, [over_memory(peak, device, len(plan.stages), dtype)] \
-        if device.memory and peak > device.memory else []
+            f"GPU holds {peak / 2**30:.1f} GiB (weights, K/V, boundary values){held}")
+    warning = over_memory(peak, encoders, device, len(plan.stages), dtype)
+    return line, [warning] if warning else []
 
 
-def over_memory(peak: float, device: Any, stages: int, dtype: torch.dtype) -> str:
-    """The warning for a busiest GPU that would hold `peak` bytes, more than `device`'s
-    memory, with the ways out."""
-    more = -(-int(peak * stages) // int(device.memory))  # the bytes spread evenly
-    ways = f"plan more stages (--stages {max(more, stages + 1)} or more)"
+# Of a GPU's memory, the share a plan may fill with weights, K/V, boundary values and the
+# text encoders: the rest holds activations, the VAE decode and the CUDA context.
+FILLED = 0.85
+
+
+def over_memory(peak: float, encoders: float, device: Any, stages: int,
+                dtype: torch.dtype) -> str:
+    """The warning for a busiest GPU that would hold `peak` bytes of the transformer and
+    `encoders` bytes of text encoders, more than FILLED of `device`'s memory, with the ways
+    out ("" where it fits)."""
+    held, room = peak + encoders, FILLED * device.memory if device.memory else 0.0
+    if not room or held <= room:
+        return ""
+    ways = []
+    if room > encoders:  # the transformer's bytes spread evenly over more stages
+        more = -(-int(peak * stages) // int(room - encoders))
+        ways.append(f"plan more stages (--stages {max(more, stages + 1)} or more)")
     if dtype.itemsize > 2:
-        ways += " or halve the bytes with --dtype bfloat16"
-    return (f"the busiest GPU would hold {peak / 2**30:.1f} GiB, more than the "
-            f"{device.memory / 2**30:.1f} GiB ({device.memory / 1e9:.0f} GB) of one "
-            f"{device.name}, before any activations: this plan does not fit; {ways}")
+        ways.append("halve the bytes with --dtype bfloat16")
+    if encoders:
+        ways.append("encode the prompts beforehand and pass prompt_embeds, so the text "
+                    "encoders need not stay on the GPU")
+    what = f"{peak / 2**30:.1f} GiB" + (
+        f" of the transformer and {encoders / 2**30:.1f} GiB of text encoders (every rank "
+        "encodes the prompt)" if encoders else "")
+    verdict = ("this plan does not fit" if held > device.memory else
+               f"less than {1 - FILLED:.0%} of it is left for activations, the VAE decode "
+               "and the CUDA context")
+    return (f"the busiest GPU would hold {what}, against the {device.memory / 2**30:.1f} GiB "
+            f"({device.memory / 1e9:.0f} GB) of one {device.name}: {verdict}; "
+            f"{', '.join(ways[:-1])}{' or ' if len(ways) > 1 else ''}{ways[-1]}")

@@ -258,15 +258,30 @@ def test_a_gpu_prediction_computes_in_the_models_dtype(capsys):
 
 def test_a_plan_larger_than_the_gpus_memory_is_warned_about(capsys):
     """FLUX.1-dev in float32 on one L20 (48 GB): 50.3 GiB on the GPU was printed without a
-    word. The warning names the ways out; two stages in bfloat16 fit."""
+    word. The warning counts the text encoders every rank holds and names the ways out;
+    two stages in bfloat16 fit."""
     argv = ["inspect", "released:flux1-dev", "--chunks", "4", "--for", "l20"]
     line, err = _for_line(capsys, [*argv, "--stages", "1"])
-    assert "the busiest GPU holds 50.3 GiB" in line
-    assert "tokpipe: warning: the busiest GPU would hold 50.3 GiB, more than the 44.7 GiB " \
-           "(48 GB) of one l20, before any activations: this plan does not fit; plan more " \
-           "stages (--stages 2 or more) or halve the bytes with --dtype bfloat16" in err
+    assert "the busiest GPU holds 50.3 GiB (weights, K/V, boundary values), and 18.2 GiB " \
+           "of text encoders" in line
+    assert "tokpipe: warning: the busiest GPU would hold 50.3 GiB of the transformer and " \
+           "18.2 GiB of text encoders (every rank encodes the prompt), against the 44.7 GiB " \
+           "(48 GB) of one l20: this plan does not fit; plan more stages (--stages 3 or " \
+           "more), halve the bytes with --dtype bfloat16 or encode the prompts beforehand" in err
     _, err = _for_line(capsys, [*argv, "--stages", "2", "--dtype", "bfloat16"])
     assert "would hold" not in err  # no word on fitting
+
+
+def test_a_plan_that_leaves_no_room_for_activations_is_warned_about(capsys):
+    """Wan 2.1 14B on four L20s in float32: 43.9 GiB of the transformer's on the busiest
+    of them was printed without a word, and its 21.2 GiB UMT5 encoder did not fit beside
+    it; in bfloat16 on two, 39.8 and 10.6 GiB. Eight in bfloat16 leave room."""
+    argv = ["inspect", "released:wan2.1-t2v-14b", "--chunks", "auto", "--for", "l20"]
+    _, err = _for_line(capsys, [*argv, "--stages", "4"])
+    assert "43.9 GiB of the transformer and 21.2 GiB of text encoders" in err
+    assert "this plan does not fit" in err
+    _, err = _for_line(capsys, [*argv, "--stages", "8", "--dtype", "bfloat16"])
+    assert "would hold" not in err, err
 
 
 def test_a_released_format_config_builds_the_released_model(tmp_path, capsys):

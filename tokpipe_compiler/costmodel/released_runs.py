@@ -96,6 +96,12 @@ def outside_seconds(run: Run, rates: DeviceRates) -> float:
     return flops / rates.matmul_flops + nbytes / rates.mem_bandwidth
 
 
+def encoder_bytes(run: Run, itemsize: int) -> float:
+    """The text encoders' weights at `itemsize` bytes a parameter: every rank of a
+    parallelized pipeline runs its prompt encoding, so each GPU holds them."""
+    return sum(params for params, _ in run.encoders) * itemsize
+
+
 def count_decoder(cls_name: str, latent: tuple[int, ...]) -> tuple[float, float]:
     """(FLOPs, bytes of op outputs) of a diffusers VAE class's decode (its default config)
     of a bf16 `latent`, on the meta device: where VIDEO_VAE comes from."""
