@@ -105,6 +105,52 @@ def other_class_labels(rank: int, world: int) -> list[str]:
 
 
 def test_a_ring_input_that_differs_between_ranks_is_named_as_the_call_names_it():
-    """The ring's fixed inputs were named by position ('input_0')."""
+    """The ring's fixed inputs were named by position ('input_0'), then by the ring's name
+    for them ('input_class_labels'); the warning, once a call (it came at the generation's
+    first call and again at its ring run)."""
     for lines in launch(other_class_labels, 2, timeout=120):
-        assert lines and all("input 'input_class_labels'" in line for line in lines), lines
+        assert len(set(lines)) == 1, lines
+        assert lines[0].endswith("rank's inputs): the transformer's 'class_labels'"), lines
+
+
+def other_schedule(rank: int, world: int, what: str) -> str:
+    """A ring where rank 1 runs another guidance scale or scheduler shift: its error."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    from tokpipe_compiler.generate import tiny_dit_pipeline
+
+    pipe = tiny_dit_pipeline()
+    if what == "scheduler" and rank == 1:
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config,
+                                                          timestep_spacing="trailing")
+    if what == "class" and rank == 1:
+        pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
+    tp.pipelines.parallelize(pipe, stages=world, **{**OPTIONS, "timeout": 20.0})
+    guidance = 4.0 + (rank if what == "guidance" else 0)
+    try:
+        pipe(class_labels=[1], guidance_scale=guidance, output_type="latent",
+             num_inference_steps=3, generator=torch.Generator().manual_seed(0))
+    except tp.TokpipeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_with_other_guidance_scales_raise_on_every_rank():
+    """They warned, and every rank got one generation mixed from both (SD3: 3.9e-2 off
+    rank 0's own serial run)."""
+    for error in launch(other_schedule, 2, timeout=120, args=("guidance",)):
+        assert error.startswith("the ranks run different schedules"), error
+        assert "input 'guidance': checksum rank 0" in error, error
+
+
+@pytest.mark.parametrize(("what", "rank_1"), [("scheduler", "DDIMScheduler (configuration"),
+                                              ("class", "DPMSolverMultistepScheduler")])
+def test_ranks_with_other_schedulers_raise_naming_them(what, rank_1):
+    """Another configuration warned and mixed the schedules (SD3 with shift 3 and 5: 3.3e-2
+    and 2.8e-3 off each rank's own serial run); another class raised with a dozen of the
+    programs' internal differences, none naming the scheduler."""
+    for error in launch(other_schedule, 2, timeout=120, args=(what,)):
+        first = "the ranks' pipelines differ at a generation's first call:\n  pipeline " \
+                "'scheduler': rank 0 DDIMScheduler (configuration "
+        assert error.startswith(first), error
+        assert f"rank 1 {rank_1}" in error and "plan 'token input'" not in error, error

@@ -18,6 +18,7 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
 from tokpipe_compiler.programs.pipelined import input_arguments
 from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as_bytes
 
@@ -96,10 +97,24 @@ def exchange_fingerprints(transport, mine: dict[str, Any], when: str) -> list[di
     return [mine if r == rank else received[r] for r in range(world)]
 
 
+def pipeline_entry(scheduler: Any, ring: bool) -> dict[str, str]:
+    """What a parallelized pipeline's ranks must share beyond the transformer's program:
+    the scheduler (class and configuration) and whether the call runs as a ring."""
+    config = json.dumps(dict(getattr(scheduler, "config", {})), sort_keys=True, default=str)
+    return {"scheduler": f"{type(scheduler).__name__} (configuration {_crc(config)})",
+            "runs": "as a ring" if ring else "per call"}
+
+
 def check_agreement(every: list[dict[str, Any]], when: str) -> None:
     """Raises if the ranks' fingerprints differ in anything that shapes the messages, or in
     the token input's values; warns if only other inputs' values differ. `when`: the call
     they were taken at, for the messages."""
+    pipeline = _differences("pipeline", [fp.get("pipeline", {}) for fp in every])
+    if pipeline:  # named first: the programs' other differences follow from it
+        raise TokpipeError(
+            f"the ranks' pipelines differ at {when}:\n  " + "\n  ".join(pipeline) + "\n"
+            "Every rank must run the same pipeline, with the same scheduler and configuration "
+            "(one that runs per call on one rank and as a ring on another cannot meet).")
     differences = [line for part in ("options", "plan", "inputs")
                    for line in _differences(part, [fp[part] for fp in every])]
     if any(fp["weights"] != every[0]["weights"] for fp in every):
@@ -121,10 +136,38 @@ def check_agreement(every: list[dict[str, Any]], when: str) -> None:
             "be called with the same inputs:\n  " + "\n  ".join(sums) + "\nSeed the random "
             "generator identically on every rank before drawing the latents (e.g. "
             "torch.manual_seed(seed)), or draw them on one rank and broadcast them.")
+    schedule = [line for line in sums if _field(line) in SCHEDULE]
+    if schedule:
+        raise TokpipeError(
+            "the ranks run different schedules, so every rank would get one mixed "
+            "generation:\n  " + "\n  ".join(schedule) + "\nRun the same scheduler, with "
+            "the same configuration (its class, shift, ...), and the same guidance scale on "
+            "every rank; pass the same timesteps to a model compiled directly.")
     if sums:
+        # named without checksums: the same text at the generation's first call and at
+        # its ring run warns once
         warn("inputs differ between ranks (the output is computed from each stage's "
-             "rank's own copy, so it matches no single rank's inputs):\n  "
-             + "\n  ".join(sums))
+             "rank's own copy, so it matches no single rank's inputs): "
+             + ", ".join(_user_name(_field(line)) for line in sums))
+
+
+# The step's inputs from the schedule: a ring's timestep, input scale, update coefficients
+# and guidance scale, and a timestep passed to a model compiled directly. Ranks that differ
+# on them run different generations.
+SCHEDULE = frozenset({"scale", "coeffs", "guidance", *TIMESTEP_NAMES})
+
+
+def _field(line: str) -> str:
+    """The input a `_differences` line is about ("input 'x': ..." -> "x")."""
+    return line.split("'", 2)[1]
+
+
+def _user_name(name: str) -> str:
+    """An input as the caller knows it: a ring's fixed transformer inputs are the
+    transformer's arguments (`input_encoder_hidden_states`)."""
+    if name.startswith("input_"):
+        return f"the transformer's {name.removeprefix('input_')!r}"
+    return repr(name)
 
 
 def _differ(every: list[dict[str, Any]], fields: Sequence[str]) -> bool:

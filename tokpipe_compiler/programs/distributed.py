@@ -32,6 +32,7 @@ from tokpipe_compiler.programs.agreement import (
     exchange_fingerprints,
     exchange_rates,
     fingerprint,
+    pipeline_entry,
 )
 from tokpipe_compiler.programs.device_copies import DeviceCopies
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS
@@ -104,7 +105,9 @@ class DistributedProgram(PipelinedProgram):
         if scheduled is not None:  # per call, a rank with more steps would wait for them
             steps["scheduler steps"] = scheduled
         later = self.calls > 0  # a peer that fails to show may still be in the last one
-        self._agree([args], "a generation's first call", steps, LATE_PEER if later else "")
+        self._agree([args], "a generation's first call", steps, LATE_PEER if later else "",
+                    {} if marks is None else pipeline_entry(marks.scheduler,
+                                                            self.ring_steps is not None))
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,
@@ -154,13 +157,14 @@ class DistributedProgram(PipelinedProgram):
             pieces.watch.see(pieces.first + k, every[k])
 
     def _agree(self, calls: list[tuple], when: str, plan: dict[str, int],
-               absent_hint: str = "") -> None:
-        """Every rank's fingerprint of `calls` (the first's inputs, every call's checksums)
-        and `plan`'s entries to every other; raises on all ranks alike if they disagree (a
-        TokpipeError that says which rank has what). `absent_hint` ends the error of a rank
-        whose peer never sends its fingerprint."""
+               absent_hint: str = "", pipeline: dict[str, str] | None = None) -> None:
+        """Every rank's fingerprint of `calls` (the first's inputs, every call's checksums),
+        `plan`'s entries and `pipeline`'s (see pipeline_entry) to every other; raises on all
+        ranks alike if they disagree (a TokpipeError that says which rank has what).
+        `absent_hint` ends the error of a rank whose peer never sends its fingerprint."""
         mine = fingerprint(self.plan, calls)
         mine["plan"].update(plan)
+        mine["pipeline"] = pipeline or {}
         try:
             every = exchange_fingerprints(self.transport, mine, when)
         except GroupClosed:
