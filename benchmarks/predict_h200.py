@@ -59,8 +59,10 @@ def log(message: str) -> None:
 
 
 def trace(name: str, batch: int) -> torch.fx.GraphModule:
-    """Dynamo's graph of the whole released model, bf16 on meta, at its released inputs."""
-    model = released.build(name, layers=None, device="meta").to(torch.bfloat16)
+    """Dynamo's graph of the whole released model, bf16 on meta, at its released inputs;
+    cast as its weights load (`released.cast`: Wan keeps some modules in float32), as
+    `tokpipe inspect --for` casts it."""
+    model = released.cast(released.build(name, layers=None, device="meta"), torch.bfloat16)
     inputs = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point()
               else v for k, v in released.inputs(name, batch=batch, device="meta").items()}
     (graph,) = capture(model, (), inputs, fresh=True)

@@ -235,6 +235,9 @@ def _inspect(args: argparse.Namespace) -> int:
         plan = explain(model, call_args, call_kwargs, **options) if run is None else \
             plan_for_ring(model, call_args, call_kwargs, options, run.steps - args.warmup_steps)
     print(plan)
+    if args.chunks == "auto" and run is None and _on_meta(model):
+        print("chunks='auto' chose the chunks at this machine's CPU rates: --for h200 (or "
+              "a100-pcie, l20) chooses them for a GPU")
     if run is not None:
         line, warnings = predicted(plan, args.target, run)
         print(line)

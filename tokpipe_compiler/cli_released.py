@@ -223,8 +223,13 @@ def predicted(plan: Any, target: str, run: TargetRun) -> tuple[str, list[str]]:
     held = "" if not encoders else f", and {encoders / 2**30:.1f} GiB of text encoders"
     line = (f"predicted on {len(plan.stages)} x {target} ({link}, {host}), {run.steps} steps "
             f"({run.why}) of the transformer in {name}{extra}: serial {result.serial_s:.2f} "
-            f"s, pipelined {result.pipelined_s:.2f} s ({result.speedup:.2f}x); the busiest "
-            f"GPU holds {peak / 2**30:.1f} GiB (weights, K/V, boundary values){held}")
+            f"s, pipelined {result.pipelined_s:.2f} s ({result.speedup:.2f}x, the GPUs idle "
+            f"{result.bubble:.0%} of the ring's steps); the busiest GPU holds "
+            f"{peak / 2**30:.1f} GiB (weights, K/V, boundary values){held}")
+    if result.speedup < 1:
+        line += (f"; slower than one GPU: this model's chunks are too short for "
+                 f"{len(plan.stages)} {target}s (fewer stages"
+                 + (")" if graphs else ", or --cuda-graphs)"))
     warning = over_memory(peak, encoders, device, len(plan.stages), dtype)
     return line, [warning] if warning else []
 

@@ -165,8 +165,9 @@ def predicted_run(capsys, argv: list[str]) -> tuple[str, list[float], int, str]:
     found = re.fullmatch(r"predicted on 2 x h200 \(nvlink4, ([a-zA-Z ]+)\), (\d+ steps "
                          r"\([^)]+\)) of the transformer in bfloat16(?:, plus [\d.]+ s of "
                          r"text encoders and VAE decode)?: serial ([\d.]+) s, pipelined "
-                         r"([\d.]+) s \(([\d.]+)x\); "
-                         r"the busiest GPU holds ([\d.]+) GiB \(weights, K/V, boundary values\)",
+                         r"([\d.]+) s \(([\d.]+)x, the GPUs idle \d+% of the ring's steps\); "
+                         r"the busiest GPU holds ([\d.]+) GiB \(weights, K/V, boundary values\)"
+                         r"(?:, and [\d.]+ GiB of text encoders)?(?:; slower than one GPU.*)?",
                          line)
     assert found, line
     return found.group(1), [float(x) for x in found.groups()[2:]], chunks, found.group(2)
@@ -270,6 +271,23 @@ def test_a_plan_larger_than_the_gpus_memory_is_warned_about(capsys):
            "more), halve the bytes with --dtype bfloat16 or encode the prompts beforehand" in err
     _, err = _for_line(capsys, [*argv, "--stages", "2", "--dtype", "bfloat16"])
     assert "would hold" not in err  # no word on fitting
+
+
+def test_a_plan_slower_than_one_gpu_says_so(capsys):
+    """DiT-XL/2 at 256 px on 8 H200s: 256 tokens a step, too few to share; it printed its
+    0.86x without a remark."""
+    argv = ["inspect", "released:dit-xl-2-256", "--stages", "8", "--chunks", "auto",
+            "--dtype", "bfloat16", "--for", "h200"]
+    line, _ = _for_line(capsys, argv)
+    assert line.endswith("; slower than one GPU: this model's chunks are too short for 8 "
+                         "h200s (fewer stages, or --cuda-graphs)"), line
+
+
+def test_auto_chunks_without_a_gpu_say_whose_rates_chose_them(capsys):
+    assert main(["inspect", "released:flux1-dev", "--stages", "2", "--chunks", "auto",
+                 "--dtype", "bfloat16"]) == 0
+    assert "chunks='auto' chose the chunks at this machine's CPU rates: --for h200" in \
+        capsys.readouterr().out
 
 
 def test_a_plan_that_leaves_no_room_for_activations_is_warned_about(capsys):
