@@ -219,12 +219,27 @@ class Ring:
 
 
 def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
-    """The graph of one call of the step function, its example inputs and placeholders."""
+    """The graph of one call of the step function, its example inputs and placeholders.
+    Where the step itself raises (the model fails on these inputs), that error, as an
+    eager call raises it, rather than Dynamo's account of it ("Observed exception")."""
     try:
         return capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1]
     except torch._dynamo.exc.Unsupported as err:
+        if _observed(err):
+            with torch.no_grad():
+                step_fn(**values)  # raises the model's own error, with its traceback
         raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
                            f"it: {str(err).splitlines()[0]}") from err
+
+
+def _observed(err: BaseException) -> bool:
+    """Whether Dynamo stopped because the traced code raised an exception of its own."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, torch._dynamo.exc.ObservedException):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _read_per_chunk(graphs: SplitGraphs, placeholder: str) -> bool:

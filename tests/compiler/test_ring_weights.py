@@ -158,3 +158,19 @@ def test_a_ring_told_not_to_follow_its_modules_keeps_its_trace():
     _assign_weight(model_of())
     _, said = _run(ring, inputs, per_step)
     assert not said and ring.program is program
+
+
+def test_a_step_that_raises_raises_its_own_error():
+    """A model that fails on these inputs (diffusers' SD3 PAG with its default processors
+    swapped in: a tuple unpacked into too many names) raised "Dynamo broke it: Observed
+    exception", the model's error two links down the chain."""
+    model = _model(0)
+
+    def step(latents, timestep, labels):
+        first, second = model(latents, timestep[None], labels).shape[:3]  # three values
+        return (latents * first,)
+
+    inputs, per_step = _inputs()
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    with pytest.raises(ValueError, match=r"too many values to unpack \(expected 2"):
+        ring.run(inputs, per_step=per_step)

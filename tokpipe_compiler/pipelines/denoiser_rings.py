@@ -85,6 +85,7 @@ class DenoiserRings:
         self._batching: dict[Any, bool] = {}  # calls' signature -> rows_per_sample
         self._branch_forward: Callable[..., Any] | None = None
         self._state: ModuleState | None = None  # the transformer's `module_state` its rings traced
+        self._processors: dict[str, str] = {}  # and its attention processors' classes
 
     def output_structure(self, call: dict[str, Any]) -> Any:
         """The transformer's output for this call, as Specs (cached per signature)."""
@@ -188,16 +189,23 @@ class DenoiserRings:
         """Drop the rings (traced with the transformer's weights and modules as they were)
         when the transformer changed other than in place since: a LoRA loaded, a weight
         assigned anew, a processor swapped."""
-        state = module_state(self.denoiser)
+        state, processors = module_state(self.denoiser), processor_classes(self.denoiser)
         if self._state is not None and state != self._state and (self.rings or self._shapes):
+            swapped = [f"{name}: {self._processors.get(name)} -> {kind}"
+                       for name, kind in processors.items()
+                       if self._processors.get(name) not in (None, kind)]
+            where = changed_parts(self._state, state) + (
+                f"; attention processors swapped, {', '.join(swapped[:2])}"
+                + (f" and {len(swapped) - 2} more" if len(swapped) > 2 else "")
+                if swapped else "")
             warn(f"tokpipe: {type(self.pipe).__name__}.{self.name} changed since its "
-                 f"rings were traced (in {changed_parts(self._state, state)}): "
-                 "tracing and planning them anew, so this call compiles again")
+                 f"rings were traced (in {where}): tracing and planning them anew, so this "
+                 "call compiles again")
             self.rings.clear()
             self._shapes.clear()
             self._batching.clear()
             self._branch_forward = None
-        self._state = state
+        self._state, self._processors = state, processors
 
     def _branches_in_turn(self, table: StepTable, start: Carried,
                           fixed: dict[str, Any]) -> RunSegment:
@@ -269,6 +277,15 @@ class DenoiserRings:
                 forward = torch.compile(forward, dynamic=False, mode=mode)
             self._branch_forward = forward
         return self._branch_forward
+
+
+def processor_classes(module: Any) -> dict[str, str]:
+    """A diffusers transformer's attention processors' class names, by attention module
+    (PAG pipelines swap them at each call, and with the guidance for other classes)."""
+    processors = getattr(module, "attn_processors", None)
+    if not isinstance(processors, dict):
+        return {}
+    return {name.removesuffix(".processor"): type(p).__name__ for name, p in processors.items()}
 
 
 def _first_state(carried: torch.Tensor, state: tuple[torch.Tensor, ...],
