@@ -167,8 +167,8 @@ def test_a_step_that_raises_raises_its_own_error():
     model = _model(0)
 
     def step(latents, timestep, labels):
-        first, second = model(latents, timestep[None], labels).shape[:3]  # three values
-        return (latents * first,)
+        batch, _channels = model(latents, timestep[None], labels).shape[:3]  # three values
+        return (latents * batch,)
 
     inputs, per_step = _inputs()
     ring = tp.Ring(step, carry=["latents"], **OPTIONS)

@@ -24,7 +24,8 @@ from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.pipelines import cfg_parallel
-from tokpipe_compiler.pipelines.glue import PERTURBED, Glue, model_timesteps
+from tokpipe_compiler.pipelines.glue import Glue, model_timesteps
+from tokpipe_compiler.pipelines.guidance_forms import PERTURBED
 from tokpipe_compiler.pipelines.probes import (
     RingUnavailable,
     fake_run_error,

@@ -14,13 +14,13 @@ computing; what reaches `scheduler.step` then says which form the pipeline used,
 which guidance scale. Nothing about a family is written here: its own loop is observed.
 
 `Glue` is the answer; `model_input`, `model_timesteps` and `guide` replay it inside the
-ring's step function, and `guide` also checks every later step against it.
+ring's step function, and `guide` also checks every later step against it. The guidance
+forms themselves, and fitting them, are `guidance_forms`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,25 +29,16 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines.guidance_forms import GlueNotFound, close, combine, fit_guidance
 from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
 
 DIVISORS = (1.0, 1000.0)  # pipelines pass t, or t / 1000 (flow-matching transformers)
 # How the timestep passed is made from the scheduler's t: (divisor, divide_first), see Glue.
 TimestepForm = tuple[float, bool]
-COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both", "cond_first_rescaled",
-            "perturbed", "uncond_first_perturbed")
-# diffusers' PAG pipelines: (cond, perturbed) with scale s, or (uncond, cond, perturbed) with
-# scales (g, s); their attention processors split the batch inside the transformer call.
-PERTURBED = ("perturbed", "uncond_first_perturbed")
 # The names the condition joined to the latent (see Glue) takes among the step's fixed inputs,
 # and the mask of the latent's own positions where the ring carries the condition's.
 CONDITION = "_tokpipe_condition"
 LATENT_POSITIONS = "_tokpipe_latent_positions"
-EXACT = 1e-6  # relative: a form matches when it reproduces the pipeline's own arithmetic
-
-
-class GlueNotFound(TokpipeError):
-    """The pipeline's step is not one of the token-wise forms ring mode can replay."""
 
 
 @dataclass(frozen=True)
@@ -64,11 +55,11 @@ class Glue:
         or `t.to(dtype) / divisor` when not divide_first, broadcast over the batch. In a
         low-precision dtype the two orders round differently, and at t = 1000 they agree,
         so a first step may leave both (later steps narrow them, before the ring runs).
-    combine: the guidance form (see COMBINES); cond_first_both is DiT's, which keeps the
-        doubled latent and writes the guided prediction to both halves; cond_first_rescaled
-        is QwenImage's, which rescales the guided prediction to the conditional one's norm
-        over the last axis (channels, per token); perturbed and uncond_first_perturbed are
-        the PAG pipelines' (see PERTURBED).
+    combine: the guidance form (`guidance_forms.COMBINES`); cond_first_both is DiT's, which
+        keeps the doubled latent and writes the guided prediction to both halves;
+        cond_first_rescaled is QwenImage's, which rescales the guided prediction to the
+        conditional one's norm over the last axis (channels, per token); perturbed and
+        uncond_first_perturbed are the PAG pipelines' (`guidance_forms.PERTURBED`).
     guidance_dtype / prediction_dtype: the dtype guidance is computed in (CogVideoX and
         Sana upcast the prediction to float32 first), and the one the scheduler gets.
     channels: output channels the scheduler gets (the learned variance dropped), or None.
@@ -139,13 +130,13 @@ def identify(calls: Sequence[dict[str, Any]], probes: Sequence[torch.Tensor],
     else:
         raise GlueNotFound(f"the pipeline called the transformer {len(calls)} times in one "
                            "step; ring mode replays one call, or two (one per guidance branch)")
-    combine, guidance_dtype, channels, guidance = _guidance(probe, noise_pred, len(calls),
-                                                           guidance_candidates)
+    form, guidance_dtype, channels, guidance = fit_guidance(probe, noise_pred, len(calls),
+                                                            guidance_candidates)
     # the output's axis 1 is the input's joined axis, the condition's part dropped
     positions = condition_dim == 1 and channels is not None and \
         channels + condition_size == probe.shape[1]
     return Glue(latent_arg, step_arg, copies, first[latent_arg].dtype, forms,
-                first[step_arg].dtype, combine, guidance_dtype, noise_pred.dtype, channels,
+                first[step_arg].dtype, form, guidance_dtype, noise_pred.dtype, channels,
                 guidance, len(calls), condition_dim, condition_size, positions,
                 tuple(first[step_arg].shape[1:]))
 
@@ -206,7 +197,7 @@ def guide(glue: Glue, out: torch.Tensor, guidance: torch.Tensor | float,
     condition's positions (the ring carries them, see `condition_positions`)."""
     if glue.channels is not None and not every_position:
         out = out[:, : glue.channels]
-    guided = _combine(glue.combine, out.to(glue.guidance_dtype), guidance, glue.calls)
+    guided = combine(glue.combine, out.to(glue.guidance_dtype), guidance, glue.calls)
     return guided.to(glue.prediction_dtype)
 
 
@@ -217,40 +208,6 @@ def first_tensor(output: Any, leaf: type = torch.Tensor) -> Any:
         if isinstance(value, leaf):
             return value
     raise TokpipeError("the transformer returned no tensor")
-
-
-def _combine(combine: str, out: torch.Tensor, g: Any, calls: int) -> torch.Tensor:
-    if combine == "none":
-        return out
-    if combine in PERTURBED:
-        return _perturbed(combine, out, g)
-    first, second = out.chunk(2)
-    if combine == "uncond_first":
-        return first + _times(g, second - first)
-    guided = second + _times(g, first - second)  # cond first: DiT, and the two-call pipelines
-    if combine == "cond_first_rescaled":
-        return guided * (torch.norm(first, dim=-1, keepdim=True) /
-                         torch.norm(guided, dim=-1, keepdim=True))
-    return torch.cat([guided, guided]) if combine == "cond_first_both" else guided
-
-
-def _perturbed(combine: str, out: torch.Tensor, g: Any) -> torch.Tensor:
-    """diffusers' PAG guidance, in its order of operations: `cond + s * (cond - perturbed)`,
-    or `uncond + g * (cond - uncond) + s * (cond - perturbed)` with g = (g, s)."""
-    if combine == "perturbed":
-        cond, perturbed = out.chunk(2)
-        return cond + _times(g, cond - perturbed)
-    uncond, cond, perturbed = out.chunk(3)
-    return uncond + _times(g[0], cond - uncond) + _times(g[1], cond - perturbed)
-
-
-def _times(g: Any, x: torch.Tensor) -> torch.Tensor:
-    """g * x as the pipeline computes it with a Python float g. The ring passes g as a
-    float32 tensor, which a bfloat16 or float16 product would round to x's dtype first
-    (3.7 -> 3.703125); the product in float32, rounded once, is the pipeline's."""
-    if isinstance(g, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16):
-        return (g.to(torch.float32) * x.to(torch.float32)).to(x.dtype)
-    return g * x
 
 
 def _latent(arguments: dict[str, Any], scaled: torch.Tensor,
@@ -278,12 +235,12 @@ def _joined(value: torch.Tensor, expected: torch.Tensor) -> tuple[int | None, in
         return None
     grown = [d for d in range(value.dim()) if value.shape[d] != expected.shape[d]]
     if not grown:
-        return (None, 0) if _close(value.float(), expected.to(value.dtype).float()) else None
+        return (None, 0) if close(value.float(), expected.to(value.dtype).float()) else None
     if len(grown) != 1 or value.shape[grown[0]] < expected.shape[grown[0]]:
         return None
     dim = grown[0]
     head = value.narrow(dim, 0, expected.shape[dim])
-    if _close(head.float(), expected.to(value.dtype).float()):
+    if close(head.float(), expected.to(value.dtype).float()):
         return dim, value.shape[dim] - expected.shape[dim]
     return None
 
@@ -316,88 +273,3 @@ def _check_branch_calls(calls: Sequence[dict[str, Any]], latent_arg: str, step_a
                                "ring mode batches the guidance branches of one latent")
 
 
-def _guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
-              candidates: Sequence[float]) -> tuple[str, torch.dtype, int | None, Any]:
-    """The guidance form, the dtype it is computed in, the channels kept and the scale.
-    The call's own numbers are tried in every form before fitted ones, and the form that
-    gives the pipeline's numbers most closely wins: one batch fits several forms (a batch
-    of two is classifier-free guidance at g, or PAG at s = g - 1 with the rows read the
-    other way), which differ only in rounding."""
-    channels = None
-    if probe.dim() > 1 and noise_pred.dim() > 1 and probe.shape[1] != noise_pred.shape[1]:
-        channels = noise_pred.shape[1]
-        probe = probe[:, :channels]
-    forms = ("cond_first", "cond_first_rescaled") if calls == 2 else COMBINES
-    for own in (True, False):
-        best: tuple[float, Any] | None = None
-        for combine in forms:
-            for dtype in dict.fromkeys((probe.dtype, noise_pred.dtype)):
-                cast = probe.to(dtype)
-                for g in _scales(combine, cast, noise_pred, candidates, own):
-                    guided = _combine(combine, cast, g, calls)
-                    if guided.shape != noise_pred.shape:
-                        continue
-                    error = _error(guided.to(noise_pred.dtype), noise_pred)
-                    if error <= EXACT and (best is None or error < best[0]):
-                        best = error, (combine, dtype, channels, g)
-                    if error == 0:
-                        return best[1]
-        if best is not None:
-            return best[1]
-    tried = ", ".join(f"{c:g}" for c in candidates)
-    raise GlueNotFound("the prediction the pipeline passes to scheduler.step is neither the "
-                       "transformer's output nor classifier-free or perturbed-attention "
-                       f"guidance over it at scales the call passed or defaults to ({tried}) "
-                       "or fitted to it (a guidance rescaled by statistics over all tokens "
-                       "cannot be chunked)")
-
-
-def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor,
-            candidates: Sequence[float], own: bool) -> list[Any]:
-    """Guidance scales to try: the call's own values (own), or the least-squares fit."""
-    if combine == "none":
-        return [1.0] if own else []
-    if combine == "cond_first_rescaled":  # not linear in g: the pipeline's own values only
-        return [float(c) for c in candidates] if own else []
-    parts = 3 if combine == "uncond_first_perturbed" else 2
-    if combine == "cond_first_both" and noise_pred.shape[0] == probe.shape[0]:
-        target = noise_pred.chunk(2)[0]
-    elif noise_pred.shape[0] * parts == probe.shape[0]:
-        target = noise_pred
-    else:
-        return []
-    base, directions = _directions(combine, probe.double().chunk(parts))
-    fitted = _least_squares(target.double() - base, directions)
-    if not own:
-        return [fitted[0] if len(fitted) == 1 else tuple(fitted)]
-    near = [[float(c) for c in candidates if abs(float(c) - f) <= 1e-3 * max(1, abs(f))]
-            for f in fitted]
-    return near[0] if len(near) == 1 else list(itertools.product(*near))
-
-
-def _directions(combine: str, parts: Sequence[torch.Tensor]
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The guided prediction's base and the directions its scales multiply."""
-    if combine == "uncond_first":
-        return parts[0], [parts[1] - parts[0]]
-    if combine == "perturbed":
-        return parts[0], [parts[0] - parts[1]]
-    if combine == "uncond_first_perturbed":
-        return parts[0], [parts[1] - parts[0], parts[1] - parts[2]]
-    return parts[1], [parts[0] - parts[1]]  # cond first
-
-
-def _least_squares(target: torch.Tensor, directions: list[torch.Tensor]) -> list[float]:
-    """The scales that best make `target` from `directions` (0 where they do not fix it)."""
-    matrix = torch.stack([d.flatten() for d in directions], 1)
-    solution = torch.linalg.lstsq(matrix, target.flatten()[:, None]).solution
-    return [float(x) for x in solution.flatten()]
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return _error(a, b) <= EXACT
-
-
-def _error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| relative to max |b|."""
-    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)

@@ -1,0 +1,149 @@
+"""The guidance forms a pipeline applies to its transformer's output, and finding which
+one (and at which scales) turns the transformer's probes into what the pipeline passed to
+`scheduler.step`: classifier-free guidance (uncond first or cond first, DiT's written to
+both halves, QwenImage's rescaled to the conditional prediction's norm) and diffusers'
+perturbed-attention guidance (PAG), in the pipelines' own order of operations.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tokpipe_compiler.core.errors import TokpipeError
+
+COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both", "cond_first_rescaled",
+            "perturbed", "uncond_first_perturbed")
+# diffusers' PAG pipelines: (cond, perturbed) with scale s, or (uncond, cond, perturbed) with
+# scales (g, s); their attention processors split the batch inside the transformer call.
+PERTURBED = ("perturbed", "uncond_first_perturbed")
+EXACT = 1e-6  # relative: a form matches when it reproduces the pipeline's own arithmetic
+
+
+class GlueNotFound(TokpipeError):
+    """The pipeline's step is not one of the token-wise forms ring mode can replay."""
+
+
+def combine(form: str, out: torch.Tensor, g: Any, calls: int) -> torch.Tensor:
+    """The guided prediction of guidance `form` over `out` (see COMBINES) at scale(s) `g`."""
+    if form == "none":
+        return out
+    if form in PERTURBED:
+        return _perturbed(form, out, g)
+    first, second = out.chunk(2)
+    if form == "uncond_first":
+        return first + _times(g, second - first)
+    guided = second + _times(g, first - second)  # cond first: DiT, and the two-call pipelines
+    if form == "cond_first_rescaled":
+        return guided * (torch.norm(first, dim=-1, keepdim=True) /
+                         torch.norm(guided, dim=-1, keepdim=True))
+    return torch.cat([guided, guided]) if form == "cond_first_both" else guided
+
+
+def _perturbed(combine: str, out: torch.Tensor, g: Any) -> torch.Tensor:
+    """diffusers' PAG guidance, in its order of operations: `cond + s * (cond - perturbed)`,
+    or `uncond + g * (cond - uncond) + s * (cond - perturbed)` with g = (g, s)."""
+    if combine == "perturbed":
+        cond, perturbed = out.chunk(2)
+        return cond + _times(g, cond - perturbed)
+    uncond, cond, perturbed = out.chunk(3)
+    return uncond + _times(g[0], cond - uncond) + _times(g[1], cond - perturbed)
+
+
+def _times(g: Any, x: torch.Tensor) -> torch.Tensor:
+    """g * x as the pipeline computes it with a Python float g. The ring passes g as a
+    float32 tensor, which a bfloat16 or float16 product would round to x's dtype first
+    (3.7 -> 3.703125); the product in float32, rounded once, is the pipeline's."""
+    if isinstance(g, torch.Tensor) and x.dtype in (torch.bfloat16, torch.float16):
+        return (g.to(torch.float32) * x.to(torch.float32)).to(x.dtype)
+    return g * x
+
+
+def fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
+              candidates: Sequence[float]) -> tuple[str, torch.dtype, int | None, Any]:
+    """The guidance form, the dtype it is computed in, the channels kept and the scale.
+    The call's own numbers are tried in every form before fitted ones, and the form that
+    gives the pipeline's numbers most closely wins: one batch fits several forms (a batch
+    of two is classifier-free guidance at g, or PAG at s = g - 1 with the rows read the
+    other way), which differ only in rounding."""
+    channels = None
+    if probe.dim() > 1 and noise_pred.dim() > 1 and probe.shape[1] != noise_pred.shape[1]:
+        channels = noise_pred.shape[1]
+        probe = probe[:, :channels]
+    forms = ("cond_first", "cond_first_rescaled") if calls == 2 else COMBINES
+    for own in (True, False):
+        best: tuple[float, Any] | None = None
+        for form in forms:
+            for dtype in dict.fromkeys((probe.dtype, noise_pred.dtype)):
+                cast = probe.to(dtype)
+                for g in _scales(form, cast, noise_pred, candidates, own):
+                    guided = combine(form, cast, g, calls)
+                    if guided.shape != noise_pred.shape:
+                        continue
+                    error = _error(guided.to(noise_pred.dtype), noise_pred)
+                    if error <= EXACT and (best is None or error < best[0]):
+                        best = error, (form, dtype, channels, g)
+                    if error == 0:
+                        return best[1]
+        if best is not None:
+            return best[1]
+    tried = ", ".join(f"{c:g}" for c in candidates)
+    raise GlueNotFound("the prediction the pipeline passes to scheduler.step is neither the "
+                       "transformer's output nor classifier-free or perturbed-attention "
+                       f"guidance over it at scales the call passed or defaults to ({tried}) "
+                       "or fitted to it (a guidance rescaled by statistics over all tokens "
+                       "cannot be chunked)")
+
+
+def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor,
+            candidates: Sequence[float], own: bool) -> list[Any]:
+    """Guidance scales to try: the call's own values (own), or the least-squares fit."""
+    if combine == "none":
+        return [1.0] if own else []
+    if combine == "cond_first_rescaled":  # not linear in g: the pipeline's own values only
+        return [float(c) for c in candidates] if own else []
+    parts = 3 if combine == "uncond_first_perturbed" else 2
+    if combine == "cond_first_both" and noise_pred.shape[0] == probe.shape[0]:
+        target = noise_pred.chunk(2)[0]
+    elif noise_pred.shape[0] * parts == probe.shape[0]:
+        target = noise_pred
+    else:
+        return []
+    base, directions = _directions(combine, probe.double().chunk(parts))
+    fitted = _least_squares(target.double() - base, directions)
+    if not own:
+        return [fitted[0] if len(fitted) == 1 else tuple(fitted)]
+    near = [[float(c) for c in candidates if abs(float(c) - f) <= 1e-3 * max(1, abs(f))]
+            for f in fitted]
+    return near[0] if len(near) == 1 else list(itertools.product(*near))
+
+
+def _directions(combine: str, parts: Sequence[torch.Tensor]
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The guided prediction's base and the directions its scales multiply."""
+    if combine == "uncond_first":
+        return parts[0], [parts[1] - parts[0]]
+    if combine == "perturbed":
+        return parts[0], [parts[0] - parts[1]]
+    if combine == "uncond_first_perturbed":
+        return parts[0], [parts[1] - parts[0], parts[1] - parts[2]]
+    return parts[1], [parts[0] - parts[1]]  # cond first
+
+
+def _least_squares(target: torch.Tensor, directions: list[torch.Tensor]) -> list[float]:
+    """The scales that best make `target` from `directions` (0 where they do not fix it)."""
+    matrix = torch.stack([d.flatten() for d in directions], 1)
+    solution = torch.linalg.lstsq(matrix, target.flatten()[:, None]).solution
+    return [float(x) for x in solution.flatten()]
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return _error(a, b) <= EXACT
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |b|."""
+    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
