@@ -5,6 +5,8 @@ within 1e-5 relative, float32)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from tests.fixtures.perturbed import PERTURBED
@@ -27,3 +29,22 @@ def test_guidance_turned_off_names_the_processors_swapped():
                                          r"PAGIdentitySelfAttnProcessor2_0\)"):
         out = generate(pipe, unguided, steps=3)
     assert rel_error(out, generate(serial, unguided, steps=3)) <= 1e-5
+
+
+def test_pag_turned_on_and_off_traces_each_form_once():
+    """pag_scale=0 puts the original processors back; PAG's come back at the next call.
+    Each switch traced and compiled anew; now the rings of the form before are kept aside
+    (the weights are the same) and taken back."""
+    make = PERTURBED["sd3_pag"]
+    serial, kwargs = make()
+    pipe, _ = parallelized(make, mode="sync")
+    calls = [kwargs, {**kwargs, "pag_scale": 0.0}] * 3
+    traced_anew = []
+    for call in calls:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = generate(pipe, call, steps=2)
+        traced_anew.append(any("changed since its rings were traced" in str(w.message)
+                               for w in caught))
+        assert rel_error(out, generate(serial, call, steps=2)) <= 1e-5
+    assert traced_anew == [False, True, False, False, False, False]

@@ -61,6 +61,9 @@ def test_a_changed_transformer_is_traced_anew(family, change, before):
         ring = generate(pipe, kwargs, steps=3)
     assert _relative(ring, changed) <= 1e-5
     gc.collect()
+    if change in ("swap_processors", "set_processor_scale", "scale_lora"):  # same weights: kept
+        assert traced and all(r() is not None for r in traced)
+        return
     assert traced and all(r() is None for r in traced)  # the old rings (and weights) freed
 
 

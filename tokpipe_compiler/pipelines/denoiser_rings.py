@@ -87,6 +87,9 @@ class DenoiserRings:
         self._branch_forward: Callable[..., Any] | None = None
         self._state: ModuleState | None = None  # the transformer's `module_state` its rings traced
         self._processors: dict[str, str] = {}  # and its attention processors' classes
+        # The rings of the state before, where only the processors or settings changed
+        # since (the same weights): a pipeline that swaps them back finds them traced.
+        self._kept: tuple[ModuleState, dict[str, str], tuple] | None = None
 
     def output_structure(self, call: dict[str, Any]) -> Any:
         """The transformer's output for this call, as Specs (cached per signature)."""
@@ -189,24 +192,35 @@ class DenoiserRings:
     def _follow_the_module(self) -> None:
         """Drop the rings (traced with the transformer's weights and modules as they were)
         when the transformer changed other than in place since: a LoRA loaded, a weight
-        assigned anew, a processor swapped."""
+        assigned anew, a processor swapped. Where only processors or settings changed, the
+        rings are kept aside, once, and taken back when the transformer is as it was
+        (diffusers' PAG pipelines swap processors with the guidance at every call)."""
         state, processors = module_state(self.denoiser), processor_classes(self.denoiser)
-        if self._state is not None and state != self._state and (self.rings or self._shapes):
-            swapped = [f"{name}: {self._processors.get(name)} -> {kind}"
-                       for name, kind in processors.items()
-                       if self._processors.get(name) not in (None, kind)]
-            where = changed_parts(self._state, state) + (
-                f"; attention processors swapped, {', '.join(swapped[:2])}"
-                + (f" and {len(swapped) - 2} more" if len(swapped) > 2 else "")
-                if swapped else "")
+        if self._state is None or state == self._state or not (self.rings or self._shapes):
+            self._state, self._processors = state, processors
+            return
+        kept, bundle = self._kept, (self.rings, self._shapes, self._batching,
+                                    self._branch_forward)
+        self._kept = (self._state, self._processors, bundle) \
+            if state.weights == self._state.weights else None
+        if kept is not None and kept[0] == state:  # back as it was: its rings as traced
+            self.rings, self._shapes, self._batching, self._branch_forward = kept[2]
+        else:
             warn(f"tokpipe: {type(self.pipe).__name__}.{self.name} changed since its "
-                 f"rings were traced (in {where}): tracing and planning them anew, so this "
-                 "call compiles again")
-            self.rings.clear()
-            self._shapes.clear()
-            self._batching.clear()
-            self._branch_forward = None
+                 f"rings were traced (in {self._changes(state, processors)}): tracing and "
+                 "planning them anew, so this call compiles again")
+            self.rings, self._shapes, self._batching, self._branch_forward = {}, {}, {}, None
         self._state, self._processors = state, processors
+
+    def _changes(self, state: ModuleState, processors: dict[str, str]) -> str:
+        """Where the transformer changed since its rings were traced, for the warning."""
+        swapped = [f"{name}: {self._processors.get(name)} -> {kind}"
+                   for name, kind in processors.items()
+                   if self._processors.get(name) not in (None, kind)]
+        more = f" and {len(swapped) - 2} more" if len(swapped) > 2 else ""
+        return changed_parts(self._state, state) + (
+            f"; attention processors swapped, {', '.join(swapped[:2])}{more}"
+            if swapped else "")
 
     def _branches_in_turn(self, table: StepTable, start: Carried,
                           fixed: dict[str, Any]) -> RunSegment:

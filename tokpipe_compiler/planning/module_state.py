@@ -46,6 +46,8 @@ class ModuleState:
 
     key: tuple
     held: list = field(repr=False)
+    weights: int = 0  # the part of `key` that names the tensors: equal when only other
+    # state changed (an attention processor swapped, a setting)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ModuleState) and other.key == self.key
@@ -60,9 +62,11 @@ def module_state(module: torch.nn.Module) -> ModuleState:
     # Each module's part as a hash: a few hundred small tuples kept instead of tens of
     # thousands (the collector walks what is kept). The hashed values are ints, strings,
     # types and dtypes: equal parts hash equal; a collision of unequal ones is 2**-64.
-    key = tuple((name, hash((type(m), _tensors(m, held), _attributes(m, held))))
-                for name, m in module.named_modules(remove_duplicate=False))
-    return ModuleState(key, held)
+    parts = [(name, m, _tensors(m, held))
+             for name, m in module.named_modules(remove_duplicate=False)]
+    key = tuple((name, hash((type(m), tensors, _attributes(m, held))))
+                for name, m, tensors in parts)
+    return ModuleState(key, held, hash(tuple((name, tensors) for name, _, tensors in parts)))
 
 
 def changed_parts(before: ModuleState, after: ModuleState, most: int = 3) -> str:
