@@ -27,13 +27,13 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.runtime.process_group import init_process_group_from_env
 from tokpipe_compiler.runtime.rank_start import (
     adopt_environment,
     hold_lifeline,
     rank_context,
     rank_environment,
 )
-from tokpipe_compiler.runtime.transport import init_process_group_from_env
 
 # After the first failure, how long the other ranks get to report theirs: a rank blocked on
 # a dead peer usually fails within a second, and its message says what it was waiting for.

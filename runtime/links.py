@@ -17,10 +17,19 @@ ends arrive. Ranks whose pairs first met in different orders could wait in a cir
 creating its back communicator with rank 1 while rank 1 creates its forward one with rank
 0), so the first transport over a group sends every pair's first messages, both ways, in
 one order on every rank (`DistributedTransport.connect`), before any other.
+
+Groups are held weakly, and the world is looked up at each message: after
+`destroy_process_group` nothing here keeps a group, or the store it was made over, alive. A
+store held past it keeps serving the old groups' keys to the groups started after it on the
+same port (torch shares a port's store within a process), whose ranks then connect to the
+old groups' addresses and wait in vain. Links over the world move to a world started anew
+(making its back group and connecting its pairs at their next message); links over a
+destroyed group that was given raise.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -29,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.runtime.transport_errors import GroupClosed
 
 FORWARD, BACK = 0, 1  # a message to a higher rank, to a lower one
 
@@ -59,62 +69,106 @@ class Links(Protocol):
 
 
 class TorchLinks:
-    """torch.distributed between the ranks of `group` (default: the world). Tensors live on
-    the rank's device: the current CUDA device under NCCL, the CPU otherwise."""
+    """torch.distributed between the ranks of `group` (default: the world, as it is at each
+    message). Tensors live on the rank's device: the current CUDA device under NCCL, the CPU
+    otherwise."""
 
     def __init__(self, group: Any = None, timeout: float | None = None):
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.backend = str(dist.get_backend(group))
+        self._given = None if group is None else weakref.ref(group)
+        self._timeout = timeout
+        base = self._base()
+        self.rank = dist.get_rank(base)
+        self.world_size = dist.get_world_size(base)
+        self.backend = str(dist.get_backend(base))
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if self.backend == "nccl" else torch.device("cpu"))
-        self._pair = _groups(group, timeout)
+        self._pair = _groups(base, timeout)
+
+    def _base(self) -> Any:
+        """The group the messages travel in; raises where it is gone."""
+        if self._given is not None:
+            base = self._given()
+            if base is None:
+                raise _given_gone()
+            return base
+        if not dist.is_initialized():
+            raise GroupClosed(
+                "the process group this pipeline ran in has been destroyed and none started "
+                "since: start one on every rank (init_process_group) before calling it again")
+        return dist.group.WORLD
+
+    def _now(self) -> _Groups:
+        """The groups messages take now: after the world was started anew, its own (made
+        at this first message, on every rank alike), on a world of the same ranks."""
+        base = self._base()
+        if self._pair.base() is base and self._pair.back() is not None:
+            return self._pair
+        if self._given is not None:  # held elsewhere, but destroyed with its back group
+            raise _given_gone()
+        if (dist.get_rank(base), dist.get_world_size(base)) != (self.rank, self.world_size):
+            raise GroupClosed(
+                f"the process group was started anew with {dist.get_world_size(base)} ranks, "
+                f"this one rank {dist.get_rank(base)}; the pipeline was made on "
+                f"{self.world_size}, this one rank {self.rank}: make it anew")
+        self._pair = _groups(base, self._timeout)
+        return self._pair
 
     @property
     def connected(self) -> bool:
-        return self._pair.connected
+        return self._now().connected
 
     @connected.setter
     def connected(self, value: bool) -> None:
-        self._pair.connected = value
+        self._now().connected = value
 
     @property
     def broken(self) -> str:
         """Why the group carries no message any more ("" while it does)."""
-        return self._pair.broken
+        return self._now().broken
 
     @broken.setter
     def broken(self, value: str) -> None:
-        self._pair.broken = value
+        self._now().broken = value
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Work | None:
-        group = self._pair.groups[direction(self.rank, peer)]
+        group = self._now().way(direction(self.rank, peer))
         return dist.isend(tensor, group=group, tag=tag, group_dst=peer)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Work | None:
-        group = self._pair.groups[direction(peer, self.rank)]
+        group = self._now().way(direction(peer, self.rank))
         return dist.irecv(tensor, group=group, tag=tag, group_src=peer)
+
+
+def _given_gone() -> GroupClosed:
+    return GroupClosed(
+        "the process group this pipeline was made for has been destroyed: make the pipeline "
+        "(or Ring) anew over the group started after it")
 
 
 @dataclass
 class _Groups:
-    groups: tuple[Any, Any]  # by direction: the group itself, its back group
+    base: weakref.ref  # the group itself
+    back: weakref.ref  # its back group
     connected: bool = False
     broken: str = ""  # gloo closes a pair for good after a failed wait: the first one's
 
+    def way(self, way: int) -> Any:
+        """The group of a direction (`_now` saw the group alive)."""
+        return self.base() if way == FORWARD else self.back()
 
-_made: dict[int, tuple[Any, _Groups]] = {}  # id(group) -> (group, its two groups)
+
+# A group's two groups, by the group: an entry goes with its group (destroy_process_group).
+_made: weakref.WeakKeyDictionary[Any, _Groups] = weakref.WeakKeyDictionary()
 
 
-def _groups(group: Any, timeout: float | None = None) -> _Groups:
-    """`group` and the group of the same ranks that carries its messages to lower ranks,
+def _groups(base: Any, timeout: float | None = None) -> _Groups:
+    """`base` and the group of the same ranks that carries its messages to lower ranks,
     made once per group. Making it is collective over those ranks: each makes its first
-    transport over `group` at the same point of the program (planning), and waits at most
+    transport over `base` at the same point of the program (planning), and waits at most
     `timeout` seconds (None: the process group's own timeout) for the others to."""
-    base = group if group is not None else dist.group.WORLD
-    known = _made.get(id(base))
-    if known is not None and known[0] is base:
-        return known[1]
+    known = _made.get(base)
+    if known is not None and known.back() is not None:
+        return known
     ranks = dist.get_process_group_ranks(base)
     wait = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     try:  # named after its ranks: only they take part in making it
@@ -133,6 +187,6 @@ def _groups(group: Any, timeout: float | None = None) -> _Groups:
         ) from err
     if dist.get_rank(back) != dist.get_rank(base):  # both number their ranks in one order
         raise RuntimeError("the back group numbers the ranks otherwise than its group")
-    made = _Groups((group, back))
-    _made[id(base)] = (base, made)
+    made = _Groups(weakref.ref(base), weakref.ref(back))
+    _made[base] = made
     return made

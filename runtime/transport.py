@@ -24,7 +24,6 @@ timed-out wait gloo closes the connection to that peer for good.
 from __future__ import annotations
 
 import math
-import os
 import time
 import zlib
 from collections.abc import Callable
@@ -192,7 +191,8 @@ class DistributedTransport:
         if links is None and not dist.is_initialized():
             raise TokpipeError(
                 "DistributedTransport needs torch.distributed initialised: run under torchrun "
-                "and call init_process_group_from_env(), or use runtime.launch.launch()."
+                "and call process_group.init_process_group_from_env(), or use "
+                "runtime.launch.launch()."
             )
         if max_message_bytes < 1:
             raise TokpipeError(f"max_message_bytes must be positive, got {max_message_bytes}")
@@ -207,9 +207,14 @@ class DistributedTransport:
         # must use wait(timeout); NCCL's wait has no usable timeout, so others are polled.
         self._native_timeout = self.backend == "gloo"
         self._sends: list[_PendingSend] = []
+        self._connect_once()
+
+    def _connect_once(self) -> None:
+        """`connect` at the links' first message: at the first transport over a group, and
+        at the first message over a world started anew (`links.py`)."""
         if not self.links.connected:
+            self.links.connected = True  # set first: connect's own messages pass through here
             self.connect()
-            self.links.connected = True
 
     def connect(self) -> None:
         """A first message to and from every peer, pairs taken in one order on every rank
@@ -218,18 +223,19 @@ class DistributedTransport:
         spec = TensorSpec((1,), torch.uint8)
         first = torch.ones(1, dtype=torch.uint8, device=self.device)
 
-        def key(dst: int) -> MessageKey:
+        def key(peer: int, dst: int) -> MessageKey:  # this rank's message to or from `peer`
+            low, high = sorted((self.rank, peer))
             return MessageKey(CONNECT_STEP, dst, WHOLE, "connect",
-                              f"the first message between ranks {self.rank} and {dst}")
+                              f"the first message between ranks {low} and {high}")
 
         handles = []
         for peer in range(self.world_size):
             if peer < self.rank:
-                handles.append(self.post_recv(key(self.rank), peer, spec))
-                self.send(key(peer), first, peer)
+                handles.append(self.post_recv(key(peer, self.rank), peer, spec))
+                self.send(key(peer, peer), first, peer)
             elif peer > self.rank:
-                self.send(key(peer), first, peer)
-                handles.append(self.post_recv(key(self.rank), peer, spec))
+                self.send(key(peer, peer), first, peer)
+                handles.append(self.post_recv(key(peer, self.rank), peer, spec))
         for handle in handles:
             handle.wait()
         self.flush()
@@ -237,6 +243,7 @@ class DistributedTransport:
     def post_recv(self, key: MessageKey, src: int, spec: TensorSpec) -> RecvHandle:
         """Posts the receive now; `wait()` on the handle bounds the wait by `timeout`."""
         self._check_open(key)
+        self._connect_once()
         return _DistRecv(self, key, src, spec)
 
     def _check_open(self, key: MessageKey) -> None:
@@ -252,6 +259,7 @@ class DistributedTransport:
             return send_error(self.rank, dst, key, reason)
 
         self._check_open(key)
+        self._connect_once()
         if tensor.device != self.device:
             raise error(
                 f"the tensor is on {tensor.device}; this transport sends from {self.device}"
@@ -323,10 +331,13 @@ class DistributedTransport:
 
     def _failed(self, reason: str, error: ErrorFn) -> str:
         """`reason`, said of a failed post or wait; under gloo, which closes the pair for
-        good, the group is marked closed (later messages raise at once) and it says so."""
+        good, the group is marked closed (later messages raise at once) and it says so.
+        Its unfinished sends are dropped: their works would keep the group's store alive
+        after destroy_process_group, for a group started anew on its port to take over."""
         if not (self._native_timeout and hasattr(self.links, "broken")):
             return reason
         self.links.broken = self.links.broken or headline(error(reason))
+        self._sends.clear()
         return f"{reason}; {GLOO_CLOSED}"
 
 
@@ -358,27 +369,3 @@ def _wait_polling(work: Work, deadline: float, timeout: float) -> None:
     except RuntimeError as e:
         raise _Failed(reason_of(e, timeout)) from None
 
-
-def init_process_group_from_env(device: torch.device | str | None = None) -> tuple[int, int]:
-    """Initialise torch.distributed from torchrun's env:// variables; returns (rank, world).
-
-    NCCL for a CUDA device (set from LOCAL_RANK), gloo otherwise; `None` means CUDA when
-    available. Does nothing but report if already initialised.
-    """
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    required = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
-    missing = [v for v in required if v not in os.environ]
-    if missing:
-        raise TokpipeError(
-            f"cannot initialise torch.distributed: {', '.join(missing)} not set. Launch with "
-            "torchrun, or tokpipe_compiler.runtime.launch.launch() on one machine."
-        )
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if torch.device(device).type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl", init_method="env://")
-    else:
-        dist.init_process_group("gloo", init_method="env://")
-    return dist.get_rank(), dist.get_world_size()

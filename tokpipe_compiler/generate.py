@@ -62,6 +62,12 @@ def tiny_dit_pipeline() -> Any:
 def check_args(args: argparse.Namespace) -> None:
     """Raises on options that do not go with the pipeline's source, before any is built;
     resolves --device."""
+    launched = [f"{v}={os.environ[v]}" for v in ("WORLD_SIZE", "RANK") if v in os.environ]
+    if args.ranks > 1 and launched:  # each launched process would start --ranks more
+        raise TokpipeError(f"--ranks {args.ranks} starts processes here, but a launcher "
+                           f"(torchrun) started this one as a rank ({', '.join(launched)}): "
+                           "leave out --ranks under torchrun, each process it starts is one "
+                           "rank (--nproc-per-node sets how many)")
     args.device = resolve_device(args.device, args.ranks, args.cuda_graphs)
     needed = args.cfg * args.stages
     if args.ranks > 1 and args.ranks != needed:

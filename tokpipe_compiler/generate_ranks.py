@@ -24,7 +24,7 @@ def command_group(world: int, args: argparse.Namespace) -> Iterator[Any]:
         return
     import torch.distributed as dist
 
-    from tokpipe_compiler.runtime.transport import init_process_group_from_env
+    from tokpipe_compiler.runtime.process_group import init_process_group_from_env
 
     init_process_group_from_env(args.device)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))

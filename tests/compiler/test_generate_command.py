@@ -33,6 +33,20 @@ def test_generate_released_options_that_do_not_fit_are_named(argv, message, caps
     assert message in capsys.readouterr().err
 
 
+def test_generate_refuses_ranks_under_torchrun(capsys, monkeypatch):
+    """Each torchrun process started --ranks more, which waited for each other silently."""
+    from tokpipe_compiler.runtime import launch
+
+    monkeypatch.setattr(launch, "launch", lambda run, world, **kw: pytest.fail("launched"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["generate", "--tiny", "dit", "--ranks", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "tokpipe: error: --ranks 2 starts processes here, but a launcher (torchrun) started "
+        "this one as a rank (WORLD_SIZE=2, RANK=1): leave out --ranks under torchrun, each "
+        "process it starts is one rank (--nproc-per-node sets how many)\n")
+
+
 @pytest.mark.parametrize("seconds", ["-5", "0", "nan", "inf", "1e9", "soon"])
 def test_generate_takes_a_timeout_it_can_keep(seconds, capsys):
     with pytest.raises(SystemExit):

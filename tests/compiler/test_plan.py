@@ -8,6 +8,7 @@ import json
 import logging
 
 import pytest
+import torch
 from PIL import Image
 
 import tokpipe_compiler as tp
@@ -204,6 +205,28 @@ def test_pass_dumps_are_stamped_with_their_pass(caplog, tmp_path):
         "annotate.py", "partition.py", "chunk_attention.py", "chunk_sums.py", "split_stage_0.py",
         "split_stage_1.py"]
     assert files[2].read_text().startswith("# tokpipe dump")
+
+
+@pytest.mark.parametrize(("launched", "folder", "prefix"), [
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "rank1", "[tokpipe_compiler.passes DEBUG rank 1] "),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, ".", "[tokpipe_compiler.passes DEBUG] "),
+    ({}, ".", "[tokpipe_compiler.passes DEBUG] "),
+])
+def test_each_of_several_ranks_dumps_to_its_folder_and_names_itself(launched, folder, prefix,
+                                                                     tmp_path, monkeypatch):
+    """Every rank wrote the same file names into one folder, and log lines without rank."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in launched.items():
+        monkeypatch.setenv(name, value)
+    logs.set_logs("passes", dump_dir=tmp_path)
+    try:
+        logs.dump_graph("annotate", torch.fx.symbolic_trace(torch.nn.ReLU()))
+    finally:
+        logs.set_logs("")
+    assert [str(p.parent.relative_to(tmp_path)) for p in tmp_path.rglob("*.py")] == [folder]
+    record = logging.LogRecord(logs.PASSES.name, logging.DEBUG, __file__, 1, "graph", None, None)
+    assert logs.RankFormatter().format(record) == f"{prefix}graph"
 
 
 def test_logs_from_environment_and_bad_names():

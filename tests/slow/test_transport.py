@@ -13,17 +13,18 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.fixtures.emulated_nccl import EmulatedNccl
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.runtime import transport
+from tokpipe_compiler.runtime import process_group, transport
 from tokpipe_compiler.runtime.launch import launch
 from tokpipe_compiler.runtime.local_transport import LocalTransport
+from tokpipe_compiler.runtime.process_group import init_process_group_from_env
 from tokpipe_compiler.runtime.transport import (
     DistributedTransport,
     MessageKey,
     TensorSpec,
     as_bytes,
     from_bytes,
-    init_process_group_from_env,
     message_tag,
     pieces,
 )
@@ -109,6 +110,15 @@ def test_local_timeout_names_ranks_and_message():
     assert "rank 1 (stage 1) waiting for step 3 chunk 2 'hidden' from rank 0" in text
     assert "timed out after 0.2 s" in text
     assert "Check that rank 0 is alive" in text
+
+
+def test_a_first_message_that_never_comes_names_both_ranks_of_its_pair():
+    """Rank 1's wait for rank 0's first message said 'between ranks 1 and 1'."""
+    hub = EmulatedNccl(2, connect_timeout=0.2)  # rank 0 never arrives
+    with pytest.raises(TokpipeError) as info:
+        DistributedTransport(timeout=1.0, links=hub.links(1))
+    assert str(info.value).startswith(
+        "rank 1 (stage 1) waiting for the first message between ranks 0 and 1 from rank 0: ")
 
 
 def test_local_shape_mismatch_is_an_error():
@@ -204,6 +214,20 @@ def test_init_from_env_names_missing_variables(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(TokpipeError, match="MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE"):
         init_process_group_from_env("cpu")
+
+
+@pytest.mark.parametrize(("rank", "world", "error", "absent"), [
+    (0, 2, dist.DistStoreError("Timed out after 3 seconds waiting for clients. 1/2 clients "
+                               "joined."), "rank 1"),
+    (0, 4, dist.DistStoreError("Timed out after 3 seconds waiting for clients. 3/4 clients "
+                               "joined."), "1 of ranks 1, 2, 3"),
+    (2, 3, dist.DistNetworkError("The client socket has timed out after 3000ms while trying "
+                                 "to connect to (127.0.0.1, 29500)."), "rank 0"),
+    (1, 3, dist.DistStoreError("wait timeout after 3000ms, keys: /default_pg/0//cpu//0/2"),
+     "one or more of ranks 0, 2"),
+])
+def test_a_rank_that_does_not_join_is_named_as_far_as_torch_tells(rank, world, error, absent):
+    assert process_group._absent(error, rank, world) == absent
 
 
 def test_launch_rejects_a_local_function():

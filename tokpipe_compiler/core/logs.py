@@ -7,7 +7,9 @@ TOKPIPE_LOGS, read at import (in the manner of TORCH_LOGS), is a comma-separated
     plan       the plan summary whenever a graph is planned (INFO on `tokpipe_compiler.plan`)
     tokpipe    every tokpipe message at INFO; `+tokpipe` at DEBUG (dumps included)
 
-TOKPIPE_LOGS_DIR=DIR also writes each pass dump to DIR/NNN_<pass>.py.
+TOKPIPE_LOGS_DIR=DIR also writes each pass dump to DIR/NNN_<pass>.py. Where there are
+several ranks (a process group of several, or a launcher's RANK and WORLD_SIZE), each rank
+writes to DIR/rank<R>/ and its log lines name it: `[tokpipe_compiler.plan INFO rank 1]`.
 
     TOKPIPE_LOGS=passes,plan python generate.py
     tokpipe_compiler.set_logs("passes", dump_dir="dumps")     # the same from Python
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch._logging
+import torch.distributed as dist
 import torch.fx
 
 LOG = logging.getLogger("tokpipe_compiler")
@@ -132,8 +135,10 @@ def dump_graph(pass_name: str, gm: torch.fx.GraphModule) -> None:
     text = readable()
     PASSES.debug("[tokpipe dump %03d, after pass %s]\n%s", index, pass_name, text)
     if _dump_dir is not None:
-        _dump_dir.mkdir(parents=True, exist_ok=True)
-        path = _dump_dir / f"{index:03d}_{_file_name(pass_name)}.py"
+        rank = rank_of_several()  # ranks that wrote one folder overwrote each other's dumps
+        folder = _dump_dir if rank is None else _dump_dir / f"rank{rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{index:03d}_{_file_name(pass_name)}.py"
         path.write_text(f"# tokpipe dump {index:03d}, made by pass: {pass_name}\n{text}")
 
 
@@ -141,12 +146,34 @@ def _file_name(pass_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]+", "_", pass_name)
 
 
+def rank_of_several() -> int | None:
+    """This process's rank where there are several: in its process group, else as its
+    launcher's RANK and WORLD_SIZE say (before the group starts); None in one process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() if dist.get_world_size() > 1 else None
+    world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
+    return int(rank) if world.isdigit() and int(world) > 1 and rank.isdigit() else None
+
+
+class RankFormatter(logging.Formatter):
+    """`[logger LEVEL] message`, the rank in the brackets where there are several: their
+    lines interleave on one console."""
+
+    def __init__(self) -> None:
+        super().__init__("[%(name)s %(levelname)s%(rank)s] %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        rank = rank_of_several()
+        record.rank = "" if rank is None else f" rank {rank}"
+        return super().format(record)
+
+
 def _ensure_handler() -> None:
     global _handler
     if _handler is not None or logging.getLogger().handlers or LOG.handlers:
         return
     _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("[%(name)s %(levelname)s] %(message)s"))
+    _handler.setFormatter(RankFormatter())
     LOG.addHandler(_handler)
 
 

@@ -44,24 +44,26 @@ from tokpipe_compiler.programs.pipelined import (
 )
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
+from tokpipe_compiler.runtime.process_group import init_process_group_from_env
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
     DistributedTransport,
     MessageKey,
     TensorSpec,
-    init_process_group_from_env,
 )
 from tokpipe_compiler.runtime.transport_errors import GroupClosed
 
 
-def distributed_world(group: Any = None) -> tuple[int, int] | None:
+def distributed_world(group: Any = None, timeout: float | None = None
+                      ) -> tuple[int, int] | None:
     """(rank, size) in `group` (default: the world) when it has more than one process, else
     None. Under torchrun (WORLD_SIZE > 1 in the environment) the process group is started
-    here if the script did not: NCCL when CUDA is available, gloo otherwise."""
+    here if the script did not: NCCL when CUDA is available, gloo otherwise; every rank
+    must join within `timeout` seconds (the option), which is then the group's own."""
     if not dist.is_available():
         return None
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        init_process_group_from_env()
+        init_process_group_from_env(timeout=timeout)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         return dist.get_rank(group), dist.get_world_size(group)
     return None
@@ -255,7 +257,7 @@ def planned_alike(group: Any, timeout: float) -> Iterator[None]:
     They travel once per group and device (the group's first planning, which every rank
     does): a rank that plans later alone, for inputs the others hold a program for
     already, must not wait for a message from rank 0, which waits for another."""
-    if distributed_world(group) is None:
+    if distributed_world(group, timeout) is None:
         yield
         return
     transport = DistributedTransport(timeout=timeout, group=group)
@@ -279,7 +281,7 @@ def make_program(plan: Plan, session: Session | None, owner: int | None = None,
     """The in-process program, or this rank's part when torch.distributed is running (over
     `group`, default the world). `owner`: the id of the weight that tells which model the
     program runs."""
-    if distributed_world(group) is not None:
+    if distributed_world(group, plan.config.timeout) is not None:
         return DistributedProgram(plan, session, owner, group)
     return PipelinedProgram(plan, session, owner)
 
