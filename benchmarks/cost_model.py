@@ -193,13 +193,18 @@ def causal_auto(shape: dict, runs: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small models")
+    parser.add_argument("--quick", action="store_true",
+                        help="small models, to check the script runs: their chunks take "
+                             "microseconds, where per-op overhead and timer noise dominate, "
+                             "so their errors are not comparable to the full run's")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--chunks", type=int, nargs="+", default=[3, 4],
                         help="chunk counts of (b)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rates = calibrate.load_or_measure("cpu", threads=1)
+    if args.quick:
+        print("--quick: small models; their errors are not comparable to the full run's")
     gm, inputs = dit(DIT_QUICK if args.quick else DIT_FULL)
     stage_accuracy(gm, inputs, rates, args.runs)
     for chunks in args.chunks:
