@@ -164,8 +164,11 @@ class LazyProgram:
             self.session.timesteps.publish(publisher, args[self.timestep_at])
         table = self.programs.table(owner)
         # within a parallelized pipeline's call, parallelize gives the line at its end
-        if PIPELINE_STEPS.get() is None and self.session.graphs.call_done(self):
-            self._summarize_graphs()
+        if PIPELINE_STEPS.get() is None:
+            if self.session.outside_call is not None:
+                self._warn_once("outside call", self.session.outside_call)
+            if self.session.graphs.call_done(self):
+                self._summarize_graphs()
         if key not in table:
             table[key] = self._program(key, args, owner)
         return table[key](*args)

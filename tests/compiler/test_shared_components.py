@@ -53,9 +53,12 @@ def test_pipelines_made_from_one_another_each_run_their_rings():
 
 
 def test_a_pipeline_made_from_a_parallelized_one_runs_per_call_unless_parallelized():
-    """Its transformer is the parallelized one: outside that pipeline's calls, per call."""
+    """Its transformer is the parallelized one: outside that pipeline's calls, per call,
+    saying so once (every other per-call run says why; this one said nothing)."""
     image, serial_text, _, text, _, text_kwargs = _image_to_image_and_text_to_image()
-    out = generate(text, text_kwargs, steps=3)
+    with pytest.warns(UserWarning, match=r"is called outside a parallelized pipeline's call "
+                                         r"\(by a pipeline made from it with from_pipe"):
+        out = generate(text, text_kwargs, steps=3)
     assert _relative(out, generate(serial_text, text_kwargs, steps=3)) <= 1e-5
     assert not image._tokpipe_ring.denoisers["transformer"].rings
 

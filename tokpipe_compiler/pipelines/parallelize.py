@@ -87,6 +87,12 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     for denoiser in denoisers.values():  # each with its own programs and recompile limit
         if getattr(denoiser, _PARALLELIZED, None) is None:
             backend = TokpipeBackend(**options)
+            backend.session.outside_call = (
+                f"tokpipe: {type(denoiser).__name__}, parallelized with {type(pipe).__name__}, "
+                "is called outside a parallelized pipeline's call (by a pipeline made from it "
+                "with from_pipe and not parallelized itself, or directly): it runs per call, "
+                "each step filling and draining the pipeline; parallelize that pipeline too "
+                "(with the same options) to run its loop as a ring")
             denoiser.compile(backend=backend, dynamic=False, **own_recompiles(RECOMPILES))
             object.__setattr__(denoiser, _PARALLELIZED,
                                Parallelized(config, denoiser._compiled_call_impl,

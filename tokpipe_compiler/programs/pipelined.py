@@ -54,6 +54,9 @@ class Session:
         self.calls: dict[tuple[int | None, str], int] = {}  # calls served per role
         self.timesteps = SharedTimesteps()  # of graphs split at graph breaks
         self.warned: set[str] = set()  # the warnings given once per compile
+        # Set by parallelize: what to say, once, when its transformer is called outside the
+        # pipeline's call (a pipeline made from it with from_pipe and not parallelized).
+        self.outside_call: str | None = None
         self.graphs = GraphTally()  # each graph's outcome, for a split model's summary
 
     def reset(self) -> None:
