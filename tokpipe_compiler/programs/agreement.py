@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import astuple, fields
 from typing import Any
 
@@ -128,15 +128,17 @@ def check_agreement(every: list[dict[str, Any]], when: str) -> None:
             "same model with the same options and call it with inputs of the same shapes "
             "and dtypes" + (", and run as many steps (num_inference_steps)."
                             if _differ(every, STEP_COUNTS) else "."))
-    sums = _differences("checksums", [fp["checksums"] for fp in every])
+    checksums = [fp["checksums"] for fp in every]
+    differing = _differing(checksums)
+    sums = _differences("checksums", checksums)
     token = every[0]["token"]
-    if any(f"input {token!r}" in line for line in sums):
+    if token in differing:
         raise TokpipeError(
             f"the token input {token!r} has other values on other ranks, but every rank must "
             "be called with the same inputs:\n  " + "\n  ".join(sums) + "\nSeed the random "
             "generator identically on every rank before drawing the latents (e.g. "
             "torch.manual_seed(seed)), or draw them on one rank and broadcast them.")
-    schedule = [line for line in sums if _field(line) in SCHEDULE]
+    schedule = _differences("checksums", checksums, SCHEDULE)
     if schedule:
         raise TokpipeError(
             "the ranks run different schedules, so every rank would get one mixed "
@@ -148,18 +150,13 @@ def check_agreement(every: list[dict[str, Any]], when: str) -> None:
         # its ring run warns once
         warn("inputs differ between ranks (the output is computed from each stage's "
              "rank's own copy, so it matches no single rank's inputs): "
-             + ", ".join(_user_name(_field(line)) for line in sums))
+             + ", ".join(map(_user_name, differing)))
 
 
 # The step's inputs from the schedule: a ring's timestep, input scale, update coefficients
 # and guidance scale, and a timestep passed to a model compiled directly. Ranks that differ
 # on them run different generations.
 SCHEDULE = frozenset({"scale", "coeffs", "guidance", *TIMESTEP_NAMES})
-
-
-def _field(line: str) -> str:
-    """The input a `_differences` line is about ("input 'x': ..." -> "x")."""
-    return line.split("'", 2)[1]
 
 
 def _user_name(name: str) -> str:
@@ -175,15 +172,22 @@ def _differ(every: list[dict[str, Any]], fields: Sequence[str]) -> bool:
     return any(fp["plan"].get(f) != every[0]["plan"].get(f) for fp in every for f in fields)
 
 
-def _differences(part: str, values: list[dict[str, Any]]) -> list[str]:
-    """'<part> <field>: rank 0 <value>, rank 1 <value>' for each field that differs."""
+def _differing(values: list[dict[str, Any]]) -> list[str]:
+    """The fields whose value differs between the ranks (a rank's missing one included)."""
+    return [field for field in sorted({f for v in values for f in v})
+            if any(v.get(field, "missing") != values[0].get(field, "missing") for v in values)]
+
+
+def _differences(part: str, values: list[dict[str, Any]],
+                 among: Collection[str] | None = None) -> list[str]:
+    """'<part> <field>: rank 0 <value>, rank 1 <value>' for each field that differs (of
+    `among`, where given)."""
+    label = {"inputs": "input", "checksums": "input"}.get(part, part)
+    what = "checksum " if part == "checksums" else ""
     lines = []
-    for field in sorted({f for v in values for f in v}):
-        seen = [v.get(field, "missing") for v in values]
-        if any(s != seen[0] for s in seen):
-            label = {"inputs": "input", "checksums": "input"}.get(part, part)
-            ranks = ", ".join(f"rank {r} {s}" for r, s in enumerate(seen))
-            what = "checksum " if part == "checksums" else ""
+    for field in _differing(values):
+        if among is None or field in among:
+            ranks = ", ".join(f"rank {r} {v.get(field, 'missing')}" for r, v in enumerate(values))
             lines.append(f"{label} {field!r}: {what}{ranks}")
     return lines
 
