@@ -227,8 +227,8 @@ def written_base(node: torch.fx.Node) -> torch.fx.Node | None:
     """The value an in-place write changes: its target, or what that target views or was
     (through an earlier write: `x.mul_(a).add_(b)` changes `x`)."""
     target = _writes_into(node)
-    while isinstance(target, torch.fx.Node) and _alias_of(target) is not None:
-        target = _alias_of(target)
+    while target is not None and (alias := _alias_of(target)) is not None:
+        target = alias
     return target
 
 

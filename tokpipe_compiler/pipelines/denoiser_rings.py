@@ -86,10 +86,9 @@ class DenoiserRings:
         self._batching: dict[Any, bool] = {}  # calls' signature -> rows_per_sample
         self._branch_forward: Callable[..., Any] | None = None
         self._state: ModuleState | None = None  # the transformer's `module_state` its rings traced
-        self._processors: dict[str, str] = {}  # and its attention processors' classes
         # The rings of the state before, where only the processors or settings changed
         # since (the same weights): a pipeline that swaps them back finds them traced.
-        self._kept: tuple[ModuleState, dict[str, str], tuple] | None = None
+        self._kept: tuple[ModuleState, tuple] | None = None
 
     def output_structure(self, call: dict[str, Any]) -> Any:
         """The transformer's output for this call, as Specs (cached per signature)."""
@@ -195,32 +194,21 @@ class DenoiserRings:
         assigned anew, a processor swapped. Where only processors or settings changed, the
         rings are kept aside, once, and taken back when the transformer is as it was
         (diffusers' PAG pipelines swap processors with the guidance at every call)."""
-        state, processors = module_state(self.denoiser), processor_classes(self.denoiser)
+        state = module_state(self.denoiser)
         if self._state is None or state == self._state or not (self.rings or self._shapes):
-            self._state, self._processors = state, processors
+            self._state = state
             return
         kept, bundle = self._kept, (self.rings, self._shapes, self._batching,
                                     self._branch_forward)
-        self._kept = (self._state, self._processors, bundle) \
-            if state.weights == self._state.weights else None
+        self._kept = (self._state, bundle) if state.weights == self._state.weights else None
         if kept is not None and kept[0] == state:  # back as it was: its rings as traced
-            self.rings, self._shapes, self._batching, self._branch_forward = kept[2]
+            self.rings, self._shapes, self._batching, self._branch_forward = kept[1]
         else:
             warn(f"tokpipe: {type(self.pipe).__name__}.{self.name} changed since its "
-                 f"rings were traced (in {self._changes(state, processors)}): tracing and "
+                 f"rings were traced (in {_changes(self._state, state)}): tracing and "
                  "planning them anew, so this call compiles again")
             self.rings, self._shapes, self._batching, self._branch_forward = {}, {}, {}, None
-        self._state, self._processors = state, processors
-
-    def _changes(self, state: ModuleState, processors: dict[str, str]) -> str:
-        """Where the transformer changed since its rings were traced, for the warning."""
-        swapped = [f"{name}: {self._processors.get(name)} -> {kind}"
-                   for name, kind in processors.items()
-                   if self._processors.get(name) not in (None, kind)]
-        more = f" and {len(swapped) - 2} more" if len(swapped) > 2 else ""
-        return changed_parts(self._state, state) + (
-            f"; attention processors swapped, {', '.join(swapped[:2])}{more}"
-            if swapped else "")
+        self._state = state
 
     def _branches_in_turn(self, table: StepTable, start: Carried,
                           fixed: dict[str, Any]) -> RunSegment:
@@ -294,13 +282,15 @@ class DenoiserRings:
         return self._branch_forward
 
 
-def processor_classes(module: Any) -> dict[str, str]:
-    """A diffusers transformer's attention processors' class names, by attention module
-    (PAG pipelines swap them at each call, and with the guidance for other classes)."""
-    processors = getattr(module, "attn_processors", None)
-    if not isinstance(processors, dict):
-        return {}
-    return {name.removesuffix(".processor"): type(p).__name__ for name, p in processors.items()}
+def _changes(before: ModuleState, after: ModuleState) -> str:
+    """Where a transformer changed, for the warning: its modules, and the attention
+    processors swapped for another class."""
+    swapped = [f"{name}: {before.processors[name]} -> {kind}"
+               for name, kind in after.processors.items()
+               if before.processors.get(name) not in (None, kind)]
+    more = f" and {len(swapped) - 2} more" if len(swapped) > 2 else ""
+    return changed_parts(before, after) + (
+        f"; attention processors swapped, {', '.join(swapped[:2])}{more}" if swapped else "")
 
 
 def _first_state(carried: torch.Tensor, state: tuple[torch.Tensor, ...],

@@ -48,6 +48,8 @@ class ModuleState:
     held: list = field(repr=False)
     weights: int = 0  # the part of `key` that names the tensors: equal when only other
     # state changed (an attention processor swapped, a setting)
+    processors: dict[str, str] = field(default_factory=dict, repr=False)  # their classes,
+    # by attention module, for a message
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ModuleState) and other.key == self.key
@@ -66,7 +68,10 @@ def module_state(module: torch.nn.Module) -> ModuleState:
              for name, m in module.named_modules(remove_duplicate=False)]
     key = tuple((name, hash((type(m), tensors, _attributes(m, held))))
                 for name, m, tensors in parts)
-    return ModuleState(key, held, hash(tuple((name, tensors) for name, _, tensors in parts)))
+    weights = hash(tuple((name, tensors) for name, _, tensors in parts))
+    processors = {name: type(p).__name__ for name, m, _ in parts
+                  if (p := m.__dict__.get("processor", m._modules.get("processor"))) is not None}
+    return ModuleState(key, held, weights, processors)
 
 
 def changed_parts(before: ModuleState, after: ModuleState, most: int = 3) -> str:
