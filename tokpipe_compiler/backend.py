@@ -25,6 +25,7 @@ from tokpipe_compiler.planning.graph_share import summary
 from tokpipe_compiler.planning.pieces import origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.regional import repeated_block
+from tokpipe_compiler.planning.retrace import traced_again
 from tokpipe_compiler.planning.static import (
     StaticGraph,
     has_symbolic_shapes,
@@ -36,7 +37,11 @@ from tokpipe_compiler.planning.timestep_checks import (
     missing_timestep,
     number_timestep,
 )
-from tokpipe_compiler.planning.traced_frame import frame_parameters, number_arguments
+from tokpipe_compiler.planning.traced_frame import (
+    frame_parameters,
+    number_arguments,
+    traced_code,
+)
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS, timestep_index
 from tokpipe_compiler.programs.owners import PerOwner, owner_of, register
@@ -74,7 +79,8 @@ class TokpipeBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list,
                  mode: str | None = None, **_: Any):
-        return LazyProgram(gm, lambda: self.config.with_torch_mode(mode), self.session)
+        return LazyProgram(gm, lambda: self.config.with_torch_mode(mode), self.session,
+                           example_inputs)
 
     def reset(self) -> None:
         """A new generation for every program this backend made."""
@@ -89,7 +95,7 @@ def tokpipe(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None
     if session is None:
         session = Session()
         _SESSIONS.append((options, mode, session))
-    return LazyProgram(gm, lambda: Config.from_options(options, mode), session)
+    return LazyProgram(gm, lambda: Config.from_options(options, mode), session, example_inputs)
 
 
 def sessions_for_options(options: dict | None, mode: str | None = None) -> CompileSessions:
@@ -138,7 +144,8 @@ class LazyProgram:
     A piece of a model split by graph breaks is pipelined only when it holds attention
     over its tokens (`planning.pieces`)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, config_fn, session: Session):
+    def __init__(self, gm: torch.fx.GraphModule, config_fn, session: Session,
+                 example_inputs: list):
         self.origin = origin(gm)  # while Dynamo traces: whether the model has graph breaks
         self.block = None if self.origin.piece else repeated_block()  # regional compiling
         self.gm = record_sources(gm)
@@ -149,6 +156,8 @@ class LazyProgram:
         self.floats = wrapped_floats(gm) if self.dynamic else ()  # dynamic=True's floats
         self.numbers = number_arguments()  # the call's Python numbers: specialised on
         self.owner_index = owner_placeholder(gm)
+        # said at the first call, not inside Dynamo's trace
+        self.retraced = traced_again(session, traced_code(), example_inputs, self.owner_index)
         self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> plan, select
         self.programs = PerOwner()  # per model: input shapes -> callable
         # A piece's timestep argument, for its model's pieces that read none.
@@ -199,11 +208,15 @@ class LazyProgram:
         return program if select is None else lambda *a: program(*select(a))
 
     def _warn_about_timesteps(self, program: PipelinedProgram) -> None:
-        """Once per compile: a pipeline that cannot tell steps apart says so."""
+        """Once per compile: a pipeline that cannot tell steps apart says so, and once per
+        function a graph traced again for the same inputs."""
         config, clock = program.plan.config, program.clock
         number = number_timestep(self.numbers, config.timestep_input)
         if number is not None:
-            self._warn_once("number timestep", number)
+            self._warn_once("number timestep", number)  # the reason a graph was traced again
+            return
+        if self.retraced is not None:
+            self._warn_once(*self.retraced)
         elif config.mode == "stale" and clock.timestep_index is None and clock.source is None:
             inputs = [a for a in self._arguments() if a is not None]
             self._warn_once("no timestep", missing_timestep(inputs, config.timestep_input))

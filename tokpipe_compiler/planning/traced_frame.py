@@ -59,6 +59,12 @@ def number_arguments() -> dict[str, int | float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
+def traced_code() -> Any:
+    """The code object of the frame Dynamo traces, or None outside a Dynamo trace."""
+    frame = _frame()
+    return None if frame is None else frame[0]
+
+
 def _frame() -> tuple[Any, dict[str, Any]] | None:
     """The traced frame's code and locals, or None outside a Dynamo trace."""
     try:

@@ -36,12 +36,8 @@ from tokpipe_compiler.programs.agreement import (
 )
 from tokpipe_compiler.programs.device_copies import DeviceCopies
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS
-from tokpipe_compiler.programs.pipelined import (
-    PipelinedProgram,
-    Session,
-    assemble_output,
-    device_of,
-)
+from tokpipe_compiler.programs.outputs import assemble_output
+from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, device_of
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.process_group import init_process_group_from_env

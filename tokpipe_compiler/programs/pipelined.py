@@ -30,11 +30,12 @@ from tokpipe_compiler.programs.generations import (
     Tick,
     timestep_index,
 )
+from tokpipe_compiler.programs.outputs import assemble_output, restrided, traced_strides
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.stage import StageProgram
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.caches import KVCaches
-from tokpipe_compiler.runtime.chunking import Chunk, assemble, chunk_table
+from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
 from tokpipe_compiler.runtime.executor import Executor, StageFeeds, Timeline
 
 # Guidance runs 2 branches a step, skip-layer guidance 3: past this, calls at one timestep
@@ -131,6 +132,7 @@ class PipelinedProgram:
         self.prelude = Prelude(plan.graphs.prelude, plan.graphs.prelude_outputs,
                                plan.config.compiler)
         self.feeds = StageFeeds(plan.graphs.stages)
+        self.strides = traced_strides(plan)
         if session is not None:
             session.programs.add(self)
 
@@ -309,8 +311,9 @@ class PipelinedProgram:
             if spec.kind == OutputKind.CONST:
                 out.append(spec.source)
             elif spec.kind == OutputKind.TOKEN:
-                out.append(self._gather(spec, [values[(step, c.index)].get(spec.source)
-                                               for c in chunks], chunks))
+                whole = self._gather(spec, [values[(step, c.index)].get(spec.source)
+                                            for c in chunks], chunks)
+                out.append(restrided(whole, self.strides.get(spec.source)))
             else:
                 out.append(call_env[spec.source])
         return tuple(out)
@@ -347,12 +350,10 @@ def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
     return edges
 
 
-def assemble_output(plan: Plan, spec, pieces: list[torch.Tensor],
-                    chunks: list[Chunk]) -> torch.Tensor:
-    """A token output from its chunks' pieces, with the layout its stage gives it."""
-    info = plan.graphs.stages[spec.producer].output_infos[spec.source]
-    return assemble(pieces, spec.axis, info.outer, info.lead, info.trail,
-                    [c.segments for c in chunks])
+
+
+
+
 
 
 def device_of(args: tuple) -> torch.device:

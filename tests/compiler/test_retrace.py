@@ -1,0 +1,117 @@
+"""Graphs Dynamo traces again for one model and input shapes: said once, with the guard,
+and not caused by the pipeline's own outputs (their strides follow the traced graph's)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+from tests.fixtures.models import TinyDiT, dit_inputs
+from tests.fixtures.tracing import assert_rel_close
+
+OPTIONS = {"compiler": "eager", "stages": 2, "chunks": 2, "mode": "stale",
+           "warmup_steps": 1}
+RETRACED = "traced .* again for the same model and input shapes"
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+
+
+class CountingDiT(TinyDiT):
+    """Reads an int attribute that changes at every call: Dynamo specialises on it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = 0
+
+    def forward(self, latents, timestep, labels):
+        self.calls += 1
+        return super().forward(latents, timestep, labels) * (1.0 + 0.0 * self.calls)
+
+
+class ConvLayoutTokens(TinyDiT):
+    """Returns its tokens in the layout the patch embedding gives them (a transposed view,
+    kept by the blocks' elementwise ops): not contiguous."""
+
+    def forward(self, latents, timestep, labels):
+        x = self.embed(latents).flatten(2).transpose(1, 2) + self.pos
+        cond = self.t_mlp(timestep.float()[:, None].expand(-1, 16)) + self.label(labels)
+        for block in self.blocks:
+            x = block(x, cond)
+        return x
+
+
+class BrokenTransposed(TinyDiT):
+    """A graph break between blocks whose first graph returns a transposed token value."""
+
+    def forward(self, latents, timestep, labels):
+        x = self.embed(latents).flatten(2).transpose(1, 2) + self.pos
+        cond = self.t_mlp(timestep.float()[:, None].expand(-1, 16)) + self.label(labels)
+        x = self.blocks[0](x, cond)
+        torch._dynamo.graph_break()
+        return self.blocks[1](x, cond)
+
+
+def steps(compiled, model, calls: int = 3) -> list[warnings.WarningMessage]:
+    """`calls` denoising steps (timesteps 900, 800, ...); the warnings they gave."""
+    latents, _, labels = dit_inputs(model, 8)
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        for k in range(calls):
+            compiled(latents, torch.tensor([900 - 100 * k]), labels)
+    return list(seen)
+
+
+def retraced(seen: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in seen if re.search(RETRACED, str(w.message))]
+
+
+def test_a_graph_traced_again_per_call_is_said_once_with_its_guard():
+    torch.manual_seed(0)
+    model = CountingDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+    said = retraced(steps(compiled, model, calls=4))
+    assert len(said) == 1, said
+    assert "forward" in said[0] and "graph 2 of it" in said[0]
+    assert "self.calls" in said[0]  # the guard that failed
+    assert "pass it as a tensor" in said[0]
+
+
+def test_two_models_with_one_options_dict_are_not_taken_for_a_retrace():
+    """One options object for two models' torch.compile: one session, two models."""
+    torch.manual_seed(0)
+    first, second = (TinyDiT(depth=2, width=32, heads=2, grid=8).eval() for _ in range(2))
+    compiled = [torch.compile(m, backend="tokpipe", dynamic=False, options=OPTIONS)
+                for m in (first, second)]
+    seen = steps(compiled[0], first) + steps(compiled[1], second)
+    assert retraced(seen) == []
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_a_token_output_has_the_models_strides(mode):
+    torch.manual_seed(0)
+    model = ConvLayoutTokens(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "mode": mode})
+    latents, _, labels = dit_inputs(model, 8)
+    with torch.no_grad():
+        for k in range(3):  # a warmup step, then chunked ones (stale)
+            t = torch.tensor([900 - 100 * k])
+            expected, out = model(latents, t, labels), compiled(latents, t, labels)
+            assert not expected.is_contiguous() and out.stride() == expected.stride()
+            if mode == "sync":
+                assert_rel_close(out, expected, 1e-5)
+
+
+def test_the_graph_after_a_graph_break_is_traced_once():
+    """Its input, the first graph's transposed output joined from chunks, used to come
+    contiguous at the first chunked step: Dynamo traced (and tokpipe planned) it again."""
+    torch.manual_seed(0)
+    model = BrokenTransposed(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+    assert retraced(steps(compiled, model)) == []

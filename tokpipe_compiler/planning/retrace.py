@@ -1,0 +1,60 @@
+"""Graphs Dynamo traces again for one function, model and input shapes: a guard on a value
+that changed since (a Python number or an int attribute the forward reads, grad mode, a
+global). Each such graph is planned and compiled anew and starts its K/V caches afresh, and
+past Dynamo's recompile limit the function runs eagerly, unpipelined; the backend says so,
+once per function, with Dynamo's reason where it gives one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+# Per session: (function, input shapes, model) -> the graphs Dynamo traced for it.
+_SEEN: weakref.WeakKeyDictionary[Any, dict[tuple, int]] = weakref.WeakKeyDictionary()
+
+
+def traced_again(session: Any, code: Any, example_inputs: list,
+                 owner: int | None) -> tuple[str, str] | None:
+    """Counts the graph Dynamo traces now; where it is not the first of its function
+    (`code`, None where unknown), model (the weight at `owner`) and input shapes in
+    `session`: the warning's once-per-function key and its text."""
+    if code is None:
+        return None
+    seen = _SEEN.setdefault(session, {})
+    owner_id = None if owner is None else id(example_inputs[owner])
+    key = (code, _shapes(example_inputs), owner_id)
+    count = seen[key] = seen.get(key, 0) + 1
+    if count < 2:
+        return None
+    where = f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+    reason = recompile_reason()
+    why = f"; the guard that failed: {reason}" if reason else ""
+    return f"traced again: {where}", (
+        f"tokpipe: Dynamo traced {where} again for the same model and input shapes (graph "
+        f"{count} of it{why}): tokpipe plans and compiles each such graph anew and "
+        "starts its K/V caches afresh, and past torch._dynamo.config.recompile_limit graphs "
+        "Dynamo runs the function eagerly, unpipelined. Where the guard is on a value of the "
+        "model's own that changes between calls (a Python number, an int attribute of a "
+        "module), pass it as a tensor. TORCH_LOGS=recompiles gives every reason")
+
+
+def recompile_reason() -> str | None:
+    """The guard that failed, as Dynamo recorded it for the graph it traces now (an
+    internal: None where this torch lacks it)."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+    except Exception:  # a Dynamo internal: without it, TORCH_LOGS tells
+        return None
+    if not isinstance(reason, str) or reason.startswith("Unable"):
+        return None
+    return reason.split(": ", 1)[-1].split("#")[0].strip() or None
+
+
+def _shapes(example_inputs: list) -> tuple:
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x)
+                 for x in example_inputs)
