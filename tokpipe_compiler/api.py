@@ -82,10 +82,13 @@ def _find_sessions(obj: Any) -> CompileSessions | None:
             return CompileSessions(item.session, [])
         kwargs = getattr(item, "kwargs", None)
         by_object = isinstance(getattr(item, "compiler_fn", None), TokpipeBackend)
-        if isinstance(kwargs, dict) and ("options" in kwargs or "mode" in kwargs) \
+        # torch.compile's wrapper of the string backend; without options or mode (or with
+        # mode "default"), its kwargs are empty: the compiles that pass none share a session
+        by_name = getattr(item, "compiler_name", None) == "tokpipe"
+        if isinstance(kwargs, dict) and (by_name or "options" in kwargs or "mode" in kwargs) \
                 and not by_object:  # a backend object's wrapper: the object has the session
             found = sessions_for_options(kwargs.get("options"), kwargs.get("mode"))
-            if found.every:
+            if found.every or by_name:  # by name: this compile, though not yet called
                 return found
         children = [getattr(item, name, None) for name in _LINKS]
         # torch.compile of a plain function keeps its Dynamo context in the wrapper's closure.

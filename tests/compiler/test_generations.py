@@ -100,6 +100,21 @@ def test_one_model_compiled_twice_lists_and_resets_each_compiles_own_programs():
     assert tp.programs(model) == [of_two, of_four]
 
 
+def test_a_compile_without_options_lists_and_resets_only_its_own_programs():
+    """torch.compile without options (or with mode "default") hands the backend nothing
+    that tells it apart: its programs are still its own, none before its first call."""
+    model, two = compiled_dit(chunks=2)
+    inputs = dit_inputs(model, 8)
+    with torch.no_grad():
+        two(*inputs)
+    (of_two,) = tp.programs(two)
+    for plain in (torch.compile(model, backend="tokpipe", dynamic=False),
+                  torch.compile(model, backend="tokpipe", mode="default", dynamic=False)):
+        assert tp.programs(plain) == []
+        tp.reset(plain)
+        assert of_two.clock.step == 0
+
+
 def test_a_function_compiled_again_with_equal_options_finds_its_programs():
     """Dynamo runs the second compile on the first one's graph (equal options): the second
     compiled function still lists the program it ran."""
