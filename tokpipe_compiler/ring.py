@@ -225,21 +225,23 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
     try:
         return capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1]
     except torch._dynamo.exc.Unsupported as err:
-        if _observed(err):
-            with torch.no_grad():
-                step_fn(**values)  # raises the model's own error, with its traceback
+        # The step's own error (an exception it raises, a name it lacks) as Python gives it:
+        # an eager call raises it, with its traceback; a step that runs has a graph break.
+        with torch.no_grad():
+            step_fn(**values)
         raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
-                           f"it: {str(err).splitlines()[0]}") from err
+                           f"it: {_graph_break(err)}") from err
 
 
-def _observed(err: BaseException) -> bool:
-    """Whether Dynamo stopped because the traced code raised an exception of its own."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, torch._dynamo.exc.ObservedException):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+def _graph_break(err: BaseException) -> str:
+    """Dynamo's account of a graph break in a line: what, its explanation, and where in
+    the user's code."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    said = [lines[0]] if lines else [type(err).__name__]
+    said += [line.removeprefix("Explanation:").strip() for line in lines
+             if line.startswith("Explanation:")]
+    where = [line for line in lines if line.startswith("File ")]
+    return "; ".join(said) + (f" ({where[-1]})" if where else "")
 
 
 def _read_per_chunk(graphs: SplitGraphs, placeholder: str) -> bool:

@@ -174,3 +174,29 @@ def test_a_step_that_raises_raises_its_own_error():
     ring = tp.Ring(step, carry=["latents"], **OPTIONS)
     with pytest.raises(ValueError, match=r"too many values to unpack \(expected 2"):
         ring.run(inputs, per_step=per_step)
+
+
+def test_a_step_with_a_name_it_lacks_raises_pythons_name_error():
+    """Dynamo reported "failed to find name in frame builtins", without the name."""
+    model = _model(0)
+
+    def step(latents, timestep, labels):
+        return (undefined_helper(model(latents, timestep[None], labels)),)  # noqa: F821
+
+    inputs, per_step = _inputs()
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    with pytest.raises(NameError, match="undefined_helper"):
+        ring.run(inputs, per_step=per_step)
+
+
+def test_a_step_with_a_graph_break_says_what_and_where():
+    model = _model(0)
+
+    def step(latents, timestep, labels):
+        torch._dynamo.graph_break()
+        return (model(latents, timestep[None], labels),)
+
+    inputs, per_step = _inputs()
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    with pytest.raises(tp.TokpipeError, match=r"one graph; Dynamo broke it: .*test_ring_weights"):
+        ring.run(inputs, per_step=per_step)
