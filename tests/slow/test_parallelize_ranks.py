@@ -202,6 +202,38 @@ def test_step_callbacks_on_two_ranks(two_rank_runs):
             assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+def _noisy_steps(rank: int, world: int) -> tuple[str, torch.Tensor]:
+    """SD3 with a scheduler that draws noise at each step (per call), from each rank's own
+    random state: seeded apart, then alike (sync: the serial pipeline's numbers)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe, kwargs = pipelines.sd3()
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True)
+    tp.pipelines.parallelize(pipe, **{**OPTIONS, "mode": "sync"})
+    torch.manual_seed(rank)
+    try:
+        generate(pipe, kwargs, steps=3)
+        said = ""
+    except tp.TokpipeError as err:
+        said = str(err)
+    torch.manual_seed(7)
+    return said, generate(pipe, kwargs, steps=3)
+
+
+def test_ranks_whose_scheduler_noise_parts_them_raise(two_rank_runs):
+    """Per call, each rank's scheduler steps its own latents: ones drawn from random
+    states seeded apart made the ranks return other images, silently."""
+    pipe, kwargs = pipelines.sd3()
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True)
+    torch.manual_seed(7)
+    alone = generate(pipe, kwargs, steps=3)
+    for said, result in two_rank_runs["noisy steps"]:
+        assert "At step 1 of a per-call generation" in said and "Seed it alike" in said
+        assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+
+
 HYBRID = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -243,6 +275,8 @@ def two_rank_runs(request) -> dict:
         cases["from_pipe"] = (_from_pipe, ())
     if selected(request, test_step_callbacks_on_two_ranks):
         cases["callbacks"] = (_callbacks, ())
+    if selected(request, test_ranks_whose_scheduler_noise_parts_them_raise):
+        cases["noisy steps"] = (_noisy_steps, ())
     if selected(request, test_cfg_parallel_checks_the_world_size):
         cases["wrong world"] = (_wrong_world, ())
     return launch_cases(cases, 2, timeout=600 * len(cases))

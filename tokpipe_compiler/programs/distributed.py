@@ -65,6 +65,13 @@ def distributed_world(group: Any = None, timeout: float | None = None
     return None
 
 
+DIVERGED = ("the ranks' latents parted after the generation's start. A scheduler that "
+            "draws noise at each step (Euler ancestral, DDPM, stochastic_sampling=True) "
+            "draws it from each rank's own random state where the pipeline passes it no "
+            "generator. Seed it alike on every rank before each call (torch.manual_seed(seed)"
+            ", and torch.cuda.manual_seed on GPUs), or use a scheduler that draws no noise.")
+
+
 class DistributedProgram(PipelinedProgram):
     """The per-call program on one rank of a `stages`-process group (`group`: the world by
     default; a subgroup runs one pipeline of several, e.g. one per guidance branch)."""
@@ -106,6 +113,19 @@ class DistributedProgram(PipelinedProgram):
         self._agree([args], "a generation's first call", steps, LATE_PEER if later else "",
                     {} if marks is None else pipeline_entry(marks.scheduler,
                                                             self.ring_steps is not None))
+
+    def _step_starts(self, args: tuple, step: int) -> None:
+        """A parallelized pipeline's later per-call step: the ranks compare its inputs, the
+        latents each rank's scheduler stepped included (a fallback path, where a scheduler
+        that draws noise from each rank's own random state runs; one small exchange a
+        call). A model compiled directly, or a ring, checks at the generation's start."""
+        if PIPELINE_STEPS.get() is None or self.ring_steps is not None:
+            return
+        try:
+            self._agree([args], f"step {step} of a per-call generation", {})
+        except TokpipeError as err:
+            raise TokpipeError(f"{err}\nAt step {step} of a per-call generation: "
+                               f"{DIVERGED}") from err
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,

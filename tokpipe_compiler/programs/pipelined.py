@@ -180,6 +180,8 @@ class PipelinedProgram:
         if tick.new_generation:
             self._new_generation()
             self._generation_starts(args)
+        else:
+            self._step_starts(args, tick.step)
         self.branch = tick.branch
         if tick.branch == MANY_BRANCHES:
             self._warn_many_branches(tick)
@@ -204,6 +206,10 @@ class PipelinedProgram:
     def _generation_starts(self, args: tuple) -> None:
         """A generation's first call, with `args`, is about to run (one process: nothing to
         agree on)."""
+
+    def _step_starts(self, args: tuple, step: int) -> None:
+        """A later call of the generation, with `args`, is about to run (one process:
+        nothing to agree on)."""
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,
