@@ -223,7 +223,7 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
     Where the step itself raises (the model fails on these inputs), that error, as an
     eager call raises it, rather than Dynamo's account of it ("Observed exception")."""
     try:
-        return capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1]
+        return capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1].without_arguments()
     except torch._dynamo.exc.Unsupported as err:
         # The step's own error (an exception it raises, a name it lacks) as Python gives it:
         # an eager call raises it, with its traceback; a step that runs has a graph break.

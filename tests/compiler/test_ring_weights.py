@@ -7,7 +7,9 @@ a new trace; nothing changed: nothing is traced again."""
 from __future__ import annotations
 
 import functools
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -200,3 +202,22 @@ def test_a_step_with_a_graph_break_says_what_and_where():
     ring = tp.Ring(step, carry=["latents"], **OPTIONS)
     with pytest.raises(tp.TokpipeError, match=r"one graph; Dynamo broke it: .*test_ring_weights"):
         ring.run(inputs, per_step=per_step)
+
+
+def test_a_ring_keeps_no_tensor_a_run_was_given():
+    """Each trace kept its first run's inputs: a server's ring per size held the first
+    request's prompt embeddings and latents for good."""
+    model = _model(0)
+
+    def step(latents, timestep, labels):
+        return (latents - 0.1 * model(latents, timestep[None], labels),)
+
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    inputs, per_step = _inputs()
+    first = ring.run(inputs, per_step=per_step)[0]
+    given = [weakref.ref(t) for t in (*inputs.values(), *per_step.values())]
+    del inputs, per_step
+    gc.collect()
+    assert all(ref() is None for ref in given)
+    inputs, per_step = _inputs()
+    assert torch.equal(ring.run(inputs, per_step=per_step)[0], first)

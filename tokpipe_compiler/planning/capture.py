@@ -44,6 +44,14 @@ class Captured:
         arguments = self.arguments
         return self.names[arguments.index(argument)] if argument in arguments else None
 
+    def without_arguments(self) -> Captured:
+        """This capture with the user arguments' example inputs as meta tensors of their
+        shapes and dtypes: a trace kept for later calls, which pass their own, would keep
+        its first call's tensors (a server's first request at each size) alive."""
+        inputs = [_stand_in(x) if argument is not None else x
+                  for x, argument in zip(self.inputs, self.arguments, strict=True)]
+        return Captured(self.gm, inputs, self.names)
+
     def with_arguments(self, values: Mapping[str | int, Any], strict: bool = True) -> list[Any]:
         """The example inputs with user arguments replaced by `values` (keyed by argument
         name, or position in *args). `strict`: a key the graph does not read raises."""
@@ -191,3 +199,9 @@ class _Traced(Exception):
 def _stop_here(*_: Any) -> None:
     raise _Traced
 
+
+def _stand_in(value: Any) -> Any:
+    """A tensor's shape and dtype without its data; other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta")
+    return value
