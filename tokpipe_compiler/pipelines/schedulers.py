@@ -62,6 +62,7 @@ VERIFIED = (
     "DDIMScheduler",
     "EulerDiscreteScheduler",
     "HeunDiscreteScheduler",
+    "FlowMatchHeunDiscreteScheduler",
     "PNDMScheduler",
 )
 
