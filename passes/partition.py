@@ -17,6 +17,7 @@ where used. A partition whose slowest stage is over `IMBALANCE_WARNING` of an ev
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
@@ -34,6 +35,9 @@ from tokpipe_compiler.passes.split import is_chunk_source
 BALANCE_SLACK = 0.02
 # A slowest stage over this multiple of an even share is reported.
 IMBALANCE_WARNING = 1.10
+
+
+IMBALANCES_SAID: set[str] = set()  # each imbalance warning, its percentages left out
 
 
 class ImbalanceWarning(UserWarning):
@@ -76,7 +80,11 @@ def partition(gm: torch.fx.GraphModule, stages: int, weight: Callable[[torch.fx.
     imbalance, why = _imbalance(order, weights, cuts, stages, allowed, sends)
     if why:
         LOG.info("partition: %s", why)  # users see the warning; the log is for TOKPIPE_LOGS
-        warn(f"tokpipe: {why}", ImbalanceWarning)
+        # once per layout, not per input shape: a server's new sizes re-plan one model
+        said = re.sub(r"\d+%", "N%", why)
+        if said not in IMBALANCES_SAID:
+            IMBALANCES_SAID.add(said)
+            warn(f"tokpipe: {why}", ImbalanceWarning)
     return Partition(stage_of, tuple(cuts), tuple(order), tuple(weights), imbalance, why)
 
 

@@ -16,6 +16,7 @@ from tests.fixtures.tracing import trace
 from tests.fixtures.zoo import ZOO, build
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.costmodel.planning_costs import flops_weight
+from tokpipe_compiler.passes import partition as partition_module
 from tokpipe_compiler.passes.annotate import annotate
 from tokpipe_compiler.passes.partition import (
     BALANCE_SLACK,
@@ -28,6 +29,12 @@ from tokpipe_compiler.passes.partition import (
     token_nodes,
 )
 from tokpipe_compiler.planning.driver import copy_graph_module
+
+
+@pytest.fixture(autouse=True)
+def imbalances_unsaid():
+    """Each imbalance warning is said once per layout in a process: each test says its own."""
+    partition_module.IMBALANCES_SAID.clear()
 
 
 def slowest(weights: list[float], cuts: list[int]) -> float:
@@ -125,6 +132,19 @@ def test_imbalance_is_reported():
     with pytest.warns(ImbalanceWarning, match=rf"one node, .*\({heavy.name}\)"):
         cut = partition(graph, 4, weight, 0.5)
     assert cut.imbalance > 1.10 and heavy.name in cut.warning
+
+
+def test_the_imbalance_warning_is_said_once_per_layout():
+    """A server re-plans one model at each new input size: the same imbalance, by another
+    percentage, warned at every one."""
+    graph = annotated_zoo("DiTTransformer2DModel")
+    heavy = max(token_nodes(graph), key=lambda n: flops_weight(16, 8)(n))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for load in (1000.0, 2000.0):
+            partition(graph, 4, lambda n, load=load: load if n is heavy else 1.0, 0.5)
+    said = [str(w.message) for w in caught if issubclass(w.category, ImbalanceWarning)]
+    assert len(said) == 1, said
 
 
 def test_the_imbalance_warning_names_the_heaviest_piece_by_its_module():

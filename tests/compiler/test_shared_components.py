@@ -93,3 +93,21 @@ def test_a_transformer_replaced_after_parallelize_is_named_then_taken(ring):
     tp.pipelines.parallelize(pipe, **OPTIONS, ring=ring)
     generate(pipe, kwargs, steps=2)
     assert tp.pipelines.programs(pipe)
+
+
+def test_a_serial_transformer_swapped_in_and_back_out():
+    """The README's way to compare with the serial pipeline in one process: the serial
+    transformer runs unpipelined, saying so; the parallelized one, set back, runs the
+    rings it traced, untraced again."""
+    pipe, kwargs = flux()
+    tp.pipelines.parallelize(pipe, **OPTIONS)
+    parallel = pipe.transformer
+    first = generate(pipe, kwargs, steps=2)
+    programs = tp.pipelines.programs(pipe)
+    pipe.transformer = flux()[0].transformer  # the same weights, loaded again
+    with pytest.warns(UserWarning, match="was replaced after parallelize and runs unpipelined"):
+        serial = generate(pipe, kwargs, steps=2)
+    pipe.transformer = parallel
+    assert torch.equal(generate(pipe, kwargs, steps=2), first)
+    assert tp.pipelines.programs(pipe) == programs
+    assert _relative(first, serial) <= 1e-5
