@@ -217,21 +217,32 @@ def _noisy_steps(rank: int, world: int) -> tuple[str, torch.Tensor]:
     except tp.TokpipeError as err:
         said = str(err)
     torch.manual_seed(7)
-    return said, generate(pipe, kwargs, steps=3)
+    result = generate(pipe, kwargs, steps=3)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # a ring again
+    torch.manual_seed(rank)
+    try:  # the latents drawn from each rank's own random state
+        pipe(**kwargs, num_inference_steps=3)
+        ring_said = ""
+    except tp.TokpipeError as err:
+        ring_said = str(err)
+    return said, result, ring_said
 
 
 def test_ranks_whose_scheduler_noise_parts_them_raise(two_rank_runs):
     """Per call, each rank's scheduler steps its own latents: ones drawn from random
-    states seeded apart made the ranks return other images, silently."""
+    states seeded apart made the ranks return other images, silently. A ring's first
+    step's latents drawn apart raise at its start."""
     pipe, kwargs = pipelines.sd3()
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True)
     torch.manual_seed(7)
     alone = generate(pipe, kwargs, steps=3)
-    for said, result in two_rank_runs["noisy steps"]:
+    for said, result, ring_said in two_rank_runs["noisy steps"]:
         assert "At step 1 of a per-call generation" in said and "Seed it alike" in said
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+        # a ring's check names its carried latents as the caller knows them
+        assert "the token input 'sample' (the latents) has other values" in ring_said
 
 
 HYBRID = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}

@@ -161,7 +161,7 @@ class StepCallbacks:
         if call.legacy:
             marks = _Marks({"latents": real})
             self.legacy(call.index, call.timestep, real)
-            self._refuse(marks.edited(), step)
+            self._refuse(marks.edited(), step, "the step callback")
             return
         given = {**call.tensors, "latents": real} if "latents" in call.tensors \
             else dict(call.tensors)
@@ -182,9 +182,10 @@ class StepCallbacks:
             self.interrupted = real
 
     @staticmethod
-    def _refuse(changed: list[str], step: int) -> None:
+    def _refuse(changed: list[str], step: int,
+                callback: str = "the step-end callback") -> None:
         if changed:
-            raise TokpipeError(f"the step-end callback changed {', '.join(changed)} at step "
+            raise TokpipeError(f"{callback} changed {', '.join(changed)} at step "
                                f"{step}; the ring computed every step ahead from the first "
                                "step's form, so it cannot follow: run a callback that changes "
                                "the generation with parallelize(pipe, ring=False)")

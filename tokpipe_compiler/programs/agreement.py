@@ -134,7 +134,8 @@ def check_agreement(every: list[dict[str, Any]], when: str) -> None:
     token = every[0]["token"]
     if token in differing:
         raise TokpipeError(
-            f"the token input {token!r} has other values on other ranks, but every rank must "
+            f"the token input {_token_name(token)} has other values on other ranks, but "
+            "every rank must "
             "be called with the same inputs:\n  " + "\n  ".join(sums) + "\nSeed the random "
             "generator identically on every rank before drawing the latents (e.g. "
             "torch.manual_seed(seed)), or draw them on one rank and broadcast them.")
@@ -157,6 +158,11 @@ def check_agreement(every: list[dict[str, Any]], when: str) -> None:
 # and guidance scale, and a timestep passed to a model compiled directly. Ranks that differ
 # on them run different generations.
 SCHEDULE = frozenset({"scale", "coeffs", "guidance", *TIMESTEP_NAMES})
+
+
+def _token_name(name: str) -> str:
+    """The token input as the caller knows it: a ring's carried `sample` is the latents."""
+    return f"{name!r} (the latents)" if name == "sample" else repr(name)
 
 
 def _user_name(name: str) -> str:
