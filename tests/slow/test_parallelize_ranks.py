@@ -4,6 +4,8 @@ runs as one ring across them, and every rank returns what one process computes (
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -218,6 +220,12 @@ def _noisy_steps(rank: int, world: int) -> tuple[str, torch.Tensor]:
         said = str(err)
     torch.manual_seed(7)
     result = generate(pipe, kwargs, steps=3)
+    torch.manual_seed(7)
+    other = {**kwargs, "prompt_embeds": kwargs["prompt_embeds"] + rank}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        generate(pipe, other, steps=3)
+    differ = sum("inputs differ between ranks" in str(w.message) for w in seen)
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # a ring again
     torch.manual_seed(rank)
     try:  # the latents drawn from each rank's own random state
@@ -225,7 +233,7 @@ def _noisy_steps(rank: int, world: int) -> tuple[str, torch.Tensor]:
         ring_said = ""
     except tp.TokpipeError as err:
         ring_said = str(err)
-    return said, result, ring_said
+    return said, result, differ, ring_said
 
 
 def test_ranks_whose_scheduler_noise_parts_them_raise(two_rank_runs):
@@ -238,9 +246,10 @@ def test_ranks_whose_scheduler_noise_parts_them_raise(two_rank_runs):
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, stochastic_sampling=True)
     torch.manual_seed(7)
     alone = generate(pipe, kwargs, steps=3)
-    for said, result, ring_said in two_rank_runs["noisy steps"]:
+    for said, result, differ, ring_said in two_rank_runs["noisy steps"]:
         assert "At step 1 of a per-call generation" in said and "Seed it alike" in said
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+        assert differ == 1  # other prompts: said at the generation's start, not each step
         # a ring's check names its carried latents as the caller knows them
         assert "the token input 'sample' (the latents) has other values" in ring_said
 

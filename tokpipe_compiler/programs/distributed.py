@@ -13,6 +13,7 @@ expect; while they plan, they take rank 0's calibrated rates (`agreement.py`).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -122,7 +123,9 @@ class DistributedProgram(PipelinedProgram):
         if PIPELINE_STEPS.get() is None or self.ring_steps is not None:
             return
         try:
-            self._agree([args], f"step {step} of a per-call generation", {})
+            with warnings.catch_warnings():  # other inputs that differ: said at the start
+                warnings.simplefilter("ignore")
+                self._agree([args], f"step {step} of a per-call generation", {})
         except TokpipeError as err:
             raise TokpipeError(f"{err}\nAt step {step} of a per-call generation: "
                                f"{DIVERGED}") from err
