@@ -4,8 +4,12 @@
 
 prints the plan the backend would run for SPEC (a released model by name, a diffusers
 class, or a function of yours) and writes its dump (plan.save) to DIR.
-With --run K it also runs K denoising calls in this process and writes trace.json (Chrome
-trace) and the measured-against-predicted time per stage.
+With --run K it also runs K denoising calls in this process and prints the
+measured-against-predicted time per stage (and writes trace.json, a Chrome trace, to DIR).
+
+    tokpipe generate (--tiny NAME | --released NAME | --model DIR) ...
+
+runs a diffusers pipeline pipelined, on --ranks processes (see tokpipe_compiler.generate).
 """
 
 from __future__ import annotations
@@ -77,7 +81,9 @@ def _seconds(text: str) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tokpipe", description="Inspect what the tokpipe compiler makes of a model.",
+        prog="tokpipe", description="Inspect what the tokpipe compiler makes of a model "
+        "(inspect),\nor run a diffusers pipeline pipelined over ranks (generate: "
+        "tokpipe generate --help).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     inspect = commands.add_parser(
@@ -103,11 +109,14 @@ def _parser() -> argparse.ArgumentParser:
                          help="with --for: the denoising steps of the predicted run "
                               "(default: the released pipeline's default, as BENCHMARKS.md's "
                               "table; 20 for another config)")
-    inspect.add_argument("--stages", type=_count(1), default=2)
+    inspect.add_argument("--stages", type=_count(1), default=2,
+                         help="pipeline stages, one a rank (default %(default)s)")
     inspect.add_argument("--chunks", type=parse_chunks, default=4,
-                        help="a count, auto, or token lengths like 1728,960,768,640")
+                        help="a count, auto, or token lengths like 1728,960,768,640 "
+                             "(default %(default)s)")
     inspect.add_argument("--mode", choices=MODES, default="stale", help=MODE_HELP)
-    inspect.add_argument("--warmup-steps", type=_count(0), default=1)
+    inspect.add_argument("--warmup-steps", type=_count(0), default=1,
+                         help="synchronous calls after each reset (default %(default)s)")
     inspect.add_argument("--compiler", choices=COMPILERS, default="eager",
                          help="for --run (default eager)")
     inspect.add_argument("--cuda-graphs", action="store_true",
@@ -257,6 +266,8 @@ def _inspect(args: argparse.Namespace) -> int:
             files.append(write_chrome_trace(program.timeline, args.out / "trace.json"))
         print(f"\nwrote {len(files)} files to {args.out}/: "
               + ", ".join(f.name for f in files))
+    elif program is not None:
+        print("\n(--out DIR also writes the run's timeline, trace.json, and the plan's files)")
     return 0
 
 
