@@ -4,6 +4,7 @@ runs as one ring across them, and every rank returns what one process computes (
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -254,6 +255,45 @@ def test_ranks_whose_scheduler_noise_parts_them_raise(two_rank_runs):
         assert "the token input 'sample' (the latents) has other values" in ring_said
 
 
+def _one_rank_raises(rank: int, world: int) -> tuple[str, float, str, torch.Tensor]:
+    """Per call, rank 0's step callback raises at step 1, then at the last step; then a
+    call as ever."""
+    pipe, kwargs = pipelines.sd3()
+    tp.pipelines.parallelize(pipe, **{**OPTIONS, "mode": "sync", "timeout": 60}, ring=False)
+
+    def fail_at(step: int):
+        def callback(pipe, i, t, tensors):
+            if rank == 0 and i == step:
+                raise ValueError(f"rank 0 stops at {step}")
+            return tensors
+        return callback
+
+    said, start = [], time.monotonic()
+    for step in (1, 2):
+        try:
+            generate(pipe, {**kwargs, "callback_on_step_end": fail_at(step)}, steps=3)
+            said.append("")
+        except (ValueError, tp.TokpipeError) as err:
+            said.append(str(err))
+    return said[0], time.monotonic() - start, said[1], generate(pipe, kwargs, steps=3)
+
+
+def test_a_rank_whose_per_call_step_raises_stops_the_others_at_once(two_rank_runs):
+    """Rank 1 waited `timeout` for rank 0's next step, then the gloo group closed and every
+    later call failed."""
+    pipe, kwargs = pipelines.sd3()
+    alone = generate(pipe, kwargs, steps=3)
+    (first, seconds, last, after), (peer_first, peer_seconds, peer_last, peer_after) = \
+        two_rank_runs["one rank raises"]
+    assert first == "rank 0 stops at 1" and last == "rank 0 stops at 2"
+    assert "rank(s) [0] left this generation at step 2" in peer_first, peer_first
+    assert "ValueError: rank 0 stops at 1" in peer_first
+    assert peer_last == ""  # its last step was done: its call returns as ever
+    assert max(seconds, peer_seconds) < 60
+    for result in (after, peer_after):
+        assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+
+
 HYBRID = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -295,6 +335,8 @@ def two_rank_runs(request) -> dict:
         cases["from_pipe"] = (_from_pipe, ())
     if selected(request, test_step_callbacks_on_two_ranks):
         cases["callbacks"] = (_callbacks, ())
+    if selected(request, test_a_rank_whose_per_call_step_raises_stops_the_others_at_once):
+        cases["one rank raises"] = (_one_rank_raises, ())
     if selected(request, test_ranks_whose_scheduler_noise_parts_them_raise):
         cases["noisy steps"] = (_noisy_steps, ())
     if selected(request, test_cfg_parallel_checks_the_world_size):

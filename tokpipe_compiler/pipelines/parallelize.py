@@ -226,9 +226,13 @@ def _with_call(pipe: Any, call: Callable[..., Any], mark: str, owner: object) ->
 def _steps_counted(pipe: Any) -> Iterator[None]:
     """The scheduler steps of one call of `pipe` counted (`StepMarks`): they tell a
     transformer's per-call clock where each step ends, and the ranks how many to expect."""
-    token = PIPELINE_STEPS.set(StepMarks(scheduler=getattr(pipe, "scheduler", None)))
+    marks = StepMarks(scheduler=getattr(pipe, "scheduler", None))
+    token = PIPELINE_STEPS.set(marks)
     try:
         yield
+    except BaseException as err:
+        marks.leave(err)  # per call, the other ranks stop at their next step
+        raise
     finally:
         PIPELINE_STEPS.reset(token)
     _summarize_graphs(pipe)

@@ -25,6 +25,8 @@ from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as
 FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
 RATES_STEP = -1  # the rates travel before any step's message
 FINGERPRINT_STEP = -3  # not a program's call count: ranks' programs may count apart
+LEFT = "left"  # a fingerprint's stand-in from a rank whose call raised (`send_leave`)
+DURING, STEP_CHECK = "during", "step"  # a per-call step's check, not a generation's start
 STEP_COUNTS = ("ring steps", "scheduler steps")  # plan entries a caller adds: steps to run
 LATE_PEER = ("The ranks begin each generation together: a rank that has not begun this one "
              "may still be in the last, running steps this rank did not run. Run as many "
@@ -70,31 +72,61 @@ def fingerprint(plan: Plan, calls: Sequence[tuple]) -> dict[str, Any]:
     }
 
 
-def exchange_fingerprints(transport, mine: dict[str, Any], when: str) -> list[dict[str, Any]]:
+class PeerStopped(TokpipeError):
+    """A peer's pipeline call raised between two per-call steps and left the generation."""
+
+
+def exchange_fingerprints(transport, mine: dict[str, Any], when: str,
+                          midway: bool = False) -> list[dict[str, Any]]:
     """Every rank's fingerprint, in rank order. Messages have a fixed size and key, so
     that ranks meet whatever each has run before (one rank's program may be new, another's
     have run generations), and each pair posts in one order (the lower rank sends first),
-    which NCCL needs and gloo accepts."""
+    which NCCL needs and gloo accepts. `midway`: a per-call step's check, where a peer's
+    `send_leave` raises PeerStopped (after the exchange, so that no message is left
+    waiting); elsewhere a generation's leftovers (a leave, a step's check) are passed over."""
     rank, world = transport.rank, transport.world_size
     spec = TensorSpec((FINGERPRINT_BYTES,), torch.uint8)
     data = _encode(mine).to(transport.device)
-
-    def key(dst: int) -> MessageKey:
-        what = f"the fingerprint of {when} (options, plan, inputs)"
-        return MessageKey(FINGERPRINT_STEP, dst, WHOLE, "fingerprint", what)
 
     handles = {}
     for peer in range(world):
         if peer == rank:
             continue
         if rank < peer:
-            transport.send(key(peer), data, peer)
-        handles[peer] = transport.post_recv(key(rank), peer, spec)
+            transport.send(_key(peer, when), data, peer)
+        handles[peer] = transport.post_recv(_key(rank, when), peer, spec)
         if rank > peer:
-            transport.send(key(peer), data, peer)
-    received = {peer: _decode(handle.wait()) for peer, handle in handles.items()}
+            transport.send(_key(peer, when), data, peer)
+    received = {}
+    for peer, handle in handles.items():
+        fp = _decode(handle.wait())
+        while not midway and (LEFT in fp or fp.get(DURING) == STEP_CHECK):
+            fp = _decode(transport.post_recv(_key(rank, when), peer, spec).wait())
+        received[peer] = fp
     transport.flush()
+    stopped = {peer: fp[LEFT] for peer, fp in received.items() if LEFT in fp}
+    if stopped:
+        raise PeerStopped(
+            f"rank(s) {sorted(stopped)} left this generation at {when}, their pipeline call "
+            f"raising ({'; '.join(stopped.values())}): this call stops too, and the next "
+            "one runs as ever")
     return [mine if r == rank else received[r] for r in range(world)]
+
+
+def send_leave(transport, reason: str) -> None:
+    """This rank's pipeline call raised between per-call steps: each peer gets, in place of
+    its next step's fingerprint, a message that stops its call (`exchange_fingerprints`)
+    rather than one that never comes. Not flushed: a peer whose generation was over takes
+    it at its next exchange, which passes it over."""
+    data = _encode({LEFT: reason}).to(transport.device)
+    for peer in range(transport.world_size):
+        if peer != transport.rank:
+            transport.send(_key(peer, "a peer's leaving"), data, peer)
+
+
+def _key(dst: int, when: str) -> MessageKey:
+    what = f"the fingerprint of {when} (options, plan, inputs)"
+    return MessageKey(FINGERPRINT_STEP, dst, WHOLE, "fingerprint", what)
 
 
 def pipeline_entry(scheduler: Any, ring: bool) -> dict[str, str]:
@@ -262,7 +294,7 @@ def _encode(fp: dict[str, Any]) -> torch.Tensor:
     text = json.dumps(fp)
     if len(text.encode()) > FINGERPRINT_BYTES:
         sums = fp["checksums"]
-        fp = {k: (v if k in ("plan", "weights", "token") else _crc(json.dumps(v)))
+        fp = {k: (v if k in ("plan", "weights", "token", DURING) else _crc(json.dumps(v)))
               for k, v in fp.items()}
         fp["inputs"] = {"(all, digest)": fp["inputs"]}
         token = fp["token"]

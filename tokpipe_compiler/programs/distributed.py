@@ -28,12 +28,16 @@ from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.agreement import (
+    DURING,
     LATE_PEER,
+    STEP_CHECK,
+    PeerStopped,
     check_agreement,
     exchange_fingerprints,
     exchange_rates,
     fingerprint,
     pipeline_entry,
+    send_leave,
 )
 from tokpipe_compiler.programs.device_copies import DeviceCopies
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS
@@ -98,6 +102,7 @@ class DistributedProgram(PipelinedProgram):
         self.token_position = plan.graphs.input_names.index(plan.token_input)
         self.weights_here = DeviceCopies(self.device)  # weights that live on another device
         self.warned_far_weights = False
+        self.mid_call = False  # inside a call (one that raised stays so)
         self._output_step = 0  # the step whose outputs `_gather` is collecting
 
     def _generation_starts(self, args: tuple) -> None:
@@ -110,6 +115,8 @@ class DistributedProgram(PipelinedProgram):
         scheduled = None if marks is None else marks.scheduled()
         if scheduled is not None:  # per call, a rank with more steps would wait for them
             steps["scheduler steps"] = scheduled
+        if marks is not None and self.ring_steps is None:
+            marks.per_call.append(self)  # told, if the call raises (leave_generation)
         later = self.calls > 0  # a peer that fails to show may still be in the last one
         self._agree([args], "a generation's first call", steps, LATE_PEER if later else "",
                     {} if marks is None else pipeline_entry(marks.scheduler,
@@ -125,7 +132,10 @@ class DistributedProgram(PipelinedProgram):
         try:
             with warnings.catch_warnings():  # other inputs that differ: said at the start
                 warnings.simplefilter("ignore")
-                self._agree([args], f"step {step} of a per-call generation", {})
+                self._agree([args], f"step {step} of a per-call generation", {},
+                            extra={DURING: STEP_CHECK}, midway=True)
+        except PeerStopped:
+            raise
         except TokpipeError as err:
             raise TokpipeError(f"{err}\nAt step {step} of a per-call generation: "
                                f"{DIVERGED}") from err
@@ -142,7 +152,18 @@ class DistributedProgram(PipelinedProgram):
         return _on_device(outputs, caller)
 
     def __call__(self, *args: torch.Tensor) -> Any:
-        return _on_device(super().__call__(*args), self._caller_device(args))
+        self.mid_call = True  # left set where the call raises: its peers may be mid-message
+        out = _on_device(super().__call__(*args), self._caller_device(args))
+        self.mid_call = False
+        return out
+
+    def leave_generation(self, error: BaseException) -> None:
+        """This rank's pipeline call raised between two of its per-call steps (a step
+        callback, a cancel): the peers, which would wait `timeout` for its next step and
+        lose a gloo group, stop at their next step's check instead (`send_leave`). Not
+        from inside a call, where a peer may wait on another message of this one."""
+        if self.world > 1 and not self.mid_call:
+            send_leave(self.transport, f"{type(error).__name__}: {str(error)[:200]}")
 
     def _caller_device(self, args: tuple) -> torch.device:
         """Where the caller keeps the token input (the latents): its outputs go there."""
@@ -178,17 +199,20 @@ class DistributedProgram(PipelinedProgram):
             pieces.watch.see(pieces.first + k, every[k])
 
     def _agree(self, calls: list[tuple], when: str, plan: dict[str, int],
-               absent_hint: str = "", pipeline: dict[str, str] | None = None) -> None:
+               absent_hint: str = "", pipeline: dict[str, str] | None = None,
+               extra: dict[str, str] | None = None, midway: bool = False) -> None:
         """Every rank's fingerprint of `calls` (the first's inputs, every call's checksums),
         `plan`'s entries and `pipeline`'s (see pipeline_entry) to every other; raises on all
         ranks alike if they disagree (a TokpipeError that says which rank has what).
-        `absent_hint` ends the error of a rank whose peer never sends its fingerprint."""
+        `absent_hint` ends the error of a rank whose peer never sends its fingerprint.
+        `extra` and `midway`: a per-call step's check (`exchange_fingerprints`)."""
         mine = fingerprint(self.plan, calls)
         mine["plan"].update(plan)
         mine["pipeline"] = pipeline or {}
+        mine.update(extra or {})
         try:
-            every = exchange_fingerprints(self.transport, mine, when)
-        except GroupClosed:
+            every = exchange_fingerprints(self.transport, mine, when, midway)
+        except (GroupClosed, PeerStopped):
             raise  # not a peer late or absent: every later message fails alike
         except TokpipeError as err:
             if not absent_hint:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +56,13 @@ class StepMarks:
 
     steps: int = 0
     scheduler: Any = None
+    # the distributed programs whose per-call generation this call began
+    per_call: list = field(default_factory=list)
+
+    def leave(self, error: BaseException) -> None:
+        """The call raised: each per-call program tells its peers (`leave_generation`)."""
+        for program in self.per_call:
+            program.leave_generation(error)
 
     def scheduled(self) -> int | None:
         """The timesteps the scheduler was set to run (None: unknown), once the pipeline
