@@ -238,3 +238,18 @@ def test_logs_from_environment_and_bad_names():
     assert not logs.PASSES.isEnabledFor(logging.DEBUG)
     with pytest.raises(ValueError, match="allowed"):
         logs.set_logs("pases")
+
+
+def test_plans_name_the_models_modules_and_token_argument():
+    """A ring's plan named its layers `L.forward.__self__.transformer_blocks.0` and its token
+    input by its graph name ('l_sample_'), unlike the same model's direct compile."""
+    from tests.fixtures.pipelines import generate, sd3
+
+    pipe, kwargs = sd3()
+    tp.pipelines.parallelize(pipe, stages=2, chunks=2, compiler="eager")
+    generate(pipe, kwargs, steps=2)
+    ring = str(tp.pipelines.programs(pipe)[0].plan)
+    assert "token input 'sample'" in ring
+    assert "pos_embed, transformer_blocks.0" in ring and "__self__" not in ring
+    _, plan = dit_plan()
+    assert "token input 'latents'" in str(plan)

@@ -122,6 +122,10 @@ def target_name(node: torch.fx.Node) -> str:
     return name.rsplit(".", 1)[-1]
 
 
+# The local (or global) a traced frame reached its root module through.
+_ROOT = re.compile(r"^[LG]\['[^']*'\](\.__self__)?\.?")
+
+
 def module_path(node: torch.fx.Node) -> str:
     """The innermost module path of a node ('transformer_blocks.3.attn1'), or ''."""
     stack = node.meta.get("nn_module_stack") or {}
@@ -132,10 +136,9 @@ def module_path(node: torch.fx.Node) -> str:
 
 
 def _clean_module_path(path: str) -> str:
-    # Dynamo writes L['self'].transformer_blocks[3].attn1; keep the dotted module path.
-    for prefix in ("L['self'].", "L['self']"):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
+    # Dynamo writes L['self'].transformer_blocks[3].attn1, and for a function that calls a
+    # module's bound method (a ring's step) L['forward'].__self__...: keep the module path.
+    path = _ROOT.sub("", path)
     path = path.replace("[", ".").replace("]", "").replace("'", "")
     parts = [p for p in path.split(".") if p and p not in ("__dict__", "_modules")]
     return ".".join(parts)

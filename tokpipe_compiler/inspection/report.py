@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokpipe_compiler.core.fx import node_count
+from tokpipe_compiler.core.fx import argument_of, node_count
 
 if TYPE_CHECKING:
     from tokpipe_compiler.planning.plan import Plan
@@ -24,9 +24,18 @@ def _header(plan: Plan) -> list[str]:
     return [f"tokpipe plan: {len(plan.stages)} stage(s) x {len(plan.chunks)} chunk(s), "
             f"mode={c.mode}{warmup}, compiler={c.compiler}, attention={c.attention}"
             f"{', cuda_graphs' if c.cuda_graphs else ''}",
-            f"token input '{plan.token_input}': {plan.units} grid rows, {plan.tokens} tokens; "
+            f"token input {_token_argument(plan)!r}: {plan.units} grid rows, {plan.tokens} "
+            "tokens; "
             f"weights (parameters and buffers) {human_bytes(plan.model_param_bytes)} (each "
             "counted once)"]
+
+
+def _token_argument(plan: Plan) -> str:
+    """The token input as the forward's (or a ring step's) argument, not its graph name."""
+    node = next((n for n in plan.graphs.prelude.graph.nodes
+                 if n.op == "placeholder" and n.name == plan.token_input), None)
+    argument = None if node is None else argument_of(node)
+    return plan.token_input if argument is None else str(argument)
 
 
 def _stage_table(plan: Plan) -> list[str]:
