@@ -92,6 +92,18 @@ def test_stale_text_stream(joint, stages, chunks):
     assert rel_error(out, eager(model, 4)) > 1e-4
 
 
+def test_an_uneven_split_puts_the_smaller_chunks_first(joint):
+    """The first chunk computes the step's text stream: 12 rows in 5 chunks are 2, 2, 2,
+    3, 3, not 3, 3, 2, 2, 2 (a video's 3 frames in 2 chunks: 1 then 2). Per call, stale on
+    a repeated input equals eager."""
+    model, traced = joint
+    program = traced.program(mode="stale", stages=2, chunks=5, warmup_steps=1)
+    assert [c.units for c in program.plan.chunks] == [2, 2, 2, 3, 3]
+    for _ in range(2):
+        (out,) = program(*traced.args(x=inputs(1)[0], text=inputs(1)[1]))
+    assert_rel_close(out, eager(model, 1))
+
+
 def test_causal_over_segments_is_refused(joint):
     _, traced = joint
     with pytest.raises(TokpipeError, match="causal"):

@@ -58,6 +58,7 @@ from tokpipe_compiler.planning.plan import Plan, describe_stages
 from tokpipe_compiler.runtime.chunking import (
     Chunk,
     chunk_table,
+    table_from_sizes,
     table_from_tokens,
     with_first_segments,
 )
@@ -200,7 +201,10 @@ def plan_chunks(
     if isinstance(config.chunks, tuple):
         return table_from_tokens(units, tokens, config.chunks)
     if config.chunks != "auto":
-        return chunk_table(units, config.chunks)
+        table = chunk_table(units, config.chunks)
+        # the first chunk computes the step's text stream: an uneven split's smaller
+        # chunks go first, so as not to load it twice
+        return table_from_sizes([c.units for c in reversed(table)]) if once else table
     first = chunk_table(units, min(config.stages, units))[0]
     chunk_tokens = tokens * first.units // units
     share = chunk_tokens / tokens if once else 1.0  # as text_share, for a table yet to come
