@@ -59,8 +59,8 @@ positional tables are cut to the same ranges. Attention that runs per frame (Lat
 spatial blocks) carries the frames on its batch axis and is chunked without a cache. A
 video of one latent frame has no frame axis left: its grid unit is a row of patches, as an
 image's. LTX-Video packs its latents into one token axis before the transformer, so its
-grid unit is one token (chunks may end inside a frame; attention over all tokens makes
-that exact in `sync`). A chunk count above the frames (`chunks=4` on a video of 2 or 3
+grid unit is one token (chunks may end inside a frame, which attention over every token
+allows). A chunk count above the frames (`chunks=4` on a video of 2 or 3
 latent frames) is refused with the largest count that fits.
 
 **Sums over tokens** (a sum or mean over the token axis, group_norm over the token grid,
