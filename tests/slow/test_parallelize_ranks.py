@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -255,40 +256,65 @@ def test_ranks_whose_scheduler_noise_parts_them_raise(two_rank_runs):
         assert "the token input 'sample' (the latents) has other values" in ring_said
 
 
-def _one_rank_raises(rank: int, world: int) -> tuple[str, float, str, torch.Tensor]:
-    """Per call, rank 0's step callback raises at step 1, then at the last step; then a
-    call as ever."""
-    pipe, kwargs = pipelines.sd3()
-    tp.pipelines.parallelize(pipe, **{**OPTIONS, "mode": "sync", "timeout": 60}, ring=False)
+def _raising_pipeline(split: bool) -> tuple:
+    """A pipeline that runs per call: SD3 with ring=False, or (split) Flux under diffusers'
+    First Block Cache, which Dynamo traces as several graphs, a program each."""
+    from diffusers import FirstBlockCacheConfig
 
-    def fail_at(step: int):
+    pipe, kwargs = pipelines.flux(true_cfg=False) if split else pipelines.sd3()
+    tp.pipelines.parallelize(pipe, **{**OPTIONS, "mode": "sync", "timeout": 60},
+                             ring=False)
+    if split:
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    return pipe, kwargs
+
+
+def _one_rank_raises(rank: int, world: int, split: bool) -> tuple[list[str], float, Any]:
+    """Per call, one rank's step callback raises: rank 0 at step 1, then at the last step,
+    rank 1 at step 0; then a call as ever."""
+    pipe, kwargs = _raising_pipeline(split)
+
+    def fail(who: int, step: int):
         def callback(pipe, i, t, tensors):
-            if rank == 0 and i == step:
-                raise ValueError(f"rank 0 stops at {step}")
+            if rank == who and i == step:
+                raise ValueError(f"rank {who} stops at {step}")
             return tensors
         return callback
 
     said, start = [], time.monotonic()
-    for step in (1, 2):
+    for who, step in ((0, 1), (0, 2), (1, 0)):
         try:
-            generate(pipe, {**kwargs, "callback_on_step_end": fail_at(step)}, steps=3)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                generate(pipe, {**kwargs, "callback_on_step_end": fail(who, step)}, steps=3)
             said.append("")
         except (ValueError, tp.TokpipeError) as err:
             said.append(str(err))
-    return said[0], time.monotonic() - start, said[1], generate(pipe, kwargs, steps=3)
+    seconds = time.monotonic() - start
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return said, seconds, generate(pipe, kwargs, steps=3)
 
 
-def test_a_rank_whose_per_call_step_raises_stops_the_others_at_once(two_rank_runs):
+@pytest.mark.parametrize("split", [False, True], ids=["one graph", "graph breaks"])
+def test_a_rank_whose_per_call_step_raises_stops_the_others_at_once(split, two_rank_runs):
     """Rank 1 waited `timeout` for rank 0's next step, then the gloo group closed and every
-    later call failed."""
-    pipe, kwargs = pipelines.sd3()
-    alone = generate(pipe, kwargs, steps=3)
-    (first, seconds, last, after), (peer_first, peer_seconds, peer_last, peer_after) = \
-        two_rank_runs["one rank raises"]
-    assert first == "rank 0 stops at 1" and last == "rank 0 stops at 2"
-    assert "rank(s) [0] left this generation at step 2" in peer_first, peer_first
-    assert "ValueError: rank 0 stops at 1" in peer_first
-    assert peer_last == ""  # its last step was done: its call returns as ever
+    later call failed. With graph breaks each graph's program exchanges its own checks:
+    the peers are told once, and the next call runs as ever."""
+    from diffusers import FirstBlockCacheConfig
+
+    serial, kwargs = pipelines.flux(true_cfg=False) if split else pipelines.sd3()
+    if split:
+        serial.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    alone = generate(serial, kwargs, steps=3)
+    (said, seconds, after), (peer_said, peer_seconds, peer_after) = \
+        two_rank_runs["one rank raises", split]
+    assert said[:2] == ["rank 0 stops at 1", "rank 0 stops at 2"]
+    assert peer_said[2] == "rank 1 stops at 0"
+    for stopped in (peer_said[0], said[2]):  # told by the other rank
+        assert "left this pipeline call, their call raising" in stopped, stopped
+        assert "ValueError: rank" in stopped
+    assert peer_said[1] == ""  # its last step was done: its call returns as ever
     assert max(seconds, peer_seconds) < 60
     for result in (after, peer_after):
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
@@ -335,8 +361,9 @@ def two_rank_runs(request) -> dict:
         cases["from_pipe"] = (_from_pipe, ())
     if selected(request, test_step_callbacks_on_two_ranks):
         cases["callbacks"] = (_callbacks, ())
-    if selected(request, test_a_rank_whose_per_call_step_raises_stops_the_others_at_once):
-        cases["one rank raises"] = (_one_rank_raises, ())
+    cases.update({("one rank raises", p["split"]): (_one_rank_raises, (p["split"],))
+                  for p in selected(request,
+                                    test_a_rank_whose_per_call_step_raises_stops_the_others_at_once)})
     if selected(request, test_ranks_whose_scheduler_noise_parts_them_raise):
         cases["noisy steps"] = (_noisy_steps, ())
     if selected(request, test_cfg_parallel_checks_the_world_size):

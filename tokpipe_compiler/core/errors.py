@@ -98,3 +98,8 @@ def _shape_str(node: torch.fx.Node) -> str:
 
     shape = node_shape(node)
     return str(tuple(shape)) if shape is not None else "?"
+
+
+class PeerStopped(TokpipeError):
+    """A peer's parallelized pipeline call raised between two per-call steps and left the
+    call (`programs.agreement.send_leave`)."""

@@ -54,6 +54,8 @@ _RESET = "_reset_stateful_cache"  # what DiffusionPipeline calls on each compone
 _PARALLELIZED = "_tokpipe_parallelized"  # a transformer's `Parallelized`
 _FRESH = "_tokpipe_fresh_start"  # a per-call pipeline's mark (`_install_fresh_start`)
 _RING = "_tokpipe_ring"  # a ring pipeline's `RingCalls` (`_install_ring`)
+_RAISED = "_tokpipe_call_raised"  # the pipeline's last call raised (its step caches midway)
+
 # Input signatures (resolutions, batch sizes) a transformer is compiled for per call before
 # Dynamo runs it unpipelined: PixArt's and Sana's pipelines bin resolutions into dozens of
 # aspect ratios, and each is one recompile.
@@ -227,15 +229,30 @@ def _steps_counted(pipe: Any) -> Iterator[None]:
     """The scheduler steps of one call of `pipe` counted (`StepMarks`): they tell a
     transformer's per-call clock where each step ends, and the ranks how many to expect."""
     marks = StepMarks(scheduler=getattr(pipe, "scheduler", None))
+    if getattr(pipe, _RAISED, False):
+        _reset_step_caches(pipe)
     token = PIPELINE_STEPS.set(marks)
     try:
         yield
     except BaseException as err:
         marks.leave(err)  # per call, the other ranks stop at their next step
+        object.__setattr__(pipe, _RAISED, True)
         raise
     finally:
         PIPELINE_STEPS.reset(token)
     _summarize_graphs(pipe)
+
+
+def _reset_step_caches(pipe: Any) -> None:
+    """After a call that raised: the transformers' step caches (First Block Cache and its
+    kind) as diffusers leaves them at a call's end. Left midway, each rank's would be in
+    another state (one raised at a step's end, another inside the next step), and their
+    choices to skip blocks, so the graphs they run, would part."""
+    object.__setattr__(pipe, _RAISED, False)
+    for denoiser in find_denoisers(pipe).values():
+        reset = getattr(denoiser, "_reset_stateful_cache", None)
+        if callable(reset):
+            reset()
 
 
 def _summarize_graphs(pipe: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.errors import PeerStopped, TokpipeError
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.planning.plan import Plan
@@ -26,7 +26,7 @@ FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchan
 RATES_STEP = -1  # the rates travel before any step's message
 FINGERPRINT_STEP = -3  # not a program's call count: ranks' programs may count apart
 LEFT = "left"  # a fingerprint's stand-in from a rank whose call raised (`send_leave`)
-DURING, STEP_CHECK = "during", "step"  # a per-call step's check, not a generation's start
+CALL = "call"  # the parallelized pipeline call a fingerprint belongs to (StepMarks.call)
 STEP_COUNTS = ("ring steps", "scheduler steps")  # plan entries a caller adds: steps to run
 LATE_PEER = ("The ranks begin each generation together: a rank that has not begun this one "
              "may still be in the last, running steps this rank did not run. Run as many "
@@ -72,18 +72,14 @@ def fingerprint(plan: Plan, calls: Sequence[tuple]) -> dict[str, Any]:
     }
 
 
-class PeerStopped(TokpipeError):
-    """A peer's pipeline call raised between two per-call steps and left the generation."""
-
-
-def exchange_fingerprints(transport, mine: dict[str, Any], when: str,
-                          midway: bool = False) -> list[dict[str, Any]]:
+def exchange_fingerprints(transport, mine: dict[str, Any], when: str) -> list[dict[str, Any]]:
     """Every rank's fingerprint, in rank order. Messages have a fixed size and key, so
     that ranks meet whatever each has run before (one rank's program may be new, another's
     have run generations), and each pair posts in one order (the lower rank sends first),
-    which NCCL needs and gloo accepts. `midway`: a per-call step's check, where a peer's
-    `send_leave` raises PeerStopped (after the exchange, so that no message is left
-    waiting); elsewhere a generation's leftovers (a leave, a step's check) are passed over."""
+    which NCCL needs and gloo accepts. In a parallelized pipeline's call (`CALL`), what is
+    left of an earlier call (a peer's check this rank never took, a leave) is passed over,
+    and a peer's leave of this call (`send_leave`) raises PeerStopped once the exchange is
+    done, so that no message is left waiting."""
     rank, world = transport.rank, transport.world_size
     spec = TensorSpec((FINGERPRINT_BYTES,), torch.uint8)
     data = _encode(mine).to(transport.device)
@@ -100,25 +96,33 @@ def exchange_fingerprints(transport, mine: dict[str, Any], when: str,
     received = {}
     for peer, handle in handles.items():
         fp = _decode(handle.wait())
-        while not midway and (LEFT in fp or fp.get(DURING) == STEP_CHECK):
+        while _earlier(fp, mine.get(CALL)):
             fp = _decode(transport.post_recv(_key(rank, when), peer, spec).wait())
         received[peer] = fp
     transport.flush()
     stopped = {peer: fp[LEFT] for peer, fp in received.items() if LEFT in fp}
     if stopped:
         raise PeerStopped(
-            f"rank(s) {sorted(stopped)} left this generation at {when}, their pipeline call "
-            f"raising ({'; '.join(stopped.values())}): this call stops too, and the next "
-            "one runs as ever")
+            f"rank(s) {sorted(stopped)} left this pipeline call, their call raising "
+            f"({'; '.join(stopped.values())}); seen here at {when}: this call stops too, "
+            "and the next one runs as ever")
     return [mine if r == rank else received[r] for r in range(world)]
 
 
-def send_leave(transport, reason: str) -> None:
-    """This rank's pipeline call raised between per-call steps: each peer gets, in place of
-    its next step's fingerprint, a message that stops its call (`exchange_fingerprints`)
-    rather than one that never comes. Not flushed: a peer whose generation was over takes
-    it at its next exchange, which passes it over."""
-    data = _encode({LEFT: reason}).to(transport.device)
+def _earlier(fp: dict[str, Any], call: int | None) -> bool:
+    """A message of an earlier pipeline call than `call` (None: outside one), or a leave
+    met outside a pipeline call."""
+    if call is None:
+        return LEFT in fp
+    return fp.get(CALL) is not None and fp[CALL] < call
+
+
+def send_leave(transport, reason: str, call: int) -> None:
+    """This rank left pipeline call `call` between per-call steps, its call raising: each
+    peer gets, in place of its next fingerprint, a message that stops its call
+    (`exchange_fingerprints`) rather than one that never comes. Not flushed: a peer whose
+    call was over takes it at its next exchange, which passes it over."""
+    data = _encode({LEFT: reason, CALL: call}).to(transport.device)
     for peer in range(transport.world_size):
         if peer != transport.rank:
             transport.send(_key(peer, "a peer's leaving"), data, peer)
@@ -294,7 +298,7 @@ def _encode(fp: dict[str, Any]) -> torch.Tensor:
     text = json.dumps(fp)
     if len(text.encode()) > FINGERPRINT_BYTES:
         sums = fp["checksums"]
-        fp = {k: (v if k in ("plan", "weights", "token", DURING) else _crc(json.dumps(v)))
+        fp = {k: (v if k in ("plan", "weights", "token", CALL) else _crc(json.dumps(v)))
               for k, v in fp.items()}
         fp["inputs"] = {"(all, digest)": fp["inputs"]}
         token = fp["token"]

@@ -21,17 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.errors import PeerStopped, TokpipeError
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.agreement import (
-    DURING,
+    CALL,
     LATE_PEER,
-    STEP_CHECK,
-    PeerStopped,
     check_agreement,
     exchange_fingerprints,
     exchange_rates,
@@ -132,8 +130,7 @@ class DistributedProgram(PipelinedProgram):
         try:
             with warnings.catch_warnings():  # other inputs that differ: said at the start
                 warnings.simplefilter("ignore")
-                self._agree([args], f"step {step} of a per-call generation", {},
-                            extra={DURING: STEP_CHECK}, midway=True)
+                self._agree([args], f"step {step} of a per-call generation", {})
         except PeerStopped:
             raise
         except TokpipeError as err:
@@ -157,13 +154,11 @@ class DistributedProgram(PipelinedProgram):
         self.mid_call = False
         return out
 
-    def leave_generation(self, error: BaseException) -> None:
-        """This rank's pipeline call raised between two of its per-call steps (a step
-        callback, a cancel): the peers, which would wait `timeout` for its next step and
-        lose a gloo group, stop at their next step's check instead (`send_leave`). Not
-        from inside a call, where a peer may wait on another message of this one."""
-        if self.world > 1 and not self.mid_call:
-            send_leave(self.transport, f"{type(error).__name__}: {str(error)[:200]}")
+    def leave_call(self, error: BaseException, call: int) -> None:
+        """This rank's pipeline call `call` raised between two per-call steps (a step
+        callback, a cancel): the peers, which would wait `timeout` for its next message and
+        lose a gloo group, stop at their next exchange instead (`send_leave`)."""
+        send_leave(self.transport, f"{type(error).__name__}: {str(error)[:200]}", call)
 
     def _caller_device(self, args: tuple) -> torch.device:
         """Where the caller keeps the token input (the latents): its outputs go there."""
@@ -199,19 +194,19 @@ class DistributedProgram(PipelinedProgram):
             pieces.watch.see(pieces.first + k, every[k])
 
     def _agree(self, calls: list[tuple], when: str, plan: dict[str, int],
-               absent_hint: str = "", pipeline: dict[str, str] | None = None,
-               extra: dict[str, str] | None = None, midway: bool = False) -> None:
+               absent_hint: str = "", pipeline: dict[str, str] | None = None) -> None:
         """Every rank's fingerprint of `calls` (the first's inputs, every call's checksums),
         `plan`'s entries and `pipeline`'s (see pipeline_entry) to every other; raises on all
         ranks alike if they disagree (a TokpipeError that says which rank has what).
-        `absent_hint` ends the error of a rank whose peer never sends its fingerprint.
-        `extra` and `midway`: a per-call step's check (`exchange_fingerprints`)."""
+        `absent_hint` ends the error of a rank whose peer never sends its fingerprint."""
         mine = fingerprint(self.plan, calls)
         mine["plan"].update(plan)
         mine["pipeline"] = pipeline or {}
-        mine.update(extra or {})
+        marks = PIPELINE_STEPS.get()
+        if marks is not None:  # in a parallelized pipeline's call: its number
+            mine[CALL] = marks.call
         try:
-            every = exchange_fingerprints(self.transport, mine, when, midway)
+            every = exchange_fingerprints(self.transport, mine, when)
         except (GroupClosed, PeerStopped):
             raise  # not a peer late or absent: every later message fails alike
         except TokpipeError as err:

@@ -27,6 +27,7 @@ the graph of its model that read one before it (`SharedTimesteps`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from tokpipe_compiler.core.errors import PeerStopped
 from tokpipe_compiler.programs.host_timesteps import HostTimesteps
 
 # The forward's parameter names taken for the timestep, first found first (k-diffusion and
@@ -50,6 +52,11 @@ class Tick:
     branch: int
 
 
+# Parallelized pipeline calls made by this process, numbered alike on every rank (every
+# rank makes the same calls): a message tells which call it belongs to.
+_CALLS = itertools.count()
+
+
 @dataclass
 class StepMarks:
     """The scheduler steps a pipeline call has taken so far, and its scheduler."""
@@ -58,11 +65,16 @@ class StepMarks:
     scheduler: Any = None
     # the distributed programs whose per-call generation this call began
     per_call: list = field(default_factory=list)
+    call: int = field(default_factory=lambda: next(_CALLS))  # the same on every rank
 
     def leave(self, error: BaseException) -> None:
-        """The call raised: each per-call program tells its peers (`leave_generation`)."""
-        for program in self.per_call:
-            program.leave_generation(error)
+        """The call raised: its peers are told once (`leave_call`), unless the error is a
+        peer's leave itself, or it came from inside a program's call, where a peer may wait
+        on another message of that call (it waits `timeout`, as before)."""
+        if not self.per_call or isinstance(error, PeerStopped):
+            return
+        if not any(program.mid_call for program in self.per_call):
+            self.per_call[0].leave_call(error, self.call)
 
     def scheduled(self) -> int | None:
         """The timesteps the scheduler was set to run (None: unknown), once the pipeline
