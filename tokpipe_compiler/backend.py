@@ -40,7 +40,7 @@ from tokpipe_compiler.planning.timestep_checks import (
 from tokpipe_compiler.planning.traced_frame import (
     frame_parameters,
     number_arguments,
-    traced_code,
+    traced_function,
 )
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS, timestep_index
@@ -157,7 +157,8 @@ class LazyProgram:
         self.numbers = number_arguments()  # the call's Python numbers: specialised on
         self.owner_index = owner_placeholder(gm)
         # said at the first call, not inside Dynamo's trace
-        self.retraced = traced_again(session, traced_code(), example_inputs, self.owner_index)
+        self.retraced = traced_again(session, traced_function(), example_inputs,
+                                     self.owner_index)
         self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> plan, select
         self.programs = PerOwner()  # per model: input shapes -> callable
         # A piece's timestep argument, for its model's pieces that read none.

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
 from tests.fixtures.tracing import assert_rel_close
 
@@ -115,3 +116,46 @@ def test_the_graph_after_a_graph_break_is_traced_once():
     model = BrokenTransposed(depth=2, width=32, heads=2, grid=8).eval()
     compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
     assert retraced(steps(compiled, model)) == []
+
+
+def test_a_dynamo_reset_is_not_taken_for_a_retrace():
+    """After torch._dynamo.reset() the user asked for the trace: Dynamo has no graph of
+    the function left to miss."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+    seen = steps(compiled, model, calls=1)
+    torch._dynamo.reset()
+    assert retraced(seen + steps(compiled, model, calls=1)) == []
+
+
+def test_a_grad_mode_switch_is_named_with_its_own_advice():
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+    latents, _, labels = dit_inputs(model, 8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            compiled(latents, torch.tensor([900]), labels)
+        with torch.enable_grad():
+            compiled(latents, torch.tensor([800]), labels)
+    (said,) = retraced(list(seen))
+    assert "grad_mode" in said and "under one grad mode" in said
+    assert "pass it as a tensor" not in said
+
+
+def test_a_step_caches_graphs_per_state_are_not_taken_for_retraces():
+    """diffusers' First Block Cache traces a graph per guidance branch and cache state, as
+    documented, and its hooks' shared forward once per block."""
+    from diffusers import FirstBlockCacheConfig
+
+    from tests.fixtures.pipelines import flux, generate
+
+    pipe, kwargs = flux()
+    tp.pipelines.parallelize(pipe, stages=2, chunks=2, compiler="eager")
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        generate(pipe, kwargs, steps=3)
+    assert retraced(list(seen)) == []

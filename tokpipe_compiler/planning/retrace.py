@@ -16,29 +16,45 @@ import torch
 _SEEN: weakref.WeakKeyDictionary[Any, dict[tuple, int]] = weakref.WeakKeyDictionary()
 
 
-def traced_again(session: Any, code: Any, example_inputs: list,
+def traced_again(session: Any, frame: tuple[Any, int | None] | None, example_inputs: list,
                  owner: int | None) -> tuple[str, str] | None:
-    """Counts the graph Dynamo traces now; where it is not the first of its function
-    (`code`, None where unknown), model (the weight at `owner`) and input shapes in
+    """Counts the graph Dynamo traces now; where Dynamo takes it for a recompilation and
+    it is not the first of its function and module (`frame`: the code and the id of its
+    `self`, None where unknown), model (the weight at `owner`) and input shapes in
     `session`: the warning's once-per-function key and its text."""
-    if code is None:
+    if frame is None or any(part in frame[0].co_filename for part in _EXPECTED):
         return None
+    code = frame[0]
     seen = _SEEN.setdefault(session, {})
     owner_id = None if owner is None else id(example_inputs[owner])
-    key = (code, _shapes(example_inputs), owner_id)
+    key = (code, frame[1], _shapes(example_inputs), owner_id)
     count = seen[key] = seen.get(key, 0) + 1
-    if count < 2:
+    reason = recompile_reason()  # None after torch._dynamo.reset(): no cached graph to miss
+    if count < 2 or reason is None:
         return None
     where = f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
-    reason = recompile_reason()
-    why = f"; the guard that failed: {reason}" if reason else ""
     return f"traced again: {where}", (
         f"tokpipe: Dynamo traced {where} again for the same model and input shapes (graph "
-        f"{count} of it{why}): tokpipe plans and compiles each such graph anew and "
-        "starts its K/V caches afresh, and past torch._dynamo.config.recompile_limit graphs "
-        "Dynamo runs the function eagerly, unpipelined. Where the guard is on a value of the "
-        "model's own that changes between calls (a Python number, an int attribute of a "
-        "module), pass it as a tensor. TORCH_LOGS=recompiles gives every reason")
+        f"{count} of it; the guard that failed: {reason}): tokpipe plans and compiles each "
+        "such graph anew and starts its K/V caches afresh, and past "
+        "torch._dynamo.config.recompile_limit graphs Dynamo runs the function eagerly, "
+        f"unpipelined. {_advice(reason)} TORCH_LOGS=recompiles gives every reason")
+
+
+# Functions whose graphs per state are documented: diffusers' step caches and hooks (a
+# graph per guidance branch and cache state, README "Several graphs of the same shapes").
+_EXPECTED = ("/diffusers/hooks/",)
+
+
+def _advice(reason: str) -> str:
+    """What to do about the guard that failed."""
+    if "grad_mode" in reason or "GLOBAL_STATE" in reason or "dispatch key" in reason:
+        return ("Call the model under one grad mode (torch.no_grad() or "
+                "torch.inference_mode(), not one and then the other).")
+    if "training" in reason:
+        return "Keep the model in one mode (.eval()) between calls."
+    return ("Where the guard is on a value of the model's own that changes between calls "
+            "(a Python number, an int attribute of a module), pass it as a tensor.")
 
 
 def recompile_reason() -> str | None:

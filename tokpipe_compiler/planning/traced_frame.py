@@ -59,10 +59,16 @@ def number_arguments() -> dict[str, int | float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
-def traced_code() -> Any:
-    """The code object of the frame Dynamo traces, or None outside a Dynamo trace."""
+def traced_function() -> tuple[Any, int | None] | None:
+    """The code object of the frame Dynamo traces and the id of its `self` (a hook or
+    module method shared by several modules is traced once per module), or None outside
+    a Dynamo trace."""
     frame = _frame()
-    return None if frame is None else frame[0]
+    if frame is None:
+        return None
+    code, local = frame
+    owner = local.get("self")
+    return code, None if owner is None else id(owner)
 
 
 def _frame() -> tuple[Any, dict[str, Any]] | None:
