@@ -67,7 +67,11 @@ def programs(compiled: Any) -> list[PipelinedProgram]:
             "torch.compile(..., backend='tokpipe') returned (after its first call), a "
             "module compiled in place, or the backend object")
     sessions = [found.own] if found.own is not None else found.alike
-    return sorted({p for session in sessions for p in session.programs}, key=made_order)
+    every = {p for session in sessions for p in session.programs}
+    if isinstance(module, torch.nn.Module):  # not another model's (compiles without options
+        # share a session): a model without weights owns none by them
+        every = {p for p in every if p.owner is None}
+    return sorted(every, key=made_order)
 
 
 def _find_sessions(obj: Any) -> CompileSessions | None:

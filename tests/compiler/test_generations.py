@@ -113,6 +113,11 @@ def test_a_compile_without_options_lists_and_resets_only_its_own_programs():
         assert tp.programs(plain) == []
         tp.reset(plain)
         assert of_two.clock.step == 0
+    # a model not yet called, compiled as another was (a session shared, or found by
+    # equal options): none of the other model's programs
+    fresh = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    assert tp.programs(torch.compile(fresh, backend="tokpipe", dynamic=False,
+                                     options={**OPTIONS, "chunks": 2})) == []
 
 
 def test_a_function_compiled_again_with_equal_options_finds_its_programs():
