@@ -227,8 +227,9 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
     except torch._dynamo.exc.Unsupported as err:
         # The step's own error (an exception it raises, a name it lacks) as Python gives it:
         # an eager call raises it, with its traceback; a step that runs has a graph break.
-        with torch.no_grad():
-            step_fn(**values)
+        with torch.no_grad():  # on copies: a step writing its inputs leaves the caller's
+            step_fn(**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                       for k, v in values.items()})
         raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
                            f"it: {_graph_break(err)}") from err
 

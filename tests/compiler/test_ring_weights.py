@@ -221,3 +221,22 @@ def test_a_ring_keeps_no_tensor_a_run_was_given():
     assert all(ref() is None for ref in given)
     inputs, per_step = _inputs()
     assert torch.equal(ring.run(inputs, per_step=per_step)[0], first)
+
+
+def test_a_step_dynamo_cannot_trace_leaves_the_callers_inputs_as_they_were():
+    """The step runs once eagerly to raise its own error: on copies, since it may write
+    its inputs (here before a data-dependent branch, which Dynamo breaks at)."""
+    model = _model(0)
+
+    def step(latents, timestep, labels):
+        latents.mul_(0.5)
+        out = model(latents, timestep[None], labels)
+        if out.sum() > 0:  # data-dependent: Dynamo breaks here
+            out = -out
+        return (latents - 0.1 * out,)
+
+    inputs, per_step = _inputs()
+    before = inputs["latents"].clone()
+    with pytest.raises(tp.TokpipeError, match="Dynamo broke it"):
+        tp.Ring(step, carry=["latents"], **OPTIONS).run(inputs, per_step=per_step)
+    assert torch.equal(inputs["latents"], before)
