@@ -25,7 +25,7 @@ from itertools import pairwise
 import torch.fx
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.core.fx import example_value, module_path
+from tokpipe_compiler.core.fx import example_value, is_parameter, module_path
 from tokpipe_compiler.core.logs import LOG
 from tokpipe_compiler.core.meta import META_KEY
 from tokpipe_compiler.core.warn import warn
@@ -37,7 +37,8 @@ BALANCE_SLACK = 0.02
 IMBALANCE_WARNING = 1.10
 
 
-IMBALANCES_SAID: set[str] = set()  # each imbalance warning, its percentages left out
+# each imbalance warning said, its percentages left out, with its graph's weight shapes
+IMBALANCES_SAID: set[tuple[str, tuple]] = set()
 
 
 class ImbalanceWarning(UserWarning):
@@ -80,12 +81,19 @@ def partition(gm: torch.fx.GraphModule, stages: int, weight: Callable[[torch.fx.
     imbalance, why = _imbalance(order, weights, cuts, stages, allowed, sends)
     if why:
         LOG.info("partition: %s", why)  # users see the warning; the log is for TOKPIPE_LOGS
-        # once per layout, not per input shape: a server's new sizes re-plan one model
-        said = re.sub(r"\d+%", "N%", why)
+        # once per model and layout, not per input shape: a server's new sizes re-plan one
+        # model (its weights' shapes tell it from another of other widths)
+        said = (re.sub(r"\d+%", "N%", why), _weight_shapes(gm))
         if said not in IMBALANCES_SAID:
             IMBALANCES_SAID.add(said)
             warn(f"tokpipe: {why}", ImbalanceWarning)
     return Partition(stage_of, tuple(cuts), tuple(order), tuple(weights), imbalance, why)
+
+
+def _weight_shapes(gm: torch.fx.GraphModule) -> tuple:
+    """The shapes of the graph's parameters and buffers, in order."""
+    return tuple(tuple(getattr(example_value(n), "shape", ())) for n in gm.graph.nodes
+                 if is_parameter(n))
 
 
 def live_counts(order: list[torch.fx.Node]) -> list[int]:

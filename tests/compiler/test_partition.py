@@ -147,6 +147,18 @@ def test_the_imbalance_warning_is_said_once_per_layout():
     assert len(said) == 1, said
 
 
+def test_the_imbalance_warning_is_said_again_for_a_model_of_other_widths():
+    def said(width: int) -> list[str]:
+        model = TinyDiT(depth=2, width=width, heads=2, grid=8).eval()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tp.explain(model, dit_inputs(model, 8), stages=6, chunks=1, compiler="eager")
+        return [str(w.message) for w in caught if issubclass(w.category, ImbalanceWarning)
+                and "cannot be balanced" in str(w.message)]
+
+    assert said(32) and not said(32) and said(64)
+
+
 def test_the_imbalance_warning_names_the_heaviest_piece_by_its_module():
     """It named the graph node alone ('hidden_states_16'), which the user cannot find."""
     model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
