@@ -124,6 +124,8 @@ def target_name(node: torch.fx.Node) -> str:
 
 # The local (or global) a traced frame reached its root module through.
 _ROOT = re.compile(r"^[LG]\['[^']*'\](\.__self__)?\.?")
+# diffusers' hooks call a module's forward through the hook's fn_ref.
+_HOOKED = re.compile(r"fn_ref\.original_forward\.__self__\.?")
 
 
 def module_path(node: torch.fx.Node) -> str:
@@ -138,7 +140,7 @@ def module_path(node: torch.fx.Node) -> str:
 def _clean_module_path(path: str) -> str:
     # Dynamo writes L['self'].transformer_blocks[3].attn1, and for a function that calls a
     # module's bound method (a ring's step) L['forward'].__self__...: keep the module path.
-    path = _ROOT.sub("", path)
+    path = _HOOKED.sub("", _ROOT.sub("", path))
     path = path.replace("[", ".").replace("]", "").replace("'", "")
     parts = [p for p in path.split(".") if p and p not in ("__dict__", "_modules")]
     return ".".join(parts)
