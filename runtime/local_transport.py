@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Collection
 
 import torch
 
@@ -76,6 +77,9 @@ class LocalTransport:
 
     def flush(self) -> None:
         pass
+
+    def let_sends_wait(self, peers: Collection[int]) -> None:
+        """Nothing to wait for: a send here is a queued copy."""
 
     def close(self) -> None:
         pass

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -103,6 +103,8 @@ class Transport(Protocol):
     def send(self, key: MessageKey, tensor: torch.Tensor, dst: int) -> None: ...
 
     def flush(self) -> None: ...
+
+    def let_sends_wait(self, peers: Collection[int]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -207,6 +209,7 @@ class DistributedTransport:
         # must use wait(timeout); NCCL's wait has no usable timeout, so others are polled.
         self._native_timeout = self.backend == "gloo"
         self._sends: list[_PendingSend] = []
+        self._waiting: list[_PendingSend] = []  # sends to peers that left (let_sends_wait)
         self._connect_once()
 
     def _connect_once(self) -> None:
@@ -280,6 +283,13 @@ class DistributedTransport:
             self._finish(self._sends[0], deadline)
             self._sends.pop(0)
 
+    def let_sends_wait(self, peers: Collection[int]) -> None:
+        """The started sends to `peers` stop holding `flush` up: a peer that left a pipeline
+        call takes them at its next exchange, which may come later than `timeout`. They
+        stay posted (their tensors held) until then."""
+        self._waiting += [s for s in self._sends if s.dst in peers]
+        self._sends = [s for s in self._sends if s.dst not in peers]
+
     def close(self) -> None:
         self.flush()
 
@@ -338,6 +348,7 @@ class DistributedTransport:
             return reason
         self.links.broken = self.links.broken or headline(error(reason))
         self._sends.clear()
+        self._waiting.clear()
         return f"{reason}; {GLOO_CLOSED}"
 
 

@@ -93,8 +93,10 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
                 f"tokpipe: {type(denoiser).__name__}, parallelized with {type(pipe).__name__}, "
                 "is called outside a parallelized pipeline's call (by a pipeline made from it "
                 "with from_pipe and not parallelized itself, or directly): it runs per call, "
-                "each step filling and draining the pipeline; parallelize that pipeline too "
-                "(with the same options) to run its loop as a ring")
+                "each step filling and draining the pipeline, and on several ranks without "
+                "the checks a parallelized call makes (a rank whose call raises leaves the "
+                "others waiting `timeout`); parallelize that pipeline too (with the same "
+                "options) to run its loop as a ring")
             denoiser.compile(backend=backend, dynamic=False, **own_recompiles(RECOMPILES))
             object.__setattr__(denoiser, _PARALLELIZED,
                                Parallelized(config, denoiser._compiled_call_impl,
@@ -235,12 +237,22 @@ def _steps_counted(pipe: Any) -> Iterator[None]:
     try:
         yield
     except BaseException as err:
-        marks.leave(err)  # per call, the other ranks stop at their next step
+        marks.leave(err, _distributed(pipe))  # the other ranks stop at their next exchange
         object.__setattr__(pipe, _RAISED, True)
+        for denoiser in find_denoisers(pipe).values():  # every rank's next call, in this
+            _reset_programs(denoiser)  # pipeline or a sibling, starts a generation alike
         raise
     finally:
         PIPELINE_STEPS.reset(token)
     _summarize_graphs(pipe)
+
+
+def _distributed(pipe: Any) -> list:
+    """The pipeline's programs that run over several ranks."""
+    try:
+        return [p for p in programs(pipe) if getattr(p, "world", 1) > 1]
+    except TokpipeError:  # nothing has run yet
+        return []
 
 
 def _reset_step_caches(pipe: Any) -> None:

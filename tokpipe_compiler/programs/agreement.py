@@ -99,8 +99,9 @@ def exchange_fingerprints(transport, mine: dict[str, Any], when: str) -> list[di
         while _earlier(fp, mine.get(CALL)):
             fp = _decode(transport.post_recv(_key(rank, when), peer, spec).wait())
         received[peer] = fp
-    transport.flush()
     stopped = {peer: fp[LEFT] for peer, fp in received.items() if LEFT in fp}
+    transport.let_sends_wait(stopped)  # a peer that left takes this one at its next call
+    transport.flush()
     if stopped:
         raise PeerStopped(
             f"rank(s) {sorted(stopped)} left this pipeline call, their call raising "
@@ -112,8 +113,8 @@ def exchange_fingerprints(transport, mine: dict[str, Any], when: str) -> list[di
 def _earlier(fp: dict[str, Any], call: int | None) -> bool:
     """A message of an earlier pipeline call than `call` (None: outside one), or a leave
     met outside a pipeline call."""
-    if call is None:
-        return LEFT in fp
+    if call is None:  # outside a pipeline call, nothing of one is meant for this exchange
+        return LEFT in fp or fp.get(CALL) is not None
     return fp.get(CALL) is not None and fp[CALL] < call
 
 

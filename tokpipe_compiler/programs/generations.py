@@ -67,14 +67,17 @@ class StepMarks:
     per_call: list = field(default_factory=list)
     call: int = field(default_factory=lambda: next(_CALLS))  # the same on every rank
 
-    def leave(self, error: BaseException) -> None:
+    def leave(self, error: BaseException, earlier: Sequence[Any] = ()) -> None:
         """The call raised: its peers are told once (`leave_call`), unless the error is a
         peer's leave itself, or it came from inside a program's call, where a peer may wait
-        on another message of that call (it waits `timeout`, as before)."""
-        if not self.per_call or isinstance(error, PeerStopped):
+        on another message of that call (it waits `timeout`, as before). A call that raised
+        before any program ran tells them through one of the pipeline's `earlier` programs
+        (none on its first call: the peers wait `timeout`)."""
+        if isinstance(error, PeerStopped) or any(p.mid_call for p in self.per_call):
             return
-        if not any(program.mid_call for program in self.per_call):
-            self.per_call[0].leave_call(error, self.call)
+        tellers = self.per_call or [p for p in earlier if hasattr(p, "leave_call")]
+        if tellers:
+            tellers[0].leave_call(error, self.call)
 
     def scheduled(self) -> int | None:
         """The timesteps the scheduler was set to run (None: unknown), once the pipeline
