@@ -63,7 +63,7 @@ def _times(g: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
-              candidates: Sequence[float]) -> tuple[str, torch.dtype, int | None, Any]:
+                 candidates: Sequence[float]) -> tuple[str, torch.dtype, int | None, Any]:
     """The guidance form, the dtype it is computed in, the channels kept and the scale.
     The call's own numbers are tried in every form before fitted ones, and the form that
     gives the pipeline's numbers most closely wins: one batch fits several forms (a batch

@@ -54,8 +54,6 @@ _RESET = "_reset_stateful_cache"  # what DiffusionPipeline calls on each compone
 _PARALLELIZED = "_tokpipe_parallelized"  # a transformer's `Parallelized`
 _FRESH = "_tokpipe_fresh_start"  # a per-call pipeline's mark (`_install_fresh_start`)
 _RING = "_tokpipe_ring"  # a ring pipeline's `RingCalls` (`_install_ring`)
-_RAISED = "_tokpipe_call_raised"  # the pipeline's last call raised (its step caches midway)
-
 # Input signatures (resolutions, batch sizes) a transformer is compiled for per call before
 # Dynamo runs it unpipelined: PixArt's and Sana's pipelines bin resolutions into dozens of
 # aspect ratios, and each is one recompile.
@@ -231,16 +229,12 @@ def _steps_counted(pipe: Any) -> Iterator[None]:
     """The scheduler steps of one call of `pipe` counted (`StepMarks`): they tell a
     transformer's per-call clock where each step ends, and the ranks how many to expect."""
     marks = StepMarks(scheduler=getattr(pipe, "scheduler", None))
-    if getattr(pipe, _RAISED, False):
-        _reset_step_caches(pipe)
     token = PIPELINE_STEPS.set(marks)
     try:
         yield
     except BaseException as err:
         marks.leave(err, _distributed(pipe))  # the other ranks stop at their next exchange
-        object.__setattr__(pipe, _RAISED, True)
-        for denoiser in find_denoisers(pipe).values():  # every rank's next call, in this
-            _reset_programs(denoiser)  # pipeline or a sibling, starts a generation alike
+        _end_call(pipe)
         raise
     finally:
         PIPELINE_STEPS.reset(token)
@@ -248,21 +242,21 @@ def _steps_counted(pipe: Any) -> Iterator[None]:
 
 
 def _distributed(pipe: Any) -> list:
-    """The pipeline's programs that run over several ranks."""
+    """The pipeline's programs that run over several ranks (`leave_call`)."""
     try:
-        return [p for p in programs(pipe) if getattr(p, "world", 1) > 1]
+        return [p for p in programs(pipe) if hasattr(p, "leave_call")]
     except TokpipeError:  # nothing has run yet
         return []
 
 
-def _reset_step_caches(pipe: Any) -> None:
-    """After a call that raised: the transformers' step caches (First Block Cache and its
-    kind) as diffusers leaves them at a call's end. Left midway, each rank's would be in
-    another state (one raised at a step's end, another inside the next step), and their
-    choices to skip blocks, so the graphs they run, would part."""
-    object.__setattr__(pipe, _RAISED, False)
+def _end_call(pipe: Any) -> None:
+    """A call that raised ends as diffusers ends one that returns: each transformer's
+    `_reset_stateful_cache` (`_reset_with_the_pipeline`), which resets its step caches
+    (First Block Cache and its kind) and its programs' generations. Left midway, the ranks'
+    caches would skip blocks differently, and their programs would start the next
+    generation apart (a from_pipe sibling's call, say)."""
     for denoiser in find_denoisers(pipe).values():
-        reset = getattr(denoiser, "_reset_stateful_cache", None)
+        reset = getattr(denoiser, _RESET, None)
         if callable(reset):
             reset()
 

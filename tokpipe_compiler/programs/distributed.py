@@ -114,7 +114,7 @@ class DistributedProgram(PipelinedProgram):
         if scheduled is not None:  # per call, a rank with more steps would wait for them
             steps["scheduler steps"] = scheduled
         if marks is not None and self.ring_steps is None:
-            marks.per_call.append(self)  # told, if the call raises (leave_generation)
+            marks.per_call.append(self)  # tells its peers if the call raises (leave_call)
         later = self.calls > 0  # a peer that fails to show may still be in the last one
         self._agree([args], "a generation's first call", steps, LATE_PEER if later else "",
                     {} if marks is None else pipeline_entry(marks.scheduler,

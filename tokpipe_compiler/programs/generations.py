@@ -75,7 +75,7 @@ class StepMarks:
         (none on its first call: the peers wait `timeout`)."""
         if isinstance(error, PeerStopped) or any(p.mid_call for p in self.per_call):
             return
-        tellers = self.per_call or [p for p in earlier if hasattr(p, "leave_call")]
+        tellers = self.per_call or earlier
         if tellers:
             tellers[0].leave_call(error, self.call)
 
