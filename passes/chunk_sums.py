@@ -74,7 +74,7 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, chunk: torch.fx.Node
         dtype = example_value(node).dtype  # input rows, not sums: kept as they are
     else:
         op, args, shape = _reduction(node)
-    spec = SumCacheSpec(layer, name, shape, dtype)
+    spec = SumCacheSpec(layer, name, shape, dtype, rows=node.target in _CONVS)
     cache = add_input(gm, name, _example(example_value(node), shape, dtype))
     with gm.graph.inserting_before(node):
         new = gm.graph.call_function(op, (*args[:1 + _SPLIT[op]], cache, chunk,

@@ -37,12 +37,14 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class SumCacheSpec:
-    """One sum over tokens' persistent partial sums: [units, *one unit's partial]."""
+    """One sum over tokens' persistent partial sums: [units, *one unit's partial]; or,
+    for a convolution across rows (`rows`), its input rows: [units, *one unit's rows]."""
 
     layer: int
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    rows: bool = False
 
     @property
     def bytes(self) -> int:

@@ -90,8 +90,9 @@ class Ring:
         program = self.prepare(inputs, per_step, steps)
         program.reset()
         program.ring_steps = steps  # the ranks agree on it at the generation's first call
-        try:
-            outputs = self._steps(program, values, per_step, steps, progress, each_step)
+        try:  # a sampling loop: its outputs carry no gradients, grad mode or not
+            with torch.no_grad():
+                outputs = self._steps(program, values, per_step, steps, progress, each_step)
         finally:  # the generation is over: its K/V caches are of no further use
             program.end_generation()
         return tuple(outputs[: len(self.carry)])

@@ -13,6 +13,7 @@ import tokpipe_compiler as tp
 from tests.fixtures.models import (
     ConvAcrossRows,
     MaxOverTokens,
+    MergesRows,
     SortOverTokens,
     TinyDiT,
     TokensIntoBuffer,
@@ -163,8 +164,19 @@ def test_an_unsupported_op_repeated_by_the_blocks_is_named_once():
 
 def test_more_chunks_than_rows_is_an_error():
     model, compiled = compile_dit(stages=1, chunks=5, mode="stale")  # 8x8 latent: 4 rows
-    with pytest.raises(tp.TokpipeError, match="chunks=5 is more than the 4 rows"):
+    with pytest.raises(tp.TokpipeError, match="chunks=5 is more than the 4 units"):
         compiled(*dit_inputs(model, 8))
+
+
+def test_more_chunks_than_merged_rows_names_the_unit():
+    """A model that merges patch rows pairs is chunked by pairs: the refusal says so, in
+    tokens, where counting patch rows would give twice as many."""
+    torch.manual_seed(0)
+    model = MergesRows().eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={"stages": 2, "chunks": 8, "compiler": "eager"})
+    with pytest.raises(tp.TokpipeError, match=r"the 4 units .*\(64 tokens, 16 a unit"):
+        compiled(*dit_inputs(model, 16))
 
 
 def test_more_stages_than_cut_points_is_an_error():
@@ -274,3 +286,19 @@ def test_a_new_input_shape_frees_the_last_shapes_caches():
         compiled(*large)
         assert not first.branches
         assert_rel_close(compiled(*small), model(*small))  # the warmup step again: exact
+
+
+def test_grad_mode_with_parameters_requiring_grad_warns_once():
+    """The outputs carry no gradients: a caller in grad mode hears it at the call, once,
+    not from a later backward(); under no_grad, as pipelines call, nothing is said."""
+    model, compiled = compile_dit(stages=2, chunks=2)
+    args = dit_inputs(model, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            compiled(*args)
+        assert not [w for w in caught if "grad" in str(w.message)]
+        compiled(*args)
+        compiled(*args)
+    said = [str(w.message) for w in caught if "grad enabled" in str(w.message)]
+    assert len(said) == 1 and "torch.no_grad()" in said[0]

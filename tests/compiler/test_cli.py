@@ -78,7 +78,7 @@ def test_too_many_stages_is_a_clear_error(tmp_path, capsys, monkeypatch):
     (tmp_path / "my_models.py").write_text(MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["inspect", "my_models:tiny_dit", "--chunks", "9"]) == 2
-    assert "chunks=9 is more than the 4 rows" in capsys.readouterr().err
+    assert "chunks=9 is more than the 4 units" in capsys.readouterr().err
 
 
 @pytest.mark.filterwarnings("ignore:tokpipe.*cannot be balanced")

@@ -199,3 +199,21 @@ def test_names_the_compiler_when_no_stage_differs(monkeypatch):
     assert "compiled with inductor, whose code rounds differently from eager" in message
     assert "replayed with compiler='eager' differ from the inductor-compiled run" in message
     assert "outside the stages" not in message
+
+
+@pytest.mark.parametrize("sizes, says", [
+    ({"height": [16]}, "key 'height' is not an axis"),
+    ({4: [16]}, "key 4 is not an axis"),
+    ({2: []}, "axis 2 needs a non-empty list"),
+    ({-1: [0]}, "axis -1 needs a non-empty list"),
+])
+def test_latents_like_names_a_bad_size_key(sizes, says):
+    with pytest.raises(ValueError, match=says):
+        latents_like(torch.zeros(1, 4, 8, 8), sizes=sizes)
+
+
+@settings(max_examples=5, deadline=None)
+@given(data=st.data())
+def test_latents_like_draws_the_given_sizes(data):
+    noise = data.draw(latents_like(torch.zeros(1, 4, 8, 8), sizes={2: [8, 12], -1: [16]}))
+    assert noise.shape[:2] == (1, 4) and noise.shape[2] in (8, 12) and noise.shape[3] == 16

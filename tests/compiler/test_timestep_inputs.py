@@ -96,7 +96,7 @@ def test_without_the_option_an_unknown_timestep_name_warns():
 def test_sync_mode_does_not_warn_about_a_missing_timestep():
     model, compiled = compile_model(Unconditioned, mode="sync")
     latents, _, labels = dit_inputs(model, 8)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("error")
         compiled(latents, labels)
 
@@ -131,12 +131,12 @@ def test_many_calls_at_one_timestep_warn_of_their_caches():
     other inputs warns that each branch holds caches until the generation ends."""
     model, compiled = compile_model(TinyDiT)
     latents, t, labels = dit_inputs(model, 8)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("error")
         for y in range(4):
             compiled(latents, t, torch.full_like(labels, y))
     with pytest.warns(UserWarning, match=r"5 calls in a row at one timestep.*MiB each.*"
-                                         r"tp.reset\(compiled\)"):
+                                         r"tp.reset\(compiled\)"), torch.no_grad():
         compiled(latents, t, torch.full_like(labels, 4))
 
 

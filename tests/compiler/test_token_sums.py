@@ -228,3 +228,14 @@ def test_diffusers_transformer_2d_with_group_norm(mode):
         expected = model(x)[0]
         for _ in range(2):
             assert_rel_close(p(*t.args(hidden_states=x))[0], expected)
+
+
+@pytest.mark.parametrize("case, said", [
+    ("mean", "1 sum(s) over tokens and 0 convolution(s) across rows"),
+    ("linear_attention", "2 sum(s) over tokens and 0 convolution(s) across rows"),
+    ("row_conv", "0 sum(s) over tokens and 1 convolution(s) across rows"),
+])
+def test_the_plan_counts_what_is_stale_beyond_attention(case, said):
+    """print(plan) names the stale token mixers that weigh more on the drift than keys."""
+    *_, program, _, _ = setup(case, mode="stale", stages=2)
+    assert f"stale beyond attention: {said}" in str(program.plan)

@@ -4,7 +4,10 @@ one process writes a profile and the image."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -138,3 +141,18 @@ def test_rank_0s_result_speaks_for_every_rank(tmp_path):
     assert first["traces"] == [str(tmp_path / f"profile_rank{r}.json") for r in range(2)]
     assert "serial_s" in first and "difference" in first
     assert "serial_s" not in other
+
+
+def test_torchrun_ranks_with_their_own_hash_seeds_run_the_pipeline():
+    """torchrun starts each rank as a process of its own, string hashing seeded apart (the
+    launcher forks its ranks from one): the ranks' fingerprints of one scheduler agree."""
+    from tokpipe_compiler.runtime.launch import _free_port
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "tokpipe_compiler.cli", "generate",
+         "--tiny", "dit", "--steps", "2", "--compiler", "eager"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "pipelined" in done.stdout

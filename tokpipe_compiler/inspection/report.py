@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tokpipe_compiler.core.fx import argument_of, node_count
+from tokpipe_compiler.runtime.caches import SumCacheSpec
 
 if TYPE_CHECKING:
     from tokpipe_compiler.planning.plan import Plan
@@ -57,7 +58,22 @@ def _stage_table(plan: Plan) -> list[str]:
              "weights held: the parameters and buffers of the stage and of the prelude part "
              "its rank runs (shared conditioning on every rank); prelude: its weights, each "
              "once"]
-    return _table(rows, left=frozenset({1})) + notes
+    return _table(rows, left=frozenset({1})) + notes + _stale_beyond_attention(plan)
+
+
+def _stale_beyond_attention(plan: Plan) -> list[str]:
+    """In stale mode, the token mixers other than attention that read the previous step's
+    values after a chunk: they weigh more on the drift than a stale key does."""
+    if plan.config.mode != "stale":
+        return []
+    specs = {c for s in plan.stages for c in s.caches if isinstance(c, SumCacheSpec)}
+    convs = sum(c.rows for c in specs)
+    if not specs:
+        return []
+    return [f"stale beyond attention: {len(specs) - convs} sum(s) over tokens and {convs} "
+            "convolution(s) across rows read the previous step's values after each chunk "
+            "(a sum's stale part reaches every token of the chunk; a convolution's, the rows "
+            "at chunk bounds): docs/models.md"]
 
 
 def _chunk_table(plan: Plan) -> list[str]:

@@ -137,9 +137,25 @@ def _key(dst: int, when: str) -> MessageKey:
 def pipeline_entry(scheduler: Any, ring: bool) -> dict[str, str]:
     """What a parallelized pipeline's ranks must share beyond the transformer's program:
     the scheduler (class and configuration) and whether the call runs as a ring."""
-    config = json.dumps(dict(getattr(scheduler, "config", {})), sort_keys=True, default=str)
+    config = json.dumps(_public(dict(getattr(scheduler, "config", {}))), sort_keys=True,
+                        default=str)
     return {"scheduler": f"{type(scheduler).__name__} (configuration {_crc(config)})",
             "runs": "as a ring" if ring else "per call"}
+
+
+def _public(config: dict[str, Any]) -> dict[str, Any]:
+    """A configuration as every process spells it: without diffusers' bookkeeping keys
+    ("_use_default_values" lists a set, in an order that string hashing makes differ
+    between processes that torchrun starts; "_name_or_path" is where it was loaded from),
+    sets sorted."""
+    def canonical(value: Any) -> Any:
+        if isinstance(value, (set, frozenset)):
+            return sorted(map(canonical, value), key=repr)
+        if isinstance(value, dict):
+            return {str(k): canonical(v) for k, v in value.items()}
+        return value
+
+    return {k: canonical(v) for k, v in config.items() if not str(k).startswith("_")}
 
 
 def check_agreement(every: list[dict[str, Any]], when: str) -> None:

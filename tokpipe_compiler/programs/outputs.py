@@ -1,5 +1,5 @@
 """A program's token outputs, joined from their chunks' pieces with the layout the traced
-graph gives them."""
+graph gives them (and without gradients: an inference backend's)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import OutputKind
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.runtime.chunking import Chunk, assemble
 
@@ -42,3 +43,17 @@ def restrided(tensor: torch.Tensor, traced: tuple | None) -> torch.Tensor:
         return tensor
     return torch.empty_strided(tensor.shape, traced[1], dtype=tensor.dtype,
                                device=tensor.device).copy_(tensor)
+
+
+def warn_no_gradients(args: tuple, said: set[str]) -> None:
+    """Outputs carry no gradients: say so once (per `said`) where a caller may expect them
+    (grad enabled and an input, a parameter say, requiring grad), not at a later backward()
+    far from the cause."""
+    if "grad mode" in said or not any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return
+    said.add("grad mode")
+    warn("tokpipe: called with grad enabled and inputs (parameters, say) that require grad, "
+         "but this is an inference backend: its outputs carry no gradients. Call it under "
+         "torch.no_grad() or torch.inference_mode() (diffusers pipelines do), or "
+         "model.requires_grad_(False)")

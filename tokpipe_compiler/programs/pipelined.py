@@ -30,7 +30,12 @@ from tokpipe_compiler.programs.generations import (
     Tick,
     timestep_index,
 )
-from tokpipe_compiler.programs.outputs import assemble_output, restrided, traced_strides
+from tokpipe_compiler.programs.outputs import (
+    assemble_output,
+    restrided,
+    traced_strides,
+    warn_no_gradients,
+)
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.stage import StageProgram
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
@@ -176,6 +181,8 @@ class PipelinedProgram:
             if self.shapes is None:
                 self.shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
             self.session.claim(self, self.owner)
+        if torch.is_grad_enabled():
+            warn_no_gradients(args, self.session.warned if self.session is not None else set())
         tick = self.clock.tick(args)
         if tick.new_generation:
             self._new_generation()

@@ -145,7 +145,7 @@ def latents_like(like: torch.Tensor, *,
     if not like.is_floating_point():
         raise ValueError(f"latents_like needs a floating tensor, got {like.dtype}; draw "
                          "labels or timesteps with hypothesis.strategies.integers")
-    axes = {axis % like.dim(): list(choices) for axis, choices in (sizes or {}).items()}
+    axes = _size_choices(like, sizes or {})
 
     @st.composite
     def draw_latents(draw) -> torch.Tensor:
@@ -157,3 +157,22 @@ def latents_like(like: torch.Tensor, *,
         return (noise * scale).to(dtype=like.dtype, device=like.device)
 
     return draw_latents()
+
+
+def _size_choices(like: torch.Tensor, sizes: Mapping[int, Sequence[int]]) -> dict[int, list]:
+    """`sizes` checked: integer axes of `like` (negative from the end), each to a non-empty
+    list of positive sizes."""
+    example = f"sizes={{{like.dim() - 2}: [16, 24], {like.dim() - 1}: [16, 24]}}"
+    axes: dict[int, list] = {}
+    for axis, choices in sizes.items():
+        if isinstance(axis, bool) or not isinstance(axis, int) or \
+                not -like.dim() <= axis < like.dim():
+            raise ValueError(f"latents_like sizes: key {axis!r} is not an axis of the "
+                             f"{like.dim()}-d latents {tuple(like.shape)}: keys are integer "
+                             f"axes (negative from the end), e.g. {example}")
+        allowed = list(choices)
+        if not allowed or not all(isinstance(n, int) and n > 0 for n in allowed):
+            raise ValueError(f"latents_like sizes: axis {axis} needs a non-empty list of "
+                             f"positive integer sizes, got {choices!r}, e.g. {example}")
+        axes[axis % like.dim()] = allowed
+    return axes
