@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import NamedTuple
 
 import torch
 
@@ -96,3 +97,20 @@ class KVCaches:
     @property
     def bytes(self) -> int:
         return sum(spec.bytes for spec in self.specs)
+
+
+class Released(NamedTuple):
+    """What a generation's K/V buffers held when `end_generation` freed them."""
+
+    held: dict[str, int]  # bytes per buffer name, over every guidance branch
+    branches: int
+    device: torch.device
+
+
+def held_bytes(branches: dict[int, KVCaches]) -> dict[str, int]:
+    """Bytes of each cache buffer, summed over the guidance branches' sets."""
+    held: dict[str, int] = {}
+    for caches in branches.values():
+        for name, tensor in caches.buffers.items():
+            held[name] = held.get(name, 0) + tensor.numel() * tensor.element_size()
+    return held

@@ -8,6 +8,9 @@ Kineto or Chrome trace of a run shows the pipeline: `tokpipe/stage1/chunk2/step5
 chunk's compute, `tokpipe/stage1/whole/step0` for a whole-sequence step (the warmup steps of
 stale mode, every step of sync mode), and each send and receive with its peer and value count.
 Steps count across calls (the run's `step_base` plus the action's own step).
+
+An action that raises (not a message that failed) stops the run on every rank: the rest of
+this rank's actions run hollow, and its peers' too once they see it (`run_stops`).
 """
 
 from __future__ import annotations
@@ -22,17 +25,13 @@ import torch
 from torch.autograd import _profiler_enabled
 
 from tokpipe_compiler.core.fx import example_value
-from tokpipe_compiler.core.meta import META_KEY
-from tokpipe_compiler.core.stage_graph import BOUNDARY, CALL, SLICED, StageGraph
-from tokpipe_compiler.runtime.chunking import Chunk, slice_to_chunk
-from tokpipe_compiler.runtime.kv_attention import (
-    CHUNK_INPUT,
-    CHUNK_START,
-    CHUNK_UNITS,
-    CHUNK_VISIBLE,
-)
+from tokpipe_compiler.core.stage_graph import BOUNDARY, SLICED, StageGraph
+from tokpipe_compiler.runtime.chunking import Chunk
+from tokpipe_compiler.runtime.run_stops import RunStops, peer_stopped, told
 from tokpipe_compiler.runtime.schedule import COMPUTE, RECV, SEND, Action
+from tokpipe_compiler.runtime.stage_feeds import StageFeeds
 from tokpipe_compiler.runtime.transport import SEND_LAG_STEPS, MessageKey, TensorSpec
+from tokpipe_compiler.runtime.transport_errors import TransportError
 
 KINDS = {COMPUTE: "compute", SEND: "send", RECV: "recv"}
 RANGE_PREFIX = "tokpipe/"
@@ -103,6 +102,11 @@ class Executor:
         self.computed = computed
         self.feeds = feeds  # built once per program, not per run (see StageFeeds)
         self.peak_held = 0  # the most (step, chunk) value sets held at once in a run
+        # What stopped the last run (its own error, or a peer's PeerStopped), and its number
+        # over the group (`run_stops`); `_sent`: the values of the send being made sent so far.
+        self.stopped: BaseException | None = None
+        self.run_number = 0
+        self._sent = 0
 
     def run(self, actions: Sequence[Action], chunks: Sequence[Chunk],
             env_for: Callable[[int], dict], visible: Callable[[Chunk], int],
@@ -133,6 +137,9 @@ class Executor:
         posted: dict[Action, list] = {}
         step_ends = {max(i for i, a in enumerate(actions) if a.kind == COMPUTE and a.step == s)
                      for s in {a.step for a in actions}}
+        last_step = max((a.step for a in actions), default=0)
+        stops = getattr(self.transport, "stops", None)
+        self.stopped, self.run_number = None, stops.begin() if stops is not None else 0
         for index, action in enumerate(actions):
             if receives.due(action.step):
                 with self._range(profiling, posting):
@@ -142,27 +149,77 @@ class Executor:
             here = values[(action.step, action.chunk)]
             name = self._range_name(action, step_base, whole, posted) if profiling else ""
             with self._range(profiling, name):
-                if action.kind == COMPUTE:
-                    chunk = chunks[action.chunk]
-                    self._compute(action, chunk, env_for(action.step), here, visible(chunk))
-                    self._keep_carries(action, here, values)
-                    if self.computed is not None:
-                        self.computed(action, here)
-                    # Two steps back this chunk's values are sent and carried: a ring of
-                    # any length holds about two steps of them, not all.
-                    values.pop((action.step - 2, action.chunk), None)
-                    self.peak_held = max(self.peak_held, len(values))
-                elif action.kind == SEND:
-                    for key, value in self._outgoing(action, here, step_base):
-                        self.transport.send(key, value, action.peer)
-                elif action.kind == RECV:
-                    for key, handle in posted.pop(action):
-                        here[key.name] = handle.wait()
+                self._guarded(stops, self._act, action, chunks, env_for, visible, here,
+                              values, posted, step_base)
+                if self.stopped is not None:
+                    self._act_hollow(action, chunks[action.chunk], posted, step_base)
             self.timeline.record(KINDS[action.kind], self.rank, action, start,
                                  chunks[action.chunk].units, step_base, whole)
-            if index in step_ends and self.progress is not None:
-                self.progress(action.step)
+            if index in step_ends:
+                self._step_ends(stops, action.step, last_step)
         return values
+
+    def _guarded(self, stops: RunStops | None, act: Callable[..., None], *args) -> None:
+        """Runs `act(*args)` unless the run stopped; where it raises (not a message's
+        failure), the run stops on every rank (`run_stops`), not leaving the peers waiting."""
+        if self.stopped is not None:
+            return
+        try:
+            act(*args)
+        except TransportError:
+            raise  # the peers meet failures of their own: nothing more reaches them
+        except BaseException as error:
+            if stops is None:
+                raise
+            stops.say(self.run_number, self.rank, error)
+            told(error)
+            self.stopped = error
+
+    def _step_ends(self, stops: RunStops | None, step: int, last_step: int) -> None:
+        """A ring's step before the last looks for a peer's stop (the run's end is looked
+        at once its outputs are shared); progress is reported while the run goes on."""
+        if self.stopped is None and stops is not None and step != last_step:
+            seen = stops.seen(self.run_number)
+            if seen is not None:
+                self.stopped = peer_stopped(seen, self.rank, mid_run=True)
+        if self.progress is not None:
+            self._guarded(stops, self.progress, step)
+
+    def _act(self, action: Action, chunks: Sequence[Chunk], env_for: Callable[[int], dict],
+             visible: Callable[[Chunk], int], here: dict, values: dict, posted: dict,
+             step_base: int) -> None:
+        if action.kind == COMPUTE:
+            chunk = chunks[action.chunk]
+            self._compute(action, chunk, env_for(action.step), here, visible(chunk))
+            self._keep_carries(action, here, values)
+            if self.computed is not None:
+                self.computed(action, here)
+            # Two steps back this chunk's values are sent and carried: a ring of any
+            # length holds about two steps of them, not all.
+            values.pop((action.step - 2, action.chunk), None)
+            self.peak_held = max(self.peak_held, len(values))
+        elif action.kind == SEND:
+            for key, value in self._outgoing(action, here, step_base):
+                self.transport.send(key, value, action.peer)
+                self._sent += 1
+            self._sent = 0  # kept only where a send is cut short, for `_act_hollow`
+        elif action.kind == RECV:
+            for key, handle in posted[action]:
+                here[key.name] = handle.wait()
+            del posted[action]
+
+    def _act_hollow(self, action: Action, chunk: Chunk, posted: dict, step_base: int) -> None:
+        """An action of a stopped run: no compute; the receives still taken (waiting again
+        for one already taken returns it), the sends made with zeros of their shapes (those
+        of an action cut short, from where it stopped)."""
+        if action.kind == SEND:
+            for key, spec in self._outgoing_specs(action, chunk, step_base)[self._sent:]:
+                zeros = torch.zeros(spec.shape, dtype=spec.dtype, device=self.transport.device)
+                self.transport.send(key, zeros, action.peer)
+            self._sent = 0
+        elif action.kind == RECV:
+            for _, handle in posted.pop(action, ()):
+                handle.wait()
 
     @staticmethod
     def _range(profiling: bool, name: str) -> AbstractContextManager:
@@ -200,6 +257,15 @@ class Executor:
                      here[self.carried[name]]) for name in names]
         return [(MessageKey(base + action.step, action.peer, action.chunk, name), here[name])
                 for name in names]
+
+    def _outgoing_specs(self, action: Action, chunk: Chunk,
+                        base: int) -> list[tuple[MessageKey, TensorSpec]]:
+        """The keys and shapes of `_outgoing`'s messages, without their values."""
+        producer = self.stages[action.stage]
+        step = base + action.step + action.carry
+        return [(MessageKey(step, action.peer, action.chunk, name),
+                 value_spec(producer, self.carried[name] if action.carry else name, chunk))
+                for name in self._outgoing_names(action)]
 
     def _outgoing_names(self, action: Action) -> list[str]:
         if action.carry:
@@ -270,77 +336,6 @@ def value_spec(stage: StageGraph, name: str, chunk: Chunk) -> TensorSpec:
     # text segments travel whole, in each outer block, with the chunks that compute them
     shape[info.axis] = info.extent(chunk.units, chunk.segments)
     return TensorSpec(tuple(shape), value.dtype)
-
-
-def chunk_descriptor(chunk: Chunk, visible: int) -> torch.Tensor:
-    descriptor = torch.empty(3, dtype=torch.long)
-    descriptor[CHUNK_START], descriptor[CHUNK_UNITS] = chunk.start, chunk.units
-    descriptor[CHUNK_VISIBLE] = visible
-    return descriptor
-
-
-def input_blocks(stage: StageGraph) -> dict[str, int]:
-    """Outer blocks of each placeholder whose token axis has more than one (the TokenInfo
-    the split pass copied onto it): a sliced input is cut in every block."""
-    infos = {n.name: n.meta.get(META_KEY) for n in stage.gm.graph.nodes if n.op == "placeholder"}
-    return {name: info.outer for name, info in infos.items()
-            if info is not None and info.outer > 1}
-
-
-class StageFeeds:
-    """How each stage's input list is filled, worked out once per program, not per chunk.
-
-    A stage reads hundreds of per-call values (its weights, caches, conditioning) and a
-    few per-chunk ones (boundary values, inputs cut to the chunk, the chunk descriptor).
-    The per-call part of the list is built once per step's values and copied for each
-    chunk; only the per-chunk positions are filled per chunk. Chunk descriptors are made
-    once per (chunk, visible) and reused (nothing writes to them).
-    """
-
-    def __init__(self, stages: list[StageGraph]):
-        self._per_chunk = []  # per stage: (position, input spec, outer blocks)
-        self._per_call = []  # per stage: (position, name of the per-call value)
-        for stage in stages:
-            outer = input_blocks(stage)
-            self._per_chunk.append([(i, spec, outer.get(spec.name, 1))
-                                    for i, spec in enumerate(stage.inputs)
-                                    if spec.kind != CALL or spec.name == CHUNK_INPUT])
-            self._per_call.append([(i, spec.name) for i, spec in enumerate(stage.inputs)
-                                   if spec.kind == CALL and spec.name != CHUNK_INPUT])
-        self._sizes = [len(stage.inputs) for stage in stages]
-        self._templates: dict[int, tuple[dict, list]] = {}  # stage -> (env, its list)
-        self._descriptors: dict[tuple[int, int, int], torch.Tensor] = {}
-
-    def inputs(self, stage: int, chunk: Chunk, visible: int, env: dict,
-               chunk_values: dict) -> list:
-        """Stage `stage`'s inputs for `chunk`: per-call values from `env`, the rest from
-        the chunk's values (computed, received or carried) or cut from `env`."""
-        cached = self._templates.get(stage)
-        if cached is None or cached[0] is not env:
-            template = [None] * self._sizes[stage]
-            for i, name in self._per_call[stage]:
-                template[i] = env[name]
-            cached = self._templates[stage] = (env, template)
-        inputs = cached[1].copy()
-        for i, spec, outer in self._per_chunk[stage]:
-            if spec.kind == BOUNDARY or spec.name in chunk_values:
-                inputs[i] = chunk_values[spec.name]
-            elif spec.kind == SLICED:
-                inputs[i] = slice_to_chunk(env[spec.source], spec.axis, spec.per_unit,
-                                           chunk, outer)
-            else:
-                inputs[i] = self.descriptor(chunk, visible)
-        return inputs
-
-    def forget(self) -> None:
-        """Drops the per-call values gathered for the last step."""
-        self._templates.clear()
-
-    def descriptor(self, chunk: Chunk, visible: int) -> torch.Tensor:
-        key = (chunk.start, chunk.units, visible)
-        if key not in self._descriptors:
-            self._descriptors[key] = chunk_descriptor(chunk, visible)
-        return self._descriptors[key]
 
 
 def boundary_names(stages: list[StageGraph], producer: int, consumer_stage: int) -> list[str]:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.runtime.run_stops import RunStops
 from tokpipe_compiler.runtime.transport_errors import GroupClosed
 
 FORWARD, BACK = 0, 1  # a message to a higher rank, to a lower one
@@ -122,6 +123,11 @@ class TorchLinks:
         self._now().connected = value
 
     @property
+    def stops(self) -> RunStops | None:
+        """The stop keys of the group's runs (`run_stops`)."""
+        return self._now().stops
+
+    @property
     def broken(self) -> str:
         """Why the group carries no message any more ("" while it does)."""
         return self._now().broken
@@ -151,6 +157,7 @@ class _Groups:
     back: weakref.ref  # its back group
     connected: bool = False
     broken: str = ""  # gloo closes a pair for good after a failed wait: the first one's
+    stops: RunStops | None = None
 
     def way(self, way: int) -> Any:
         """The group of a direction (`_now` saw the group alive)."""
@@ -187,6 +194,6 @@ def _groups(base: Any, timeout: float | None = None) -> _Groups:
         ) from err
     if dist.get_rank(back) != dist.get_rank(base):  # both number their ranks in one order
         raise RuntimeError("the back group numbers the ranks otherwise than its group")
-    made = _Groups(weakref.ref(base), weakref.ref(back))
+    made = _Groups(weakref.ref(base), weakref.ref(back), stops=RunStops(base))
     _made[base] = made
     return made

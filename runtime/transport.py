@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.runtime.links import Links, TorchLinks, Work
+from tokpipe_compiler.runtime.run_stops import RunStops
 from tokpipe_compiler.runtime.transport_errors import (
     GLOO_CLOSED,
     closed_error,
@@ -103,6 +104,12 @@ class Transport(Protocol):
     def send(self, key: MessageKey, tensor: torch.Tensor, dst: int) -> None: ...
 
     def flush(self) -> None: ...
+
+    @property
+    def stops(self) -> RunStops | None:
+        """How a run ends on every rank when one rank's step raises (`run_stops`); None over
+        links without a store."""
+        return getattr(self.links, "stops", None)
 
     def let_sends_wait(self, peers: Collection[int]) -> None: ...
 
@@ -282,6 +289,12 @@ class DistributedTransport:
         while self._sends:
             self._finish(self._sends[0], deadline)
             self._sends.pop(0)
+
+    @property
+    def stops(self) -> RunStops | None:
+        """How a run ends on every rank when one rank's step raises (`run_stops`); None over
+        links without a store."""
+        return getattr(self.links, "stops", None)
 
     def let_sends_wait(self, peers: Collection[int]) -> None:
         """The started sends to `peers` stop holding `flush` up: a peer that left a pipeline

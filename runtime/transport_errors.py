@@ -13,8 +13,14 @@ if TYPE_CHECKING:
     from tokpipe_compiler.runtime.transport import MessageKey
 
 
-def recv_error(rank: int, src: int, key: MessageKey, reason: str) -> TokpipeError:
-    return TokpipeError(
+class TransportError(TokpipeError):
+    """A message that could not be moved: a wait that failed or timed out, or a group that
+    carries none any more. A run meeting one cannot end on every rank together
+    (`run_stops`): its peers meet their own."""
+
+
+def recv_error(rank: int, src: int, key: MessageKey, reason: str) -> TransportError:
+    return TransportError(
         f"rank {rank} (stage {key.stage}) waiting for {key} from rank {src}: {reason}. "
         f"Check that rank {src} is alive and not stuck (its own error, if any, is the cause), "
         "that every rank runs the same plan and schedule, and raise the transport timeout "
@@ -22,8 +28,8 @@ def recv_error(rank: int, src: int, key: MessageKey, reason: str) -> TokpipeErro
     )
 
 
-def send_error(rank: int, dst: int, key: MessageKey, reason: str) -> TokpipeError:
-    return TokpipeError(
+def send_error(rank: int, dst: int, key: MessageKey, reason: str) -> TransportError:
+    return TransportError(
         f"rank {rank} sending {key} to rank {dst} (stage {key.stage}): {reason}. "
         f"Check that rank {dst} is alive and posts this receive (a send completes only "
         "once it is received), and that every rank runs the same plan and schedule."
@@ -35,7 +41,7 @@ GLOO_CLOSED = ("gloo closes a connection for good after a failed wait (a timeout
                "peer) on either rank: restart the ranks before running again")
 
 
-class GroupClosed(TokpipeError):
+class GroupClosed(TransportError):
     """The process group carries no message any more (gloo closed it after a failure)."""
 
 

@@ -17,7 +17,7 @@ from tests.fixtures.models import TinyCausalLM, TinyDiT, dit_inputs
 from tokpipe_compiler.passes.partition import ImbalanceWarning
 from tokpipe_compiler.programs import compile as compile_module
 from tokpipe_compiler.programs import pipelined
-from tokpipe_compiler.runtime import executor
+from tokpipe_compiler.runtime import executor, stage_feeds
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.testing import (
     NotEquivalent,
@@ -103,13 +103,13 @@ def test_passes_on_causal():
 
 def test_names_the_stage_and_chunk_of_an_offset_bug(monkeypatch):
     """The chunk descriptor of chunk 1 starts one row late (every stage)."""
-    original = executor.chunk_descriptor
+    original = stage_feeds.chunk_descriptor
 
     def off_by_one(chunk: Chunk, visible: int) -> torch.Tensor:
         return original(Chunk(chunk.index, chunk.start + 1, chunk.stop + 1)
                         if chunk.index == 1 else chunk, visible)
 
-    monkeypatch.setattr(executor, "chunk_descriptor", off_by_one)
+    monkeypatch.setattr(stage_feeds, "chunk_descriptor", off_by_one)
     model, args = dit()
     with pytest.raises(NotEquivalent) as info:
         assert_equivalent(model, args, stages=2, chunks=4, mode="stale")

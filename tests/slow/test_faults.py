@@ -33,17 +33,18 @@ RING_STEPS = 3
 
 
 def inject(program, fault: str, after: int = 0) -> None:
-    """This rank's stage dies (exit code 3) or stalls from its `after`-th run on."""
+    """This rank's stage dies (exit code 3) or stalls from its `after`-th run on (`program`
+    a class: its programs' runs)."""
     calls = {"n": 0}
     run_stage = program._run_stage
 
-    def faulty(stage: int, chunk, inputs: list[torch.Tensor]):
+    def faulty(*args):
         calls["n"] += 1
         if calls["n"] > after:
             if fault == "dies":
                 os._exit(3)
             time.sleep(3600)
-        return run_stage(stage, chunk, inputs)
+        return run_stage(*args)
 
     program._run_stage = faulty
 
@@ -168,6 +169,36 @@ def test_first_or_middle_stage_dies_in_a_ring_of_three(faulty):
     assert elapsed < 240  # mostly starting the ranks (each rank's wait is bounded above)
 
 
+def pipeline_rank(rank: int, world: int, faulty: int, fault: str) -> None:
+    """A parallelized pipeline (its loop one ring): a healthy call, then one where
+    `faulty`'s stage fails at its second stage call."""
+    from tokpipe_compiler.generate import tiny_dit_pipeline
+    from tokpipe_compiler.programs.distributed import DistributedProgram
+
+    pipe = tiny_dit_pipeline()
+    tp.parallelize(pipe, stages=world, **OPTIONS)
+
+    def call():
+        return pipe(class_labels=[1], output_type="latent", num_inference_steps=RING_STEPS,
+                    generator=torch.Generator().manual_seed(0))
+
+    call()
+    if rank == faulty:
+        inject(DistributedProgram, fault, after=1)
+    dist.barrier()
+    timed(call)
+
+
+def test_a_stall_in_a_parallelized_ring_is_named_as_the_wait_that_timed_out():
+    """The pipeline's leave, which the failed group cannot carry, used to take the place of
+    the timeout's error (`cannot exchange the fingerprint of a peer's leaving`) and hide
+    what was waited for and the advice."""
+    errors, _ = run_fault(pipeline_rank, 2, 1, "stalls")
+    check_bounded(errors, 1, 2, "stalls")
+    message = errors[0][0]
+    assert "a peer's leaving" not in message and "Check that rank 1 is alive" in message
+
+
 # Ranks that disagree.
 
 
@@ -221,7 +252,7 @@ def test_ranks_that_disagree_raise_a_named_error_on_every_rank(what, expected):
 
 def test_other_inputs_that_differ_give_a_warning():
     for caught in launch(disagreeing_rank, 2, args=("labels",), timeout=120):
-        assert any("own copy, so it matches no single rank's inputs): 'labels'" in w
+        assert any("a mix of requests where several do): 'labels'" in w
                    for w in caught), caught
 
 

@@ -101,5 +101,6 @@ def _shape_str(node: torch.fx.Node) -> str:
 
 
 class PeerStopped(TokpipeError):
-    """A peer's parallelized pipeline call raised between two per-call steps and left the
-    call (`programs.agreement.send_leave`)."""
+    """A peer stopped this call: its parallelized pipeline call raised between two per-call
+    steps and left it (`programs.agreement.send_leave`), or a step raised on it mid-run
+    (`runtime.run_stops`)."""

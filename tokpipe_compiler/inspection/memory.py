@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.inspection.report import human_bytes
-from tokpipe_compiler.programs.pipelined import held_bytes
+from tokpipe_compiler.runtime.caches import held_bytes
 
 
 @dataclass(frozen=True)

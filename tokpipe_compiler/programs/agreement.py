@@ -202,8 +202,9 @@ def check_agreement(every: list[dict[str, Any]], when: str) -> None:
     if sums:
         # named without checksums: the same text at the generation's first call and at
         # its ring run warns once
-        warn("inputs differ between ranks (the output is computed from each stage's "
-             "rank's own copy, so it matches no single rank's inputs): "
+        warn("inputs differ between ranks (each stage reads its own rank's copy, and "
+             "every rank gets the one output they make: another rank's request where only "
+             "its stages read them, a mix of requests where several do): "
              + ", ".join(map(_user_name, differing)))
 
 

@@ -44,6 +44,7 @@ from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, devic
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.process_group import init_process_group_from_env
+from tokpipe_compiler.runtime.run_stops import peer_stopped
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
     DistributedTransport,
@@ -102,6 +103,7 @@ class DistributedProgram(PipelinedProgram):
         self.warned_far_weights = False
         self.mid_call = False  # inside a call (one that raised stays so)
         self._output_step = 0  # the step whose outputs `_gather` is collecting
+        self._looked = False  # whether this run's end looked for a peer's stop
 
     def _generation_starts(self, args: tuple) -> None:
         """Every generation's first call, not only the program's: other latents or prompts
@@ -180,16 +182,19 @@ class DistributedProgram(PipelinedProgram):
         def key(dst: int) -> MessageKey:
             return MessageKey(self.calls, dst, WHOLE, f"{spec.source}/steps", what)
 
+        one = self._spec(spec)
         if spec.producer == self.rank:
-            every = torch.stack(pieces.kept)
+            every = (self._zeros(TensorSpec((steps, *one.shape), one.dtype))
+                     if self.stopped is not None else torch.stack(pieces.kept))
             for dst in range(self.world):
                 if dst != self.rank:
                     self.transport.send(key(dst), every, dst)
             self.transport.flush()
             return
-        one = self._spec(spec)
         every = self.transport.post_recv(key(self.rank), spec.producer,
                                          TensorSpec((steps, *one.shape), one.dtype)).wait()
+        if self._stop_seen() is not None:
+            return  # the steps of a stopped run are not shown
         for k in range(steps):
             pieces.watch.see(pieces.first + k, every[k])
 
@@ -249,9 +254,33 @@ class DistributedProgram(PipelinedProgram):
         part's; the rest of the model stays wherever the caller keeps it): the plan's count."""
         return self.plan.stages[self.rank].param_bytes
 
-    def _assemble(self, values: dict, chunks: list, call_env: dict, step: int) -> tuple:
+    def _assemble(self, values: dict, chunks: list, env_for: Callable[[int], dict],
+                  step: int) -> tuple:
         self._output_step = self.calls + step  # numbered as the executor numbers messages
-        return super()._assemble(values, chunks, call_env, step)
+        self._looked = False  # for a peer's stop, once this run's outputs are shared
+        return super()._assemble(values, chunks, env_for, step)
+
+    def _stop_seen(self) -> BaseException | None:
+        """What stopped this run on every rank: this rank's error, or a peer's, looked for
+        once its outputs are shared (`runtime.run_stops`: one look in the store a run)."""
+        stops = self.transport.stops
+        if self.stopped is None and stops is not None and not self._looked:
+            self._looked = True
+            seen = stops.seen(self.run_number)
+            if seen is not None:
+                self.stopped = peer_stopped(seen, self.rank, mid_run=False)
+        return self.stopped
+
+    def _run_ends(self) -> None:
+        """A stopped run raises on every rank, its error on the rank it arose on and
+        PeerStopped on the others, and the generation starts anew at the next call, in
+        every program of the compile (as `tp.reset` starts it): this one's K/V caches hold
+        what the hollow run left."""
+        stopped = self._stop_seen()
+        if stopped is not None:
+            for program in self.session.programs if self.session is not None else (self,):
+                program.reset()
+            raise stopped
 
     def _gather(self, spec, pieces: list[torch.Tensor], chunks: list) -> torch.Tensor:
         """The producer concatenates its chunks and sends the whole output to every other
@@ -265,12 +294,17 @@ class DistributedProgram(PipelinedProgram):
         if spec.producer != self.rank:
             handle = self.transport.post_recv(key(self.rank), spec.producer, self._spec(spec))
             return handle.wait()
-        tensor = assemble_output(self.plan, spec, pieces, chunks).contiguous()
+        tensor = (self._zeros(self._spec(spec)) if self.stopped is not None else
+                  assemble_output(self.plan, spec, pieces, chunks).contiguous())
         for dst in range(self.world):
             if dst != self.rank:
                 self.transport.send(key(dst), tensor, dst)
         self.transport.flush()  # the caller may overwrite the output: finish sending it first
         return tensor
+
+    def _zeros(self, spec: TensorSpec) -> torch.Tensor:
+        """What a stopped run sends in place of a value it did not compute."""
+        return torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
 
     def _spec(self, spec) -> TensorSpec:
         stage = self.plan.graphs.stages[spec.producer]

@@ -27,6 +27,7 @@ the graph of its model that read one before it (`SharedTimesteps`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Hashable, Sequence
 from contextvars import ContextVar
@@ -35,8 +36,9 @@ from typing import Any
 
 import torch
 
-from tokpipe_compiler.core.errors import PeerStopped
+from tokpipe_compiler.core.errors import PeerStopped, TokpipeError
 from tokpipe_compiler.programs.host_timesteps import HostTimesteps
+from tokpipe_compiler.runtime.run_stops import was_told
 
 # The forward's parameter names taken for the timestep, first found first (k-diffusion and
 # EDM models take the noise level, `sigma`); the option timestep_input names another.
@@ -73,11 +75,15 @@ class StepMarks:
         on another message of that call (it waits `timeout`, as before). A call that raised
         before any program ran tells them through one of the pipeline's `earlier` programs
         (none on its first call: the peers wait `timeout`)."""
-        if isinstance(error, PeerStopped) or any(p.mid_call for p in self.per_call):
+        if isinstance(error, PeerStopped) or was_told(error) or \
+                any(p.mid_call for p in self.per_call):
             return
         tellers = self.per_call or earlier
         if tellers:
-            tellers[0].leave_call(error, self.call)
+            # Over a group a failure closed, the peers meet failures of their own, and the
+            # call's own error, not the leave's, is what its caller must see.
+            with contextlib.suppress(TokpipeError):
+                tellers[0].leave_call(error, self.call)
 
     def scheduled(self) -> int | None:
         """The timesteps the scheduler was set to run (None: unknown), once the pipeline

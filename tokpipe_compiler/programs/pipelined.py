@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -39,9 +39,10 @@ from tokpipe_compiler.programs.outputs import (
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.stage import StageProgram
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
-from tokpipe_compiler.runtime.caches import KVCaches
+from tokpipe_compiler.runtime.caches import KVCaches, Released, held_bytes
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
-from tokpipe_compiler.runtime.executor import Executor, StageFeeds, Timeline
+from tokpipe_compiler.runtime.executor import Executor, Timeline
+from tokpipe_compiler.runtime.stage_feeds import StageFeeds
 
 # Guidance runs 2 branches a step, skip-layer guidance 3: past this, calls at one timestep
 # are more likely separate generations, each holding a set of caches.
@@ -132,6 +133,9 @@ class PipelinedProgram:
         self.shapes: tuple | None = None  # its inputs' shapes (static), once called
         self.ring_steps: int | None = None  # the steps of the ring run being run, if any
         self.peak_values_held = 0  # the last run's most (step, chunk) value sets at once
+        # what stopped the last run on every rank, and its number (`runtime.run_stops`)
+        self.stopped: BaseException | None = None
+        self.run_number = 0
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
         self.prelude = Prelude(plan.graphs.prelude, plan.graphs.prelude_outputs,
@@ -192,11 +196,18 @@ class PipelinedProgram:
         self.branch = tick.branch
         if tick.branch == MANY_BRANCHES:
             self._warn_many_branches(tick)
+        envs: dict[int, dict] = {}
+
+        def env_for(_: int) -> dict:  # made at the first compute: a run can stop there
+            if not envs:
+                envs[0] = self._call_env(args)
+            return envs[0]
+
         with torch.no_grad():
-            call_env = self._call_env(args)
             chunks = self._step_chunks(tick.step)
-            values = self._run(lambda _: call_env, chunks)
-            outputs = self._assemble(values, chunks, call_env, step=0)
+            values = self._run(env_for, chunks)
+            outputs = self._assemble(values, chunks, env_for, step=0)
+        self._run_ends()
         self._advance(1)
         return outputs
 
@@ -238,9 +249,10 @@ class PipelinedProgram:
         with torch.no_grad():
             report = None if progress is None else (lambda k: progress(first + k))
             values = self._run(env_for, self.plan.chunks, steps, carried, report, pieces)
-            outputs = self._assemble(values, self.plan.chunks, env_for(steps - 1), steps - 1)
+            outputs = self._assemble(values, self.plan.chunks, env_for, steps - 1)
             if pieces is not None:
                 self._share_steps(pieces, steps)
+        self._run_ends()
         self._advance(steps)
         self.clock.advance(steps)
         return outputs
@@ -283,6 +295,7 @@ class PipelinedProgram:
                             progress=progress, feeds=self.feeds, computed=computed)
         values = executor.run(actions, chunks, env_for,
                               self._visible(chunks), step_base=self.calls)
+        self.stopped, self.run_number = executor.stopped, executor.run_number
         self.peak_values_held = executor.peak_held  # (step, chunk) value sets, at most
         if self.transport is not None:
             self.transport.flush()
@@ -318,38 +331,29 @@ class PipelinedProgram:
     def _run_stage(self, stage: int, chunk: Chunk, inputs: list[torch.Tensor]):
         return self.stage_programs[stage](chunk, inputs)
 
-    def _assemble(self, values: dict, chunks: list[Chunk], call_env: dict, step: int) -> tuple:
+    def _assemble(self, values: dict, chunks: list[Chunk], env_for: Callable[[int], dict],
+                  step: int) -> tuple:
+        """The outputs of `step`; of a stopped run, only the token outputs' messages."""
         out = []
         for spec in self.plan.graphs.outputs:
-            if spec.kind == OutputKind.CONST:
-                out.append(spec.source)
-            elif spec.kind == OutputKind.TOKEN:
+            if spec.kind == OutputKind.TOKEN:
                 whole = self._gather(spec, [values[(step, c.index)].get(spec.source)
                                             for c in chunks], chunks)
                 out.append(restrided(whole, self.strides.get(spec.source)))
+            elif self.stopped is not None:
+                out.append(None)
+            elif spec.kind == OutputKind.CONST:
+                out.append(spec.source)
             else:
-                out.append(call_env[spec.source])
+                out.append(env_for(step)[spec.source])
         return tuple(out)
+
+    def _run_ends(self) -> None:
+        """After a run's outputs are shared: one process has nothing to look for (an error
+        raised where it arose)."""
 
     def _gather(self, spec, pieces: list[torch.Tensor], chunks: list[Chunk]) -> torch.Tensor:
         return assemble_output(self.plan, spec, pieces, chunks)
-
-
-class Released(NamedTuple):
-    """What a generation's K/V buffers held when `end_generation` freed them."""
-
-    held: dict[str, int]  # bytes per buffer name, over every guidance branch
-    branches: int
-    device: torch.device
-
-
-def held_bytes(branches: dict[int, KVCaches]) -> dict[str, int]:
-    """Bytes of each cache buffer, summed over the guidance branches' sets."""
-    held: dict[str, int] = {}
-    for caches in branches.values():
-        for name, tensor in caches.buffers.items():
-            held[name] = held.get(name, 0) + tensor.numel() * tensor.element_size()
-    return held
 
 
 def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
@@ -361,12 +365,6 @@ def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
         readers = {g.index for g in plan.graphs.stages for i in g.inputs if i.source == name}
         edges.setdefault(producer[output], set()).update(readers)
     return edges
-
-
-
-
-
-
 
 
 def device_of(args: tuple) -> torch.device:

@@ -1,0 +1,100 @@
+"""A run that one rank cannot finish ends on every rank at once, and the group lives on.
+
+A rank whose step raises (an out-of-memory, a cancel) would leave its peers waiting
+`timeout` for messages it never sends, after which gloo closes the group for good. So it
+says so in the process group's store, one key per run, and runs the rest of its schedule
+hollow (`Executor`): it posts its receives and sends zeros of each message's shape, and
+computes nothing. Its peers look for the key at each of a ring's step ends and at the end
+of the run, once its outputs are shared: they run the rest hollow too and raise
+`PeerStopped`. Every message of the run is matched, so the group carries the next run.
+
+Runs are numbered per group, alike on every rank: every rank runs its stage of each
+program's call over the group, in one order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+from tokpipe_compiler.core.errors import PeerStopped
+
+_PREFIX = "tokpipe/stopped/"
+
+
+class RunStops:
+    """The stop keys of one process group's runs, in its store. The group is held weakly
+    and its store looked up at each use: a store held past `destroy_process_group` would
+    serve its old keys to a group started anew on its port (`links.py`)."""
+
+    def __init__(self, group: Any):
+        self._group = weakref.ref(group)
+        self.runs = 0  # runs begun over the group by this rank
+
+    def _store(self) -> Any:
+        """The group's store (None: the group is gone, or torch does not expose it)."""
+        store_of = getattr(dist.distributed_c10d, "_get_process_group_store", None)
+        group = self._group()
+        if store_of is None or group is None:
+            return None
+        try:
+            return store_of(group)
+        except (RuntimeError, ValueError, KeyError):
+            return None
+
+    def begin(self) -> int:
+        """The number of the run this rank begins now."""
+        self.runs += 1
+        return self.runs
+
+    def say(self, run: int, rank: int, error: BaseException) -> None:
+        """Rank `rank` stops run `run`, `error` raised on it. A store out of reach (its
+        host, rank 0, gone) leaves the peers to their transport's errors."""
+        store = self._store()
+        if store is not None:
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                store.set(f"{_PREFIX}{run}", f"rank {rank}: {_said(error)}")
+
+    def seen(self, run: int) -> str | None:
+        """Who stopped run `run` and why (None: nobody has)."""
+        key, store = f"{_PREFIX}{run}", self._store()
+        if store is None:
+            return None
+        try:
+            if not store.check([key]):
+                return None
+            return store.get(key).decode(errors="replace")
+        except (RuntimeError, dist.DistError):
+            return None
+
+
+def told(error: BaseException) -> None:
+    """Marks `error` as said to the peers (they stop this call themselves: nothing more
+    need reach them), and says so under it."""
+    with contextlib.suppress(AttributeError, TypeError):
+        error._tokpipe_told = True  # type: ignore[union-attr]
+        error.add_note("tokpipe: the other ranks were told and stop this call too; the "
+                       "process group carries the next call, which starts a new generation")
+
+
+def was_told(error: BaseException) -> bool:
+    return getattr(error, "_tokpipe_told", False)
+
+
+def peer_stopped(who: str, rank: int, mid_run: bool) -> PeerStopped:
+    """The error of a rank whose run a peer stopped (`who`: the peer and its error), seen
+    mid-run (the rest run hollow) or once the run was over."""
+    seen = ("mid-run, ran the rest of this call's schedule without computing (so no rank "
+            "waits for a message)" if mid_run else "once this call's messages were over")
+    return PeerStopped(
+        f"{who}; rank {rank} saw it {seen} and stops this call too. The process group "
+        "carries the next call as ever, which starts a new generation (the K/V caches this "
+        "call wrote are dropped)")
+
+
+def _said(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__

@@ -1,0 +1,138 @@
+"""A step that raises on one rank (an out-of-memory, a cancel) mid-run: every rank stops
+that call at once, the raising rank with its own error, the others with PeerStopped naming
+it, and the process group carries the next call, which gives the clean call's numbers.
+Before, the others waited `timeout` for a message never sent, and gloo then closed the
+group for good (`runtime/run_stops.py`)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import TinyDiT, dit_inputs
+from tokpipe_compiler.core.errors import PeerStopped
+from tokpipe_compiler.runtime.launch import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
+
+# Long enough that a peer left waiting for a message fails the time bound below.
+TIMEOUT = 60.0
+OPTIONS = {"chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager",
+           "timeout": TIMEOUT}
+STEPS = 4
+# (rank that raises, what raises, the stage call of the run it raises at); the last fault
+# raises before any compute, in the per-call values (the prelude's part of the rank)
+FAULTS = [(1, "stage", 3), (0, "cancel", 2), (1, "prelude", 1)]
+
+
+class Injected(RuntimeError):
+    """Stands in for a CUDA out-of-memory raised inside a stage."""
+
+
+def arm(program, what: str, at: int) -> None:
+    """`program`'s next run (or, `program` a class, its programs' next) raises `what` at
+    its `at`-th stage call (or making of per-call values)."""
+    calls = {"n": 0}
+    name = "_call_env" if what == "prelude" else "_run_stage"
+    original = getattr(program, name)
+
+    def faulty(*args):
+        calls["n"] += 1
+        if calls["n"] == at:
+            setattr(program, name, original)
+            raise KeyboardInterrupt if what == "cancel" else Injected("out of memory")
+        return original(*args)
+
+    setattr(program, name, faulty)
+
+
+def faulty_runs(rank: int, generate, program_of) -> list[tuple[str, float]]:
+    """A clean generation, then per fault: the faulty one and the next. Returns (outcome,
+    seconds) per generation: "same" where it equals the clean one bit for bit."""
+    clean = generate()
+    outcomes: list[tuple[str, float]] = []
+    for faulty, what, at in FAULTS:
+        if rank == faulty:
+            arm(program_of(), what, at)
+        for _ in range(2):
+            start = time.monotonic()
+            try:
+                outcome = "same" if torch.equal(generate(), clean) else "differs"
+            except (Injected, KeyboardInterrupt) as err:
+                told = any("other ranks were told" in n for n in getattr(err, "__notes__", []))
+                outcome = f"own {type(err).__name__}{' told' if told else ''}"
+            except PeerStopped as err:
+                outcome = f"stopped: {err}"
+            outcomes.append((outcome, time.monotonic() - start))
+    return outcomes
+
+
+def direct_compile(rank: int, world: int) -> list[tuple[str, float]]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend=tp.backend(stages=world, **OPTIONS), dynamic=False)
+    latents, _, labels = dit_inputs(model, 8)
+
+    def generate() -> torch.Tensor:
+        x = latents
+        try:
+            for t in torch.linspace(900, 100, STEPS).long():
+                x = x - 0.1 * compiled(x, t[None], labels)
+        finally:
+            tp.reset(compiled)
+        return x
+
+    with torch.no_grad():
+        return faulty_runs(rank, generate, lambda: tp.programs(compiled)[0])
+
+
+def ring(rank: int, world: int) -> list[tuple[str, float]]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+
+    def step(latents, timestep, c, labels):
+        return (latents - c * model(latents, timestep[None], labels),)
+
+    latents, _, labels = dit_inputs(model, 8)
+    per_step = {"timestep": torch.linspace(900, 100, STEPS).long(),
+                "c": torch.linspace(0.3, 0.1, STEPS)}
+    loop = tp.Ring(step, carry=["latents"], stages=world, **OPTIONS)
+    first = {"latents": latents, "labels": labels}
+    return faulty_runs(rank, lambda: loop.run(first, per_step=per_step)[0],
+                       lambda: loop.program)
+
+
+def pipeline(rank: int, world: int) -> list[tuple[str, float]]:
+    """A parallelized diffusers pipeline (its loop one ring), PixArt-Sigma with guidance."""
+    from tests.fixtures.pipelines import pixart_sigma
+    from tokpipe_compiler.programs.distributed import DistributedProgram
+
+    torch.set_num_threads(1)
+    pipe, kwargs = pixart_sigma()
+    tp.parallelize(pipe, stages=world, **OPTIONS)
+
+    def generate() -> torch.Tensor:
+        return pipe(**kwargs, num_inference_steps=STEPS,
+                    generator=torch.Generator().manual_seed(0)).images
+
+    return faulty_runs(rank, generate, lambda: DistributedProgram)
+
+
+@pytest.mark.parametrize("runs", [direct_compile, ring, pipeline])
+def test_a_step_raising_on_one_rank_stops_every_rank_at_once(runs):
+    every = launch(runs, 2, timeout=600)
+    for index, (faulty, what, _) in enumerate(FAULTS):
+        own = "KeyboardInterrupt" if what == "cancel" else "Injected"
+        for rank, outcomes in enumerate(every):
+            (stopped, seconds), (after, _) = outcomes[2 * index: 2 * index + 2]
+            if rank == faulty:
+                assert stopped == f"own {own} told", (what, rank, outcomes)
+            else:
+                assert stopped.startswith(f"stopped: rank {faulty}: {own}"), (what, outcomes)
+            assert seconds < TIMEOUT / 4, (what, rank, outcomes)  # not a peer's timeout
+            assert after == "same", (what, rank, outcomes)  # the group carries on, exactly
