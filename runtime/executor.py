@@ -27,7 +27,12 @@ from torch.autograd import _profiler_enabled
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import BOUNDARY, SLICED, StageGraph
 from tokpipe_compiler.runtime.chunking import Chunk
-from tokpipe_compiler.runtime.run_stops import RunStops, peer_stopped, told
+from tokpipe_compiler.runtime.run_stops import (
+    DeferredInterrupts,
+    RunStops,
+    peer_stopped,
+    told,
+)
 from tokpipe_compiler.runtime.schedule import COMPUTE, RECV, SEND, Action
 from tokpipe_compiler.runtime.stage_feeds import StageFeeds
 from tokpipe_compiler.runtime.transport import SEND_LAG_STEPS, MessageKey, TensorSpec
@@ -85,13 +90,15 @@ class Executor:
     transport: moves values between ranks (None when every stage is local).
     computed(action, values): called after each compute with the chunk's values (a ring's
     per-step view of an output, `programs.step_watch`).
+    interrupts: where a Ctrl-C is held during the run, raised between two actions.
     """
 
     def __init__(self, stages: list[StageGraph], run_stage: StageRunner, rank: int = 0,
                  transport=None, timeline: Timeline | None = None,
                  carried: dict[str, str] | None = None,
                  progress: Callable[[int], None] | None = None, *, feeds: StageFeeds,
-                 computed: Callable[[Action, dict], None] | None = None):
+                 computed: Callable[[Action, dict], None] | None = None,
+                 interrupts: DeferredInterrupts | None = None):
         self.stages = stages
         self.run_stage = run_stage
         self.rank = rank
@@ -107,6 +114,7 @@ class Executor:
         self.stopped: BaseException | None = None
         self.run_number = 0
         self._sent = 0
+        self.interrupts = interrupts
 
     def run(self, actions: Sequence[Action], chunks: Sequence[Chunk],
             env_for: Callable[[int], dict], visible: Callable[[Chunk], int],
@@ -152,11 +160,12 @@ class Executor:
                 self._guarded(stops, self._act, action, chunks, env_for, visible, here,
                               values, posted, step_base)
                 if self.stopped is not None:
-                    self._act_hollow(action, chunks[action.chunk], posted, step_base)
+                    self._hollow(action, chunks[action.chunk], posted, step_base)
             self.timeline.record(KINDS[action.kind], self.rank, action, start,
                                  chunks[action.chunk].units, step_base, whole)
             if index in step_ends:
                 self._step_ends(stops, action.step, last_step)
+        self._guarded(stops, _no_action)  # a Ctrl-C held since the last action stops it too
         return values
 
     def _guarded(self, stops: RunStops | None, act: Callable[..., None], *args) -> None:
@@ -165,6 +174,8 @@ class Executor:
         if self.stopped is not None:
             return
         try:
+            if self.interrupts is not None:
+                self.interrupts.raise_pending()
             act(*args)
         except TransportError:
             raise  # the peers meet failures of their own: nothing more reaches them
@@ -207,6 +218,16 @@ class Executor:
             for key, handle in posted[action]:
                 here[key.name] = handle.wait()
             del posted[action]
+
+    def _hollow(self, action: Action, chunk: Chunk, posted: dict, step_base: int) -> None:
+        """`_act_hollow`; where a message fails (a peer gone), what stopped the run is
+        raised, with the failure in a note."""
+        try:
+            self._act_hollow(action, chunk, posted, step_base)
+        except TransportError as failed:
+            stopped = self.stopped
+            stopped.add_note(f"tokpipe: finishing the run without computing failed: {failed}")
+            raise stopped from failed
 
     def _act_hollow(self, action: Action, chunk: Chunk, posted: dict, step_base: int) -> None:
         """An action of a stopped run: no compute; the receives still taken (waiting again
@@ -283,6 +304,10 @@ class Executor:
         inputs = self.feeds.inputs(action.stage, chunk, visible, env, chunk_values)
         outputs = self.run_stage(action.stage, chunk, inputs)
         chunk_values.update(zip(self.stages[action.stage].outputs, outputs, strict=True))
+
+
+def _no_action() -> None:
+    pass
 
 
 class _Receives:

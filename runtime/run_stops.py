@@ -15,6 +15,8 @@ program's call over the group, in one order.
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import weakref
 from typing import Any
 
@@ -69,6 +71,38 @@ class RunStops:
             return store.get(key).decode(errors="replace")
         except (RuntimeError, dist.DistError):
             return None
+
+
+class DeferredInterrupts:
+    """Within the block, a Ctrl-C (SIGINT, under Python's own handler, in the main thread)
+    is held until `raise_pending` is called, between two actions: raised inside a message's
+    wait, it would leave a receive half taken, which no hollow run can finish."""
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._previous: Any = None
+
+    def __enter__(self) -> DeferredInterrupts:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        self.pending = True
+
+    def raise_pending(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+            if self.pending:  # one that came after the last action: delivered as it came
+                self.pending = False
+                signal.raise_signal(signal.SIGINT)
 
 
 def told(error: BaseException) -> None:

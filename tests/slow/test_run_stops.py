@@ -2,10 +2,14 @@
 that call at once, the raising rank with its own error, the others with PeerStopped naming
 it, and the process group carries the next call, which gives the clean call's numbers.
 Before, the others waited `timeout` for a message never sent, and gloo then closed the
-group for good (`runtime/run_stops.py`)."""
+group for good (`runtime/run_stops.py`). And a ring whose step callback one rank alone
+passes: every rank takes part in sharing the steps."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -25,28 +29,37 @@ OPTIONS = {"chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager",
 STEPS = 4
 # (rank that raises, what raises, the stage call of the run it raises at); the last fault
 # raises before any compute, in the per-call values (the prelude's part of the rank)
-FAULTS = [(1, "stage", 3), (0, "cancel", 2), (1, "prelude", 1)]
+FAULTS = [(1, "stage", 3), (0, "cancel", 2), (1, "prelude", 1), (1, "sigint", 2)]
 
 
 class Injected(RuntimeError):
     """Stands in for a CUDA out-of-memory raised inside a stage."""
 
 
-def arm(program, what: str, at: int) -> None:
-    """`program`'s next run (or, `program` a class, its programs' next) raises `what` at
-    its `at`-th stage call (or making of per-call values)."""
+def arm(program, what: str, at: int, faulty: bool) -> None:
+    """On the faulty rank, `program`'s next run (or, `program` a class, its programs' next)
+    raises `what` at its `at`-th stage call (or making of per-call values). A "sigint" is a
+    real Ctrl-C, 0.3 s later, while the faulty rank waits for the other, whose next stage
+    call takes a second."""
     calls = {"n": 0}
     name = "_call_env" if what == "prelude" else "_run_stage"
     original = getattr(program, name)
+    if not faulty and what != "sigint":
+        return
 
-    def faulty(*args):
+    def fault(*args):
         calls["n"] += 1
-        if calls["n"] == at:
+        if calls["n"] == at + (what == "sigint" and not faulty):
             setattr(program, name, original)
-            raise KeyboardInterrupt if what == "cancel" else Injected("out of memory")
+            if what == "sigint" and faulty:
+                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+            elif what == "sigint":  # the call after the one the faulty rank waits for
+                time.sleep(1.0)
+            else:
+                raise KeyboardInterrupt if what == "cancel" else Injected("out of memory")
         return original(*args)
 
-    setattr(program, name, faulty)
+    setattr(program, name, fault)
 
 
 def faulty_runs(rank: int, generate, program_of) -> list[tuple[str, float]]:
@@ -55,8 +68,7 @@ def faulty_runs(rank: int, generate, program_of) -> list[tuple[str, float]]:
     clean = generate()
     outcomes: list[tuple[str, float]] = []
     for faulty, what, at in FAULTS:
-        if rank == faulty:
-            arm(program_of(), what, at)
+        arm(program_of(), what, at, rank == faulty)
         for _ in range(2):
             start = time.monotonic()
             try:
@@ -127,7 +139,7 @@ def pipeline(rank: int, world: int) -> list[tuple[str, float]]:
 def test_a_step_raising_on_one_rank_stops_every_rank_at_once(runs):
     every = launch(runs, 2, timeout=600)
     for index, (faulty, what, _) in enumerate(FAULTS):
-        own = "KeyboardInterrupt" if what == "cancel" else "Injected"
+        own = "KeyboardInterrupt" if what in ("cancel", "sigint") else "Injected"
         for rank, outcomes in enumerate(every):
             (stopped, seconds), (after, _) = outcomes[2 * index: 2 * index + 2]
             if rank == faulty:
@@ -136,3 +148,26 @@ def test_a_step_raising_on_one_rank_stops_every_rank_at_once(runs):
                 assert stopped.startswith(f"stopped: rank {faulty}: {own}"), (what, outcomes)
             assert seconds < TIMEOUT / 4, (what, rank, outcomes)  # not a peer's timeout
             assert after == "same", (what, rank, outcomes)  # the group carries on, exactly
+
+
+def callback_on_rank_0(rank: int, world: int) -> tuple[torch.Tensor, int]:
+    """Rank 0 alone passes a step callback (a service reporting progress from one rank);
+    rank 1's stage computes the latents. Returns the image and the steps rank 0 saw."""
+    from tests.fixtures.pipelines import pixart_sigma
+
+    torch.set_num_threads(1)
+    pipe, kwargs = pixart_sigma()
+    tp.parallelize(pipe, stages=world, **{**OPTIONS, "timeout": 20.0})
+    seen: list[int] = []
+    extra = {"callback": lambda i, t, latents: seen.append(i)} if rank == 0 else {}
+    image = pipe(**kwargs, num_inference_steps=STEPS,
+                 generator=torch.Generator().manual_seed(0), **extra).images
+    return image, seen
+
+
+def test_a_step_callback_on_one_rank_only():
+    """The rank with the callback waited `timeout` for steps the other never sent, and gloo
+    then closed the group: the ranks now tell each other who watches at the ring's start."""
+    (image, seen), (other, unseen) = launch(callback_on_rank_0, 2, timeout=300)
+    assert seen == list(range(STEPS)) and unseen == []
+    assert torch.equal(image, other)

@@ -316,7 +316,7 @@ def _encode(fp: dict[str, Any]) -> torch.Tensor:
     text = json.dumps(fp)
     if len(text.encode()) > FINGERPRINT_BYTES:
         sums = fp["checksums"]
-        fp = {k: (v if k in ("plan", "weights", "token", CALL) else _crc(json.dumps(v)))
+        fp = {k: (v if k in ("plan", "weights", "token", "watches", CALL) else _crc(json.dumps(v)))
               for k, v in fp.items()}
         fp["inputs"] = {"(all, digest)": fp["inputs"]}
         token = fp["token"]

@@ -44,7 +44,7 @@ from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, devic
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.process_group import init_process_group_from_env
-from tokpipe_compiler.runtime.run_stops import peer_stopped
+from tokpipe_compiler.runtime.run_stops import DeferredInterrupts, peer_stopped, told
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
     DistributedTransport,
@@ -143,18 +143,46 @@ class DistributedProgram(PipelinedProgram):
                  progress: Callable[[int], None] | None = None, first: int = 0,
                  watch: Watch | None = None) -> tuple:
         if step_args:  # later runs too: a rank's other step count or timesteps would wait
-            self._agree(step_args, "a ring run", {"ring steps": first + len(step_args)})
+            every = self._agree(step_args, "a ring run", {"ring steps": first + len(step_args)},
+                                watches=watch is not None)
+            if watch is None and any(fp.get("watches") for fp in every):
+                # another rank sees the steps (its callback, a progress bar of its own): this
+                # one takes part in sharing them, seeing nothing
+                watch = Watch(self.plan.graphs.outputs[0].source, _see_nothing)
         caller = self._caller_device(step_args[0]) if step_args else self.device
         if watch is not None and caller != self.device:
             watch = Watch(watch.output, lambda k, v, see=watch.see: see(k, v.to(caller)))
-        outputs = super().run_ring(step_args, carried, progress, first, watch)
+        with self._holding_interrupts():
+            outputs = super().run_ring(step_args, carried, progress, first, watch)
         return _on_device(outputs, caller)
 
     def __call__(self, *args: torch.Tensor) -> Any:
         self.mid_call = True  # left set where the call raises: its peers may be mid-message
-        out = _on_device(super().__call__(*args), self._caller_device(args))
+        with self._holding_interrupts():
+            out = _on_device(super().__call__(*args), self._caller_device(args))
         self.mid_call = False
         return out
+
+    @contextmanager
+    def _holding_interrupts(self) -> Iterator[None]:
+        """A Ctrl-C during a call waits for the next point where this rank can stop the
+        run on every rank (`runtime.run_stops`); one after the call is raised after it."""
+        try:
+            with DeferredInterrupts() as self.interrupts:
+                yield
+        finally:
+            self.interrupts = None
+
+    def _take_interrupt(self) -> None:
+        """A Ctrl-C held since the run's last action stops the run here, before its outputs
+        are shared: they are sent as zeros and the peers raise PeerStopped."""
+        held, stops = self.interrupts, self.transport.stops
+        if held is None or not held.pending or self.stopped is not None or stops is None:
+            return
+        held.pending = False
+        self.stopped = KeyboardInterrupt()
+        stops.say(self.run_number, self.rank, self.stopped)
+        told(self.stopped)
 
     def leave_call(self, error: BaseException, call: int) -> None:
         """This rank's pipeline call `call` raised between two per-call steps (a step
@@ -183,6 +211,7 @@ class DistributedProgram(PipelinedProgram):
             return MessageKey(self.calls, dst, WHOLE, f"{spec.source}/steps", what)
 
         one = self._spec(spec)
+        self._take_interrupt()
         if spec.producer == self.rank:
             every = (self._zeros(TensorSpec((steps, *one.shape), one.dtype))
                      if self.stopped is not None else torch.stack(pieces.kept))
@@ -199,14 +228,18 @@ class DistributedProgram(PipelinedProgram):
             pieces.watch.see(pieces.first + k, every[k])
 
     def _agree(self, calls: list[tuple], when: str, plan: dict[str, int],
-               absent_hint: str = "", pipeline: dict[str, str] | None = None) -> None:
+               absent_hint: str = "", pipeline: dict[str, str] | None = None,
+               watches: bool = False) -> list[dict[str, Any]]:
         """Every rank's fingerprint of `calls` (the first's inputs, every call's checksums),
         `plan`'s entries and `pipeline`'s (see pipeline_entry) to every other; raises on all
         ranks alike if they disagree (a TokpipeError that says which rank has what).
-        `absent_hint` ends the error of a rank whose peer never sends its fingerprint."""
+        `absent_hint` ends the error of a rank whose peer never sends its fingerprint.
+        `watches`: whether this rank sees a ring's steps (told, not compared). Returns every
+        rank's fingerprint."""
         mine = fingerprint(self.plan, calls)
         mine["plan"].update(plan)
         mine["pipeline"] = pipeline or {}
+        mine["watches"] = watches
         marks = PIPELINE_STEPS.get()
         if marks is not None:  # in a parallelized pipeline's call: its number
             mine[CALL] = marks.call
@@ -219,6 +252,7 @@ class DistributedProgram(PipelinedProgram):
                 raise
             raise TokpipeError(f"{err} {absent_hint}") from err
         check_agreement(every, when)
+        return every
 
     def _call_env(self, args: tuple) -> dict:
         """Per-call values; on a GPU, what this rank's stage reads moves to its device (its
@@ -258,6 +292,7 @@ class DistributedProgram(PipelinedProgram):
                   step: int) -> tuple:
         self._output_step = self.calls + step  # numbered as the executor numbers messages
         self._looked = False  # for a peer's stop, once this run's outputs are shared
+        self._take_interrupt()
         return super()._assemble(values, chunks, env_for, step)
 
     def _stop_seen(self) -> BaseException | None:
@@ -318,6 +353,10 @@ class DistributedProgram(PipelinedProgram):
 
     def close(self) -> None:
         self.transport.close()
+
+
+def _see_nothing(step: int, value: torch.Tensor) -> None:
+    pass
 
 
 @contextmanager

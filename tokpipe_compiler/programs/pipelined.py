@@ -42,6 +42,7 @@ from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.caches import KVCaches, Released, held_bytes
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
 from tokpipe_compiler.runtime.executor import Executor, Timeline
+from tokpipe_compiler.runtime.run_stops import DeferredInterrupts
 from tokpipe_compiler.runtime.stage_feeds import StageFeeds
 
 # Guidance runs 2 branches a step, skip-layer guidance 3: past this, calls at one timestep
@@ -136,6 +137,7 @@ class PipelinedProgram:
         # what stopped the last run on every rank, and its number (`runtime.run_stops`)
         self.stopped: BaseException | None = None
         self.run_number = 0
+        self.interrupts: DeferredInterrupts | None = None  # a Ctrl-C held during a call
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
         self.prelude = Prelude(plan.graphs.prelude, plan.graphs.prelude_outputs,
@@ -292,7 +294,8 @@ class PipelinedProgram:
         actions = self._actions(len(chunks), steps, carried or {})
         executor = Executor(self.plan.graphs.stages, self._run_stage, rank=self.rank,
                             transport=self.transport, timeline=self.timeline, carried=carried,
-                            progress=progress, feeds=self.feeds, computed=computed)
+                            progress=progress, feeds=self.feeds, computed=computed,
+                            interrupts=self.interrupts)
         values = executor.run(actions, chunks, env_for,
                               self._visible(chunks), step_base=self.calls)
         self.stopped, self.run_number = executor.stopped, executor.run_number
