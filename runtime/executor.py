@@ -16,6 +16,7 @@ this rank's actions run hollow, and its peers' too once they see it (`run_stops`
 from __future__ import annotations
 
 import time
+import traceback
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -182,6 +183,9 @@ class Executor:
         except BaseException as error:
             if stops is None:
                 raise
+            # The failed step's tensors (what an out-of-memory left) go before the hollow
+            # run allocates; the traceback keeps its lines.
+            traceback.clear_frames(error.__traceback__)
             stops.say(self.run_number, self.rank, error)
             told(error)
             self.stopped = error
