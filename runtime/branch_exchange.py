@@ -49,6 +49,13 @@ def exchanging(group: Any, timeout: float) -> Iterator[None]:
         _active.pop()
 
 
+def exchanging_now() -> bool:
+    """Whether a guidance exchange is set up (a hybrid cfg=2 ring's run). Its runs do not
+    stop on every rank together (`run_stops`): the other branch's last stage waits inside
+    the exchange, where no stop reaches it, so an error there leaves it its `timeout`."""
+    return bool(_active)
+
+
 def _cfg_gather(x: torch.Tensor) -> torch.Tensor:
     """Both guidance branches' `x` along the batch (dim 0), branch 0 first."""
     if not _active:

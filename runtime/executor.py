@@ -27,6 +27,7 @@ from torch.autograd import _profiler_enabled
 
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import BOUNDARY, SLICED, StageGraph
+from tokpipe_compiler.runtime.branch_exchange import exchanging_now
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.runtime.run_stops import (
     DeferredInterrupts,
@@ -147,7 +148,7 @@ class Executor:
         step_ends = {max(i for i, a in enumerate(actions) if a.kind == COMPUTE and a.step == s)
                      for s in {a.step for a in actions}}
         last_step = max((a.step for a in actions), default=0)
-        stops = getattr(self.transport, "stops", None)
+        stops = None if exchanging_now() else getattr(self.transport, "stops", None)
         self.stopped, self.run_number = None, stops.begin() if stops is not None else 0
         for index, action in enumerate(actions):
             if receives.due(action.step):

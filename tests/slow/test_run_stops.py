@@ -171,3 +171,86 @@ def test_a_step_callback_on_one_rank_only():
     (image, seen), (other, unseen) = launch(callback_on_rank_0, 2, timeout=300)
     assert seen == list(range(STEPS)) and unseen == []
     assert torch.equal(image, other)
+
+
+def ring_watch_raising_on_rank_0(rank: int, world: int) -> list[str]:
+    """A Ring whose `each_step` raises on rank 0, which sees the steps after the run (rank
+    1 computes them), then clean runs: each run's outcome per rank."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+
+    def step(latents, timestep, c, labels):
+        return (latents - c * model(latents, timestep[None], labels),)
+
+    def watch(k: int, value: torch.Tensor) -> None:
+        if rank == 0 and k >= OPTIONS["warmup_steps"]:  # a ring step, seen after the run
+            raise ValueError("the callback failed")
+
+    latents, _, labels = dit_inputs(model, 8)
+    per_step = {"timestep": torch.linspace(900, 100, STEPS).long(),
+                "c": torch.linspace(0.3, 0.1, STEPS)}
+    loop = tp.Ring(step, carry=["latents"], stages=world, **{**OPTIONS, "timeout": 20.0})
+    first = {"latents": latents, "labels": labels}
+    clean = loop.run(first, per_step=per_step)[0]
+    outcomes = []
+    for each_step in (watch, None, None):
+        try:
+            out = loop.run(first, per_step=per_step, each_step=each_step)[0]
+            outcomes.append("same" if torch.equal(out, clean) else "differs")
+        except ValueError as err:
+            outcomes.append(str(err))
+    return outcomes
+
+
+def test_a_ring_watch_raising_on_one_rank_leaves_the_step_counts_alike():
+    """Rank 0's raise skipped its step count's advance: its next run's messages were
+    numbered 4 steps behind rank 1's, and both waited `timeout` (then gloo closed)."""
+    first, second = launch(ring_watch_raising_on_rank_0, 2, timeout=300)
+    assert first == ["the callback failed", "same", "same"], first
+    assert second == ["same", "same", "same"], second
+
+
+def per_call_cancel_after_the_run(rank: int, world: int) -> list[tuple[str, float]]:
+    """A parallelized pipeline run per call; rank 0 (not the stage that sends the outputs)
+    gets a Ctrl-C while it waits for a step's outputs, once, then the service goes on."""
+    from tests.fixtures.pipelines import pixart_sigma
+    from tokpipe_compiler.programs.distributed import DistributedProgram
+
+    torch.set_num_threads(1)
+    pipe, kwargs = pixart_sigma()
+    tp.parallelize(pipe, stages=world, ring=False, **{**OPTIONS, "timeout": 20.0})
+    gather, armed = DistributedProgram._gather, {"calls": 0}
+
+    def interrupted(program, *args):  # a SIGINT that came while this rank waits
+        armed["calls"] += 1
+        if rank == 0 and armed["calls"] == 2 and program.interrupts is not None:
+            program.interrupts.pending = True
+        return gather(program, *args)
+
+    def generate() -> torch.Tensor:
+        return pipe(**kwargs, num_inference_steps=STEPS,
+                    generator=torch.Generator().manual_seed(0)).images
+
+    clean = generate()
+    DistributedProgram._gather = interrupted
+    outcomes = []
+    for _ in range(2):
+        start = time.monotonic()
+        try:
+            outcome = "same" if torch.equal(generate(), clean) else "differs"
+        except KeyboardInterrupt:
+            outcome = "own KeyboardInterrupt"
+        except PeerStopped as err:
+            outcome = f"stopped: {err}"
+        outcomes.append((outcome, time.monotonic() - start))
+    return outcomes
+
+
+def test_a_cancel_after_a_per_call_run_tells_the_others_at_their_next_step():
+    """Held past the run, the Ctrl-C is raised as the call returns on that rank alone; the
+    pipeline's leave then reaches the others (it was skipped: the call looked mid-run)."""
+    (own, again), (told, after) = launch(per_call_cancel_after_the_run, 2, timeout=300)
+    assert own[0] == "own KeyboardInterrupt" and again[0] == after[0] == "same", (own, again)
+    assert told[0].startswith("stopped: rank(s) [0] left this pipeline call"), told
+    assert max(own[1], told[1]) < 10, (own, told)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import PeerStopped, TokpipeError
 from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.passes.split import prelude_for
@@ -44,7 +45,12 @@ from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, devic
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.process_group import init_process_group_from_env
-from tokpipe_compiler.runtime.run_stops import DeferredInterrupts, peer_stopped, told
+from tokpipe_compiler.runtime.run_stops import (
+    DeferredInterrupts,
+    RunStops,
+    peer_stopped,
+    told,
+)
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
     DistributedTransport,
@@ -160,7 +166,7 @@ class DistributedProgram(PipelinedProgram):
         self.mid_call = True  # left set where the call raises: its peers may be mid-message
         with self._holding_interrupts():
             out = _on_device(super().__call__(*args), self._caller_device(args))
-        self.mid_call = False
+            self.mid_call = False  # a Ctrl-C held past the run is raised after the call
         return out
 
     @contextmanager
@@ -173,10 +179,17 @@ class DistributedProgram(PipelinedProgram):
         finally:
             self.interrupts = None
 
+    @property
+    def _stops(self) -> RunStops | None:
+        """The group's stops, where the last run took part in them (numbered from 1)."""
+        return self.transport.stops if self.run_number else None
+
     def _take_interrupt(self) -> None:
-        """A Ctrl-C held since the run's last action stops the run here, before its outputs
-        are shared: they are sent as zeros and the peers raise PeerStopped."""
-        held, stops = self.interrupts, self.transport.stops
+        """A Ctrl-C held since the run's last action stops the run here, on the rank that
+        sends outputs, before it sends them (as zeros): every peer looks for the stop after
+        they came, so all stop alike. Elsewhere one held past the run's last action is
+        raised as the call returns, on that rank alone (a peer may have looked already)."""
+        held, stops = self.interrupts, self._stops
         if held is None or not held.pending or self.stopped is not None or stops is None:
             return
         held.pending = False
@@ -211,8 +224,8 @@ class DistributedProgram(PipelinedProgram):
             return MessageKey(self.calls, dst, WHOLE, f"{spec.source}/steps", what)
 
         one = self._spec(spec)
-        self._take_interrupt()
         if spec.producer == self.rank:
+            self._take_interrupt()
             every = (self._zeros(TensorSpec((steps, *one.shape), one.dtype))
                      if self.stopped is not None else torch.stack(pieces.kept))
             for dst in range(self.world):
@@ -292,13 +305,15 @@ class DistributedProgram(PipelinedProgram):
                   step: int) -> tuple:
         self._output_step = self.calls + step  # numbered as the executor numbers messages
         self._looked = False  # for a peer's stop, once this run's outputs are shared
-        self._take_interrupt()
+        if any(spec.kind == OutputKind.TOKEN and spec.producer == self.rank
+               for spec in self.plan.graphs.outputs):
+            self._take_interrupt()
         return super()._assemble(values, chunks, env_for, step)
 
     def _stop_seen(self) -> BaseException | None:
         """What stopped this run on every rank: this rank's error, or a peer's, looked for
         once its outputs are shared (`runtime.run_stops`: one look in the store a run)."""
-        stops = self.transport.stops
+        stops = self._stops
         if self.stopped is None and stops is not None and not self._looked:
             self._looked = True
             seen = stops.seen(self.run_number)

@@ -252,11 +252,13 @@ class PipelinedProgram:
             report = None if progress is None else (lambda k: progress(first + k))
             values = self._run(env_for, self.plan.chunks, steps, carried, report, pieces)
             outputs = self._assemble(values, self.plan.chunks, env_for, steps - 1)
-            if pieces is not None:
-                self._share_steps(pieces, steps)
+            try:
+                if pieces is not None:  # a rank's `watch` may raise as it sees the steps
+                    self._share_steps(pieces, steps)
+            finally:  # the ranks ran the steps alike: their counts move on alike
+                self._advance(steps)
+                self.clock.advance(steps)
         self._run_ends()
-        self._advance(steps)
-        self.clock.advance(steps)
         return outputs
 
     def _step_pieces(self, watch: Watch, first: int) -> StepPieces:
