@@ -167,7 +167,6 @@ class Executor:
                                  chunks[action.chunk].units, step_base, whole)
             if index in step_ends:
                 self._step_ends(stops, action.step, last_step)
-        self._guarded(stops, _no_action)  # a Ctrl-C held since the last action stops it too
         return values
 
     def _guarded(self, stops: RunStops | None, act: Callable[..., None], *args) -> None:
@@ -309,10 +308,6 @@ class Executor:
         inputs = self.feeds.inputs(action.stage, chunk, visible, env, chunk_values)
         outputs = self.run_stage(action.stage, chunk, inputs)
         chunk_values.update(zip(self.stages[action.stage].outputs, outputs, strict=True))
-
-
-def _no_action() -> None:
-    pass
 
 
 class _Receives:

@@ -62,9 +62,16 @@ def arm(program, what: str, at: int, faulty: bool) -> None:
     setattr(program, name, fault)
 
 
+def python_sigint() -> None:
+    """Ctrl-C raises KeyboardInterrupt, as in a script (a pytest-xdist worker, whose fork
+    the ranks are, ignores SIGINT)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def faulty_runs(rank: int, generate, program_of) -> list[tuple[str, float]]:
     """A clean generation, then per fault: the faulty one and the next. Returns (outcome,
     seconds) per generation: "same" where it equals the clean one bit for bit."""
+    python_sigint()
     clean = generate()
     outcomes: list[tuple[str, float]] = []
     for faulty, what, at in FAULTS:
@@ -218,6 +225,7 @@ def per_call_cancel_after_the_run(rank: int, world: int) -> list[tuple[str, floa
     from tokpipe_compiler.programs.distributed import DistributedProgram
 
     torch.set_num_threads(1)
+    python_sigint()
     pipe, kwargs = pixart_sigma()
     tp.parallelize(pipe, stages=world, ring=False, **{**OPTIONS, "timeout": 20.0})
     gather, armed = DistributedProgram._gather, {"calls": 0}
