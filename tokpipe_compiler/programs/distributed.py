@@ -43,14 +43,9 @@ from tokpipe_compiler.programs.generations import PIPELINE_STEPS
 from tokpipe_compiler.programs.outputs import assemble_output
 from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, device_of
 from tokpipe_compiler.programs.prelude import Prelude
+from tokpipe_compiler.programs.run_ends import RunEnds
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.process_group import init_process_group_from_env
-from tokpipe_compiler.runtime.run_stops import (
-    DeferredInterrupts,
-    RunStops,
-    peer_stopped,
-    told,
-)
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
     DistributedTransport,
@@ -82,7 +77,7 @@ DIVERGED = ("the ranks' latents parted after the generation's start. A scheduler
             ", and torch.cuda.manual_seed on GPUs), or use a scheduler that draws no noise.")
 
 
-class DistributedProgram(PipelinedProgram):
+class DistributedProgram(RunEnds, PipelinedProgram):
     """The per-call program on one rank of a `stages`-process group (`group`: the world by
     default; a subgroup runs one pipeline of several, e.g. one per guidance branch)."""
 
@@ -168,34 +163,6 @@ class DistributedProgram(PipelinedProgram):
             out = _on_device(super().__call__(*args), self._caller_device(args))
             self.mid_call = False  # a Ctrl-C held past the run is raised after the call
         return out
-
-    @contextmanager
-    def _holding_interrupts(self) -> Iterator[None]:
-        """A Ctrl-C during a call waits for the next point where this rank can stop the
-        run on every rank (`runtime.run_stops`); one after the call is raised after it."""
-        try:
-            with DeferredInterrupts() as self.interrupts:
-                yield
-        finally:
-            self.interrupts = None
-
-    @property
-    def _stops(self) -> RunStops | None:
-        """The group's stops, where the last run took part in them (numbered from 1)."""
-        return self.transport.stops if self.run_number else None
-
-    def _take_interrupt(self) -> None:
-        """A Ctrl-C held since the run's last action stops the run here, on the rank that
-        sends outputs, before it sends them (as zeros): every peer looks for the stop after
-        they came, so all stop alike. Elsewhere one held past the run's last action is
-        raised as the call returns, on that rank alone (a peer may have looked already)."""
-        held, stops = self.interrupts, self._stops
-        if held is None or not held.pending or self.stopped is not None or stops is None:
-            return
-        held.pending = False
-        self.stopped = KeyboardInterrupt()
-        stops.say(self.run_number, self.rank, self.stopped)
-        told(self.stopped)
 
     def leave_call(self, error: BaseException, call: int) -> None:
         """This rank's pipeline call `call` raised between two per-call steps (a step
@@ -310,28 +277,6 @@ class DistributedProgram(PipelinedProgram):
             self._take_interrupt()
         return super()._assemble(values, chunks, env_for, step)
 
-    def _stop_seen(self) -> BaseException | None:
-        """What stopped this run on every rank: this rank's error, or a peer's, looked for
-        once its outputs are shared (`runtime.run_stops`: one look in the store a run)."""
-        stops = self._stops
-        if self.stopped is None and stops is not None and not self._looked:
-            self._looked = True
-            seen = stops.seen(self.run_number)
-            if seen is not None:
-                self.stopped = peer_stopped(seen, self.rank, mid_run=False)
-        return self.stopped
-
-    def _run_ends(self) -> None:
-        """A stopped run raises on every rank, its error on the rank it arose on and
-        PeerStopped on the others, and the generation starts anew at the next call, in
-        every program of the compile (as `tp.reset` starts it): this one's K/V caches hold
-        what the hollow run left."""
-        stopped = self._stop_seen()
-        if stopped is not None:
-            for program in self.session.programs if self.session is not None else (self,):
-                program.reset()
-            raise stopped
-
     def _gather(self, spec, pieces: list[torch.Tensor], chunks: list) -> torch.Tensor:
         """The producer concatenates its chunks and sends the whole output to every other
         rank; they wait for it with the transport's timeout."""
@@ -351,10 +296,6 @@ class DistributedProgram(PipelinedProgram):
                 self.transport.send(key(dst), tensor, dst)
         self.transport.flush()  # the caller may overwrite the output: finish sending it first
         return tensor
-
-    def _zeros(self, spec: TensorSpec) -> torch.Tensor:
-        """What a stopped run sends in place of a value it did not compute."""
-        return torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
 
     def _spec(self, spec) -> TensorSpec:
         stage = self.plan.graphs.stages[spec.producer]

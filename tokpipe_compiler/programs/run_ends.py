@@ -1,0 +1,77 @@
+"""How a distributed program's run ends when one rank stops it (`runtime.run_stops`): the
+Ctrl-C held during a call, the look for a peer's stop once the outputs are shared, and the
+raise on every rank alike."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from tokpipe_compiler.runtime.run_stops import (
+    DeferredInterrupts,
+    RunStops,
+    peer_stopped,
+    told,
+)
+from tokpipe_compiler.runtime.transport import TensorSpec
+
+
+class RunEnds:
+    """A mixin of `DistributedProgram`: it reads the program's transport, rank, plan,
+    session, device and its last run's `stopped` and `run_number`."""
+
+    @contextmanager
+    def _holding_interrupts(self) -> Iterator[None]:
+        """A Ctrl-C during a call waits for the next point where this rank can stop the
+        run on every rank (`runtime.run_stops`); one after the call is raised after it."""
+        try:
+            with DeferredInterrupts() as self.interrupts:
+                yield
+        finally:
+            self.interrupts = None
+
+    @property
+    def _stops(self) -> RunStops | None:
+        """The group's stops, where the last run took part in them (numbered from 1)."""
+        return self.transport.stops if self.run_number else None
+
+    def _take_interrupt(self) -> None:
+        """A Ctrl-C held since the run's last action stops the run here, on the rank that
+        sends outputs, before it sends them (as zeros): every peer looks for the stop after
+        they came, so all stop alike. Elsewhere one held past the run's last action is
+        raised as the call returns, on that rank alone (a peer may have looked already)."""
+        held, stops = self.interrupts, self._stops
+        if held is None or not held.pending or self.stopped is not None or stops is None:
+            return
+        held.pending = False
+        self.stopped = KeyboardInterrupt()
+        stops.say(self.run_number, self.rank, self.stopped)
+        told(self.stopped)
+
+    def _stop_seen(self) -> BaseException | None:
+        """What stopped this run on every rank: this rank's error, or a peer's, looked for
+        once its outputs are shared (`runtime.run_stops`: one look in the store a run)."""
+        stops = self._stops
+        if self.stopped is None and stops is not None and not self._looked:
+            self._looked = True
+            seen = stops.seen(self.run_number)
+            if seen is not None:
+                self.stopped = peer_stopped(seen, self.rank, mid_run=False)
+        return self.stopped
+
+    def _run_ends(self) -> None:
+        """A stopped run raises on every rank, its error on the rank it arose on and
+        PeerStopped on the others, and the generation starts anew at the next call, in
+        every program of the compile (as `tp.reset` starts it): this one's K/V caches hold
+        what the hollow run left."""
+        stopped = self._stop_seen()
+        if stopped is not None:
+            for program in self.session.programs if self.session is not None else (self,):
+                program.reset()
+            raise stopped
+
+    def _zeros(self, spec: TensorSpec) -> torch.Tensor:
+        """What a stopped run sends in place of a value it did not compute."""
+        return torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
