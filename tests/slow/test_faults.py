@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
+from tests.fixtures.rings import per_step, step_ring
 from tokpipe_compiler.runtime.launch import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
@@ -74,22 +75,13 @@ def per_call_rank(rank: int, world: int, faulty: int, fault: str) -> None:
 
 def ring_rank(rank: int, world: int, faulty: int, fault: str) -> None:
     """A healthy ring run, then one where `faulty`'s stage fails at the last ring step."""
-    torch.manual_seed(0)
-    model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
-
-    def step(latents, timestep, c, labels):
-        return (latents - c * model(latents, timestep[None], labels),)
-
-    latents, _, labels = dit_inputs(model, 8)
-    per_step = {"timestep": torch.linspace(900, 100, RING_STEPS).long(),
-                "c": torch.linspace(0.3, 0.1, RING_STEPS)}
-    ring = tp.Ring(step, carry=["latents"], stages=world, **OPTIONS)
-    first = {"latents": latents, "labels": labels}
-    ring.run(first, per_step=per_step)
+    ring, first = step_ring(world, **OPTIONS)
+    steps = per_step(RING_STEPS)
+    ring.run(first, per_step=steps)
     if rank == faulty:  # its runs: one warmup, then `chunks` per ring step
         inject(ring.program, fault, after=1 + (RING_STEPS - 2) * OPTIONS["chunks"])
     dist.barrier()
-    timed(lambda: ring.run(first, per_step=per_step))
+    timed(lambda: ring.run(first, per_step=steps))
 
 
 def waits(text: str) -> dict[int, tuple[str, float]]:
@@ -167,36 +159,6 @@ def test_first_or_middle_stage_dies_in_a_ring_of_three(faulty):
     errors, elapsed = run_fault(ring_rank, 3, faulty, "dies")
     check_bounded(errors, faulty, 3, "dies")
     assert elapsed < 240  # mostly starting the ranks (each rank's wait is bounded above)
-
-
-def pipeline_rank(rank: int, world: int, faulty: int, fault: str) -> None:
-    """A parallelized pipeline (its loop one ring): a healthy call, then one where
-    `faulty`'s stage fails at its second stage call."""
-    from tokpipe_compiler.generate import tiny_dit_pipeline
-    from tokpipe_compiler.programs.distributed import DistributedProgram
-
-    pipe = tiny_dit_pipeline()
-    tp.parallelize(pipe, stages=world, **OPTIONS)
-
-    def call():
-        return pipe(class_labels=[1], output_type="latent", num_inference_steps=RING_STEPS,
-                    generator=torch.Generator().manual_seed(0))
-
-    call()
-    if rank == faulty:
-        inject(DistributedProgram, fault, after=1)
-    dist.barrier()
-    timed(call)
-
-
-def test_a_stall_in_a_parallelized_ring_is_named_as_the_wait_that_timed_out():
-    """The pipeline's leave, which the failed group cannot carry, used to take the place of
-    the timeout's error (`cannot exchange the fingerprint of a peer's leaving`) and hide
-    what was waited for and the advice."""
-    errors, _ = run_fault(pipeline_rank, 2, 1, "stalls")
-    check_bounded(errors, 1, 2, "stalls")
-    message = errors[0][0]
-    assert "a peer's leaving" not in message and "Check that rank 1 is alive" in message
 
 
 # Ranks that disagree.
@@ -279,27 +241,9 @@ def test_a_rank_that_never_calls_makes_the_others_raise_within_the_timeout():
     assert seconds < 60  # planning, then the timeout
 
 
-def step_ring(world: int) -> tuple[tp.Ring, dict]:
-    """A ring of TinyDiT steps and its first inputs."""
-    torch.manual_seed(0)
-    model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
-
-    def step(latents, timestep, c, labels):
-        return (latents - c * model(latents, timestep[None], labels),)
-
-    latents, _, labels = dit_inputs(model, 8)
-    ring = tp.Ring(step, carry=["latents"], stages=world, **{**OPTIONS, "timeout": 20.0})
-    return ring, {"latents": latents, "labels": labels}
-
-
-def per_step(steps: int, last: int = 100) -> dict[str, torch.Tensor]:
-    return {"timestep": torch.linspace(900, last, steps).long(),
-            "c": torch.linspace(0.3, 0.1, steps)}
-
-
 def ring_of_steps(rank: int, world: int) -> None:
     """Rank 1 runs one step more than rank 0 (another num_inference_steps)."""
-    ring, first = step_ring(world)
+    ring, first = step_ring(world, **{**OPTIONS, "timeout": 20.0})
     ring.run(first, per_step=per_step(RING_STEPS + rank))
 
 
@@ -318,7 +262,7 @@ def later_rings(rank: int, world: int) -> tuple[str, str, float]:
     """Three ring runs of one program: the ranks agree, then rank 1 passes other timesteps
     after the warmup step, then it runs one step more. Returns the second run's error, the
     third's and the seconds the third took to raise."""
-    ring, first = step_ring(world)
+    ring, first = step_ring(world, **{**OPTIONS, "timeout": 20.0})
     ring.run(first, per_step=per_step(RING_STEPS))
     try:
         ring.run(first, per_step=per_step(RING_STEPS, last=100 + 100 * rank))

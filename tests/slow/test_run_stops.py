@@ -17,6 +17,7 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
+from tests.fixtures.rings import per_step, step_ring
 from tokpipe_compiler.core.errors import PeerStopped
 from tokpipe_compiler.runtime.launch import launch
 
@@ -111,18 +112,9 @@ def direct_compile(rank: int, world: int) -> list[tuple[str, float]]:
 
 def ring(rank: int, world: int) -> list[tuple[str, float]]:
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
-
-    def step(latents, timestep, c, labels):
-        return (latents - c * model(latents, timestep[None], labels),)
-
-    latents, _, labels = dit_inputs(model, 8)
-    per_step = {"timestep": torch.linspace(900, 100, STEPS).long(),
-                "c": torch.linspace(0.3, 0.1, STEPS)}
-    loop = tp.Ring(step, carry=["latents"], stages=world, **OPTIONS)
-    first = {"latents": latents, "labels": labels}
-    return faulty_runs(rank, lambda: loop.run(first, per_step=per_step)[0],
+    loop, first = step_ring(world, **OPTIONS)
+    steps = per_step(STEPS)
+    return faulty_runs(rank, lambda: loop.run(first, per_step=steps)[0],
                        lambda: loop.program)
 
 
@@ -184,26 +176,18 @@ def ring_watch_raising_on_rank_0(rank: int, world: int) -> list[str]:
     """A Ring whose `each_step` raises on rank 0, which sees the steps after the run (rank
     1 computes them), then clean runs: each run's outcome per rank."""
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
-
-    def step(latents, timestep, c, labels):
-        return (latents - c * model(latents, timestep[None], labels),)
 
     def watch(k: int, value: torch.Tensor) -> None:
         if rank == 0 and k >= OPTIONS["warmup_steps"]:  # a ring step, seen after the run
             raise ValueError("the callback failed")
 
-    latents, _, labels = dit_inputs(model, 8)
-    per_step = {"timestep": torch.linspace(900, 100, STEPS).long(),
-                "c": torch.linspace(0.3, 0.1, STEPS)}
-    loop = tp.Ring(step, carry=["latents"], stages=world, **{**OPTIONS, "timeout": 20.0})
-    first = {"latents": latents, "labels": labels}
-    clean = loop.run(first, per_step=per_step)[0]
+    loop, first = step_ring(world, **{**OPTIONS, "timeout": 20.0})
+    steps = per_step(STEPS)
+    clean = loop.run(first, per_step=steps)[0]
     outcomes = []
     for each_step in (watch, None, None):
         try:
-            out = loop.run(first, per_step=per_step, each_step=each_step)[0]
+            out = loop.run(first, per_step=steps, each_step=each_step)[0]
             outcomes.append("same" if torch.equal(out, clean) else "differs")
         except ValueError as err:
             outcomes.append(str(err))

@@ -1,7 +1,8 @@
 """Faults a service meets on two gloo ranks: requests the ranks' held programs answer
 differently (each disagreement raises at once, the next agreeing request runs), a timeout
 (gloo closes the group for good: later calls say the ranks must restart), and ring inputs
-that differ between ranks (named as the transformer's call names them)."""
+that differ between ranks (named as the transformer's call names them); a stall in a
+parallelized ring, named as the wait that timed out."""
 
 from __future__ import annotations
 
@@ -10,10 +11,19 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
-from tests.slow.test_faults import FAULT_TIMEOUT, OPTIONS
+from tests.slow.test_faults import (
+    FAULT_TIMEOUT,
+    OPTIONS,
+    RING_STEPS,
+    check_bounded,
+    inject,
+    run_fault,
+    timed,
+)
 from tokpipe_compiler.runtime.launch import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
@@ -154,3 +164,33 @@ def test_ranks_with_other_schedulers_raise_naming_them(what, rank_1):
                 "'scheduler': rank 0 DDIMScheduler (configuration "
         assert error.startswith(first), error
         assert f"rank 1 {rank_1}" in error and "plan 'token input'" not in error, error
+
+
+def pipeline_rank(rank: int, world: int, faulty: int, fault: str) -> None:
+    """A parallelized pipeline (its loop one ring): a healthy call, then one where
+    `faulty`'s stage fails at its second stage call."""
+    from tokpipe_compiler.generate import tiny_dit_pipeline
+    from tokpipe_compiler.programs.distributed import DistributedProgram
+
+    pipe = tiny_dit_pipeline()
+    tp.parallelize(pipe, stages=world, **OPTIONS)
+
+    def call():
+        return pipe(class_labels=[1], output_type="latent", num_inference_steps=RING_STEPS,
+                    generator=torch.Generator().manual_seed(0))
+
+    call()
+    if rank == faulty:
+        inject(DistributedProgram, fault, after=1)
+    dist.barrier()
+    timed(call)
+
+
+def test_a_stall_in_a_parallelized_ring_is_named_as_the_wait_that_timed_out():
+    """The pipeline's leave, which the failed group cannot carry, used to take the place of
+    the timeout's error (`cannot exchange the fingerprint of a peer's leaving`) and hide
+    what was waited for and the advice."""
+    errors, _ = run_fault(pipeline_rank, 2, 1, "stalls")
+    check_bounded(errors, 1, 2, "stalls")
+    message = errors[0][0]
+    assert "a peer's leaving" not in message and "Check that rank 1 is alive" in message
