@@ -33,7 +33,6 @@ from tokpipe_compiler.runtime.run_stops import (
     DeferredInterrupts,
     RunStops,
     peer_stopped,
-    told,
 )
 from tokpipe_compiler.runtime.schedule import COMPUTE, RECV, SEND, Action
 from tokpipe_compiler.runtime.stage_feeds import StageFeeds
@@ -186,8 +185,7 @@ class Executor:
             # The failed step's tensors (what an out-of-memory left) go before the hollow
             # run allocates; the traceback keeps its lines.
             traceback.clear_frames(error.__traceback__)
-            stops.say(self.run_number, self.rank, error)
-            told(error)
+            stops.stop(self.run_number, self.rank, error)
             self.stopped = error
 
     def _step_ends(self, stops: RunStops | None, step: int, last_step: int) -> None:

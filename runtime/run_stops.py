@@ -52,13 +52,15 @@ class RunStops:
         self.runs += 1
         return self.runs
 
-    def say(self, run: int, rank: int, error: BaseException) -> None:
-        """Rank `rank` stops run `run`, `error` raised on it. A store out of reach (its
-        host, rank 0, gone) leaves the peers to their transport's errors."""
+    def stop(self, run: int, rank: int, error: BaseException) -> None:
+        """Rank `rank` stops run `run`, `error` raised on it: said in the store, and noted
+        on `error` (`told`). A store out of reach (its host, rank 0, gone) leaves the peers
+        to their transport's errors."""
         store = self._store()
         if store is not None:
             with contextlib.suppress(RuntimeError, dist.DistError):
                 store.set(f"{_PREFIX}{run}", f"rank {rank}: {_said(error)}")
+        told(error)
 
     def seen(self, run: int) -> str | None:
         """Who stopped run `run` and why (None: nobody has)."""

@@ -13,7 +13,6 @@ from tokpipe_compiler.runtime.run_stops import (
     DeferredInterrupts,
     RunStops,
     peer_stopped,
-    told,
 )
 from tokpipe_compiler.runtime.transport import TensorSpec
 
@@ -47,8 +46,7 @@ class RunEnds:
             return
         held.pending = False
         self.stopped = KeyboardInterrupt()
-        stops.say(self.run_number, self.rank, self.stopped)
-        told(self.stopped)
+        stops.stop(self.run_number, self.rank, self.stopped)
 
     def _stop_seen(self) -> BaseException | None:
         """What stopped this run on every rank: this rank's error, or a peer's, looked for
