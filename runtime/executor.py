@@ -119,16 +119,19 @@ class Executor:
 
     def run(self, actions: Sequence[Action], chunks: Sequence[Chunk],
             env_for: Callable[[int], dict], visible: Callable[[Chunk], int],
-            step_base: int = 0) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+            step_base: int = 0, stopped: BaseException | None = None,
+            ) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
         """Returns, per (step, chunk), the values this rank computed or received for the
         last two steps (earlier steps' are dropped as the run goes).
 
         `step_base` numbers this run's messages (with each action's own step) so that
         messages of different calls never match, and its timeline events and profiler ranges
-        so that steps count across calls.
+        so that steps count across calls. `stopped`: an error raised on this rank between
+        runs, which stops this one from its start on every rank (raised at once where the
+        peers cannot be told).
         """
         try:
-            return self._run(actions, chunks, env_for, visible, step_base)
+            return self._run(actions, chunks, env_for, visible, step_base, stopped)
         finally:
             # The run's per-call values (weights among them) are not kept past it: a weight
             # held here would keep its model's programs alive after the model is gone.
@@ -136,7 +139,8 @@ class Executor:
 
     def _run(self, actions: Sequence[Action], chunks: Sequence[Chunk],
              env_for: Callable[[int], dict], visible: Callable[[Chunk], int],
-             step_base: int) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+             step_base: int, stopped: BaseException | None,
+             ) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
         values: dict[tuple[int, int], dict[str, torch.Tensor]] = defaultdict(dict)
         # Checked once per run: range names are built only while a profiler is running.
         profiling = _profiler_enabled()
@@ -149,6 +153,11 @@ class Executor:
         last_step = max((a.step for a in actions), default=0)
         stops = None if exchanging_now() else getattr(self.transport, "stops", None)
         self.stopped, self.run_number = None, stops.begin() if stops is not None else 0
+        if stopped is not None:
+            if stops is None:
+                raise stopped
+            stops.stop(self.run_number, self.rank, stopped)
+            self.stopped = stopped
         for index, action in enumerate(actions):
             if receives.due(action.step):
                 with self._range(profiling, posting):

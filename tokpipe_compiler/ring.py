@@ -110,7 +110,7 @@ class Ring:
             if progress is not None:
                 progress(k)
             if each_step is not None:
-                each_step(k, values[self.carry[0]])
+                _see_warmup_step(program, each_step, k, values[self.carry[0]], k + 1 == steps)
         if steps > warmup:
             step_args = [self._args(values, per_step, k) for k in range(warmup, steps)]
             first_output = program.plan.graphs.outputs[0].source  # carry[0]'s next value
@@ -217,6 +217,18 @@ class Ring:
 
     def _carried_values(self, outputs: tuple) -> dict[str, Any]:
         return dict(zip(self.carry, outputs, strict=False))
+
+
+def _see_warmup_step(program, each_step: Callable[[int, torch.Tensor], None], k: int,
+                     value: torch.Tensor, last: bool) -> None:
+    """`each_step(k, value)`; an error it raises on this rank before the last step stops
+    the next step's run on every rank, where it is raised (the peers, gone on into that
+    run, would wait `timeout` for this rank's messages, then lose the group)."""
+    try:
+        each_step(k, value)
+    except BaseException as error:
+        if last or not program.stop_next_run(error):
+            raise
 
 
 def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:

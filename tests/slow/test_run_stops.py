@@ -172,13 +172,14 @@ def test_a_step_callback_on_one_rank_only():
     assert torch.equal(image, other)
 
 
-def ring_watch_raising_on_rank_0(rank: int, world: int) -> list[str]:
-    """A Ring whose `each_step` raises on rank 0, which sees the steps after the run (rank
-    1 computes them), then clean runs: each run's outcome per rank."""
+def ring_watch_raising_on_rank_0(rank: int, world: int, in_warmup: bool) -> list[str]:
+    """A Ring whose `each_step` raises on rank 0 at a warmup step (seen on each rank as its
+    call returns) or a ring step (seen after the run on rank 0: rank 1 computes them), then
+    clean runs: each run's outcome per rank."""
     torch.set_num_threads(1)
 
     def watch(k: int, value: torch.Tensor) -> None:
-        if rank == 0 and k >= OPTIONS["warmup_steps"]:  # a ring step, seen after the run
+        if rank == 0 and (k < OPTIONS["warmup_steps"]) == in_warmup:
             raise ValueError("the callback failed")
 
     loop, first = step_ring(world, **{**OPTIONS, "timeout": 20.0})
@@ -186,20 +187,33 @@ def ring_watch_raising_on_rank_0(rank: int, world: int) -> list[str]:
     clean = loop.run(first, per_step=steps)[0]
     outcomes = []
     for each_step in (watch, None, None):
+        start = time.monotonic()
         try:
             out = loop.run(first, per_step=steps, each_step=each_step)[0]
             outcomes.append("same" if torch.equal(out, clean) else "differs")
         except ValueError as err:
             outcomes.append(str(err))
+        except PeerStopped as err:
+            outcomes.append(f"stopped: {err}")
+        assert time.monotonic() - start < 10, outcomes
     return outcomes
 
 
 def test_a_ring_watch_raising_on_one_rank_leaves_the_step_counts_alike():
     """Rank 0's raise skipped its step count's advance: its next run's messages were
     numbered 4 steps behind rank 1's, and both waited `timeout` (then gloo closed)."""
-    first, second = launch(ring_watch_raising_on_rank_0, 2, timeout=300)
+    first, second = launch(ring_watch_raising_on_rank_0, 2, timeout=300, args=(False,))
     assert first == ["the callback failed", "same", "same"], first
     assert second == ["same", "same", "same"], second
+
+
+def test_a_warmup_step_watch_raising_on_one_rank_stops_the_next_run_on_every_rank():
+    """Raised between two runs, the error left rank 1 waiting in the ring's run for rank
+    0's messages for `timeout`: now rank 0 runs the ring hollow, and both stop it."""
+    first, second = launch(ring_watch_raising_on_rank_0, 2, timeout=300, args=(True,))
+    assert first == ["the callback failed", "same", "same"], first
+    assert second[0].startswith("stopped: rank 0: ValueError: the callback failed"), second
+    assert second[1:] == ["same", "same"], second
 
 
 def per_call_cancel_after_the_run(rank: int, world: int) -> list[tuple[str, float]]:

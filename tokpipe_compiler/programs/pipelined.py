@@ -137,6 +137,7 @@ class PipelinedProgram:
         # what stopped the last run on every rank, and its number (`runtime.run_stops`)
         self.stopped: BaseException | None = None
         self.run_number = 0
+        self._stop_next: BaseException | None = None  # see stop_next_run
         self.interrupts: DeferredInterrupts | None = None  # a Ctrl-C held during a call
         self.timeline = Timeline()
         self.whole = chunk_table(plan.units, 1)
@@ -171,6 +172,16 @@ class PipelinedProgram:
         self.released = Released(held_bytes(self.branches), len(self.branches),
                                  buffers[0].device)
         self.branches.clear()
+
+    def stop_next_run(self, error: BaseException) -> bool:
+        """`error`, raised on this rank between two runs of a generation (a ring's step
+        callback in a warmup step), stops the next run from its start on every rank
+        (`runtime.run_stops`): the peers, gone on into it, are not left waiting for this
+        rank's messages. False where there are no peers to tell: raise it at once."""
+        if getattr(self.transport, "stops", None) is None:
+            return False
+        self._stop_next = error
+        return True
 
     def _new_generation(self) -> None:
         """Every branch's K/V forgotten. Under CUDA graphs the buffers stay (zeroed): the
@@ -298,8 +309,9 @@ class PipelinedProgram:
                             transport=self.transport, timeline=self.timeline, carried=carried,
                             progress=progress, feeds=self.feeds, computed=computed,
                             interrupts=self.interrupts)
-        values = executor.run(actions, chunks, env_for,
-                              self._visible(chunks), step_base=self.calls)
+        stop, self._stop_next = self._stop_next, None
+        values = executor.run(actions, chunks, env_for, self._visible(chunks),
+                              step_base=self.calls, stopped=stop)
         self.stopped, self.run_number = executor.stopped, executor.run_number
         self.peak_values_held = executor.peak_held  # (step, chunk) value sets, at most
         if self.transport is not None:
