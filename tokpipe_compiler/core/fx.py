@@ -142,8 +142,17 @@ def _clean_module_path(path: str) -> str:
     # module's bound method (a ring's step) L['forward'].__self__...: keep the module path.
     path = _HOOKED.sub("", _ROOT.sub("", path))
     path = path.replace("[", ".").replace("]", "").replace("'", "")
-    parts = [p for p in path.split(".") if p and p not in ("__dict__", "_modules")]
+    parts = [p for p in path.split(".") if p and p not in _CONTAINERS]
     return ".".join(parts)
+
+
+_CONTAINERS = ("__dict__", "_modules", "_parameters", "_buffers")
+
+
+def weight_path(node: torch.fx.Node) -> str:
+    """A weight placeholder's path in its model ('blocks.0.attn.qkv.weight'), else its
+    name in the graph."""
+    return _clean_module_path(source_name(node)) or node.name
 
 
 def node_count(gm: torch.fx.GraphModule) -> int:

@@ -20,6 +20,7 @@ from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
 from tokpipe_compiler.programs.pipelined import input_arguments
+from tokpipe_compiler.programs.weight_values import first_differing
 from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as_bytes
 
 FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
@@ -158,10 +159,12 @@ def _public(config: dict[str, Any]) -> dict[str, Any]:
     return {k: canonical(v) for k, v in config.items() if not str(k).startswith("_")}
 
 
-def check_agreement(every: list[dict[str, Any]], when: str) -> None:
-    """Raises if the ranks' fingerprints differ in anything that shapes the messages, or in
-    the token input's values; warns if only other inputs' values differ. `when`: the call
-    they were taken at, for the messages."""
+def check_agreement(every: list[dict[str, Any]], when: str,
+                    parameters: Sequence[str] = ()) -> None:
+    """Raises if the ranks' fingerprints differ in anything that shapes the messages, in
+    the parameters' values or in the token input's; warns if only other inputs' values
+    differ. `when`: the call they were taken at; `parameters`: the names of the parameters
+    in the fingerprint's digests; both for the messages."""
     pipeline = _differences("pipeline", [fp.get("pipeline", {}) for fp in every])
     if pipeline:  # named first: the programs' other differences follow from it
         raise TokpipeError(
@@ -181,6 +184,7 @@ def check_agreement(every: list[dict[str, Any]], when: str) -> None:
             "same model with the same options and call it with inputs of the same shapes "
             "and dtypes" + (", and run as many steps (num_inference_steps)."
                             if _differ(every, STEP_COUNTS) else "."))
+    _check_parameter_values([fp.get("weight values", "") for fp in every], parameters)
     checksums = [fp["checksums"] for fp in every]
     differing = _differing(checksums)
     sums = _differences("checksums", checksums)
@@ -206,6 +210,21 @@ def check_agreement(every: list[dict[str, Any]], when: str) -> None:
              "every rank gets the one output they make: another rank's request where only "
              "its stages read them, a mix of requests where several do): "
              + ", ".join(map(_user_name, differing)))
+
+
+def _check_parameter_values(digests: list[str], parameters: Sequence[str]) -> None:
+    """Raises if the ranks hold other values in the model's parameters (`weight_values`)."""
+    if len(set(digests)) == 1:
+        return
+    first = first_differing(digests)
+    named = (f", {parameters[first]!r} the first of them"
+             if first is not None and first < len(parameters) else "")
+    raise TokpipeError(
+        f"the ranks hold other values in the model's parameters{named}: each rank would run "
+        "its stages with its own, and every rank would get one mixed model's output. Load "
+        "the same weights on every rank: the same checkpoint, or a random initialisation "
+        "seeded alike (torch.manual_seed(seed) before building the model), and the same "
+        "LoRA adapters, fused or set on every rank.")
 
 
 # The step's inputs from the schedule: a ring's timestep, input scale, update coefficients
@@ -316,7 +335,8 @@ def _encode(fp: dict[str, Any]) -> torch.Tensor:
     text = json.dumps(fp)
     if len(text.encode()) > FINGERPRINT_BYTES:
         sums = fp["checksums"]
-        fp = {k: (v if k in ("plan", "weights", "token", "watches", CALL) else _crc(json.dumps(v)))
+        fp = {k: (v if k in ("plan", "weights", "token", "watches", CALL)
+                  else _crc(v) if k == "weight values" else _crc(json.dumps(v)))
               for k, v in fp.items()}
         fp["inputs"] = {"(all, digest)": fp["inputs"]}
         token = fp["token"]

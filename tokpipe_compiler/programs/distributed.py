@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import PeerStopped, TokpipeError
-from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.fx import argument_of, example_value, weight_path
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel import calibrate
@@ -45,6 +45,7 @@ from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, devic
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.run_ends import RunEnds
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
+from tokpipe_compiler.programs.weight_values import WeightValues
 from tokpipe_compiler.runtime.process_group import init_process_group_from_env
 from tokpipe_compiler.runtime.transport import (
     WHOLE,
@@ -105,6 +106,10 @@ class DistributedProgram(RunEnds, PipelinedProgram):
         self.mid_call = False  # inside a call (one that raised stays so)
         self._output_step = 0  # the step whose outputs `_gather` is collecting
         self._looked = False  # whether this run's end looked for a peer's stop
+        placeholders = [n for n in plan.graphs.prelude.graph.nodes if n.op == "placeholder"]
+        self.weight_inputs = [(i, weight_path(n)) for i, n in enumerate(placeholders)
+                              if argument_of(n) is None]
+        self.weight_values = WeightValues()  # compared at each generation's start
 
     def _generation_starts(self, args: tuple) -> None:
         """Every generation's first call, not only the program's: other latents or prompts
@@ -220,6 +225,8 @@ class DistributedProgram(RunEnds, PipelinedProgram):
         mine["plan"].update(plan)
         mine["pipeline"] = pipeline or {}
         mine["watches"] = watches
+        mine["weight values"] = self.weight_values.digest(
+            {name: calls[0][i] for i, name in self.weight_inputs})
         marks = PIPELINE_STEPS.get()
         if marks is not None:  # in a parallelized pipeline's call: its number
             mine[CALL] = marks.call
@@ -231,7 +238,7 @@ class DistributedProgram(RunEnds, PipelinedProgram):
             if not absent_hint:
                 raise
             raise TokpipeError(f"{err} {absent_hint}") from err
-        check_agreement(every, when)
+        check_agreement(every, when, self.weight_values.names)
         return every
 
     def _call_env(self, args: tuple) -> dict:

@@ -1,0 +1,59 @@
+"""Ranks whose model holds other parameter values (initialised at random without one seed
+per process, another checkpoint, a weight changed on one rank only) each ran their stages
+with their own and returned one mixed model's output, silently; now every rank raises at the
+generation's first call, naming the first parameter that differs
+(`programs/weight_values.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import TinyDiT, dit_inputs
+from tokpipe_compiler.runtime.launch import launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.ranks]
+
+OPTIONS = {"chunks": 2, "mode": "sync", "compiler": "eager", "timeout": 20.0}
+
+
+def generations(rank: int, world: int, how: str) -> list[str]:
+    """Two generations of a TinyDiT compiled directly; rank 1's weights differ from the
+    start ("init"), from the second generation ("later", written in place), or never
+    ("alike"). Each generation's outcome on this rank."""
+    torch.set_num_threads(1)
+    torch.manual_seed(rank if how == "init" else 0)
+    model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
+    latents, t, labels = dit_inputs(model, 8)
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "stages": world})
+    outcomes = []
+    for generation in range(2):
+        if how == "later" and generation == 1 and rank == 1:
+            with torch.no_grad():
+                model.blocks[1].mlp[0].weight.mul_(1.001)
+        try:
+            with torch.no_grad():
+                out, eager = compiled(latents, t, labels), model(latents, t, labels)
+            close = (out - eager).abs().max() <= 1e-5 * eager.abs().max()
+            outcomes.append("same as eager" if close else "differs from eager")
+        except tp.TokpipeError as err:
+            outcomes.append(str(err))
+        tp.reset(compiled)
+    return outcomes
+
+
+@pytest.mark.parametrize(("how", "generation", "named"), [
+    ("init", 0, "embed.weight"), ("later", 1, "blocks.1.mlp.0.weight")])
+def test_ranks_with_other_weights_raise_naming_the_first_that_differs(how, generation, named):
+    for outcomes in launch(generations, 2, timeout=120, args=(how,)):
+        assert outcomes[:generation] == ["same as eager"] * generation, outcomes
+        assert outcomes[generation].startswith(
+            f"the ranks hold other values in the model's parameters, {named!r} the first "
+            "of them"), outcomes
+
+
+def test_ranks_with_the_same_weights_run_on():
+    for outcomes in launch(generations, 2, timeout=120, args=("alike",)):
+        assert outcomes == ["same as eager"] * 2, outcomes
