@@ -47,7 +47,7 @@ from tokpipe_compiler.passes import segments
 from tokpipe_compiler.passes.attention_patterns import fold_hand_written_attention
 from tokpipe_compiler.passes.buffer_fills import concatenate_buffer_fills
 from tokpipe_compiler.passes.piecewise_maps import join_piecewise_maps
-from tokpipe_compiler.passes.rule_base import RuleContext, scaled_per_unit, unsupported
+from tokpipe_compiler.passes.rule_base import Rule, RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
 from tokpipe_compiler.passes.slice_updates import functional_slice_adds
 from tokpipe_compiler.passes.split import written_base
@@ -225,16 +225,22 @@ def _apply_rule(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
             or node.target in IN_PLACE):
         return unsupported(f"'{target_name(node)}' of a token tensor gives a non-tensor value")
     info = call_rule("token", rule, node, ctx)  # a crash is a bug in the rule: it raises
-    return _passed_through(node, info, ctx)
+    return _passed_through(node, rule, info, ctx)
 
 
-def _passed_through(node: torch.fx.Node, info: TokenInfo, ctx: RuleContext) -> TokenInfo:
-    """A rule that hands on its input's info unchanged (a linear after a group_norm) hands
-    on its layout, not the input's kind: only the op that mixes tokens is rewritten."""
-    if info.kind in (ATTENTION, TOKEN_SUM) and any(ctx.infos[a] == info
-                                                   for a in node.all_input_nodes):
-        return replace(info, kind=TOKEN)
-    return info
+def _passed_through(node: torch.fx.Node, rule: Rule, info: TokenInfo, ctx: RuleContext
+                    ) -> TokenInfo:
+    """An info of a token-mixing kind is the op's own only where its rule mixes tokens
+    (`mixes_tokens`) and made it anew: handed on from an input (a linear after a group_norm,
+    an attention over tokens on its batch axis), it is the input's layout, not its kind.
+    Judged by the object, not its value: an attention over another's output, a convolution
+    fed by another, have their input's layout and mix tokens all the same."""
+    if info.kind not in (ATTENTION, TOKEN_SUM):
+        return info
+    if getattr(rule, "mixes_tokens", False) and all(ctx.infos[a] is not info
+                                                     for a in node.all_input_nodes):
+        return info
+    return replace(info, kind=TOKEN)
 
 
 def _aligned_with(node: torch.fx.Node, seed: torch.fx.Node) -> bool:

@@ -21,6 +21,7 @@ from tokpipe_compiler.passes.rule_base import (
     Rule,
     RuleContext,
     first_token,
+    mixes_tokens,
     registrar,
     slice_operand,
     source,
@@ -209,6 +210,7 @@ _KEEPDIM_AT = {"norm": 3, "linalg_norm": 3, "linalg_vector_norm": 3, "var": 3, "
 @register(*(f"method:{m}" for m in _REDUCTIONS), torch.sum, torch.mean, torch.amax, torch.amin,
           torch.var, torch.std, torch.logsumexp, torch.norm, torch.linalg.norm,
           torch.linalg.vector_norm)
+@mixes_tokens
 def reduction(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
     ndim = len(node_shape(src))

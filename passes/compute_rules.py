@@ -21,6 +21,7 @@ from tokpipe_compiler.passes.rule_base import (
     Rule,
     RuleContext,
     first_token,
+    mixes_tokens,
     registrar,
     slice_operand,
     source,
@@ -46,6 +47,7 @@ def linear(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 
 @register(operator.matmul, torch.matmul, "method:matmul", torch.bmm, "method:bmm")
+@mixes_tokens
 def matmul(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     a, b = source(node), arg(node, 1, "other")
     ia, ib = _chunked(ctx.info(a)), _chunked(ctx.info(b))
@@ -116,6 +118,7 @@ def layer_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 
 @register(F.group_norm, torch.group_norm)
+@mixes_tokens
 def group_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
     if src is not source(node):
@@ -137,6 +140,7 @@ def instance_norm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 
 @register(torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d)
+@mixes_tokens
 def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     found = _conv_token_axis(node, ctx)
     if isinstance(found, TokenInfo):
@@ -264,6 +268,7 @@ def embedding(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 
 @register(F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+@mixes_tokens
 def attention(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     args = bound_args(node, SDPA)
     info = _attention(node, args, ctx)

@@ -47,6 +47,16 @@ class RuleContext:
         return [a for a in node.all_input_nodes if self.infos[a].carries_tokens]
 
 
+def mixes_tokens(rule: Rule) -> Rule:
+    """Marks a rule whose op may mix tokens itself (attention through a K/V cache, a sum or
+    a convolution through a cache of partial sums or rows): an ATTENTION or TOKEN_SUM info
+    it makes anew is its op's own, even where it equals its input's (one such op fed
+    straight by another). Such an info from any other rule, or handed on from an input,
+    is the input's layout only (`annotate` makes it TOKEN)."""
+    rule.mixes_tokens = True  # type: ignore[attr-defined]
+    return rule
+
+
 def registrar(table: dict[Any, Rule]) -> Register:
     """A `@register(*op_keys)` decorator that writes into `table`. Two different rules for
     one key in a table is an error (the same rule under aliases of one op is not)."""
