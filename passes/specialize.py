@@ -79,8 +79,9 @@ def _rewrite_token_bounds(node: torch.fx.Node, units: int, segments: bool) -> No
     `x.split([5, 16], 1)`) are literal on the full axis: move them to the chunk's axis."""
     src = arg(node, 0, "input")
     info = src.meta.get(META_KEY, INVARIANT_INFO) if isinstance(src, torch.fx.Node) else None
-    if info is None or not info.carries_tokens or not isinstance(example_value(src), torch.Tensor):
-        return
+    if info is None or not info.carries_tokens or info.axis is None \
+            or not isinstance(example_value(src), torch.Tensor):
+        return  # no token axis: a value summed whole (a sync run's x.sum()), the same each chunk
     full = example_value(src).shape[info.axis]
     key = op_key(node)
     if key in (operator.getitem, operator.setitem):

@@ -59,11 +59,24 @@ def test_sana_in_causal_mode_is_rejected():
         t.program(mode="causal", stages=2, chunks=ZOO[SANA].chunks)
 
 
+class SumOfAll(torch.nn.Module):
+    """Every token shifted by a sum over all elements, a scalar."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h.sum() * 1e-3 + h  # the sum first: an op on the scalar
+
+
 @pytest.mark.parametrize(("model", "argument", "shape", "stages"), [
     (MeanOverTokens(), "x", (1, 8, 16), 1),
     (MeanOverTokens(), "x", (1, 8, 16), 2),
     (SortOverTokens(), "x", (1, 8, 16), 1),  # a tuple (values, indices) that mixes tokens
     (ConvAcrossRows(), "latents", (1, 4, 8, 8), 1),
+    (SumOfAll(), "x", (1, 8, 16), 2),  # a scalar: no token axis left (specialize crashed)
 ])
 def test_small_token_mixers_in_sync_mode_equal_eager(model, argument, shape, stages):
     model = model.eval()

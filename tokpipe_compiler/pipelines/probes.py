@@ -94,10 +94,13 @@ def fake_run_fits(forward: Callable[..., Any], call: dict[str, Any]) -> bool:
 
 
 def _fake_forward(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
-    """`forward(**call)` on fake copies of the call's tensors, fake tensors' logs quiet."""
+    """`forward(**call)` on fake copies of the call's tensors, fake tensors' logs quiet.
+    Code compiled in the model (blocks under diffusers' compile_repeated_blocks) runs
+    eagerly: Inductor's kernels would read fake tensors' storage, which they have none of."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with _quiet(FAKE_TENSOR_LOG), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with _quiet(FAKE_TENSOR_LOG), torch.compiler.set_stance("force_eager"), \
+            FakeTensorMode(allow_non_fake_inputs=True) as mode:
         return forward(**pytree.tree_map_only(torch.Tensor, mode.from_tensor, call))
 
 

@@ -123,8 +123,9 @@ def assert_equivalent(model: torch.nn.Module, args: tuple = (), kwargs: dict | N
         check = _compare(name, call, expected[key], actual)
         report.checks.append(check)
         if not check.passes(rtol):
-            where = _locate(recorder, first, call, rtol)
-            drift = _drift(recorder, first, call) if where is None else None
+            with torch.no_grad():  # the reruns that find where, as the calls ran
+                where = _locate(recorder, first, call, rtol)
+                drift = _drift(recorder, first, call) if where is None else None
             raise NotEquivalent(_message(report, check, where, drift), check, where)
     return report
 
