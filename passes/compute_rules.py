@@ -151,14 +151,21 @@ def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
                                  for i, name in ((3, "stride"), (4, "padding"), (5, "dilation")))
     if kernel == stride and padding == 0 and dilation == 1:  # a patchify convolution
         return replace(info, kind=TOKEN, per_unit=info.per_unit / stride)
-    if stride == 1 and dilation == 1 and kernel == 2 * padding + 1 and info.outer == 1 \
-            and info.per_unit >= 1 and info.per_unit == int(info.per_unit):
+    same = stride == 1 and dilation == 1 and kernel == 2 * padding + 1
+    if same and info.outer == 1 and info.per_unit > 0:
         # rows from either side of a chunk: a halo from a cache of the input (chunk_sums)
         return replace(info, kind=TOKEN_SUM)
+    if same:
+        return unsupported(
+            f"a 'same' convolution (kernel {kernel}, padding {padding}) along a token axis "
+            + ("that joins the grids of several batch rows or frames" if info.outer != 1
+               else "that holds no chunked rows (text segments only)")
+            + ": its halo rows cannot be cut from one grid")
     return unsupported(
         f"convolution with kernel {kernel}, stride {stride}, padding {padding}, dilation "
         f"{dilation} along the token axis reaches across chunk rows (chunked: patchify "
-        "convolutions, kernel == stride, and 'same' ones, kernel 2p+1 with padding p)")
+        "convolutions, kernel == stride, and 'same' ones, stride 1, kernel 2p+1 with padding "
+        "p or padding='same')")
 
 
 def _conv_token_axis(node: torch.fx.Node,
@@ -198,8 +205,13 @@ def conv_transpose(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 def conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list[int]:
     default = 0 if name in ("padding", "output_padding") else 1
     value = arg(node, position, name, default)
-    if isinstance(value, str):
-        return [-1] * dims  # 'same'/'valid' padding strings: treat as unsupported padding
+    if value == "valid":
+        return [0] * dims
+    if value == "same":  # stride 1 (torch's rule): dilation * (kernel - 1) in all, per axis
+        kernels = node_shape(arg(node, 1, "weight"))[2:]
+        dilations = conv_param(node, 5, "dilation", dims)
+        totals = [d * (k - 1) for d, k in zip(dilations, kernels, strict=True)]
+        return [t // 2 if t % 2 == 0 else -1 for t in totals]  # -1: uneven, unsupported
     return list(value) if isinstance(value, (tuple, list)) else [value] * dims
 
 

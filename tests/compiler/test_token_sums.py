@@ -239,3 +239,36 @@ def test_the_plan_counts_what_is_stale_beyond_attention(case, said):
     """print(plan) names the stale token mixers that weigh more on the drift than keys."""
     *_, program, _, _ = setup(case, mode="stale", stages=2)
     assert f"stale beyond attention: {said}" in str(program.plan)
+
+
+class PatchGridConv(nn.Module):
+    """A 3x3 'same' convolution on the token grid after a 2x2 patchify: a grid row is two
+    latent rows (a unit of the grid, once annotate scales it)."""
+
+    def __init__(self, padding: int | str):
+        super().__init__()
+        self.embed = nn.Conv2d(4, 8, 2, stride=2)
+        self.depth = nn.Conv2d(8, 8, 3, padding=padding, groups=8)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        h = self.embed(latents)
+        b, d, rows, cols = h.shape
+        tokens = h.flatten(2).transpose(1, 2)
+        grid = tokens.transpose(1, 2).reshape(b, d, rows, cols)
+        return tokens + self.depth(grid).flatten(2).transpose(1, 2)
+
+
+@pytest.mark.parametrize("padding", [1, "same"])
+def test_a_same_convolution_on_a_patchified_grid_is_chunked(padding):
+    """Refused before, as reaching across chunk rows, though 'same': its rows were half a
+    unit of the latent's until annotate scaled them (and padding='same' read as unknown)."""
+    torch.manual_seed(0)
+    model = PatchGridConv(padding).eval()
+    latents = torch.randn(1, 4, 2 * ROWS, 2 * ROWS)
+    t = trace(model, latents)
+    p = t.program(mode="stale", stages=2, chunks=4, warmup_steps=1, compiler="eager")
+    assert "0 sum(s) over tokens and 1 convolution(s) across rows" in str(p.plan)
+    with torch.no_grad():
+        expected = model(latents)
+        for _ in range(3):  # warmup, then the stale halo rows of the same input: exact
+            assert_rel_close(p(*t.args(latents=latents))[0], expected)
