@@ -100,7 +100,15 @@ def einsum(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     if token_letter not in output:
         return unsupported(f"einsum sums over the token index '{token_letter}'; if it is "
                            f"attention: {FORMS}")
-    return token_info.moved(output.index(token_letter))
+    result = token_info.moved(output.index(token_letter))
+    for spec, operand in zip(letters, operands, strict=True):
+        info = ctx.info(operand)
+        if token_letter in spec and info is not None and not info.carries_tokens:
+            # a per-token table ("bnd,nd->bnd"): each chunk takes its rows of it
+            why = slice_operand(node, operand, spec.index(token_letter), result)
+            if why:
+                return unsupported(f"einsum: {why}")
+    return result
 
 
 # -- normalisation -----------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 repeated to the query heads and a text mask with a row per query (Lumina-Next); an image in
 a video layout of one frame, padded into a batch by pad_sequence (Z-Image); features added
 in place to every frame but the first (WanAnimate's pose); a 1-D sequence patchified by a
-convolution and unpatchified by its transpose (ACE-Step).
+convolution and unpatchified by its transpose (ACE-Step); a per-token table applied by an
+einsum.
 
 Tolerance: float32, max |pipelined - eager| <= 1e-5 * max |eager|.
 """
@@ -216,3 +217,25 @@ def test_a_slice_add_is_rewritten_out_of_place_with_the_same_values():
     targets = [n.target for n in traced.gm.graph.nodes]
     assert operator.setitem not in targets and F.pad in targets
     assert torch.equal(traced.gm(*traced.args())[0], SwappedSliceAdd()(x, y))
+
+
+class EinsumTable(nn.Module):
+    """Tokens scaled by a per-token table through an einsum ("bnd,nd->bnd"), then attention.
+    The chunks ran it on the whole table and failed at the first chunked call."""
+
+    def __init__(self, tokens: int = 16, width: int = 8):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(tokens, width))
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.einsum("bnd,nd->bnd", x, self.table)
+        q, k, v = self.qkv(h).unflatten(-1, (3, 2, -1)).unbind(2)
+        return h + attend(q, k, v)
+
+
+def test_an_einsum_with_a_per_token_table_takes_each_chunks_rows():
+    torch.manual_seed(0)
+    model = EinsumTable().eval()
+    x = torch.randn(1, 16, 8)
+    assert_modes_equal_eager(model, trace(model, x), x, chunks=4)
