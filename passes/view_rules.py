@@ -243,6 +243,11 @@ def pixel_shuffle(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 @register("method:expand", "method:expand_as")
 def expand(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)
+    target = ctx.info(arg(node, 1, "other")) if op_key(node) == "method:expand_as" else None
+    if not info.per_unit and target is not None and target.carries_tokens and target.per_unit:
+        # a value with no chunked range (a mean over the tokens) spread over each of the
+        # chunk's rows: a view shaped as the chunk's token tensor is
+        return target
     if src is not source(node):
         return unsupported("the token tensor gives the target shape of an expand")
     axis = info.axis + len(node_shape(node)) - len(node_shape(src))

@@ -272,3 +272,29 @@ def test_a_same_convolution_on_a_patchified_grid_is_chunked(padding):
         expected = model(latents)
         for _ in range(3):  # warmup, then the stale halo rows of the same input: exact
             assert_rel_close(p(*t.args(latents=latents))[0], expected)
+
+
+class ExpandedContext(nn.Module):
+    """A global context (a mean over tokens) spread over the tokens by expand_as."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.lin, self.ctx = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + self.ctx(h.mean(1, keepdim=True)).expand_as(h)
+
+
+def test_a_mean_over_tokens_expanded_as_the_tokens_is_chunked():
+    """Refused before ("operands carry tokens on different axes or segments"), though the
+    same sum broadcast without expand_as ran."""
+    torch.manual_seed(0)
+    model = ExpandedContext().eval()
+    x = torch.randn(1, ROWS, 16)
+    t = trace(model, x)
+    p = t.program(mode="stale", stages=1, chunks=CHUNKS, warmup_steps=1, compiler="eager")
+    with torch.no_grad():
+        expected = model(x)
+        for _ in range(3):  # warmup, then the stale sums of the same input: exact
+            assert_rel_close(p(*t.args(x=x))[0], expected)
