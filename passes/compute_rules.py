@@ -309,6 +309,8 @@ def _attention(node: torch.fx.Node, args: dict[str, Any], ctx: RuleContext) -> T
         return _cross_attention(node, iq, (k, v))
     if not (iq.carries_tokens and ik.carries_tokens and iv.carries_tokens):
         return unsupported("self-attention whose queries, keys and values differ in token use")
+    # their layouts: queries that another attention's output gives are laid out as keys
+    iq, ik, iv = (replace(i, kind=TOKEN) for i in (iq, ik, iv))
     if len({iq, ik, iv}) == 1 and iq.axis < nd - 2:
         return iq  # tokens on a batch or head axis: each item attends on its own
     if {iq.axis, ik.axis, iv.axis} != {nd - 2}:

@@ -24,7 +24,8 @@ WIDTH, ROWS = 32, 8
 
 class Chained(nn.Module):
     """Rows of an 8x8 latent as tokens: a chain of two token mixers (`how`), then
-    self-attention. `how` "attention twice" runs causal attention over the first's output."""
+    self-attention. `how` "attention twice" runs causal attention over the first's output,
+    "attention as queries" with the first's output as its queries."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -35,7 +36,7 @@ class Chained(nn.Module):
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
         h = self.embed(latents)
-        causal = self.how == "attention twice"
+        causal = self.how.startswith("attention")
         if self.how == "conv -> conv":
             h = h + self.c2(self.c1(h))
         elif self.how == "conv -> group_norm":
@@ -46,14 +47,17 @@ class Chained(nn.Module):
         t = h.flatten(2).transpose(1, 2)
         q, k, v = self.qkv(t).reshape(b, -1, 3, 2, WIDTH // 2).permute(2, 0, 3, 1, 4)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        if causal:
+        if self.how == "attention twice":
             o = F.scaled_dot_product_attention(o, o, o, is_causal=True)
+        elif self.how == "attention as queries":  # was refused: "different granularity"
+            o = F.scaled_dot_product_attention(o, k, v, is_causal=True)
         t = t + self.o(o.transpose(1, 2).reshape(b, -1, WIDTH))
         return self.out(t.transpose(1, 2).reshape(b, WIDTH, rows, cols))
 
 
 @pytest.mark.parametrize(("how", "mode", "caches", "said"), [
     ("attention twice", "causal", 2, None),
+    ("attention as queries", "causal", 2, None),
     ("conv -> conv", "stale", 3, "0 sum(s) over tokens and 2 convolution(s) across rows"),
     ("conv -> group_norm", "stale", 3, "1 sum(s) over tokens and 1 convolution(s) across rows"),
     ("group_norm -> conv", "stale", 3, "1 sum(s) over tokens and 1 convolution(s) across rows"),
