@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.text_chunks
 
 import tokpipe_compiler as tp
+from benchmarks._args import parser_for, positive_int
 from benchmarks.text_chunks import call_of, flux
 from tokpipe_compiler.costmodel import calibrate
 
@@ -57,17 +58,24 @@ def rows(model: torch.nn.Module, stages: int, chunks: int, calls: int, text: int
     return out
 
 
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--stages", type=positive_int, nargs="+", default=[1, 2],
+                        help="stage counts, each a plan")
+    parser.add_argument("--chunks", type=positive_int, nargs="+", default=[2, 4],
+                        help="chunk counts, each a plan")
+    parser.add_argument("--calls", type=positive_int, default=7, help="chunked calls measured")
+    parser.add_argument("--text", type=positive_int, default=512, help="text tokens")
+    parser.add_argument("--side", type=positive_int, default=64,
+                        help="latent grid side (image tokens: (side / 2)^2)")
+    parser.add_argument("--double", type=positive_int, default=2, help="double-stream blocks")
+    parser.add_argument("--single", type=positive_int, default=4, help="single-stream blocks")
+    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads of 128")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--calls", type=int, default=7, help="chunked calls measured")
-    parser.add_argument("--text", type=int, default=512)
-    parser.add_argument("--side", type=int, default=64)
-    parser.add_argument("--double", type=int, default=2)
-    parser.add_argument("--single", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    args = parser.parse_args()
+    args = arguments().parse_args()
     torch.set_num_threads(1)
     model = flux(args.double, args.single, args.heads)
     print("| plan | stage | chunk | image tokens | text | measured ms | predicted ms | ratio |")

@@ -19,8 +19,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._args
+
+from benchmarks._args import one_of, parser_for, positive_int
 
 
 def one_run(name: str, layers: int) -> dict:
@@ -45,13 +50,21 @@ def one_run(name: str, layers: int) -> dict:
     return {"seconds": seconds, "cache": cache}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--name", default="pixart-sigma-xl-2-1024-ms")
-    parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--warm-runs", type=int, default=2)
+def arguments() -> argparse.ArgumentParser:
+    from tokpipe_compiler import released
+
+    parser = parser_for(__doc__)
+    parser.add_argument("--name", type=one_of(released.NAMES, "released config"),
+                        default="pixart-sigma-xl-2-1024-ms", help="the released model")
+    parser.add_argument("--layers", type=positive_int, default=1, help="blocks of each kind")
+    parser.add_argument("--warm-runs", type=positive_int, default=2,
+                        help="runs after the cold one, each with the cache it filled")
     parser.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     if args.one_run:
         print(json.dumps(one_run(args.name, args.layers)))
         return

@@ -41,11 +41,11 @@ from tokpipe_compiler.programs.pipelined import PipelinedProgram
 from tokpipe_compiler.runtime.chunking import chunk_table
 from tokpipe_compiler.runtime.launch import launch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.fixtures
-from cpu_pipeline import FULL as DIT_FULL  # the same DiT as the pipeline benchmark
-from cpu_pipeline import QUICK as DIT_QUICK
-from cpu_pipeline import dit_model
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures, benchmarks
+from benchmarks._args import parser_for, positive_int
+from benchmarks.cpu_pipeline import FULL as DIT_FULL  # the same DiT as the pipeline benchmark
+from benchmarks.cpu_pipeline import QUICK as DIT_QUICK
+from benchmarks.cpu_pipeline import dit_model
 from tests.fixtures.models import TinyCausalLM
 
 LM_FULL = {"tokens": 4096, "width": 256, "layers": 4}
@@ -191,16 +191,21 @@ def causal_auto(shape: dict, runs: int) -> None:
     print(f'  chunks="auto": {len(lengths)} chunks {lengths}: 2 ranks {seconds * 1e3:7.1f} ms')
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="small models, to check the script runs: their chunks take "
                              "microseconds, where per-op overhead and timer noise dominate, "
                              "so their errors are not comparable to the full run's")
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[3, 4],
+    parser.add_argument("--runs", type=positive_int, default=5,
+                        help="measurements each median is taken over")
+    parser.add_argument("--chunks", type=positive_int, nargs="+", default=[3, 4],
                         help="chunk counts of (b)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     torch.set_num_threads(1)
     rates = calibrate.load_or_measure("cpu", threads=1)
     if args.quick:

@@ -1,6 +1,7 @@
 """Serial and pipelined DiT generation on this CPU, every competitor in one run.
 
-    python benchmarks/cpu_pipeline.py [--steps 20] [--chunks 2 4 8] [--quick]
+    python benchmarks/cpu_pipeline.py [--steps 20] [--chunks 2 4 8 auto] [--quick]
+        [--compiler inductor]
 
 Model: DiT-S/2 sized DiTTransformer2DModel (12 layers, hidden 384, 6 heads, patch 2, 64x64
 latent = 1024 tokens), seeded random weights, DDIM, 1 warmup step. Competitors: serial eager
@@ -9,18 +10,24 @@ and ring mode, for each chunk count, its stages compiled by Inductor (or --compi
 Compilation happens before timing, for every competitor. Prints each time, its speedup
 over serial eager on 1 thread, the ideal speedup S / (W + (S-W)/N * (1 + (N-1)/(M*(S-W))))
 and the ratio to it, and for ring mode where each rank's time went (compute, waiting on
-receives, sending).
+receives, sending). Each row is printed as it finishes, the table once all have: the
+defaults run for up to ten minutes on two cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._args
+
 import tokpipe_compiler as tp
+from benchmarks._args import at_least, chunk_count, parser_for
 from tokpipe_compiler.pipelines.schedulers import step_table, update
 from tokpipe_compiler.runtime.launch import launch
 
@@ -123,22 +130,29 @@ def ideal(steps: int, ranks: int, chunks: int) -> float:
     return steps / (WARMUP + rest / ranks * (1 + (ranks - 1) / (chunks * rest)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--chunks", nargs="+", default=["2", "4", "8", "auto"],
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--steps", type=at_least(WARMUP + 1), default=20,
+                        help=f"denoising steps, {WARMUP} of them warmup")
+    parser.add_argument("--chunks", type=chunk_count, nargs="+", default=[2, 4, 8, "auto"],
                         help="chunk counts, or auto (the cost model chooses)")
     parser.add_argument("--quick", action="store_true", help="a small model, for a smoke run")
     parser.add_argument("--compiler", choices=["inductor", "eager"], default="inductor",
                         help="how tokpipe compiles its stages (untimed: compiled before timing)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     shape = QUICK if args.quick else FULL
     print(f"model {shape}, {args.steps} steps, warmup {WARMUP}, {RANKS} ranks x 1 thread, "
-          f"tokpipe stages: {args.compiler}")
-    rows = [("serial eager, 1 thread", serial(shape, args.steps, 1, False), None, None),
-            ("serial eager, 2 threads", serial(shape, args.steps, 2, False), None, None),
-            ("serial inductor, 2 threads", serial(shape, args.steps, 2, True), None, None)]
-    for chunks in (c if c == "auto" else int(c) for c in args.chunks):
+          f"tokpipe stages: {args.compiler}", flush=True)
+    rows: list[tuple[str, float, float | None, list | None]] = []
+    for label, threads, inductor in (("serial eager, 1 thread", 1, False),
+                                     ("serial eager, 2 threads", 2, False),
+                                     ("serial inductor, 2 threads", 2, True)):
+        finished(rows, (label, serial(shape, args.steps, threads, inductor), None, None))
+    for chunks in args.chunks:
         for ring in (False, True):
             results = launch(pipelined, RANKS, timeout=3600,
                              args=(shape, args.steps, chunks, ring, args.compiler))
@@ -146,28 +160,37 @@ def main() -> None:
             label = f"tokpipe {'ring' if ring else 'per-call'}, chunks {chunks}"
             used = results[0]["chunks"]
             label += f" ({used})" if chunks == "auto" else ""
-            rows.append((label, seconds, ideal(args.steps, RANKS, used),
-                         [r["breakdown"] for r in results]))
+            finished(rows, (label, seconds, ideal(args.steps, RANKS, used),
+                            [r["breakdown"] for r in results]))
     report(rows)
+
+
+def finished(rows: list, row: tuple) -> None:
+    """Keep a finished run's row and print it now: a run cut short still shows its rows."""
+    rows.append(row)
+    label, seconds = row[0], row[1]
+    print(f"{label}: {seconds:.2f} s, {rows[0][1] / seconds:.2f}x over serial eager on 1 "
+          "thread", flush=True)
 
 
 def report(rows: list) -> None:
     base = rows[0][1]
     fastest_serial = min(r[1] for r in rows[:3])
-    print(f"\n{'run':<30} {'time s':>8} {'speedup':>8} {'vs best':>9} {'ideal':>6} "
+    width = max(len(r[0]) for r in rows)  # "tokpipe per-call, chunks auto (8)" and longer
+    print(f"\n{'run':<{width}} {'time s':>8} {'speedup':>8} {'vs best':>9} {'ideal':>6} "
           f"{'of ideal':>8}")
     for label, seconds, bound, _ in rows:  # speedup over serial eager 1 thread, and over
         speedup = base / seconds              # the fastest serial run ("vs best")
         extra = f"{bound:>6.2f} {speedup / bound:>8.0%}" if bound else ""
-        print(f"{label:<30} {seconds:>8.2f} {speedup:>7.2f}x {fastest_serial / seconds:>8.2f}x "
-              f"{extra}")
+        print(f"{label:<{width}} {seconds:>8.2f} {speedup:>7.2f}x "
+              f"{fastest_serial / seconds:>8.2f}x {extra}")
     print("\nwhere ring-mode time went, per rank (s): compute / waiting on receives / sending;"
           " median compute per chunk")
     for label, _, _, parts in rows:
         if parts and parts[0]:
             shown = "  ".join(f"r{i}: {p['compute']:.2f}/{p['recv']:.2f}/{p['send']:.3f} "
                               f"({p['per_chunk_ms']:.1f} ms)" for i, p in enumerate(parts))
-            print(f"{label:<30} {shown}")
+            print(f"{label:<{width}} {shown}")
 
 
 if __name__ == "__main__":

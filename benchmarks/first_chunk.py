@@ -36,6 +36,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.text_chunks
 
 import tokpipe_compiler as tp
+from benchmarks._args import at_least, parser_for, positive_int
 from benchmarks.text_chunks import CHANNELS, POOLED, T5, flux
 from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.costmodel.chunk_choice import lighter_first
@@ -121,17 +122,24 @@ def ring_rank(rank: int, world: int, args: argparse.Namespace, tables: list) -> 
             for ring, spent, out in zip(rings, times, outs, strict=True)]
 
 
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--text", type=positive_int, default=512, help="text tokens")
+    parser.add_argument("--side", type=positive_int, default=64,
+                        help="latent grid side (image tokens: (side / 2)^2)")
+    parser.add_argument("--chunks", type=positive_int, nargs="+", default=[2, 4],
+                        help="chunk counts, each with an even and a lighter-first table")
+    parser.add_argument("--steps", type=at_least(WARMUP + 1), default=8,
+                        help=f"FlowMatch Euler steps, {WARMUP} of them warmup")
+    parser.add_argument("--double", type=positive_int, default=2, help="double-stream blocks")
+    parser.add_argument("--single", type=positive_int, default=4, help="single-stream blocks")
+    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads of 128")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="timed rings per table")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--text", type=int, default=512)
-    parser.add_argument("--side", type=int, default=64)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--double", type=int, default=2)
-    parser.add_argument("--single", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3, help="timed rings per table")
-    args = parser.parse_args()
+    args = arguments().parse_args()
     torch.set_num_threads(1)
     base = statistics.median(serial(args)[0] for _ in range(args.rounds))
     rows: list[tuple[str, float, str, float | None]] = [("serial", base, "", None)]

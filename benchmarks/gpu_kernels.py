@@ -20,10 +20,15 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._args
+
+from benchmarks._args import parser_for
 
 BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}  # atol = rtol, against float64
@@ -196,10 +201,14 @@ def bench_cases(quick: bool) -> list[Case]:
     ]  # fmt: skip
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions")
-    quick = parser.parse_args().quick
+    return parser
+
+
+def main() -> int:
+    quick = arguments().parse_args().quick
     if not torch.cuda.is_available():
         print("gpu_kernels: no CUDA device; nothing to check or time.")
         return 0

@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tokpipe_compiler as tp
+from benchmarks._args import at_least, chunk_count, parser_for, positive_int
 from tokpipe_compiler import released
 
 
@@ -104,18 +105,24 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="pixart-alpha-xl-2-1024-ms", choices=released.NAMES)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--grid", type=int, nargs="+", default=[128, 128])
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--model", default="pixart-alpha-xl-2-1024-ms", choices=released.NAMES,
+                        metavar="NAME", help=f"the released model, of {', '.join(released.NAMES)}")
+    parser.add_argument("--layers", type=positive_int, default=4, help="blocks of each kind")
+    parser.add_argument("--grid", type=positive_int, nargs="+", default=[128, 128],
+                        help="the latent grid, H W or F H W")
     parser.add_argument("--chunks", type=chunk_count, nargs="+", default=[2, 4, 8],
                         help='chunk counts; "auto": chosen at the rates measured here')
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6, help="timed calls per competitor")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument("--stages", type=positive_int, default=2,
+                        help="pipeline stages, all on the one device")
+    parser.add_argument("--steps", type=at_least(2), default=6,
+                        help="timed calls per competitor (the first is not counted)")
+    parser.add_argument("--device", default="cuda", help="the torch device")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                        help="the model's dtype")
+    parser.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
+                        help="how tokpipe compiles its stages")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="each chunk count also with the cuda_graphs option")
     parser.add_argument("--attention", nargs="+", default=["sdpa"], choices=["sdpa", "triton"],
@@ -129,6 +136,11 @@ def main() -> None:
                              "only at its end), not each step between two waits")
     parser.add_argument("--profile", action="store_true",
                         help="the GPU's busy time a step of each compiled row")
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
     if args.profile and not args.device.startswith("cuda"):
         parser.error("--profile times kernels on a CUDA device: pass --device cuda")
@@ -166,10 +178,6 @@ def main() -> None:
     print(f"\n{'run':<54} {'ms/step':>9} {'vs eager':>9} {'vs inductor':>11}  notes")
     for label, ms, note in rows:
         print(f"{label:<54} {ms:>9.2f} {eager_ms / ms:>8.2f}x {rows[1][1] / ms:>10.2f}x  {note}")
-
-
-def chunk_count(text: str) -> int | str:
-    return text if text == "auto" else int(text)
 
 
 def report(rows: list, new_rows: list[tuple[str, float, str]]) -> None:
