@@ -8,11 +8,24 @@ import argparse
 from collections.abc import Callable, Iterable
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends each option's text with its default as it would be typed ("2 4 8", not
+    "[2, 4, 8]"), where it has one: not None, not a flag's False."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if not action.help or default is None or default is False \
+                or default is argparse.SUPPRESS:
+            return action.help
+        shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else default
+        return f"{action.help} (default: {str(shown).replace('%', '%%')})"
+
+
 def parser_for(doc: str) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of a script's docstring, whole."""
     first = doc.strip().split("\n\n")[0]
     return argparse.ArgumentParser(description=" ".join(first.split()),
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                   formatter_class=DefaultsFormatter)
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._args
+
+from benchmarks._args import parser_for, positive_int
 from tokpipe_compiler.costmodel.calibrate import GEMM_TILE
 from tokpipe_compiler.costmodel.hardware import DEVICES
 from tokpipe_compiler.costmodel.symbolic import ATTENTION_HEAD_STEP, padded_head
@@ -128,15 +133,25 @@ def attention_chunks(args: argparse.Namespace, dtype: torch.dtype) -> None:
                   f"{graphed:>8.1f} {graphed / (expected / 1e12):>8.2f}x", flush=True)
 
 
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--device", default="cuda", help="the torch device (cpu: a smoke run)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                        help="the operands' dtype (float32 on a CPU)")
+    parser.add_argument("--widths", type=positive_int, nargs="+", default=[1152, 3072],
+                        help="model widths C of the matmul rows")
+    parser.add_argument("--rows", type=positive_int, nargs="+",
+                        default=[512, 1024, 2048, 4096, 8192],
+                        help="row counts m (tokens x batch) of the matmul rows")
+    parser.add_argument("--chunks", type=positive_int, nargs="+", default=[1, 2, 4, 8],
+                        help="chunk counts M of the attention rows (n = L / M queries)")
+    parser.add_argument("--reps", type=positive_int, default=20,
+                        help="timed calls a shape (the median)")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--widths", type=int, nargs="+", default=[1152, 3072])
-    parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--reps", type=int, default=20)
-    args = parser.parse_args()
+    args = arguments().parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("gpu_rates: no CUDA device here; pass --device cpu for a smoke run")
     dtype = getattr(torch, args.dtype)

@@ -25,12 +25,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._args
+
 import tokpipe_compiler as tp
+from benchmarks._args import parser_for, positive_int
 
 HEADS, HEAD_DIM, SIDE, TEXT, BATCH = 2, 8, 16, 8, 2
 
@@ -103,15 +108,22 @@ def tokpipe_call(model: torch.nn.Module, stages: int, chunks: int, compiler: str
     return call, stage_clock, prelude_clock
 
 
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--layers", type=positive_int, default=28, help="PixArt-alpha blocks")
+    parser.add_argument("--stages", type=positive_int, default=2, help="tokpipe stages S")
+    parser.add_argument("--chunks", type=positive_int, nargs="+", default=[1, 2, 4],
+                        help="chunk counts M, each a tokpipe row")
+    parser.add_argument("--compiler", default="inductor", choices=["eager", "inductor"],
+                        help="how tokpipe compiles its stages")
+    parser.add_argument("--rounds", type=positive_int, default=10,
+                        help="interleaved timing rounds")
+    parser.add_argument("--reps", type=positive_int, default=5, help="steps per call and round")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--compiler", default="inductor", choices=["eager", "inductor"])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=5, help="steps per call and round")
-    args = parser.parse_args()
+    args = arguments().parse_args()
     torch.set_num_threads(1)
     model = pixart(args.layers)
     torch._dynamo.reset()

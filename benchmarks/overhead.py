@@ -28,14 +28,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._args
+
 import tokpipe_compiler as tp
+from benchmarks._args import parser_for, positive_int
 from tokpipe_compiler.runtime.kv_attention import _kv_attention as kv_attention_kernel
 
 HIDDEN_HEADS, HEAD_DIM = 6, 64
@@ -183,18 +188,26 @@ def report(rows: list[Row], args) -> None:
               f"{p['writes']:>7.2f} {p['dispatch']:>8.2f} {p['executor']:>8.2f} {p['sends']:>6.2f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[256, 1024],
+                        help="token counts, each a set of rows")
+    parser.add_argument("--chunks", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16],
+                        help="chunk counts M")
+    parser.add_argument("--layers", type=positive_int, default=4, help="DiT blocks in the stage")
+    parser.add_argument("--reps", type=positive_int, default=9, help="timed steps (the median)")
+    parser.add_argument("--device", default="cpu", help="the torch device")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the model's dtype")
+    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"],
+                        help="how tokpipe compiles the stage")
+    parser.add_argument("--threads", type=positive_int, default=1, help="CPU threads")
     parser.add_argument("--cuda-graphs", action="store_true", help="the cuda_graphs option")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     torch.set_num_threads(args.threads)
     rows = []
     for tokens in args.tokens:

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures, benchmarks._args
 
 import tokpipe_compiler as tp
+from benchmarks._args import parser_for, positive_int
 from tests.fixtures.pipelines import generate
 from tests.fixtures.released_pipelines import RELEASED
 from tokpipe_compiler.inspection.memory import memory_report
@@ -53,12 +54,18 @@ def run(name: str, parallel: bool, steps: int) -> tuple[str, str]:
     return held, during
 
 
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--model", default="wan2.1-1.3b", choices=sorted(RELEASED),
+                        help="the released-width fixture")
+    parser.add_argument("--pipelines", type=positive_int, default=4,
+                        help="pipelines built, run and dropped, serial and then ring")
+    parser.add_argument("--steps", type=positive_int, default=3, help="steps a generation")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="wan2.1-1.3b", choices=sorted(RELEASED))
-    parser.add_argument("--pipelines", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
+    args = arguments().parse_args()
     torch.set_num_threads(1)
     start = resident()
     print(f"{args.model}, one block, in one process; resident set over the start "

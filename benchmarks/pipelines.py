@@ -23,15 +23,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._args
+
 import tokpipe_compiler as tp
+from benchmarks._args import parser_for, positive_int
 from tokpipe_compiler.runtime.launch import launch
 
 RANKS = 2
+COMPETITORS = ("per call", "ring", "cfg", "hybrid")  # the keys of `competitors`, in order
 
 
 def dit_pipeline(layers: int) -> Any:
@@ -87,17 +93,26 @@ def competitors(args: argparse.Namespace) -> dict[str, tuple[int, dict[str, Any]
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--chunks", type=int, default=2)
-    parser.add_argument("--mode", default="stale", choices=("stale", "sync"))
-    parser.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
-    parser.add_argument("--only", nargs="*", help="run these competitors only")
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--steps", type=positive_int, default=20, help="DDIM steps")
+    parser.add_argument("--layers", type=positive_int, default=6, help="transformer blocks")
+    parser.add_argument("--chunks", type=positive_int, default=2,
+                        help="chunks of the staged competitors")
+    parser.add_argument("--mode", default="stale", choices=("stale", "sync"),
+                        help="the staged competitors' mode")
+    parser.add_argument("--compiler", default="eager", choices=("eager", "inductor"),
+                        help="how tokpipe compiles its stages")
+    parser.add_argument("--only", nargs="+", choices=COMPETITORS, metavar="COMPETITOR",
+                        help="run these competitors only (after serial), of "
+                             f"{', '.join(map(repr, COMPETITORS))}")
     parser.add_argument("--hybrid", action="store_true",
                         help="run the 4-rank hybrid even with fewer cores than ranks")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     print(f"DiTPipeline, DiT-S/2 width, {args.layers} layers, 1024 tokens, batch 2 (guidance),"
           f" {args.steps} steps, {args.mode} mode, {args.chunks} chunks, "
           f"{args.compiler} stages", flush=True)

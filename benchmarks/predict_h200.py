@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._args import one_of, parser_for, positive_int  # noqa: E402
 from tokpipe_compiler import released  # noqa: E402
 from tokpipe_compiler.core.errors import TokpipeError  # noqa: E402
 from tokpipe_compiler.costmodel.hardware import LINKS, DeviceModel  # noqa: E402
@@ -135,13 +136,20 @@ def _first_line(err: Exception) -> str:
     return str(err).strip().splitlines()[0].replace("|", "/")[:100]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help=f"configs (default: all): {released.NAMES}")
-    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("names", nargs="*", type=one_of(released.NAMES, "released config"),
+                        metavar="NAME",
+                        help=f"configs (default: all): {', '.join(released.NAMES)}")
+    parser.add_argument("--stages", type=positive_int, nargs="+", default=[2, 4, 8],
+                        help="GPU counts, one stage each")
     parser.add_argument("--host", nargs="+", choices=list(HOSTS), default=["launches", "graphs"],
                         help="the host's time per call each prediction assumes")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
     device = target_device("h200")
     log(f"h200: {device.matmul_flops / 1e12:.0f} TFLOP/s in full waves of GEMM tiles over "
         f"{device.sms} SMs, attention {device.rates().attention_flops / 1e12:.0f} TFLOP/s "

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._args import parser_for, positive_int
 from tokpipe_compiler.runtime.launch import launch
 
 
@@ -39,13 +40,18 @@ def timed(fn, ranks: int, start: str) -> float:
     return time.perf_counter() - begin
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--launches", type=int, default=5)
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--ranks", type=positive_int, default=2, help="ranks a launch")
+    parser.add_argument("--launches", type=positive_int, default=5,
+                        help="timed launches each way (the median)")
     parser.add_argument("--diffusers", action="store_true",
                         help="ranks build a diffusers model (the launcher imports diffusers)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     fn = returns
     if args.diffusers:
         import diffusers  # noqa: F401  (the server then preloads diffusers' models)

@@ -8,7 +8,9 @@
 2. Per-call mode: --generations generations of 3 steps in a row through one compiled
    model (each generation starts by itself when the timestep rises); each rank's peak
    RSS every tenth of the way.
-3. No process of the run is left once it returns.
+3. No process of the run is left once it returns: no child of this process, and no rank
+   forked from the warm forkserver `launch` keeps (the server itself serves later launches
+   and ends with this process, as multiprocessing's resource tracker does).
 A tiny DiT with eager stages keeps it to a few minutes on two cores.
 """
 
@@ -23,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures, in every rank
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests, benchmarks: in ranks too
 
 import tokpipe_compiler as tp
+from benchmarks._args import parser_for, positive_int
 from tokpipe_compiler.runtime.launch import launch
 
 OPTIONS = {"stages": 2, "chunks": 4, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
@@ -70,10 +73,9 @@ def soak_rank(rank: int, world: int, ring_steps: list[int], generations: int) ->
     return {"ring": ring_rows, "generations": gen_rows}
 
 
-def leftover_children() -> list[str]:
-    """Command lines of live processes whose parent is this one, multiprocessing's own
-    resource tracker (one per parent, shared by every spawn) left out."""
-    me, children = os.getpid(), []
+def live_processes() -> list[tuple[int, int, str]]:
+    """(pid, parent pid, command line) of every live process, zombies left out."""
+    found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -82,16 +84,34 @@ def leftover_children() -> list[str]:
                 command = f.read().replace("\0", " ").strip()
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z" and "resource_tracker" not in command:
-            children.append(f"{pid}: {command[:120]}")
-    return children
+        if fields[0] != "Z":
+            found.append((int(pid), int(fields[1]), command))
+    return found
+
+
+def leftover_processes() -> list[str]:
+    """Command lines of live processes this one started and left: its children, and the
+    forkserver's children (forked ranks). Left out: multiprocessing's resource tracker and
+    the forkserver, one each per launching process, shared by every launch."""
+    me, live = os.getpid(), live_processes()
+    servers = {pid for pid, parent, command in live
+               if parent == me and "multiprocessing.forkserver" in command}
+    return [f"{pid}: {command[:120]}" for pid, parent, command in live
+            if parent in servers or (parent == me and pid not in servers
+                                     and "resource_tracker" not in command)]
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--ring-steps", type=positive_int, nargs="+", default=[25, 50, 100, 200],
+                        help="steps of each ring run, one run after another")
+    parser.add_argument("--generations", type=positive_int, default=100,
+                        help="per-call generations of 3 steps")
+    return parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ring-steps", type=int, nargs="+", default=[25, 50, 100, 200])
-    parser.add_argument("--generations", type=int, default=100)
-    args = parser.parse_args()
+    args = arguments().parse_args()
     results = launch(soak_rank, 2, args=(args.ring_steps, args.generations), timeout=3600)
     print("ring mode: peak RSS (MB) per rank after each run, sends still held")
     for i, steps in enumerate(args.ring_steps):
@@ -110,7 +130,7 @@ def main() -> None:
         print(f"rank {r}: ring peak grew {100 * (last / first - 1):+.1f}% from "
               f"{args.ring_steps[0]} to {args.ring_steps[-1]} steps; generations "
               f"{100 * (gen_last / gen_first - 1):+.1f}% from the first tenth to the end")
-    left = leftover_children() + [str(p.pid) for p in multiprocessing.active_children()]
+    left = leftover_processes() + [str(p.pid) for p in multiprocessing.active_children()]
     print(f"processes left after the run: {len(left)}", *left, sep="\n  ")
 
 

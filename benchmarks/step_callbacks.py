@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._args
+
+from benchmarks._args import one_of, parser_for, positive_float, positive_int
 
 DEFAULT_NAMES = ["flux1-dev", "wan2.1-t2v-1.3b"]
 GRIDS = {"flux1-dev": (32, 32), "wan2.1-t2v-1.3b": (2, 32, 32)}
@@ -79,19 +85,31 @@ def _rank(rank: int, world: int, names: list[str], args: argparse.Namespace) -> 
     return results
 
 
+def arguments() -> argparse.ArgumentParser:
+    from tokpipe_compiler import released
+
+    parser = parser_for(__doc__)
+    parser.add_argument("--names", nargs="+", type=one_of(released.NAMES, "released config"),
+                        default=DEFAULT_NAMES, metavar="NAME",
+                        help=f"released models, of {', '.join(released.NAMES)}")
+    parser.add_argument("--steps", type=positive_int, default=8, help="steps a generation")
+    parser.add_argument("--layers", type=positive_int, default=1, help="blocks of each kind")
+    parser.add_argument("--chunks", type=positive_int, default=2, help="chunks a stage (2 stages)")
+    parser.add_argument("--mode", default="stale", choices=["stale", "sync"],
+                        help="the pipelined mode")
+    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"],
+                        help="how tokpipe compiles its stages")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="timed generations of each variant (the median)")
+    parser.add_argument("--timeout", type=positive_float, default=1800.0,
+                        help="seconds the two ranks may take")
+    return parser
+
+
 def main() -> None:
     from tokpipe_compiler.runtime.launch import launch
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--names", nargs="+", default=DEFAULT_NAMES)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--chunks", type=int, default=2)
-    parser.add_argument("--mode", default="stale", choices=["stale", "sync"])
-    parser.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    args = parser.parse_args()
+    args = arguments().parse_args()
     results = launch(_rank, 2, args=(args.names, args), timeout=args.timeout)
     print(f"{args.steps} steps, {args.mode}, chunks={args.chunks}, {args.compiler} stages, "
           f"2 gloo ranks x 1 thread; seconds per generation (median of {args.rounds}), "

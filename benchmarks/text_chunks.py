@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.host_overhead
 
 import tokpipe_compiler as tp
+from benchmarks._args import parser_for, positive_int
 from benchmarks.host_overhead import interleaved_ms
 
 POOLED, T5, CHANNELS = 768, 4096, 64
@@ -79,19 +80,27 @@ def tokpipe_call(model: torch.nn.Module, chunks: int, text_chunks: str,
     return call
 
 
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("--text", type=positive_int, default=512, help="text tokens")
+    parser.add_argument("--side", type=positive_int, default=64,
+                        help="latent grid side (image tokens: (side / 2)^2)")
+    parser.add_argument("--chunks", type=positive_int, nargs="+", default=[2, 4, 8],
+                        help="chunk counts M, each with text every chunk and once a step")
+    parser.add_argument("--double", type=positive_int, default=2, help="double-stream blocks")
+    parser.add_argument("--single", type=positive_int, default=4, help="single-stream blocks")
+    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads of 128")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="interleaved timing rounds")
+    parser.add_argument("--reps", type=positive_int, default=3, help="steps per call and round")
+    parser.add_argument("--device", default="cpu", help="the torch device")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's dtype")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--text", type=int, default=512)
-    parser.add_argument("--side", type=int, default=64)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--double", type=int, default=2)
-    parser.add_argument("--single", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=3, help="steps per call and round")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = parser.parse_args()
+    args = arguments().parse_args()
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     model = flux(args.double, args.single, args.heads)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures, benchmarks._args
 
+from benchmarks._args import one_of, parser_for, positive_int
 from tests.fixtures.conditioned import CONDITIONED
 from tests.fixtures.pipelines import FAMILIES, generate
 from tokpipe_compiler.core.errors import TokpipeError
@@ -48,16 +49,19 @@ def staled(name: str, text_chunks: str, chunks: int, steps: int) -> tuple[torch.
     raise TokpipeError(f"{name}: fewer than 2 grid rows")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("pipelines", nargs="*", default=DEFAULT, metavar="PIPELINE",
+def arguments() -> argparse.ArgumentParser:
+    parser = parser_for(__doc__)
+    parser.add_argument("pipelines", nargs="*", type=one_of(sorted(BUILDERS), "pipeline"),
+                        default=DEFAULT, metavar="PIPELINE",
                         help=f"of {', '.join(sorted(BUILDERS))}")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--chunks", type=int, default=4)
-    args = parser.parse_args()
-    unknown = sorted(set(args.pipelines) - set(BUILDERS))
-    if unknown:
-        parser.error(f"unknown pipelines {unknown}; choose from {sorted(BUILDERS)}")
+    parser.add_argument("--steps", type=positive_int, default=8, help="steps a generation")
+    parser.add_argument("--chunks", type=positive_int, default=4,
+                        help="chunks (2 for a fixture with fewer grid rows)")
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     warnings.filterwarnings("ignore")
     print(f"stale, 2 stages, {args.steps} steps; relative max difference of the latents")
     print(f"{'pipeline':<16} {'chunks':>6} {'every vs serial':>16} {'first vs serial':>16} "

@@ -27,23 +27,32 @@
 # Writes one report, $REPORT_DIR/gpu_report.md (default: ./gpu_report), with each part's
 # output; a part that fails or runs past its time is marked so and the rest still run.
 #
-#   bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh          (--help: the usage line)
 #
 # Python packages missing on the machine (diffusers on a bare image) may be put as wheels
 # in .whl/ at the repository root: they are installed first, without the network.
 # GPU_CHECK_PARTS="pipeline generate timesteps rates graphs text kernels ranks" (the
 # default; add "overhead" or "bench") chooses the parts.
 set -u
+DEFAULT_PARTS="pipeline generate timesteps rates graphs text kernels ranks"
+USAGE="usage: [GPU_CHECK_PARTS=\"PART ...\"] [REPORT_DIR=DIR] bash scripts/gpu_check.sh
+  GPU_CHECK_PARTS: of $DEFAULT_PARTS (the default), overhead, bench
+  REPORT_DIR: where gpu_report.md is written (default: gpu_report, at the repository root)"
+case "${1-}" in
+    "") ;;
+    -h|--help) echo "$USAGE"; exit 0 ;;
+    *) echo "$USAGE" >&2; echo "gpu_check.sh: takes no arguments, got: $*" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
-REPORT_DIR=${REPORT_DIR:-gpu_report}
-mkdir -p "$REPORT_DIR"
-REPORT="$REPORT_DIR/gpu_report.md"
-export PYTHONUNBUFFERED=1
-
+# Before anything is written: a machine without a GPU is left as it was.
 if ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
     echo "no CUDA GPU here: nothing to check" >&2
     exit 1
 fi
+REPORT_DIR=${REPORT_DIR:-gpu_report}
+mkdir -p "$REPORT_DIR"
+REPORT="$REPORT_DIR/gpu_report.md"
+export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tokpipe_site \
         .whl/*.whl && export PYTHONPATH=/tmp/tokpipe_site${PYTHONPATH:+:$PYTHONPATH}
@@ -84,8 +93,7 @@ part() {  # part TITLE SECONDS COMMAND...: run one part, its output into the rep
 }
 
 want() {
-    [[ " ${GPU_CHECK_PARTS:-pipeline generate timesteps rates graphs text kernels ranks} " \
-        == *" $1 "* ]]
+    [[ " ${GPU_CHECK_PARTS:-$DEFAULT_PARTS} " == *" $1 "* ]]
 }
 
 want pipeline && part "PixArt-alpha widths, in-process pipeline" 125 python3 benchmarks/gpu_pipeline.py \

@@ -209,6 +209,8 @@ def _add_generate(commands) -> None:
                      help="seconds the command's ranks may take (default %(default).0f): "
                           "--ranks ends them after it, and the other ranks wait this long "
                           "for rank 0's --compare run; not the backend's timeout option")
+    gen.add_argument("--quiet", action="store_true",
+                     help="no progress bars (the pipeline's and the ring's)")
     gen.add_argument("--compare", action="store_true",
                      help="first time the serial pipeline, eager, on rank 0 while the other "
                           "ranks wait: the speedup and the largest difference")

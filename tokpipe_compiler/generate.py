@@ -166,6 +166,8 @@ def _run(rank: int, args: argparse.Namespace, group: Any) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     pipe, kwargs = load_pipeline(args)
+    if args.quiet:  # the ring's own bar follows the pipeline's configuration
+        pipe.set_progress_bar_config(disable=True)
     kwargs = to_device(pipe, kwargs, rank_device(args.device))
     say = print_on(rank)
     if args.released is not None:
