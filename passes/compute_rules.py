@@ -169,6 +169,7 @@ def conv(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
             + ("that joins the grids of several batch rows or frames" if info.outer != 1
                else "that holds no chunked rows (text segments only)")
             + ": its halo rows cannot be cut from one grid")
+    padding = "'same', uneven for this kernel" if padding == -1 else padding
     return unsupported(
         f"convolution with kernel {kernel}, stride {stride}, padding {padding}, dilation "
         f"{dilation} along the token axis reaches across chunk rows (chunked: patchify "

@@ -20,8 +20,9 @@ OPTIONS = {"chunks": 2, "mode": "sync", "compiler": "eager", "timeout": 20.0}
 
 def generations(rank: int, world: int, how: str) -> list[str]:
     """Two generations of a TinyDiT compiled directly; rank 1's weights differ from the
-    start ("init"), from the second generation ("later", written in place), or never
-    ("alike"). Each generation's outcome on this rank."""
+    start ("init"), from the second generation (written in place: "later"; through
+    `.data`; "reordered", the same values in other rows), or never ("alike"). Each
+    generation's outcome on this rank."""
     torch.set_num_threads(1)
     torch.manual_seed(rank if how == "init" else 0)
     model = TinyDiT(depth=world, width=32, heads=2, grid=8).eval()
@@ -30,9 +31,15 @@ def generations(rank: int, world: int, how: str) -> list[str]:
                              options={**OPTIONS, "stages": world})
     outcomes = []
     for generation in range(2):
-        if how == "later" and generation == 1 and rank == 1:
-            with torch.no_grad():
-                model.blocks[1].mlp[0].weight.mul_(1.001)
+        if generation == 1 and rank == 1:
+            weight = model.blocks[1].mlp[0].weight
+            if how == "later":
+                with torch.no_grad():
+                    weight.mul_(1.001)
+            elif how == "through .data":  # as peft fuses a LoRA: no version counter moves
+                weight.data.add_(1e-3)
+            elif how == "reordered":
+                weight.data.copy_(weight.data.flip(0))
         try:
             with torch.no_grad():
                 out, eager = compiled(latents, t, labels), model(latents, t, labels)
@@ -45,7 +52,8 @@ def generations(rank: int, world: int, how: str) -> list[str]:
 
 
 @pytest.mark.parametrize(("how", "generation", "named"), [
-    ("init", 0, "embed.weight"), ("later", 1, "blocks.1.mlp.0.weight")])
+    ("init", 0, "embed.weight"), ("later", 1, "blocks.1.mlp.0.weight"),
+    ("through .data", 1, "blocks.1.mlp.0.weight"), ("reordered", 1, "blocks.1.mlp.0.weight")])
 def test_ranks_with_other_weights_raise_naming_the_first_that_differs(how, generation, named):
     for outcomes in launch(generations, 2, timeout=120, args=(how,)):
         assert outcomes[:generation] == ["same as eager"] * generation, outcomes
@@ -57,3 +65,21 @@ def test_ranks_with_other_weights_raise_naming_the_first_that_differs(how, gener
 def test_ranks_with_the_same_weights_run_on():
     for outcomes in launch(generations, 2, timeout=120, args=("alike",)):
         assert outcomes == ["same as eager"] * 2, outcomes
+
+
+def test_a_digest_of_many_parameters_names_none():
+    """Past NAMED_UP_TO parameters the ranks compare one digest of them all: it names no
+    parameter (it named the first one, whichever differed)."""
+    from tokpipe_compiler.programs.weight_values import NAMED_UP_TO, WeightValues, first_differing
+
+    many = NAMED_UP_TO + 1
+    weights = {f"p{i}": torch.nn.Parameter(torch.full((2,), float(i))) for i in range(many)}
+    mine = WeightValues().digest(weights)
+    weights[f"p{many - 1}"].data.add_(1.0)
+    theirs = WeightValues().digest(weights)
+    assert mine != theirs and first_differing([mine, theirs], many) is None
+    few = dict(list(weights.items())[:3])
+    alike, other = WeightValues().digest(few), None
+    few["p1"].data.mul_(2.0)
+    other = WeightValues().digest(few)
+    assert first_differing([alike, other], 3) == 1

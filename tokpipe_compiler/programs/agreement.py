@@ -216,7 +216,7 @@ def _check_parameter_values(digests: list[str], parameters: Sequence[str]) -> No
     """Raises if the ranks hold other values in the model's parameters (`weight_values`)."""
     if len(set(digests)) == 1:
         return
-    first = first_differing(digests)
+    first = first_differing(digests, len(parameters))
     named = (f", {parameters[first]!r} the first of them"
              if first is not None and first < len(parameters) else "")
     raise TokpipeError(

@@ -25,7 +25,7 @@ class DeviceCopies:
         self._copies.clear()
 
     def get(self, weight: torch.nn.Parameter) -> torch.Tensor:
-        stamp = tensor_stamp(weight)
+        stamp = _stamp(weight)
         held = self._copies.get(id(weight))
         if held is not None and held[0]() is weight and held[1] == stamp:
             return held[2]
@@ -37,11 +37,11 @@ class DeviceCopies:
         return copy
 
 
-def tensor_stamp(tensor: torch.Tensor) -> tuple[int, ...]:
+def _stamp(tensor: torch.Tensor) -> tuple[int, ...]:
     """Where a tensor's data lives and how often it was written; for a wrapper subclass (a
     quantized weight, whose own pointer is 0), its inner tensors' too."""
     stamp = (tensor.data_ptr(), tensor._version)
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
-        stamp += tuple(part for name in names for part in tensor_stamp(getattr(tensor, name)))
+        stamp += tuple(part for name in names for part in _stamp(getattr(tensor, name)))
     return stamp
