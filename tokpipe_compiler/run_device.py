@@ -62,3 +62,13 @@ def clock() -> float:
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def busy_note() -> str | None:
+    """A note for a timed run of several ranks on this machine's cores where other processes
+    keep them busy: the ranks share the cores with those, which lowers the speedups."""
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if busy <= 0.5:
+        return None
+    return (f"note: the load average is {busy:.1f} before the run; other busy processes take "
+            "cores from the ranks and lower the speedup (compare ratios from an idle machine)")

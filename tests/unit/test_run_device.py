@@ -65,3 +65,14 @@ def test_a_rank_resolves_auto_itself(gpus):
     """`generate.run` called without the command's checks (benchmarks do) still runs."""
     gpus(0)
     assert rank_device("auto") == torch.device("cpu")
+
+
+def test_a_busy_machine_is_noted_before_a_timed_run(monkeypatch):
+    """The demo and the benchmarks that time ranks say when other processes hold the cores
+    (their speedups fell to 1.0-1.4x under a load of 3-7, with nothing said)."""
+    from tokpipe_compiler import run_device
+
+    monkeypatch.setattr(run_device.os, "getloadavg", lambda: (3.2, 1.0, 1.0))
+    assert run_device.busy_note().startswith("note: the load average is 3.2 before the run")
+    monkeypatch.setattr(run_device.os, "getloadavg", lambda: (0.3, 1.0, 1.0))
+    assert run_device.busy_note() is None
