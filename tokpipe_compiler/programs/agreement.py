@@ -19,7 +19,7 @@ from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
-from tokpipe_compiler.programs.pipelined import input_arguments
+from tokpipe_compiler.programs.plan_reads import input_arguments
 from tokpipe_compiler.programs.weight_values import first_differing
 from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as_bytes
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import PeerStopped, TokpipeError
-from tokpipe_compiler.core.fx import argument_of, example_value, weight_path
+from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel import calibrate
@@ -42,6 +42,7 @@ from tokpipe_compiler.programs.device_copies import DeviceCopies
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS
 from tokpipe_compiler.programs.outputs import assemble_output
 from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, device_of
+from tokpipe_compiler.programs.plan_reads import weight_inputs
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.run_ends import RunEnds
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
@@ -106,9 +107,7 @@ class DistributedProgram(RunEnds, PipelinedProgram):
         self.mid_call = False  # inside a call (one that raised stays so)
         self._output_step = 0  # the step whose outputs `_gather` is collecting
         self._looked = False  # whether this run's end looked for a peer's stop
-        placeholders = [n for n in plan.graphs.prelude.graph.nodes if n.op == "placeholder"]
-        self.weight_inputs = [(i, weight_path(n)) for i, n in enumerate(placeholders)
-                              if argument_of(n) is None]
+        self.weight_inputs = weight_inputs(plan)
         self.weight_values = WeightValues()  # compared at each generation's start
 
     def _generation_starts(self, args: tuple) -> None:

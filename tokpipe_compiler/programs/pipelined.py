@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.core.fx import argument_of
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.graph_share import GraphTally
@@ -36,6 +35,7 @@ from tokpipe_compiler.programs.outputs import (
     traced_strides,
     warn_no_gradients,
 )
+from tokpipe_compiler.programs.plan_reads import carry_edges, input_arguments, persistent_inputs
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.stage import StageProgram
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
@@ -373,35 +373,11 @@ class PipelinedProgram:
         return assemble_output(self.plan, spec, pieces, chunks)
 
 
-def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
-    """Ring edges: the stage computing a carried output -> the stages reading its input."""
-    producer = {spec.source: spec.producer for spec in plan.graphs.outputs
-                if spec.kind == OutputKind.TOKEN}
-    edges: dict[int, set[int]] = {}
-    for name, output in carried.items():
-        readers = {g.index for g in plan.graphs.stages for i in g.inputs if i.source == name}
-        edges.setdefault(producer[output], set()).update(readers)
-    return edges
-
-
 def device_of(args: tuple) -> torch.device:
     for arg in args:
         if isinstance(arg, torch.Tensor):
             return arg.device
     return torch.device("cpu")
-
-
-def persistent_inputs(plan: Plan) -> frozenset[str]:
-    """Stage inputs that stay in place from call to call: the weights (graph inputs that
-    are no forward argument) and the caches."""
-    weights = {n.name for n in plan.graphs.prelude.graph.nodes
-               if n.op == "placeholder" and argument_of(n) is None}
-    return frozenset(weights | {name for spec in plan.caches for name in spec.names})
-
-
-def input_arguments(plan: Plan) -> list[str | int | None]:
-    """The forward's argument each graph input holds, in call order (None for weights)."""
-    return [argument_of(n) for n in plan.graphs.prelude.graph.nodes if n.op == "placeholder"]
 
 
 def made_order(program: PipelinedProgram) -> int:
