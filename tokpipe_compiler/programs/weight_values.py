@@ -5,11 +5,11 @@ would each run their stages with their own and return one mixed model's output, 
 
 A digest reads a sample of the parameter, up to SAMPLE evenly spaced values (all of a
 smaller one), made anew at each generation: a write through `.data`, as peft's LoRA fusing
-makes, moves no version counter, so nothing cheaper tells that a parameter changed. It is
-the float64 sum of the sample and its sum weighted by position (a reordering moves the
-second), each to 6 significant digits, hashed to 16 bits: equal weights give equal sums on
-any device to far better than that, while weights that differ (a random init, a fused
-adapter) differ in the first digits. A change to a few values of a large weight can pass.
+makes, moves no version counter, so nothing cheaper tells that a parameter changed. The
+sample's bit patterns are summed as integers, plain and weighted by position (a reordering
+moves the second), hashed to 16 bits: integer sums are exact in any order, so equal weights
+give equal digests on any device, and any change to a sampled value shows. A change to
+values outside the sample of a large weight can pass.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class WeightValues:
         that are not parameters, buffers the model may fill at run time, are left out)."""
         params = {name: w for name, w in weights.items() if isinstance(w, torch.nn.Parameter)}
         self.names = list(params)
-        each = "".join(f"{zlib.crc32(f'{a:.6e} {b:.6e}'.encode()) & 0xFFFF:04x}"
+        each = "".join(f"{zlib.crc32(f'{a} {b}'.encode()) & 0xFFFF:04x}"
                        for a, b in _sums(list(params.values())))
         return each if len(params) <= NAMED_UP_TO else f"{zlib.crc32(each.encode()):08x}"
 
@@ -53,17 +53,17 @@ def first_differing(digests: list[str], parameters: int) -> int | None:
     return None
 
 
-def _sums(params: list[torch.Tensor]) -> list[tuple[float, float]]:
-    """Each parameter's sample's float64 sums (plain, weighted by position; a quantized
+def _sums(params: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each parameter's sample's sums of bits (plain, weighted by position; a quantized
     one's: its inner tensors'), made on its device, brought to the host once per device."""
     by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = defaultdict(list)
-    sums = [(0.0, 0.0)] * len(params)
+    sums = [(0, 0)] * len(params)
     for i, param in enumerate(params):
         if param.device.type == "meta":  # no values: alike on every rank
             continue
-        parts = [_sample(part).to(torch.float64) for part in _parts(param.detach())]
+        parts = [_bits(_sample(part)) for part in _parts(param.detach())]
         pair = torch.stack([sum(p.sum() for p in parts),
-                            sum((p * torch.arange(len(p), dtype=p.dtype, device=p.device)).sum()
+                            sum((p * torch.arange(len(p), device=p.device)).sum()
                                 for p in parts)])
         by_device[param.device].append((i, pair))
     for entries in by_device.values():
@@ -77,6 +77,18 @@ def _sample(tensor: torch.Tensor) -> torch.Tensor:
     """Up to SAMPLE evenly spaced values of `tensor`, flat (a view where it is contiguous)."""
     flat = tensor.reshape(-1)
     return flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE]
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """`values`' bit patterns as int64 (int64 sums wrap alike everywhere)."""
+    if values.dtype == torch.bool:
+        values = values.to(torch.uint8)
+    if values.is_complex():
+        values = torch.view_as_real(values).reshape(-1)
+    return values.view(_BITS[values.element_size()]).to(torch.int64)
 
 
 def _parts(tensor: torch.Tensor) -> list[torch.Tensor]:
