@@ -360,7 +360,8 @@ def raise_unsupported(annotation: Annotation) -> None:
     fast_path = any(op in str(node.target) for node in annotation.unsupported
                     for op in _FAST_PATH_OPS)
     raise TokpipeError(
-        "tokpipe cannot split this graph into token chunks; these ops mix tokens:\n"
+        "tokpipe cannot split this graph into token chunks; these ops mix tokens, or have "
+        "no rule that tells how they use them:\n"
         + "\n".join(lines),
         f"\nWhat you can do: {_FAST_PATH_HINT if fast_path else ''}"
         "compute that part outside the compiled model, rewrite it "

@@ -148,6 +148,34 @@ def unbind(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     return info.moved(info.axis - (dim < info.axis))
 
 
+@register("method:narrow", torch.narrow, "method:index_select", torch.index_select)
+def select_along(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """narrow and index_select along an axis other than the tokens' (a feature range, some
+    heads): each token's row keeps its own values, so each chunk takes its rows' part."""
+    src, info = first_token(node, ctx)
+    if src is not source(node):
+        return unsupported(f"{target_name(node)} with indices computed from the tokens")
+    if arg(node, 1, "dim") % len(node_shape(src)) == info.axis:
+        return unsupported(f"{target_name(node)} along the token axis takes rows of the whole "
+                           "sequence, which a chunk does not hold")
+    return info
+
+
+@register("method:movedim", torch.movedim, "method:moveaxis", torch.moveaxis)
+def movedim(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    src, info = first_token(node, ctx)
+    ndim = len(node_shape(src))
+    moved = [arg(node, i, name) for i, name in ((1, "source"), (2, "destination"))]
+    sources, destinations = ([d % ndim for d in (m if isinstance(m, (tuple, list)) else [m])]
+                             for m in moved)
+    order: list[int | None] = [None] * ndim  # output axis -> input axis
+    for a, b in zip(sources, destinations, strict=True):
+        order[b] = a
+    rest = iter(a for a in range(ndim) if a not in sources)
+    order = [a if a is not None else next(rest) for a in order]
+    return info.moved(order.index(info.axis))
+
+
 @register("method:repeat_interleave", torch.repeat_interleave)
 def repeat_interleave(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)

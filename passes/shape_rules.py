@@ -88,7 +88,8 @@ def getitem_axis(items: list, axis: int, shape: Sequence[int]) -> tuple[int, int
         if isinstance(item, slice):
             out_dim += 1
         elif not isinstance(item, int):
-            return f"advanced indexing with {type(item).__name__}"
+            return (f"indexing axis {in_dim}, before the token axis, with a list or tensor "
+                    "of indices (advanced indexing, which may move the axes)")
         in_dim += 1
     return out_dim + (axis - in_dim), None
 

@@ -239,3 +239,55 @@ def test_an_einsum_with_a_per_token_table_takes_each_chunks_rows():
     model = EinsumTable().eval()
     x = torch.randn(1, 16, 8)
     assert_modes_equal_eager(model, trace(model, x), x, chunks=4)
+
+
+class AxisMoves(nn.Module):
+    """The token axis moved by movedim, a feature range taken by narrow and some features
+    picked by index_select: none reaches across tokens (all three had no rule)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.register_buffer("picked", torch.tensor([3, 1, 0, 2]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).unbind(2)
+        h = attend(q, k, v).movedim(1, -1)  # [B, D, L]
+        h = h.movedim(-1, 1)
+        head = h.narrow(-1, 0, 4).index_select(-1, self.picked)
+        return torch.cat([head, h.narrow(-1, 4, 4)], -1) + x
+
+
+def test_movedim_narrow_and_index_select_off_the_token_axis_equal_eager():
+    torch.manual_seed(0)
+    model = AxisMoves().eval()
+    x = torch.randn(1, 16, 8)
+    assert_modes_equal_eager(model, trace(model, x), x, chunks=4)
+
+
+class NarrowTokens(nn.Module):
+    """Attention over the tokens (so they are axis 1), then their first half, twice."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = attend(*(x.unflatten(-1, (1, -1)),) * 3)
+        return h.narrow(1, 0, 8).repeat(1, 2, 1)
+
+
+def test_narrow_along_the_token_axis_is_refused_naming_it():
+    traced = trace(NarrowTokens(), torch.randn(1, 16, 8))
+    with pytest.raises(TokpipeError, match="narrow along the token axis takes rows of the "
+                                           "whole sequence"):
+        traced.program(mode="stale", stages=1, chunks=4)
+
+
+class SwapBatch(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return attend(*(x.unflatten(-1, (1, -1)),) * 3)[[1, 0]]
+
+
+def test_indices_before_the_token_axis_are_refused_in_plain_words():
+    """The reason named an internal type ("advanced indexing with immutable_list")."""
+    traced = trace(SwapBatch(), torch.randn(2, 16, 8))
+    with pytest.raises(TokpipeError, match=r"indexing axis 0, before the token axis, with a "
+                                           r"list or tensor of indices"):
+        traced.program(mode="stale", stages=1, chunks=4)
