@@ -317,8 +317,10 @@ def _attention(node: torch.fx.Node, args: dict[str, Any], ctx: RuleContext) -> T
     if {iq.axis, ik.axis, iv.axis} != {nd - 2}:
         return unsupported("attention whose sequence axis is not the token axis")
     if ik.outer > 1 or iq.outer > 1:
-        return unsupported("attention over a sequence that joins the tokens of several batch "
-                           "rows (the token axis is an inner factor of the merged sequence)")
+        return unsupported("attention over a sequence in which the grid's rows are an inner "
+                           "factor (another axis merged into it, the batch rows or the "
+                           "frames, or the tokens reordered, column by column say): a chunk's "
+                           "rows are no one range of it")
     if ik != iv or iq not in (ik, replace(ik, lead=0, trail=0)):
         return unsupported("queries and keys of different token granularity or segments")
     return iq.moved(nd - 2, ATTENTION)

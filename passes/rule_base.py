@@ -97,7 +97,8 @@ def sum_refusal(info: TokenInfo) -> str:
     if info.segmented or not info.per_unit:
         return "the token axis holds whole text segments"
     if info.outer > 1:
-        return "the token axis repeats in outer blocks (batch rows merged with frames)"
+        return ("the token axis repeats in outer blocks (another axis, the batch rows or "
+                "the frames, merged into it)")
     return ""
 
 
