@@ -110,6 +110,10 @@ class DistributedProgram(RunEnds, PipelinedProgram):
         self.weight_inputs = weight_inputs(plan)
         self.weight_values = WeightValues()  # compared at each generation's start
 
+    def _new_generation(self) -> None:
+        super()._new_generation()
+        self.weight_values.stale = True  # weights may change between generations (a LoRA)
+
     def _generation_starts(self, args: tuple) -> None:
         """Every generation's first call, not only the program's: other latents or prompts
         on a rank in a later generation stop every rank, by name, instead of mixing the
