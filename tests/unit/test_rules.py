@@ -129,7 +129,8 @@ def test_attention_over_a_sequence_of_several_batch_rows_is_unsupported():
     info = TokenInfo(TOKEN, 2, 1, outer=2)  # [1, heads, B * L, d]: rows of two batch items
     q, k, v = (g.input(n, (1, 2, 16, 8), info) for n in "qkv")
     out = g.infer(g.call(F.scaled_dot_product_attention, q, k, v))
-    assert out.kind == UNSUPPORTED and "several batch rows" in out.reason
+    assert out.kind == UNSUPPORTED and "rows are an inner factor" in out.reason
+    assert "the batch rows or the frames" in out.reason
 
 
 def test_elementwise_keeps_outer_blocks_and_cuts_a_per_row_table_in_every_block():
