@@ -38,7 +38,7 @@ from tokpipe_compiler.planning.capture import capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.programs.pipelined import PipelinedProgram
-from tokpipe_compiler.run_device import busy_note
+from tokpipe_compiler.run_device import say_if_busy
 from tokpipe_compiler.runtime.chunking import chunk_table
 from tokpipe_compiler.runtime.launch import launch
 
@@ -207,9 +207,7 @@ def arguments() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = arguments().parse_args()
-    note = busy_note()  # the ranks' ratios need the cores to themselves
-    if note is not None:
-        print(note)
+    say_if_busy()  # the ranks' speedups need the cores to themselves
     torch.set_num_threads(1)
     rates = calibrate.load_or_measure("cpu", threads=1)
     if args.quick:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._args
 import tokpipe_compiler as tp
 from benchmarks._args import at_least, chunk_count, parser_for
 from tokpipe_compiler.pipelines.schedulers import step_table, update
-from tokpipe_compiler.run_device import busy_note
+from tokpipe_compiler.run_device import say_if_busy
 from tokpipe_compiler.runtime.launch import launch
 
 FULL = {"layers": 12, "heads": 6, "head_dim": 64, "side": 64}
@@ -145,9 +145,7 @@ def arguments() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = arguments().parse_args()
-    note = busy_note()  # the ranks' ratios need the cores to themselves
-    if note is not None:
-        print(note)
+    say_if_busy()  # the ranks' speedups need the cores to themselves
     shape = QUICK if args.quick else FULL
     print(f"model {shape}, {args.steps} steps, warmup {WARMUP}, {RANKS} ranks x 1 thread, "
           f"tokpipe stages: {args.compiler}", flush=True)

@@ -41,7 +41,7 @@ from benchmarks.text_chunks import CHANNELS, POOLED, T5, flux
 from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.costmodel.chunk_choice import lighter_first
 from tokpipe_compiler.pipelines.schedulers import step_table, update
-from tokpipe_compiler.run_device import busy_note
+from tokpipe_compiler.run_device import say_if_busy
 from tokpipe_compiler.runtime.launch import launch
 
 RANKS, WARMUP = 2, 1
@@ -141,9 +141,7 @@ def arguments() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = arguments().parse_args()
-    note = busy_note()  # the ranks' ratios need the cores to themselves
-    if note is not None:
-        print(note)
+    say_if_busy()  # the ranks' speedups need the cores to themselves
     torch.set_num_threads(1)
     base = statistics.median(serial(args)[0] for _ in range(args.rounds))
     rows: list[tuple[str, float, str, float | None]] = [("serial", base, "", None)]

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks._args
 
 import tokpipe_compiler as tp
 from benchmarks._args import parser_for, positive_int
-from tokpipe_compiler.run_device import busy_note
+from tokpipe_compiler.run_device import say_if_busy
 from tokpipe_compiler.runtime.launch import launch
 
 RANKS = 2
@@ -114,9 +114,7 @@ def arguments() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = arguments().parse_args()
-    note = busy_note()  # the ranks' ratios need the cores to themselves
-    if note is not None:
-        print(note)
+    say_if_busy()  # the ranks' speedups need the cores to themselves
     print(f"DiTPipeline, DiT-S/2 width, {args.layers} layers, 1024 tokens, batch 2 (guidance),"
           f" {args.steps} steps, {args.mode} mode, {args.chunks} chunks, "
           f"{args.compiler} stages", flush=True)

@@ -27,7 +27,7 @@ from tokpipe_compiler import generate, released
 from tokpipe_compiler.cli import _parser
 from tokpipe_compiler.config import COMPILERS, MODES
 from tokpipe_compiler.released.pipelines import small_grid
-from tokpipe_compiler.run_device import busy_note
+from tokpipe_compiler.run_device import say_if_busy
 from tokpipe_compiler.runtime.launch import launch
 
 # About 1024 image tokens each: patch 2 over 64 x 64 latents (Flux: 2x2 packing); Wan's
@@ -69,9 +69,7 @@ def arguments() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = arguments().parse_args(argv)
-    note = busy_note()  # the ranks' ratios need the cores to themselves
-    if note is not None:
-        print(note)
+    say_if_busy()  # the ranks' speedups need the cores to themselves
     title = (f"{args.steps} steps, 2 stages x {args.chunks} chunks, {args.mode}, "
              f"{args.compiler} stages, one thread a rank")
     print(title, flush=True)

@@ -107,13 +107,11 @@ def arguments() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    from tokpipe_compiler.run_device import busy_note
+    from tokpipe_compiler.run_device import say_if_busy
     from tokpipe_compiler.runtime.launch import launch
 
     args = arguments().parse_args()
-    note = busy_note()  # the ranks' ratios need the cores to themselves
-    if note is not None:
-        print(note)
+    say_if_busy()  # the ranks' speedups need the cores to themselves
     results = launch(_rank, 2, args=(args.names, args), timeout=args.timeout)
     print(f"{args.steps} steps, {args.mode}, chunks={args.chunks}, {args.compiler} stages, "
           f"2 gloo ranks x 1 thread; seconds per generation (median of {args.rounds}), "

@@ -156,8 +156,7 @@ class Executor:
         if stopped is not None:
             if stops is None:
                 raise stopped
-            stops.stop(self.run_number, self.rank, stopped)
-            self.stopped = stopped
+            self._stop(stops, stopped)
         for index, action in enumerate(actions):
             if receives.due(action.step):
                 with self._range(profiling, posting):
@@ -194,8 +193,12 @@ class Executor:
             # The failed step's tensors (what an out-of-memory left) go before the hollow
             # run allocates; the traceback keeps its lines.
             traceback.clear_frames(error.__traceback__)
-            stops.stop(self.run_number, self.rank, error)
-            self.stopped = error
+            self._stop(stops, error)
+
+    def _stop(self, stops: RunStops, error: BaseException) -> None:
+        """This rank stops the run with `error`: said to every rank, the rest run hollow."""
+        stops.stop(self.run_number, self.rank, error)
+        self.stopped = error
 
     def _step_ends(self, stops: RunStops | None, step: int, last_step: int) -> None:
         """A ring's step before the last looks for a peer's stop (the run's end is looked

@@ -27,7 +27,7 @@ from tokpipe_compiler.config import parse_chunks
 from tokpipe_compiler.digits import data, metrics
 from tokpipe_compiler.digits.model import denoiser, load, noise, per_step
 from tokpipe_compiler.ring import Ring
-from tokpipe_compiler.run_device import busy_note
+from tokpipe_compiler.run_device import say_if_busy
 from tokpipe_compiler.runtime.launch import launch
 
 SIDES = {"default": 32, "small": 8}  # image side: 1,024 or 64 tokens
@@ -168,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     options = {"chunks": args.chunks, "mode": "stale", "warmup_steps": 1,
                "compiler": args.compiler, "timeout": 600.0}
     side = SIDES[args.size]
-    note = busy_note()  # the ranks share the cores with whatever else runs: say so
-    if note is not None:
-        print(note)
+    say_if_busy()  # the ranks' speedups need the cores to themselves
     print(f"digits 0-9 from the shipped DiT ({side}x{side} pixels = {side * side} tokens), "
           f"DDIM {args.steps} steps, {args.ranks} ranks x 1 thread, {args.chunks} chunks, "
           f"ring mode, {args.compiler}")

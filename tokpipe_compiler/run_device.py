@@ -72,3 +72,10 @@ def busy_note() -> str | None:
         return None
     return (f"note: the load average is {busy:.1f} before the run; other busy processes take "
             "cores from the ranks and lower the speedup (compare ratios from an idle machine)")
+
+
+def say_if_busy() -> None:
+    """Prints `busy_note`, where there is one, before a timed run of several ranks."""
+    note = busy_note()
+    if note is not None:
+        print(note)

@@ -217,8 +217,7 @@ def _check_parameter_values(digests: list[str], parameters: Sequence[str]) -> No
     if len(set(digests)) == 1:
         return
     first = first_differing(digests, len(parameters))
-    named = (f", {parameters[first]!r} the first of them"
-             if first is not None and first < len(parameters) else "")
+    named = f", {parameters[first]!r} the first of them" if first is not None else ""
     raise TokpipeError(
         f"the ranks hold other values in the model's parameters{named}: each rank would run "
         "its stages with its own, and every rank would get one mixed model's output. Load "
