@@ -162,8 +162,12 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(rank: int, args: argparse.Namespace, group: Any) -> dict[str, Any]:
-    from tokpipe_compiler.pipelines.parallelize import parallelize
+    from tokpipe_compiler.pipelines.parallelize import checked_options, parallelize
 
+    options = dict(stages=args.stages, chunks=args.chunks, mode=args.mode,
+                   warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg,
+                   ring=not args.per_call, cuda_graphs=args.cuda_graphs)
+    checked_options(**options)  # before a --compare serial run spends its time
     torch.set_num_threads(args.threads)
     pipe, kwargs = load_pipeline(args)
     if args.quiet:  # the ring's own bar follows the pipeline's configuration
@@ -182,9 +186,7 @@ def _run(rank: int, args: argparse.Namespace, group: Any) -> dict[str, Any]:
         serial = _serial(pipe, kwargs, short, args, rank, group)
     say(f"pipelined: a first call traces, plans and compiles the stages ({args.compiler}), "
         "then the timed one")
-    parallelize(pipe, stages=args.stages, chunks=args.chunks, mode=args.mode,
-                warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg,
-                ring=not args.per_call, cuda_graphs=args.cuda_graphs)
+    parallelize(pipe, **options)
     # A ring with chunks="auto" chooses its chunks for the generation's length: a shorter
     # warmup would make (and compile) a program the timed call does not use.
     by_length = args.chunks == "auto" and not args.per_call

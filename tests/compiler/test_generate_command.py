@@ -296,3 +296,18 @@ def test_generate_help_shows_every_default():
     for default in ("(default 20)", "(default 2)", "(default 0)", "(default 3600)",
                     "(default float32)"):
         assert default in shown
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--mode", "stale", "--warmup-steps", "0"], "needs warmup_steps >= 1"),
+    (["--cfg", "2", "--per-call"], "cannot be combined with ring=False"),
+    (["--chunks", "0"], "option 'chunks' must be an int >= 1"),
+])
+def test_generate_checks_the_pipelines_options_before_loading_it(argv, message, capsys,
+                                                                monkeypatch):
+    """They failed after --compare's serial run, minutes on a released pipeline."""
+    from tokpipe_compiler import generate
+
+    monkeypatch.setattr(generate, "load_pipeline", lambda args: pytest.fail("loaded"))
+    assert main(["generate", "--tiny", "dit", "--compare", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -71,16 +71,7 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     the same generation in this process: the branches in turn (stages=1), or one ring over
     both branches batched (stages > 1).
     """
-    config = Config.from_options(options)  # bad options fail here, not at the first step
-    check_world(cfg, config.stages)
-    if cfg == 2 and not ring:
-        raise TokpipeError("cfg=2 runs the denoising loop itself; it cannot be combined with "
-                           "ring=False")
-    if ring and config.mode == "stale" and config.warmup_steps < 1:
-        raise TokpipeError("the ring's first step fills the K/V caches: in 'stale' mode it "
-                           "needs warmup_steps >= 1; pass warmup_steps=1, or ring=False for "
-                           "per-call steps (the first one's chunks then see only the chunks "
-                           "before them)")
+    config = checked_options(ring=ring, cfg=cfg, **options)
     denoisers = find_denoisers(pipe)
     for name, denoiser in denoisers.items():
         _check_denoiser(pipe, name, denoiser, config)
@@ -107,6 +98,22 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     elif getattr(pipe, _FRESH, None) is None:
         _install_fresh_start(pipe)
     return pipe
+
+
+def checked_options(*, ring: bool = True, cfg: int = 1, **options: Any) -> Config:
+    """`parallelize`'s options checked without a pipeline: bad ones fail here, before a
+    first step (or a serial run a caller makes first) costs anything."""
+    config = Config.from_options(options)
+    check_world(cfg, config.stages)
+    if cfg == 2 and not ring:
+        raise TokpipeError("cfg=2 runs the denoising loop itself; it cannot be combined with "
+                           "ring=False")
+    if ring and config.mode == "stale" and config.warmup_steps < 1:
+        raise TokpipeError("the ring's first step fills the K/V caches: in 'stale' mode it "
+                           "needs warmup_steps >= 1; pass warmup_steps=1, or ring=False for "
+                           "per-call steps (the first one's chunks then see only the chunks "
+                           "before them)")
+    return config
 
 
 @dataclass(frozen=True)
