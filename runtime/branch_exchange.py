@@ -10,6 +10,12 @@ both apply the same guidance and scheduler update (the same bits on both groups)
 
 The peers are set by `exchanging(group, timeout)` around the ring's run; a call outside it
 is an error.
+
+A run that one rank stops (`run_stops`) stops on both branches' ranks: their groups share
+its stop keys (`run_stops.share_stops`). A stopped last stage goes on taking part in
+the exchanges its schedule has left, with zeros (`hollow_exchanges`), so that the other
+branch's last stage, waiting in one until it sees the stop, is not left waiting: every
+exchange is matched, and the group carries the next run.
 """
 
 from __future__ import annotations
@@ -24,13 +30,18 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.meta import META_KEY
+from tokpipe_compiler.core.stage_graph import StageGraph
+from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.runtime.op_library import define_op
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Peers:
     group: Any  # a process group of two ranks: this stage in either guidance branch
     timeout: float
+    made: int = 0  # exchanges made by the compute action under way (see `hollow_exchanges`)
 
 
 _active: list[_Peers] = []
@@ -50,9 +61,7 @@ def exchanging(group: Any, timeout: float) -> Iterator[None]:
 
 
 def exchanging_now() -> bool:
-    """Whether a guidance exchange is set up (a hybrid cfg=2 ring's run). Its runs do not
-    stop on every rank together (`run_stops`): the other branch's last stage waits inside
-    the exchange, where no stop reaches it, so an error there leaves it its `timeout`."""
+    """Whether a guidance exchange is set up (a hybrid cfg=2 ring's run)."""
     return bool(_active)
 
 
@@ -61,8 +70,48 @@ def _cfg_gather(x: torch.Tensor) -> torch.Tensor:
     if not _active:
         raise TokpipeError("cfg_gather ran outside a guidance exchange: the step function of "
                            "a hybrid cfg=2 ring runs only inside tp.pipelines.parallelize")
+    return _exchange(_active[-1], x)
+
+
+def _exchange(peers: _Peers, x: torch.Tensor) -> torch.Tensor:
+    """Both branches' `x`, counted in the action under way."""
+    both = gather_branches(x, peers.group, peers.timeout, f"a chunk of shape {tuple(x.shape)}")
+    peers.made += 1
+    return both
+
+
+def start_action() -> None:
+    """A compute action begins (or ended whole): none of its exchanges made yet."""
+    if _active:
+        _active[-1].made = 0
+
+
+def hollow_exchanges(shapes: list[tuple[tuple[int, ...], torch.dtype]],
+                     device: torch.device) -> None:
+    """A stopped rank's part in the exchanges of one compute action, `shapes` those its
+    graph makes, in order: zeros, past those the action made before it raised, so that the
+    other branch's last stage, waiting in one until it sees the stop, is not left waiting."""
+    if not _active:
+        return
     peers = _active[-1]
-    return gather_branches(x, peers.group, peers.timeout, f"a chunk of shape {tuple(x.shape)}")
+    for shape, dtype in shapes[peers.made:]:
+        _exchange(peers, torch.zeros(shape, dtype=dtype, device=device))
+    peers.made = 0
+
+
+def exchange_shapes(stage: StageGraph, chunk: Chunk) -> list[tuple[tuple[int, ...],
+                                                                    torch.dtype]]:
+    """Shape and dtype of each prediction `stage`'s graph exchanges on `chunk`, in order."""
+    shapes = []
+    for node in stage.gm.graph.nodes:
+        if node.target is cfg_gather:
+            source = node.args[0]
+            value, info = example_value(source), source.meta.get(META_KEY)
+            shape = list(value.shape)
+            if info is not None and info.axis is not None:
+                shape[info.axis] = info.extent(chunk.units, chunk.segments)
+            shapes.append((tuple(shape), value.dtype))
+    return shapes
 
 
 def gather_branches(x: torch.Tensor, group: Any, timeout: float, what: str) -> torch.Tensor:

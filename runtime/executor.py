@@ -27,7 +27,7 @@ from torch.autograd import _profiler_enabled
 
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import BOUNDARY, SLICED, StageGraph
-from tokpipe_compiler.runtime.branch_exchange import exchanging_now
+from tokpipe_compiler.runtime import branch_exchange
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.runtime.run_stops import (
     DeferredInterrupts,
@@ -151,7 +151,7 @@ class Executor:
         step_ends = {max(i for i, a in enumerate(actions) if a.kind == COMPUTE and a.step == s)
                      for s in {a.step for a in actions}}
         last_step = max((a.step for a in actions), default=0)
-        stops = None if exchanging_now() else getattr(self.transport, "stops", None)
+        stops = getattr(self.transport, "stops", None)
         self.stopped, self.run_number = None, stops.begin() if stops is not None else 0
         if stopped is not None:
             if stops is None:
@@ -206,7 +206,7 @@ class Executor:
         if self.stopped is None and stops is not None and step != last_step:
             seen = stops.seen(self.run_number)
             if seen is not None:
-                self.stopped = peer_stopped(seen, self.rank, mid_run=True)
+                self.stopped = peer_stopped(seen, stops.named(self.rank), mid_run=True)
         if self.progress is not None:
             self._guarded(stops, self.progress, step)
 
@@ -215,7 +215,9 @@ class Executor:
              step_base: int) -> None:
         if action.kind == COMPUTE:
             chunk = chunks[action.chunk]
+            branch_exchange.start_action()
             self._compute(action, chunk, env_for(action.step), here, visible(chunk))
+            branch_exchange.start_action()  # made whole: a stop after it owes none of them
             self._keep_carries(action, here, values)
             if self.computed is not None:
                 self.computed(action, here)
@@ -246,8 +248,13 @@ class Executor:
     def _act_hollow(self, action: Action, chunk: Chunk, posted: dict, step_base: int) -> None:
         """An action of a stopped run: no compute; the receives still taken (waiting again
         for one already taken returns it), the sends made with zeros of their shapes (those
-        of an action cut short, from where it stopped)."""
-        if action.kind == SEND:
+        of an action cut short, from where it stopped), and the guidance branches'
+        exchanges made with zeros (`branch_exchange`)."""
+        if action.kind == COMPUTE and branch_exchange.exchanging_now():
+            branch_exchange.hollow_exchanges(
+                branch_exchange.exchange_shapes(self.stages[action.stage], chunk),
+                self.transport.device)
+        elif action.kind == SEND:
             for key, spec in self._outgoing_specs(action, chunk, step_base)[self._sent:]:
                 zeros = torch.zeros(spec.shape, dtype=spec.dtype, device=self.transport.device)
                 self.transport.send(key, zeros, action.peer)

@@ -9,7 +9,9 @@ of the run, once its outputs are shared: they run the rest hollow too and raise
 `PeerStopped`. Every message of the run is matched, so the group carries the next run.
 
 Runs are numbered per group, alike on every rank: every rank runs its stage of each
-program's call over the group, in one order.
+program's call over the group, in one order. Groups that run one schedule side by side
+(a hybrid cfg=2 ring's two branches) share their keys (`share_stops`): a run stopped in
+one stops in the other.
 """
 
 from __future__ import annotations
@@ -25,6 +27,21 @@ import torch.distributed as dist
 from tokpipe_compiler.core.errors import PeerStopped
 
 _PREFIX = "tokpipe/stopped/"
+# group -> the key scope it shares with groups running the same schedule (`share_stops`)
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_scopes: list[str] = []  # one per `share_stops` call, numbered alike on every rank
+
+
+def share_stops(groups: list[Any]) -> None:
+    """Runs over any of `groups`, which run the same schedule side by side, stop together:
+    their stop keys go to the world's store, under a scope of their own (so that other
+    pipelines' groups do not read them). Called on every rank in one order, as the groups
+    are made (`groups` as `new_group` returned them: not a group where this rank is none
+    of its)."""
+    _scopes.append(f"shared{len(_scopes)}")
+    for group in groups:
+        if isinstance(group, dist.ProcessGroup):
+            _SHARED[group] = _scopes[-1]
 
 
 class RunStops:
@@ -35,6 +52,9 @@ class RunStops:
     def __init__(self, group: Any):
         self._group = weakref.ref(group)
         self.runs = 0  # runs begun over the group by this rank
+        scope = _SHARED.get(group)
+        self._prefix = _PREFIX if scope is None else f"{_PREFIX}{scope}/"
+        self._in_world = scope is not None  # keys in the world's store, not the group's
 
     def _store(self) -> Any:
         """The group's store (None: the group is gone, or torch does not expose it)."""
@@ -43,9 +63,18 @@ class RunStops:
         if store_of is None or group is None:
             return None
         try:
-            return store_of(group)
+            return store_of(dist.GroupMember.WORLD if self._in_world else group)
         except (RuntimeError, ValueError, KeyError):
             return None
+
+    def named(self, rank: int) -> int:
+        """The process's rank in the world, for messages, of `rank` in the group (they
+        differ in groups of their own: a hybrid cfg=2 branch, a `Ring` given a group)."""
+        group = self._group()
+        try:
+            return rank if group is None else dist.get_global_rank(group, rank)
+        except (RuntimeError, ValueError):
+            return rank
 
     def begin(self) -> int:
         """The number of the run this rank begins now."""
@@ -59,12 +88,12 @@ class RunStops:
         store = self._store()
         if store is not None:
             with contextlib.suppress(RuntimeError, dist.DistError):
-                store.set(f"{_PREFIX}{run}", f"rank {rank}: {_said(error)}")
+                store.set(f"{self._prefix}{run}", f"rank {self.named(rank)}: {_said(error)}")
         told(error)
 
     def seen(self, run: int) -> str | None:
         """Who stopped run `run` and why (None: nobody has)."""
-        key, store = f"{_PREFIX}{run}", self._store()
+        key, store = f"{self._prefix}{run}", self._store()
         if store is None:
             return None
         try:

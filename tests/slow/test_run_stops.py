@@ -69,13 +69,13 @@ def python_sigint() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def faulty_runs(rank: int, generate, program_of) -> list[tuple[str, float]]:
+def faulty_runs(rank: int, generate, program_of, faults=FAULTS) -> list[tuple[str, float]]:
     """A clean generation, then per fault: the faulty one and the next. Returns (outcome,
     seconds) per generation: "same" where it equals the clean one bit for bit."""
     python_sigint()
     clean = generate()
     outcomes: list[tuple[str, float]] = []
-    for faulty, what, at in FAULTS:
+    for faulty, what, at in faults:
         arm(program_of(), what, at, rank == faulty)
         for _ in range(2):
             start = time.monotonic()
@@ -136,8 +136,37 @@ def pipeline(rank: int, world: int) -> list[tuple[str, float]]:
 
 @pytest.mark.parametrize("runs", [direct_compile, ring, pipeline])
 def test_a_step_raising_on_one_rank_stops_every_rank_at_once(runs):
-    every = launch(runs, 2, timeout=600)
-    for index, (faulty, what, _) in enumerate(FAULTS):
+    check_stopped_alike(launch(runs, 2, timeout=600), FAULTS)
+
+
+# cfg=2 x stages=2: ranks 0-1 run branch 0's ring, 2-3 branch 1's, and 1 and 3 (the last
+# stages) swap each chunk's prediction. Faults on either branch, first and last stage.
+HYBRID_FAULTS = [(0, "stage", 3), (3, "stage", 5), (2, "prelude", 1), (1, "cancel", 2)]
+
+
+def hybrid_pipeline(rank: int, world: int) -> list[tuple[str, float]]:
+    from tests.fixtures.pipelines import dit, generate
+    from tokpipe_compiler.programs.distributed import DistributedProgram
+
+    torch.set_num_threads(1)
+    pipe, kwargs = dit()
+    tp.parallelize(pipe, cfg=2, stages=world // 2, **OPTIONS)
+    return faulty_runs(rank, lambda: generate(pipe, kwargs, steps=STEPS),
+                       lambda: DistributedProgram, HYBRID_FAULTS)
+
+
+def test_a_step_raising_in_a_hybrid_cfg_ring_stops_both_branches_at_once():
+    """The other branch's last stage waited `timeout` inside the guidance exchange, which
+    no stop reached, and gloo then closed the groups. The branches' rings now share their
+    stop keys, and a stopped last stage makes its remaining exchanges with zeros."""
+    check_stopped_alike(launch(hybrid_pipeline, 4, timeout=600), HYBRID_FAULTS)
+
+
+def check_stopped_alike(every: list, faults: list) -> None:
+    """Per fault: the faulty rank raised its own error, told the others; each other rank
+    raised PeerStopped naming it, well within the timeout; the next call gave the clean
+    call's numbers bit for bit."""
+    for index, (faulty, what, _) in enumerate(faults):
         own = "KeyboardInterrupt" if what in ("cancel", "sigint") else "Injected"
         for rank, outcomes in enumerate(every):
             (stopped, seconds), (after, _) = outcomes[2 * index: 2 * index + 2]

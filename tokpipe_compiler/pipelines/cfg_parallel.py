@@ -34,6 +34,7 @@ from tokpipe_compiler.pipelines.glue import (
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable, update_state
 from tokpipe_compiler.runtime.branch_exchange import gather_branches
+from tokpipe_compiler.runtime.run_stops import share_stops
 
 
 def check_world(cfg: int, stages: int) -> None:
@@ -65,6 +66,7 @@ def branch_groups(stages: int) -> Branches | None:
     rank = dist.get_rank()
     stage_groups = [dist.new_group(list(range(b * stages, (b + 1) * stages))) for b in (0, 1)]
     peer_groups = [dist.new_group([s, stages + s]) for s in range(stages)]
+    share_stops(stage_groups)  # a run one branch stops, the other stops too
     return Branches(rank // stages, stage_groups[rank // stages], peer_groups[rank % stages])
 
 

@@ -56,7 +56,7 @@ class RunEnds:
             self._looked = True
             seen = stops.seen(self.run_number)
             if seen is not None:
-                self.stopped = peer_stopped(seen, self.rank, mid_run=False)
+                self.stopped = peer_stopped(seen, stops.named(self.rank), mid_run=False)
         return self.stopped
 
     def _run_ends(self) -> None:
