@@ -183,11 +183,13 @@ class Ring:
                 raise TokpipeError(f"carried input {name!r} is not an input the step "
                                    f"function reads; it reads {self._traced.arguments}")
             if spec.source != placeholder:  # returned unchanged: nothing to carry
-                self._check_carry(name, placeholder, spec, program.plan.graphs)
+                self._check_carry(name, placeholder, spec, program.plan.graphs,
+                                  program.plan.units)
                 carried[placeholder] = spec.source
         return carried
 
-    def _check_carry(self, name: str, placeholder: str, spec: Any, graphs: SplitGraphs) -> None:
+    def _check_carry(self, name: str, placeholder: str, spec: Any, graphs: SplitGraphs,
+                     units: int) -> None:
         """Raises unless output `spec` can feed carried input `name` chunk by chunk: a
         token-wise value of the image tokens, in the input's dtype (the stages are compiled
         for it), that the stages read as a token input cut per chunk."""
@@ -205,9 +207,12 @@ class Ring:
                                f"{made.dtype} (e.g. torch.zeros_like(x, dtype={made.dtype}))")
         info = stage.output_infos[spec.source]
         if info.segmented or not info.per_unit:
+            one = (" (the token grid is one unit here, where the image tokens' layout cannot "
+                   "be told from text's: a ring needs two units or more)"
+                   if units == 1 else "")
             raise TokpipeError(f"carried input {name!r} is fed by an output holding whole "
                                "text tokens that every chunk computes its own copy of; "
-                               "carry only the image tokens")
+                               f"carry only the image tokens{one}")
         if not _read_per_chunk(graphs, placeholder):
             raise TokpipeError(
                 f"carried input {name!r} is not read as a token input laid out like "

@@ -77,6 +77,19 @@ def test_a_wide_image_equals_serial(family):
                      serial) <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["pixart_sigma", pytest.param("sd3", marks=pytest.mark.full)])
+def test_an_image_one_patch_row_high_runs_per_call_and_equals_serial(family):
+    """One row of patches: the ring's plan took the batch axis for the latents' token axis,
+    and refused to carry them ("an output holding whole text tokens"). It now says why it
+    runs per call, and equals serial."""
+    pipe, kwargs = FAMILIES[family]()
+    kwargs = {**kwargs, "height": 16}  # 2 latent rows: one row of 2x2 patches
+    serial = generate(pipe, kwargs, steps=3)
+    with pytest.warns(UserWarning, match="token grid is one unit"):
+        pipelined = generate(parallelized(FAMILIES[family], mode="sync")[0], kwargs, steps=3)
+    assert rel_error(pipelined, serial) <= 1e-5
+
+
 def test_more_resolutions_than_dynamos_recompile_limit_each_run_pipelined():
     """Per call, each resolution is a recompile of the transformer's forward, whose code
     every diffusers transformer shares (its decorator's wrapper): past Dynamo's limit of 8

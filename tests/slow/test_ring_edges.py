@@ -112,6 +112,20 @@ def test_carrying_an_output_with_the_text_stream_is_a_clear_error():
         ring.run({"joint": torch.randn(1, 21, 16)}, per_step={"c": torch.full((3,), 0.1)})
 
 
+def test_a_ring_over_one_row_of_patches_says_why_it_cannot_carry():
+    """One unit: the latents' layout cannot be told from text's, and the error spoke of
+    text tokens alone."""
+    model = models()[8]  # 16 tokens: here one row of 16 patches
+
+    def step(latents, timestep, c, labels):
+        return (latents - c * model(latents, timestep.expand(1), labels),)
+
+    ring = tp.Ring(step, carry=["latents"], **{**OPTIONS, "chunks": 1, "mode": "sync"})
+    one_row = {"latents": torch.randn(1, 4, 2, 32), "labels": torch.tensor([1])}
+    with pytest.raises(tp.TokpipeError, match="the token grid is one unit here"):
+        ring.run(one_row, per_step=PER_STEP)
+
+
 def _multistep_ring(model: TinyDiT, state_dtype: torch.dtype):
     """A DPM-Solver++ 2M ring over bfloat16 latents, its history carried in `state_dtype`
     (the model computes in float32)."""

@@ -132,11 +132,14 @@ class DenoiserRings:
                     "coeffs": part.rows.to(sample.device)}
 
         try:
-            ring.prepare(inputs, per_step(glue, len(table.timesteps)))
+            program = ring.prepare(inputs, per_step(glue, len(table.timesteps)))
         except TokpipeError as err:  # the compiler cannot pipeline this step
             if not self.options.get("fallback"):
                 raise
             raise UnpipelinedStep(f"the ring's step cannot be pipelined: {err}") from err
+        if program.plan.units == 1:  # its layout is one unit's: nothing tells its token axis
+            raise UnpipelinedStep("the latents' token grid is one unit (one row of patches, "
+                                  "or one latent frame), which no chunking cuts")
 
         def latents_of(carried_sample: torch.Tensor) -> torch.Tensor:
             if not glue.condition_positions:
