@@ -173,10 +173,12 @@ def check_agreement(every: list[dict[str, Any]], when: str,
             "(one that runs per call on one rank and as a ring on another cannot meet).")
     differences = [line for part in ("options", "plan", "inputs")
                    for line in _differences(part, [fp[part] for fp in every])]
-    if any(fp["weights"] != every[0]["weights"] for fp in every):
+    inputs_differ = bool(_differing([fp["inputs"] for fp in every]))
+    if any(fp["weights"] != every[0]["weights"] for fp in every) and not inputs_differ:
+        # with other input shapes, buffers sized by the inputs (a positional table) differ
+        # as a consequence: named, they would send the reader to the checkpoint
         differences.append("weights: the shapes or dtypes of the parameters or buffers differ "
-                           "between ranks (with other input shapes: a buffer sized by the "
-                           "inputs, such as a positional table)")
+                           "between ranks")
     if differences:
         raise TokpipeError(
             f"the ranks disagree at {when} of a pipelined program, so they cannot run "
@@ -194,8 +196,9 @@ def check_agreement(every: list[dict[str, Any]], when: str,
             f"the token input {_token_name(token)} has other values on other ranks, but "
             "every rank must "
             "be called with the same inputs:\n  " + "\n  ".join(sums) + "\nSeed the random "
-            "generator identically on every rank before drawing the latents (e.g. "
-            "torch.manual_seed(seed)), or draw them on one rank and broadcast them.")
+            "generator identically on every rank before drawing the latents (a pipeline's "
+            "generator=torch.Generator().manual_seed(seed), or torch.manual_seed(seed) "
+            "before drawing them yourself), or draw them on one rank and broadcast them.")
     schedule = _differences("checksums", checksums, SCHEDULE)
     if schedule:
         raise TokpipeError(
