@@ -61,7 +61,7 @@ video of one latent frame has no frame axis left: its grid unit is a row of patc
 image's. LTX-Video packs its latents into one token axis before the transformer, so its
 grid unit is one token (chunks may end inside a frame, which attention over every token
 allows). A chunk count above the frames (`chunks=4` on a video of 2 or 3
-latent frames) is refused with the largest count that fits.
+latent frames) runs one chunk a frame, with a warning (`chunks="auto"` chooses per size).
 
 **Sums over tokens** (a sum or mean over the token axis, group_norm over the token grid,
 linear attention's K^T V as in Sana): pipelined like K/V (`passes/chunk_sums.py`). Each

@@ -74,11 +74,12 @@ def test_bad_specs_fail_clearly(spec, message, tmp_path, capsys, monkeypatch):
     assert message in err and "examples:" in err and "tokpipe inspect diffusers:" in err
 
 
-def test_too_many_stages_is_a_clear_error(tmp_path, capsys, monkeypatch):
+def test_more_chunks_than_units_plan_one_a_unit_with_a_warning(tmp_path, capsys, monkeypatch):
     (tmp_path / "my_models.py").write_text(MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["inspect", "my_models:tiny_dit", "--chunks", "9"]) == 2
-    assert "chunks=9 is more than the 4 units" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="chunks=9 is more than the 4 units"):
+        assert main(["inspect", "my_models:tiny_dit", "--chunks", "9"]) == 0
+    assert "2 stage(s) x 4 chunk(s)" in capsys.readouterr().out
 
 
 @pytest.mark.filterwarnings("ignore:tokpipe.*cannot be balanced")

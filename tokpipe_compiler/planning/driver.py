@@ -27,7 +27,6 @@ import torch
 import torch.fx
 
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.logs import LOG, log_plan
 from tokpipe_compiler.core.meta import (
@@ -192,15 +191,19 @@ def warn_idle_stages(cut: Partition, stages: int) -> None:
              "only pass values on: use fewer stages", ImbalanceWarning)
 
 
-def _check_chunk_count(chunks: int, units: int, tokens: int) -> None:
-    """A chunk is whole units of the token grid: say how large one is here, which is more
-    than a row of patches where the model merges rows (an hourglass DiT)."""
-    if chunks > units:
-        raise TokpipeError(
-            f"chunks={chunks} is more than the {units} units of this model's token grid "
-            f"({tokens} tokens, {tokens // units} a unit; a unit is the first axis of the "
-            "grid at its coarsest: an image's row of patches, a video's latent frame, or "
-            f"several rows where the model merges them); use chunks <= {units}")
+def _fitted_chunk_count(chunks: int, units: int, tokens: int) -> int:
+    """`chunks`, or the grid's unit count where it has fewer (a short video, a low image:
+    requests of a server vary), said in a warning. A chunk is whole units of the token
+    grid: the warning says how large one is here, which is more than a row of patches
+    where the model merges rows (an hourglass DiT)."""
+    if chunks <= units:
+        return chunks
+    warn(f"tokpipe: chunks={chunks} is more than the {units} units of this input's token "
+         f"grid ({tokens} tokens, {tokens // units} a unit; a unit is the first axis of the "
+         "grid at its coarsest: an image's row of patches, a video's latent frame, or "
+         f"several rows where the model merges them): it runs {units} chunk(s). "
+         'chunks="auto" chooses the count for each input size')
+    return units
 
 
 def plan_chunks(
@@ -213,8 +216,7 @@ def plan_chunks(
     if isinstance(config.chunks, tuple):
         return table_from_tokens(units, tokens, config.chunks)
     if config.chunks != "auto":
-        _check_chunk_count(config.chunks, units, tokens)
-        table = chunk_table(units, config.chunks)
+        table = chunk_table(units, _fitted_chunk_count(config.chunks, units, tokens))
         # the first chunk computes the step's text stream: an uneven split's smaller
         # chunks go first, so as not to load it twice
         return table_from_sizes([c.units for c in reversed(table)]) if once else table
