@@ -57,9 +57,9 @@ def find_token_input(gm: torch.fx.GraphModule, choice: str | int | None) -> torc
     or found by the graph's structure."""
     inputs = _user_inputs(gm)
     if isinstance(choice, str):
-        return _named(inputs, choice)
+        return _tokens_shaped(_named(inputs, choice), choice)
     if isinstance(choice, int):
-        return _positional(inputs, choice)
+        return _tokens_shaped(_positional(inputs, choice), choice)
     candidates = _candidates(inputs)
     return max(candidates, key=_ranking(gm, candidates))
 
@@ -100,6 +100,20 @@ def _named(inputs: list[torch.fx.Node], choice: str) -> torch.fx.Node:
         if choice in (argument_of(node), node.name, node.target):
             return node
     raise UnknownTokenInput(choice, [_shown(n) for n in inputs])
+
+
+def _tokens_shaped(node: torch.fx.Node, choice: str | int) -> torch.fx.Node:
+    """`node`, chosen by `token_input`, where it can carry tokens: a tensor with a batch
+    and a token axis at least (a label or a timestep has no token axis)."""
+    value = example_value(node)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        shown = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                 else f"a {type(value).__name__}")
+        raise TokpipeError(f"token_input={choice!r} is {shown}, which has no token axis: "
+                           "name the input that carries the tokens (the latents, or a "
+                           "sequence [batch, tokens, ...]), or leave token_input out to have "
+                           "it found")
+    return node
 
 
 def _positional(inputs: list[torch.fx.Node], choice: int) -> torch.fx.Node:

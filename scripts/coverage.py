@@ -1,9 +1,9 @@
 """Model coverage: every transformer class diffusers exports, traced and run in each mode.
 
-    python scripts/coverage.py            # writes docs/models.md
+    python scripts/coverage.py --ranks    # writes docs/models.md, with its "2 ranks" column
+    python scripts/coverage.py            # the same on one process (that column left empty)
     python scripts/coverage.py --check    # fails if a class that worked stops working
     python scripts/coverage.py SD3Transformer2DModel   # print some rows only
-    python scripts/coverage.py --ranks    # also on two gloo ranks: the "2 ranks" column
     python scripts/coverage.py --ranks --update SanaTransformer2DModel   # redo rows in place
 
 Small configs and inputs come from tests/fixtures/zoo.py; a class without an entry gets a row that

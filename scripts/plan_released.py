@@ -103,8 +103,10 @@ def _first_line(err: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help=f"configs (default: all): {released.NAMES}")
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("names", nargs="*",
+                        help=f"configs (default: all): {', '.join(released.NAMES)}")
+    parser.add_argument("--batch", type=int, default=2,
+                        help="the batch each is traced at (default 2: a guided call's)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     names = args.names or list(released.NAMES)

@@ -155,8 +155,10 @@ def _add_generate(commands) -> None:
     gen.add_argument("--grid", type=_count(1), nargs="+", metavar="SIZE",
                      help="--released: the latent grid, H W or F H W (default 16 16, "
                           "2 16 16 for video)")
-    gen.add_argument("--prompt")
-    gen.add_argument("--negative-prompt")
+    gen.add_argument("--prompt", help="the text of a --model pipeline with a text encoder "
+                                      "(needed there; --released and --tiny take none)")
+    gen.add_argument("--negative-prompt",
+                     help="the negative prompt of a --model pipeline that takes one")
     gen.add_argument("--size", type=_count(1), nargs=2, metavar=("HEIGHT", "WIDTH"),
                      help="--model: the image size in pixels (default: the pipeline's)")
     gen.add_argument("--frames", type=_count(1), metavar="N",

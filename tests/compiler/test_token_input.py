@@ -137,6 +137,19 @@ def test_misspelt_token_input_raises_with_the_inputs():
     assert not isinstance(err.value, NoTokenInput)
 
 
+@pytest.mark.parametrize("choice", ["labels", 2])
+def test_a_token_input_without_a_token_axis_is_a_user_error(choice):
+    """A label input (one value a sample) was taken for the tokens, and a token rule then
+    crashed: "tokpipe internal error ... Please report it"."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={"token_input": choice, "compiler": "eager"})
+    with pytest.raises(TokpipeError, match=rf"token_input={choice!r} is a tensor of shape "
+                                           r"\(1,\), which has no token axis"):
+        compiled(*dit_inputs(model, 8))
+
+
 class Broken(torch.nn.Module):
     """Two graphs: the text projection, then (after a graph break) the DiT."""
 
