@@ -75,6 +75,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise TokpipeError(f"--ranks {args.ranks} starts {args.ranks} processes, but --stages "
                            f"{args.stages} x --cfg {args.cfg} runs on {needed}: pass --ranks "
                            f"{needed}{other}")
+    # (a pipeline guided by --true-cfg-scale takes --guidance-scale for a distilled embedding)
+    if args.cfg == 2 and args.true_cfg_scale is None and args.guidance_scale is not None \
+            and args.guidance_scale <= 1.0:
+        raise TokpipeError(f"--cfg 2 runs the two guidance branches apart, but --guidance-scale "
+                           f"{args.guidance_scale:g} runs one (no classifier-free guidance): "
+                           "pass --cfg 1, or a --guidance-scale above 1")
     if args.released is None:
         for given, flag in ((args.layers, "--layers"), (args.grid, "--grid")):
             if given is not None:

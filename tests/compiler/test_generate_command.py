@@ -27,10 +27,24 @@ from tokpipe_compiler.cli import main
     (["--tiny", "dit", "--ranks", "3"], "--ranks 3 starts 3 processes, but --stages 2 x "
                                         "--cfg 1 runs on 2: pass --ranks 2 (or --ranks 1"),
     (["--tiny", "dit", "--ranks", "2", "--stages", "1"], "runs on 1: pass --ranks 1\n"),
+    (["--tiny", "dit", "--cfg", "2", "--stages", "1", "--guidance-scale", "1"],
+     "--guidance-scale 1 runs one (no classifier-free guidance): pass --cfg 1"),
 ])
+
 def test_generate_released_options_that_do_not_fit_are_named(argv, message, capsys):
     assert main(["generate", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_takes_a_distilled_guidance_of_1_with_true_cfg_on_two_branches():
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate import check_args
+
+    args = _parser().parse_args(["generate", "--released", "flux1-dev", "--cfg", "2",
+                                 "--stages", "1", "--true-cfg-scale", "4", "--guidance-scale",
+                                 "1", "--negative-prompt", "x"])
+    with pytest.raises(Exception, match="leave out --negative-prompt"):  # not the cfg check
+        check_args(args)
 
 
 def test_generate_refuses_ranks_under_torchrun(capsys, monkeypatch):
