@@ -152,6 +152,40 @@ def test_an_interrupt_ends_the_generation_at_its_step(family, at):
     assert _relative(out, _run(make, Seen())) > 1e-3  # the interrupt changed the output
 
 
+@pytest.mark.parametrize("how", ["interrupt", "cancel"])
+def test_in_one_process_the_ring_stops_at_the_step_a_callback_ends(how, monkeypatch):
+    """A server's cancel cost the whole generation: the ring ran every step before the
+    callback's interrupt or error took effect."""
+    from tokpipe_compiler.runtime.executor import Executor
+
+    computed: list[int] = []
+    compute = Executor._compute
+
+    def counted(self, action, *args):
+        computed.append(action.step)
+        return compute(self, action, *args)
+
+    def end_at_1(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        if i == 1 and how == "cancel":
+            raise KeyboardInterrupt
+        pipe._interrupt = pipe._interrupt or i == 1
+        return tensors
+
+    monkeypatch.setattr(Executor, "_compute", counted)
+    pipe, kwargs = FAMILIES["sd3"]()
+    tp.pipelines.parallelize(pipe, **OPTIONS, mode="sync")
+    generate(pipe, kwargs, steps=STEPS)
+    every = len(computed)
+    computed.clear()
+    if how == "cancel":
+        with pytest.raises(KeyboardInterrupt):
+            generate(pipe, {**kwargs, "callback_on_step_end": end_at_1}, steps=STEPS)
+    else:
+        generate(pipe, {**kwargs, "callback_on_step_end": end_at_1}, steps=STEPS)
+    assert every == 2 * STEPS  # two stages, one whole chunk a step (sync)
+    assert len(computed) == 2 * 2  # steps 0 and 1
+
+
 def test_a_callback_that_changes_the_generation_raises():
     def louder(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         return {"latents": tensors["latents"] * 1.01} if i == 1 else tensors

@@ -69,7 +69,7 @@ from tokpipe_compiler.pipelines.scheduler_route import (
     with_sample,
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable
-from tokpipe_compiler.pipelines.step_callbacks import LEGACY, ON_STEP_END, StepCallbacks
+from tokpipe_compiler.pipelines.step_callbacks import LEGACY, ON_STEP_END, StepCallbacks, StopRing
 from tokpipe_compiler.pipelines.table import call_reasons
 from tokpipe_compiler.programs.generations import count_step
 
@@ -295,8 +295,11 @@ class RingCalls:
         steps, begin, callbacks = gen.step - gen.begin, gen.begin, gen.callbacks
         each_step = None if callbacks is None else (
             lambda k, latents: callbacks.see(begin + k, latents))
-        gen.carried = gen.run(gen.glue, steps, gen.blends.per_step(gen.begin, steps,
-                                                                   gen.previous), each_step)
+        try:
+            gen.carried = gen.run(gen.glue, steps, gen.blends.per_step(gen.begin, steps,
+                                                                       gen.previous), each_step)
+        except StopRing:  # a callback ended the generation (raise_error raises its error)
+            gen.carried = Carried(gen.interrupted)
         gen.run = None
         if callbacks is not None:
             callbacks.raise_error()

@@ -11,8 +11,11 @@ A ring computes every step from the first step's form, so it cannot follow a cal
 changes the generation: tensors it returns changed or the guidance scale set anew raise
 once the ring has run (on every rank alike; a callback that does so runs with
 `parallelize(pipe, ring=False)`). An interrupt (`pipe._interrupt = True`) ends the
-generation at its step, as in the pipeline's own loop: the ring runs its steps to the end
-(ranks cannot stop one another mid-ring) and the pipeline gets the latents of that step.
+generation at its step, as in the pipeline's own loop: the pipeline gets the latents of
+that step. In one process the ring stops there too (`StopRing`), and so after a callback
+that raises (a server's cancel); on several ranks it runs its steps to the end (a rank
+whose callback the others do not pass cannot stop them mid-ring) and the error is raised
+after it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.probes import RingUnavailable
@@ -49,6 +53,12 @@ class _Call:
     state: dict[tuple[str, str], Any]  # LOOP_STATE as the loop had it
 
 
+class StopRing(Exception):
+    """Raised by `StepCallbacks.see` in one process at the step a callback interrupted the
+    generation or raised at: the ring stops there (no peer waits for its messages), and its
+    caller takes what the callback left (`interrupted`, `raise_error`)."""
+
+
 class StepCallbacks:
     """Stands in for a generation's step callbacks (see the module's docstring).
 
@@ -62,7 +72,8 @@ class StepCallbacks:
         self.on_step_end = kwargs.get(ON_STEP_END)
         self.legacy = kwargs.get(LEGACY)
         self.interrupted: torch.Tensor | None = None  # the latents of the step it ended at
-        self.error: Exception | None = None
+        self.error: BaseException | None = None
+        self._alone = not (dist.is_available() and dist.is_initialized())  # no peers
         self._calls: dict[int, list[_Call]] = {}
         self._first: dict[str, Any] = {}  # each asked tensor as the first step had it
 
@@ -148,6 +159,8 @@ class StepCallbacks:
             # (KeyboardInterrupt, asyncio.CancelledError) is held the same way.
             except BaseException as err:
                 self.error = err
+            if self._alone and (self.error is not None or self.interrupted is not None):
+                raise StopRing
 
     def raise_error(self) -> None:
         """What a callback raised or did that the ring cannot follow, once the ring ran
