@@ -56,7 +56,7 @@ def table_from_sizes(sizes: Sequence[int]) -> list[Chunk]:
 
 def table_from_tokens(units: int, tokens: int, lengths: Sequence[int]) -> list[Chunk]:
     """The chunks of a user's explicit token lengths, which must tile the grid by whole
-    rows: `tokens` tokens in `units` rows."""
+    units: `tokens` tokens in `units` units (rows, or a video's frames)."""
     per_unit = tokens // units
     if sum(lengths) != tokens:
         raise TokpipeError(
@@ -66,8 +66,9 @@ def table_from_tokens(units: int, tokens: int, lengths: Sequence[int]) -> list[C
     ragged = [n for n in lengths if n % per_unit]
     if ragged:
         raise TokpipeError(
-            f"chunk lengths {ragged} are not whole rows of the token grid ({per_unit} tokens "
-            f"a row, {units} rows); use multiples of {per_unit}"
+            f"chunk lengths {ragged} are not whole units of the token grid ({per_unit} tokens "
+            f"a unit, {units} units; a unit is an image's row of patches, a video's latent "
+            f"frame); use multiples of {per_unit}"
         )
     return table_from_sizes([n // per_unit for n in lengths])
 

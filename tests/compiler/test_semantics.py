@@ -146,7 +146,8 @@ def test_stale_with_explicit_lengths_repeats_eager():
 
 @pytest.mark.parametrize(("lengths", "words"), [
     ([32, 16], "covers 48 tokens but the token input has 64"),
-    ([20, 44], r"chunk lengths \[20, 44\] are not whole rows .*multiples of 8"),
+    ([20, 44], r"chunk lengths \[20, 44\] are not whole units .*8 tokens a unit, 8 units; "
+               r"a unit is an image.s row of patches.*multiples of 8"),
 ])
 def test_explicit_lengths_that_do_not_tile_the_grid_are_errors(lengths, words):
     _, traced = traced_dit(2, 16, 2, 16)
