@@ -77,17 +77,23 @@ def test_a_wide_image_equals_serial(family):
                      serial) <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["pixart_sigma", pytest.param("sd3", marks=pytest.mark.full)])
-def test_an_image_one_patch_row_high_runs_per_call_and_equals_serial(family):
+@pytest.mark.parametrize(("family", "mode"), [
+    ("pixart_sigma", "sync"), ("pixart_sigma", "stale"),
+    pytest.param("sd3", "sync", marks=pytest.mark.full),
+    pytest.param("sd3", "stale", marks=pytest.mark.full)])
+def test_an_image_one_patch_row_high_runs_per_call_and_equals_per_call(family, mode):
     """One row of patches: the ring's plan took the batch axis for the latents' token axis,
-    and refused to carry them ("an output holding whole text tokens"). It now says why it
-    runs per call, and equals serial."""
-    pipe, kwargs = FAMILIES[family]()
-    kwargs = {**kwargs, "height": 16}  # 2 latent rows: one row of 2x2 patches
-    serial = generate(pipe, kwargs, steps=3)
+    and refused to carry them ("an output holding whole text tokens"; in stale mode, "these
+    ops mix tokens"). It now says why it runs per call, and equals per-call mode."""
+    kwargs = {**FAMILIES[family]()[1], "height": 16}  # 2 latent rows: one row of 2x2 patches
+    options = {"mode": mode, **({"warmup_steps": 1} if mode == "stale" else {})}
+    per_call = generate(parallelized(FAMILIES[family], ring=False, **options)[0], kwargs,
+                        steps=3)
     with pytest.warns(UserWarning, match="token grid is one unit"):
-        pipelined = generate(parallelized(FAMILIES[family], mode="sync")[0], kwargs, steps=3)
-    assert rel_error(pipelined, serial) <= 1e-5
+        pipelined = generate(parallelized(FAMILIES[family], **options)[0], kwargs, steps=3)
+    assert rel_error(pipelined, per_call) <= 1e-5
+    if mode == "sync":
+        assert rel_error(pipelined, generate(FAMILIES[family]()[0], kwargs, steps=3)) <= 1e-5
 
 
 def test_more_resolutions_than_dynamos_recompile_limit_each_run_pipelined():

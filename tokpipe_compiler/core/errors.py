@@ -40,6 +40,12 @@ class NoTokenInput(TokpipeError):
     """A graph (one piece of a model split by graph breaks, say) without the token input."""
 
 
+class OneUnitGrid(TokpipeError):
+    """A graph whose token grid is one unit (an image one patch row high) that annotate
+    could not chunk: one unit has nothing to cut, and its token axis cannot be told from a
+    whole (text) segment's. A parallelized pipeline runs such a call per call."""
+
+
 class NothingToPipeline(TokpipeError):
     """A piece of a model split by graph breaks with no attention over its tokens: it runs
     as traced (the backend warns), like a graph without the token input."""

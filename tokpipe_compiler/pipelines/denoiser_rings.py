@@ -21,7 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.errors import OneUnitGrid, TokpipeError
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.pipelines import cfg_parallel
 from tokpipe_compiler.pipelines.glue import Glue, model_timesteps
@@ -43,6 +43,9 @@ from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.planning.module_state import ModuleState, changed_parts, module_state
 from tokpipe_compiler.ring import Ring
 from tokpipe_compiler.runtime.branch_exchange import exchanging
+
+ONE_UNIT = ("the latents' token grid is one unit (an image one row of patches high), which "
+            "no chunking cuts")
 
 
 class UnpipelinedStep(TokpipeError):
@@ -133,13 +136,14 @@ class DenoiserRings:
 
         try:
             program = ring.prepare(inputs, per_step(glue, len(table.timesteps)))
+        except OneUnitGrid as err:
+            raise UnpipelinedStep(ONE_UNIT) from err
         except TokpipeError as err:  # the compiler cannot pipeline this step
             if not self.options.get("fallback"):
                 raise
             raise UnpipelinedStep(f"the ring's step cannot be pipelined: {err}") from err
-        if program.plan.units == 1:  # its layout is one unit's: nothing tells its token axis
-            raise UnpipelinedStep("the latents' token grid is one unit (one row of patches, "
-                                  "or one latent frame), which no chunking cuts")
+        if program.plan.units == 1:  # planned whole (sync), but its carry cannot be told
+            raise UnpipelinedStep(ONE_UNIT)
 
         def latents_of(carried_sample: torch.Tensor) -> torch.Tensor:
             if not glue.condition_positions:

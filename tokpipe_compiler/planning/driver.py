@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from tokpipe_compiler.config import Config
+from tokpipe_compiler.core.errors import OneUnitGrid
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.logs import LOG, log_plan
 from tokpipe_compiler.core.meta import (
@@ -158,6 +159,12 @@ def annotate_or_raise(gm: torch.fx.GraphModule, token_input: str | int | None,
     """annotate, with a graph that mixes tokens unchunkably reported as the user's error
     (in sync mode, which chunks nothing, such ops run whole instead)."""
     annotation = annotate(gm, token_input, mode)
+    if annotation.unsupported and annotation.units == 1:
+        raise OneUnitGrid(
+            "the token grid of this input is one unit (an image's row of patches, a "
+            "video's latent frame), where nothing is left to cut into chunks and the token "
+            "axis cannot be told from a whole segment's; run it whole (mode='sync', or "
+            "unpipelined), or give it two units or more")
     if annotation.unsupported:
         raise_unsupported(annotation)
     return annotation
