@@ -114,6 +114,19 @@ def exchange_shapes(stage: StageGraph, chunk: Chunk) -> list[tuple[tuple[int, ..
     return shapes
 
 
+def other_branch_stopped(stopped: bool, device: torch.device) -> bool:
+    """Whether the other branch's output rank stopped this run, this rank saying whether it
+    did (one flag each way, at the run's end, before the outputs are shared): a stop after
+    the last exchange (a held Ctrl-C, an error in the last step) would otherwise reach the
+    other branch's store look in no set order. False outside a guidance exchange."""
+    if not _active:
+        return False
+    peers = _active[-1]
+    flags = gather_branches(torch.tensor([float(stopped)], device=device), peers.group,
+                            peers.timeout, "whether its run stopped")
+    return bool(flags[1 - dist.get_rank(peers.group)])
+
+
 def gather_branches(x: torch.Tensor, group: Any, timeout: float, what: str) -> torch.Tensor:
     """Both ranks' `x` of a two-rank `group` (default: the world) along dim 0, in rank
     order, waiting at most `timeout` seconds; `what` names the value in the error."""

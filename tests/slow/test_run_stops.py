@@ -56,6 +56,10 @@ def arm(program, what: str, at: int, faulty: bool) -> None:
                 threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
             elif what == "sigint":  # the call after the one the faulty rank waits for
                 time.sleep(1.0)
+            elif what == "late":  # after the call's work (and a hybrid ring's exchange)
+                original(*args)
+                time.sleep(1.0)  # the other branch's output rank is done by now
+                raise Injected("out of memory")
             else:
                 raise KeyboardInterrupt if what == "cancel" else Injected("out of memory")
         return original(*args)
@@ -140,8 +144,10 @@ def test_a_step_raising_on_one_rank_stops_every_rank_at_once(runs):
 
 
 # cfg=2 x stages=2: ranks 0-1 run branch 0's ring, 2-3 branch 1's, and 1 and 3 (the last
-# stages) swap each chunk's prediction. Faults on either branch, first and last stage.
-HYBRID_FAULTS = [(0, "stage", 3), (3, "stage", 5), (2, "prelude", 1), (1, "cancel", 2)]
+# stages) swap each chunk's prediction. Faults on either branch, first and last stage; the
+# last, in rank 1's last stage call of the generation, after its last exchange.
+HYBRID_FAULTS = [(0, "stage", 3), (3, "stage", 5), (2, "prelude", 1), (1, "cancel", 2),
+                 (1, "late", 7)]
 
 
 def hybrid_pipeline(rank: int, world: int) -> list[tuple[str, float]]:
@@ -158,7 +164,9 @@ def hybrid_pipeline(rank: int, world: int) -> list[tuple[str, float]]:
 def test_a_step_raising_in_a_hybrid_cfg_ring_stops_both_branches_at_once():
     """The other branch's last stage waited `timeout` inside the guidance exchange, which
     no stop reached, and gloo then closed the groups. The branches' rings now share their
-    stop keys, and a stopped last stage makes its remaining exchanges with zeros."""
+    stop keys, and a stopped last stage makes its remaining exchanges with zeros. A stop
+    after the last exchange ended one branch's call and not the other's: the output ranks
+    now tell each other before they share the outputs."""
     check_stopped_alike(launch(hybrid_pipeline, 4, timeout=600), HYBRID_FAULTS)
 
 

@@ -285,6 +285,7 @@ class DistributedProgram(RunEnds, PipelinedProgram):
         if any(spec.kind == OutputKind.TOKEN and spec.producer == self.rank
                for spec in self.plan.graphs.outputs):
             self._take_interrupt()
+            self._agree_with_the_other_branch()
         return super()._assemble(values, chunks, env_for, step)
 
     def _gather(self, spec, pieces: list[torch.Tensor], chunks: list) -> torch.Tensor:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
+from tokpipe_compiler.runtime.branch_exchange import other_branch_stopped
 from tokpipe_compiler.runtime.run_stops import (
     DeferredInterrupts,
     RunStops,
@@ -47,6 +48,14 @@ class RunEnds:
         held.pending = False
         self.stopped = KeyboardInterrupt()
         stops.stop(self.run_number, self.rank, self.stopped)
+
+    def _agree_with_the_other_branch(self) -> None:
+        """A hybrid cfg=2 ring's output rank, before it shares the outputs: where the other
+        branch's output rank stopped the run, its stop is in the store the branches share
+        (`run_stops.share_stops`), written before it said so: seen now, it stops this branch
+        too, whose ranks look after the outputs came."""
+        if other_branch_stopped(self.stopped is not None, self.device):
+            self._stop_seen()
 
     def _stop_seen(self) -> BaseException | None:
         """What stopped this run on every rank: this rank's error, or a peer's, looked for
