@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise TokpipeError(f"--cfg 2 runs the two guidance branches apart, but --guidance-scale "
                            f"{args.guidance_scale:g} runs one (no classifier-free guidance): "
                            "pass --cfg 1, or a --guidance-scale above 1")
+    _check_options(args)
     if args.released is None:
         for given, flag in ((args.layers, "--layers"), (args.grid, "--grid")):
             if given is not None:
@@ -167,13 +169,30 @@ def run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         return result
 
 
-def _run(rank: int, args: argparse.Namespace, group: Any) -> dict[str, Any]:
-    from tokpipe_compiler.pipelines.parallelize import checked_options, parallelize
+def parallelize_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(stages=args.stages, chunks=args.chunks, mode=args.mode,
+                warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg,
+                ring=not args.per_call, cuda_graphs=args.cuda_graphs)
 
-    options = dict(stages=args.stages, chunks=args.chunks, mode=args.mode,
-                   warmup_steps=args.warmup_steps, compiler=args.compiler, cfg=args.cfg,
-                   ring=not args.per_call, cuda_graphs=args.cuda_graphs)
-    checked_options(**options)  # before a --compare serial run spends its time
+
+def _check_options(args: argparse.Namespace) -> None:
+    """parallelize's own checks of the options, before any rank starts or --compare's
+    serial run spends its time, in the command line's words."""
+    from tokpipe_compiler.pipelines.parallelize import checked_options
+
+    try:
+        checked_options(**parallelize_options(args))
+    except TokpipeError as err:
+        said = re.sub(r"\b(warmup_steps|stages|cfg|chunks|mode)(=| >= )",
+                      lambda m: f"--{m[1].replace('_', '-')}{' ' if m[2] == '=' else m[2]}",
+                      str(err).replace("ring=False", "--per-call"))
+        raise TokpipeError(said) from None
+
+
+def _run(rank: int, args: argparse.Namespace, group: Any) -> dict[str, Any]:
+    from tokpipe_compiler.pipelines.parallelize import parallelize
+
+    options = parallelize_options(args)
     torch.set_num_threads(args.threads)
     pipe, kwargs = load_pipeline(args)
     if args.quiet:  # the ring's own bar follows the pipeline's configuration

@@ -313,15 +313,20 @@ def test_generate_help_shows_every_default():
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--mode", "stale", "--warmup-steps", "0"], "needs warmup_steps >= 1"),
-    (["--cfg", "2", "--per-call"], "cannot be combined with ring=False"),
+    (["--mode", "stale", "--warmup-steps", "0"],
+     "needs --warmup-steps >= 1; pass --warmup-steps 1, or --per-call for per-call steps"),
+    (["--cfg", "2", "--per-call"], "--cfg 2 runs the denoising loop itself; it cannot be "
+                                   "combined with --per-call"),
     (["--chunks", "0"], "option 'chunks' must be an int >= 1"),
 ])
 def test_generate_checks_the_pipelines_options_before_loading_it(argv, message, capsys,
                                                                 monkeypatch):
-    """They failed after --compare's serial run, minutes on a released pipeline."""
+    """They failed after --compare's serial run, minutes on a released pipeline, and on
+    each rank, in parallelize's Python words."""
     from tokpipe_compiler import generate
+    from tokpipe_compiler.runtime import launch
 
     monkeypatch.setattr(generate, "load_pipeline", lambda args: pytest.fail("loaded"))
+    monkeypatch.setattr(launch, "launch", lambda *a, **kw: pytest.fail("launched"))
     assert main(["generate", "--tiny", "dit", "--compare", *argv]) == 2
     assert message in capsys.readouterr().err
