@@ -35,6 +35,7 @@ from tokpipe_compiler.core.meta import META_KEY
 from tokpipe_compiler.core.stage_graph import StageGraph
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.runtime.op_library import define_op
+from tokpipe_compiler.runtime.transport_errors import TransportError
 
 
 @dataclass
@@ -91,8 +92,6 @@ def hollow_exchanges(shapes: list[tuple[tuple[int, ...], torch.dtype]],
     """A stopped rank's part in the exchanges of one compute action, `shapes` those its
     graph makes, in order: zeros, past those the action made before it raised, so that the
     other branch's last stage, waiting in one until it sees the stop, is not left waiting."""
-    if not _active:
-        return
     peers = _active[-1]
     for shape, dtype in shapes[peers.made:]:
         _exchange(peers, torch.zeros(shape, dtype=dtype, device=device))
@@ -106,9 +105,9 @@ def exchange_shapes(stage: StageGraph, chunk: Chunk) -> list[tuple[tuple[int, ..
     for node in stage.gm.graph.nodes:
         if node.target is cfg_gather:
             source = node.args[0]
-            value, info = example_value(source), source.meta.get(META_KEY)
+            value, info = example_value(source), source.meta[META_KEY]  # annotate's, always
             shape = list(value.shape)
-            if info is not None and info.axis is not None:
+            if info.axis is not None:  # else a whole value, the same on every chunk
                 shape[info.axis] = info.extent(chunk.units, chunk.segments)
             shapes.append((tuple(shape), value.dtype))
     return shapes
@@ -135,9 +134,9 @@ def gather_branches(x: torch.Tensor, group: Any, timeout: float, what: str) -> t
     work = dist.all_gather(both, mine, group=group, async_op=True)
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as err:
-        raise TokpipeError(f"cfg=2: rank {dist.get_rank()} waiting for the other guidance "
-                           f"branch's prediction ({what}): {err}") from err
+    except RuntimeError as err:  # a message's failure: no hollow run can finish it
+        raise TransportError(f"cfg=2: rank {dist.get_rank()} waiting for the other guidance "
+                             f"branch's prediction ({what}): {err}") from err
     return torch.cat(both)
 
 

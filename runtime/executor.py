@@ -215,9 +215,12 @@ class Executor:
              step_base: int) -> None:
         if action.kind == COMPUTE:
             chunk = chunks[action.chunk]
+            # the guidance exchanges this action makes are counted, so that a stop inside it
+            # makes the rest hollow; made whole, it owes none (a stop seen at a step's end
+            # must not skip the next action's)
             branch_exchange.start_action()
             self._compute(action, chunk, env_for(action.step), here, visible(chunk))
-            branch_exchange.start_action()  # made whole: a stop after it owes none of them
+            branch_exchange.start_action()
             self._keep_carries(action, here, values)
             if self.computed is not None:
                 self.computed(action, here)

@@ -17,6 +17,7 @@ one stops in the other.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import signal
 import threading
 import weakref
@@ -29,19 +30,18 @@ from tokpipe_compiler.core.errors import PeerStopped
 _PREFIX = "tokpipe/stopped/"
 # group -> the key scope it shares with groups running the same schedule (`share_stops`)
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_scopes: list[str] = []  # one per `share_stops` call, numbered alike on every rank
+_scopes = itertools.count()  # one per `share_stops` call, numbered alike on every rank
 
 
 def share_stops(groups: list[Any]) -> None:
     """Runs over any of `groups`, which run the same schedule side by side, stop together:
     their stop keys go to the world's store, under a scope of their own (so that other
     pipelines' groups do not read them). Called on every rank in one order, as the groups
-    are made (`groups` as `new_group` returned them: not a group where this rank is none
-    of its)."""
-    _scopes.append(f"shared{len(_scopes)}")
+    are made (`groups` as `new_group` returned them, on every rank)."""
+    scope = f"shared{next(_scopes)}"
     for group in groups:
-        if isinstance(group, dist.ProcessGroup):
-            _SHARED[group] = _scopes[-1]
+        if isinstance(group, dist.ProcessGroup):  # not new_group's stand-in for a non-member
+            _SHARED[group] = scope
 
 
 class RunStops:

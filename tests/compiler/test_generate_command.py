@@ -8,6 +8,7 @@ import warnings
 import pytest
 
 from tokpipe_compiler.cli import main
+from tokpipe_compiler.core.errors import TokpipeError
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -30,7 +31,6 @@ from tokpipe_compiler.cli import main
     (["--tiny", "dit", "--cfg", "2", "--stages", "1", "--guidance-scale", "1"],
      "--guidance-scale 1 runs one (no classifier-free guidance): pass --cfg 1"),
 ])
-
 def test_generate_released_options_that_do_not_fit_are_named(argv, message, capsys):
     assert main(["generate", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -43,7 +43,7 @@ def test_generate_takes_a_distilled_guidance_of_1_with_true_cfg_on_two_branches(
     args = _parser().parse_args(["generate", "--released", "flux1-dev", "--cfg", "2",
                                  "--stages", "1", "--true-cfg-scale", "4", "--guidance-scale",
                                  "1", "--negative-prompt", "x"])
-    with pytest.raises(Exception, match="leave out --negative-prompt"):  # not the cfg check
+    with pytest.raises(TokpipeError, match="leave out --negative-prompt"):  # not cfg's
         check_args(args)
 
 

@@ -372,7 +372,8 @@ class RingCalls:
     def _warn_per_call(self, reasons: list[str]) -> None:
         if self.cfg == 2:
             raise TokpipeError(f"cfg=2: {type(self.pipe).__name__} cannot run its guidance "
-                               f"branches in parallel: {'; '.join(reasons)}")
+                               f"branches in parallel: {'; '.join(reasons)}; parallelize it "
+                               "with cfg=1, where such a call runs per call")
         self._warn(f"tokpipe: {type(self.pipe).__name__} runs per call (each step fills and "
                    f"drains the pipeline), not as a ring: {'; '.join(reasons)}")
 
