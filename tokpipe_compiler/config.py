@@ -36,7 +36,8 @@ class Config:
         compile time: slower compiles); "eager" runs stage graphs as is.
     token_input: name or position of the input that carries the tokens (None: auto-detect).
     timestep_input: the forward's parameter that carries the timestep, which tells steps,
-        guidance branches and generations apart (None: the first of TIMESTEP_NAMES).
+        guidance branches and generations apart (None: the first of TIMESTEP_NAMES); or
+        its position in the call, where the forward takes (*args, **kwargs).
     fallback: on a graph the pass cannot pipeline, run it unpipelined with a warning.
     timeout: seconds a rank waits for another before it raises, naming what it waited for.
     cuda_graphs: replay each chunk of a stage from a CUDA graph (GPU runs), so a chunk's
@@ -56,7 +57,7 @@ class Config:
     warmup_steps: int = 1
     compiler: str = "inductor"
     token_input: str | int | None = None
-    timestep_input: str | None = None
+    timestep_input: str | int | None = None
     fallback: bool = False
     timeout: float = 300.0
     cuda_graphs: bool = False
@@ -79,9 +80,11 @@ class Config:
                 f"option 'token_input' must be an input name, a position or None, "
                 f"got {self.token_input!r}"
             )
-        if self.timestep_input is not None and not isinstance(self.timestep_input, str):
-            raise ValueError(f"option 'timestep_input' must be the forward's parameter name "
-                             f"or None, got {self.timestep_input!r}")
+        stamp = self.timestep_input
+        if stamp is not None and not isinstance(stamp, str) and \
+                not (isinstance(stamp, int) and not isinstance(stamp, bool) and stamp >= 0):
+            raise ValueError(f"option 'timestep_input' must be the forward's parameter name, "
+                             f"a position in the call or None, got {stamp!r}")
         _check_timeout(self.timeout)
         for name in ("fallback", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):

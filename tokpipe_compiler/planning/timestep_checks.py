@@ -15,10 +15,12 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.programs.generations import timestep_names
 
 
-def check_timestep_input(choice: str | None, parameters: set[str]) -> None:
+def check_timestep_input(choice: str | int | None, parameters: set[str]) -> None:
     """Raises where the option `timestep_input` names no parameter of any function Dynamo
-    traced for the model (`parameters`; "**" among them: any name may be one)."""
-    if choice is None or choice in parameters or "**" in parameters:
+    traced for the model (`parameters`; "**" among them: any name may be one; a position
+    is one of a forward that takes *args)."""
+    if choice is None or isinstance(choice, int) or choice in parameters or \
+            "**" in parameters:
         return
     raise TokpipeError(f"timestep_input={choice!r} names no parameter of the model's "
                        f"forward; its parameters are {sorted(parameters - {'self'})}")
@@ -36,14 +38,18 @@ def number_timestep(numbers: dict[str, int | float], choice: str | None) -> str 
             f"eagerly. Pass it as a tensor: {name}=torch.tensor({numbers[name]!r})")
 
 
-def missing_timestep(inputs: list[str | int], choice: str | None) -> str:
+def missing_timestep(inputs: list[str | int], choice: str | int | None) -> str:
     """The warning for a stale pipeline whose calls carry no timestep it knows."""
     looked = f"timestep_input={choice!r}" if choice is not None else \
         f"a parameter named one of {list(timestep_names())}"
     among = f"among the model's inputs {inputs}" if inputs else \
         "(the graph's inputs carry no parameter names: a forward wrapped as (*args, **kwargs)?)"
+    name = ("Pass the timestep by keyword (timestep=t), or give its position in the call: "
+            "options={'timestep_input': POSITION} (the forward takes *args, so the inputs "
+            "are numbered by position)" if any(isinstance(i, int) for i in inputs)
+            else "Name the timestep with options={'timestep_input': NAME}")
     return (f"tokpipe: mode='stale' found no timestep {among} "
             f"({looked}): every call counts as the next step of one generation and one "
             "guidance branch, so a second image, or a second branch of a step, attends to "
-            "the first's K/V. Name the timestep with options={'timestep_input': NAME}, or "
-            "call tp.reset(compiled) between generations and run one branch per call")
+            f"the first's K/V. {name}, or call tp.reset(compiled) between generations and run "
+            "one branch per call")

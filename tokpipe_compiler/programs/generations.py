@@ -205,12 +205,16 @@ class SharedTimesteps:
         return lambda: self.values.get(publisher)
 
 
-def timestep_names(choice: str | None = None) -> tuple[str, ...]:
-    """The parameter names taken for the timestep, the option's (`choice`) alone if set."""
+def timestep_names(choice: str | int | None = None) -> tuple[str | int, ...]:
+    """The parameter names taken for the timestep, the option's (`choice`) alone if set; a
+    position in the call (`choice` an int) first, then the usual names (a call may pass the
+    timestep by keyword)."""
+    if isinstance(choice, int):
+        return (choice, *TIMESTEP_NAMES)
     return TIMESTEP_NAMES if choice is None else (choice,)
 
 
-def timestep_index(argument_names: list[str | int | None], choice: str | None = None
+def timestep_index(argument_names: list[str | int | None], choice: str | int | None = None
                    ) -> int | None:
     """Position of the timestep among a graph's inputs, by the forward's parameter name
     (`choice`: the option timestep_input)."""
