@@ -297,3 +297,14 @@ def test_a_graph_of_the_same_shapes_left_behind_lets_its_caches_go():
         for t in torch.linspace(900, 100, 6):
             compiled(latents, t.round().long()[None], labels, False)
     assert not first.branches
+
+
+def test_a_program_shows_its_plans_first_line():
+    """tp.programs() listed `<PipelinedProgram object at 0x...>`, hiding the chunks that
+    chunks="auto" chose for each input shape."""
+    model, compiled = compiled_dit(chunks="auto")
+    with torch.no_grad():
+        compiled(*dit_inputs(model, 8))
+    shown = repr(tp.programs(compiled)[0])
+    assert shown.startswith("<PipelinedProgram: tokpipe plan: 2 stage(s) x ") and \
+        "chunk(s), mode=stale" in shown

@@ -192,6 +192,10 @@ class PipelinedProgram:
         else:
             self.branches.clear()
 
+    def __repr__(self) -> str:
+        """The plan's first line: stages, chunks, mode (`print(program.plan)` has it all)."""
+        return f"<{type(self).__name__}: {str(self.plan).splitlines()[0]}>"
+
     def __call__(self, *args: torch.Tensor) -> Any:
         """One step: warmup (whole sequence) or chunked, by the mode and the step."""
         if self.session is not None:
