@@ -108,9 +108,11 @@ def test_a_misspelt_timestep_input_names_the_parameters():
         compiled(latents, t, labels)
 
 
-def test_a_timestep_input_that_is_not_a_name_is_refused():
-    with pytest.raises(ValueError, match="timestep_input"):
-        compile_model(SigmaDiT, timestep_input=1)[1](*dit_inputs(TinyDiT(grid=8), 8))
+@pytest.mark.parametrize("choice", [-1, 1.5, True])
+def test_a_timestep_input_that_is_neither_a_name_nor_a_position_is_refused(choice):
+    """A position (an int >= 0) names the input of a forward of (*args, **kwargs)."""
+    with pytest.raises(ValueError, match="must be the forward's parameter name, a position"):
+        compile_model(SigmaDiT, timestep_input=choice)[1](*dit_inputs(TinyDiT(grid=8), 8))
 
 
 def test_a_python_number_timestep_warns_once_and_stays_exact():
