@@ -21,12 +21,13 @@ import torch
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.autocast import autocast_state
-from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.errors import OneUnitGrid, TokpipeError
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.traced_modules import TracedModules
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
 from tokpipe_compiler.programs.step_watch import Watch
@@ -126,7 +127,9 @@ class Ring:
         values = {**inputs, **{k: v[0] for k, v in per_step.items()}}
         # what "auto" chunking plans for: the whole generation the per-step values describe
         generation = min((len(v) for v in per_step.values()), default=steps or 1)
-        return self._program(values, generation - self.config.warmup_steps)
+        program = self._program(values, generation - self.config.warmup_steps)
+        self._carried_outputs(program)  # a carry the program cannot feed raises here too
+        return program
 
     def programs(self) -> list:
         """Every program this ring has made (one per input signature and chunk table)."""
@@ -183,20 +186,18 @@ class Ring:
                 raise TokpipeError(f"carried input {name!r} is not an input the step "
                                    f"function reads; it reads {self._traced.arguments}")
             if spec.source != placeholder:  # returned unchanged: nothing to carry
-                self._check_carry(name, placeholder, spec, program.plan.graphs,
-                                  program.plan.units)
+                self._check_carry(name, placeholder, spec, program.plan)
                 carried[placeholder] = spec.source
         return carried
 
-    def _check_carry(self, name: str, placeholder: str, spec: Any, graphs: SplitGraphs,
-                     units: int) -> None:
+    def _check_carry(self, name: str, placeholder: str, spec: Any, plan: Plan) -> None:
         """Raises unless output `spec` can feed carried input `name` chunk by chunk: a
         token-wise value of the image tokens, in the input's dtype (the stages are compiled
         for it), that the stages read as a token input cut per chunk."""
         if spec.kind != OutputKind.TOKEN:
             raise TokpipeError(f"carried input {name!r} is fed by an output that is not "
                                "token-wise (ring mode needs a token-wise scheduler update)")
-        stage = graphs.stages[spec.producer]
+        stage = plan.graphs.stages[spec.producer]
         given = self._traced.inputs[self._traced.names.index(placeholder)]
         made = example_value(next((n for n in stage.gm.graph.nodes if n.name == spec.source),
                                   None))
@@ -207,13 +208,14 @@ class Ring:
                                f"{made.dtype} (e.g. torch.zeros_like(x, dtype={made.dtype}))")
         info = stage.output_infos[spec.source]
         if info.segmented or not info.per_unit:
-            one = (" (the token grid is one unit here, where the image tokens' layout cannot "
-                   "be told from text's: a ring needs two units or more)"
-                   if units == 1 else "")
-            raise TokpipeError(f"carried input {name!r} is fed by an output holding whole "
-                               "text tokens that every chunk computes its own copy of; "
-                               f"carry only the image tokens{one}")
-        if not _read_per_chunk(graphs, placeholder):
+            said = (f"carried input {name!r} is fed by an output holding whole text tokens "
+                    "that every chunk computes its own copy of; carry only the image tokens")
+            if plan.units == 1:  # a layout of one unit: the image's cannot be told from text's
+                raise OneUnitGrid(f"{said} (the token grid is one unit here, where the image "
+                                  "tokens' layout cannot be told from text's: a ring needs "
+                                  "two units or more)")
+            raise TokpipeError(said)
+        if not _read_per_chunk(plan.graphs, placeholder):
             raise TokpipeError(
                 f"carried input {name!r} is not read as a token input laid out like "
                 f"{self.carry[0]!r} (it has another shape, or a non-float dtype), so every "

@@ -135,15 +135,13 @@ class DenoiserRings:
                     "coeffs": part.rows.to(sample.device)}
 
         try:
-            program = ring.prepare(inputs, per_step(glue, len(table.timesteps)))
+            ring.prepare(inputs, per_step(glue, len(table.timesteps)))
         except OneUnitGrid as err:
             raise UnpipelinedStep(ONE_UNIT) from err
         except TokpipeError as err:  # the compiler cannot pipeline this step
             if not self.options.get("fallback"):
                 raise
             raise UnpipelinedStep(f"the ring's step cannot be pipelined: {err}") from err
-        if program.plan.units == 1:  # planned whole (sync), but its carry cannot be told
-            raise UnpipelinedStep(ONE_UNIT)
 
         def latents_of(carried_sample: torch.Tensor) -> torch.Tensor:
             if not glue.condition_positions:
