@@ -301,13 +301,48 @@ def test_cfg_parallel_checks_its_degrees():
         tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=3, stages=1)
     with pytest.raises(tp.TokpipeError, match="ring=False"):
         tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=2, stages=1, ring=False)
-    pipe, kwargs = FAMILIES["flux"](true_cfg=False)
+
+
+def _ancestral_dit():
+    from diffusers import EulerAncestralDiscreteScheduler
+
+    pipe, kwargs = FAMILIES["dit"]()
+    pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config)
+    return pipe, kwargs
+
+
+@pytest.mark.parametrize(("make", "why"), [
+    (lambda: FAMILIES["flux"](true_cfg=False), "no classifier-free guidance"),
+    (PERTURBED["pixart_sigma_pag"], "perturbed-attention guidance"),
+    (_ancestral_dit, "no token-wise update for EulerAncestralDiscreteScheduler"),
+], ids=["unguided", "perturbed", "noise-drawing-scheduler"])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_call_cfg_parallelism_cannot_split_runs_whole_with_a_warning(make, why, stages):
+    """A server's cfg=2 pipeline gets calls it cannot split into guidance branches: one
+    without guidance, one with perturbed-attention guidance (its processors split the batch
+    inside the transformer), one whose scheduler draws noise. Each runs the whole
+    transformer per call (on every rank) and says so; it equals the serial pipeline, and
+    the next guided call runs as the ring again."""
+    serial = generate(*make(), steps=3)
+    pipe, kwargs = make()
+    tp.pipelines.parallelize(pipe, cfg=2, stages=stages, chunks=2, mode="sync",
+                             compiler="eager")
+    with pytest.warns(UserWarning, match=f"cfg=2: .*cannot run this call's guidance branches "
+                                         f"apart \\(.*{why}.*unparallelized"):
+        whole = generate(pipe, kwargs, steps=3)
+    assert rel_error(whole, serial) <= 1e-5
+
+
+def test_a_guided_call_after_an_unguided_one_runs_the_ring():
+    make = FAMILIES["dit"]
+    serial = generate(*make(), steps=3)
+    pipe, kwargs = make()
     tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
-    with pytest.raises(tp.TokpipeError, match="no classifier-free guidance"):
-        generate(pipe, kwargs, steps=2)
-    pipe, kwargs = parallelized(PERTURBED["pixart_sigma_pag"], cfg=2, stages=1)
-    with pytest.raises(tp.TokpipeError, match="perturbed-attention guidance, whose attention"):
-        generate(pipe, kwargs, steps=2)
+    with pytest.warns(UserWarning, match="no classifier-free guidance"):
+        generate(pipe, {**kwargs, "guidance_scale": 1.0}, steps=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: cfg=2")
+        assert rel_error(generate(pipe, kwargs, steps=3), serial) <= 1e-5
 
 
 def test_a_stale_ring_without_warmup_is_refused_at_once():

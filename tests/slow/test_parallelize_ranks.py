@@ -91,6 +91,26 @@ def test_cfg_parallel_on_two_ranks_equals_one_process(family, two_rank_runs):
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
 
 
+def _cfg_unguided(rank: int, world: int) -> tuple[torch.Tensor, list[str]]:
+    pipe, kwargs = FAMILIES["dit"]()
+    tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latents = generate(pipe, {**kwargs, "guidance_scale": 1.0}, steps=3)
+    return latents, [str(w.message) for w in caught]
+
+
+def test_cfg_parallel_runs_an_unguided_call_whole_on_each_rank(two_rank_runs):
+    """A call with one branch has nothing to split: each rank runs the whole transformer,
+    says so, and returns the serial pipeline's latents."""
+    pipe, kwargs = FAMILIES["dit"]()
+    serial = generate(pipe, {**kwargs, "guidance_scale": 1.0}, steps=3)
+    for latents, messages in two_rank_runs["cfg unguided"]:
+        assert (latents - serial).abs().max().item() <= 1e-5 * serial.abs().max().item()
+        assert any("no classifier-free guidance" in m and "unparallelized" in m
+                   for m in messages)
+
+
 def _two_videos(rank: int = 0, world: int = 1) -> torch.Tensor:
     pipe, kwargs = FAMILIES["wan"]()
     tp.pipelines.parallelize(pipe, **OPTIONS)
@@ -367,6 +387,8 @@ def two_rank_runs(request) -> dict:
                   for p in selected(request, test_two_ranks_in_bfloat16_equal_one_process)})
     cases.update({("cfg", p["family"]): (_cfg_rank, (p["family"],))
                   for p in selected(request, test_cfg_parallel_on_two_ranks_equals_one_process)})
+    if selected(request, test_cfg_parallel_runs_an_unguided_call_whole_on_each_rank):
+        cases["cfg unguided"] = (_cfg_unguided, ())
     if selected(request, test_two_videos_from_one_prompts_embeddings_on_two_ranks):
         cases["two videos"] = (_two_videos, ())
     if selected(request, test_a_lora_added_between_generations_on_two_ranks):

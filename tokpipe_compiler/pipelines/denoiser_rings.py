@@ -76,7 +76,7 @@ RunSegment = Callable[[Glue, int, dict[str, torch.Tensor], EachStep | None], Car
 
 class DenoiserRings:
     """One transformer's rings and its per-call path (`per_call`: the transformer compiled
-    with the tokpipe backend, for steps that do not run as a ring)."""
+    with the tokpipe backend, for steps that do not run as a ring; see `unpipelined`)."""
 
     def __init__(self, pipe: Any, name: str, denoiser: torch.nn.Module,
                  per_call: Callable[..., Any], options: dict[str, Any], cfg: int = 1,
@@ -109,12 +109,11 @@ class DenoiserRings:
         sample = start.sample
         fixed = self._fixed(glue, calls, sample.shape[0])
         if self.cfg == 2 and glue.combine == "none":
-            raise TokpipeError("cfg=2: this call runs no classifier-free guidance (one "
-                               "branch); use cfg=1")
+            raise UnpipelinedStep("the call runs no classifier-free guidance (one branch)")
         if self.cfg == 2 and glue.combine in PERTURBED:
-            raise TokpipeError("cfg=2: this call runs perturbed-attention guidance, whose "
-                               "attention processors split the guidance batch inside the "
-                               "transformer, so its branches cannot run apart; use cfg=1")
+            raise UnpipelinedStep("the call runs perturbed-attention guidance, whose "
+                                  "attention processors split the guidance batch inside "
+                                  "the transformer")
         if self.cfg == 2 and self.config.stages == 1:
             return self._branches_in_turn(table, start, fixed)
         batch = sample.shape[0] * glue.copies
@@ -273,6 +272,14 @@ class DenoiserRings:
                 bar.close()
 
         return report
+
+    def unpipelined(self, *args: Any, **kwargs: Any) -> Any:
+        """A step that does not run as a ring: pipelined per call over the ranks (cfg=1),
+        or, where the ranks hold guidance branches (cfg=2) and the call cannot be split
+        into them, the whole transformer on every rank."""
+        if self.cfg == 2:
+            return self._forward_per_branch()(*args, **kwargs)
+        return self.per_call(*args, **kwargs)
 
     def _forward_per_branch(self) -> Callable[..., Any]:
         """The whole transformer for one guidance branch (cfg=2): eager, or compiled by

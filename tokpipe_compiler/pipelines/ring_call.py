@@ -175,11 +175,11 @@ class RingCalls:
         """Transformer `name`'s call: a probe answer in a ring generation, else per call."""
         gen = self.generation
         if gen is None or not gen.ring:
-            return self.denoisers[name].per_call(*args, **kwargs)
+            return self.denoisers[name].unpipelined(*args, **kwargs)
         if gen.denoiser is None:  # the loop's first call
             self._start(gen)
             if not gen.ring:
-                return self.denoisers[name].per_call(*args, **kwargs)
+                return self.denoisers[name].unpipelined(*args, **kwargs)
             gen.denoiser = name
         elif name != gen.denoiser:
             self._switch(gen, name)
@@ -285,9 +285,10 @@ class RingCalls:
         except UnpipelinedStep as err:
             if gen.step == 0:
                 raise
+            cfg = "" if self.cfg == 1 else "cfg=1, "
             raise TokpipeError(f"{type(self.pipe).__name__}'s {gen.denoiser} takes over at "
                                f"step {gen.step}, and {err}; run the pipeline per call with "
-                               "parallelize(pipe, ring=False)") from err
+                               f"parallelize(pipe, {cfg}ring=False)") from err
 
     def _end_segment(self, gen: Generation) -> Carried:
         """Runs the current segment's ring over its steps (up to the one before
@@ -329,7 +330,7 @@ class RingCalls:
         identified guidance applied), and the rest of the generation per call."""
         gen.reasons.append(str(err))
         self._warn_per_call(gen.reasons)
-        per_call = self.denoisers[gen.denoiser].per_call
+        per_call = self.denoisers[gen.denoiser].unpipelined
         outs = [first_tensor(per_call(**call)) for call in gen.calls]
         noise_pred = guide(gen.glue, torch.cat(outs) if len(outs) == 2 else outs[0],
                            gen.glue.guidance)
@@ -371,9 +372,11 @@ class RingCalls:
 
     def _warn_per_call(self, reasons: list[str]) -> None:
         if self.cfg == 2:
-            raise TokpipeError(f"cfg=2: {type(self.pipe).__name__} cannot run its guidance "
-                               f"branches in parallel: {'; '.join(reasons)}; parallelize it "
-                               "with cfg=1, where such a call runs per call")
+            self._warn(f"tokpipe: cfg=2: {type(self.pipe).__name__} cannot run this call's "
+                       f"guidance branches apart ({'; '.join(reasons)}): it runs "
+                       "unparallelized, the whole transformer on every rank at every step; "
+                       "parallelize with cfg=1 to pipeline such calls")
+            return
         self._warn(f"tokpipe: {type(self.pipe).__name__} runs per call (each step fills and "
                    f"drains the pipeline), not as a ring: {'; '.join(reasons)}")
 
