@@ -19,6 +19,7 @@ from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
 from tokpipe_compiler.core.fx import argument_of, is_parameter, record_sources, source_name
 from tokpipe_compiler.core.warn import warn
+from tokpipe_compiler.core.wrapped_bodies import inline_wrapped_bodies
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.graph_share import summary
@@ -146,6 +147,7 @@ class LazyProgram:
 
     def __init__(self, gm: torch.fx.GraphModule, config_fn, session: Session,
                  example_inputs: list):
+        gm = inline_wrapped_bodies(gm)  # checkpointed blocks: their ops in line
         self.origin = origin(gm)  # while Dynamo traces: whether the model has graph breaks
         self.block = None if self.origin.piece else repeated_block()  # regional compiling
         self.gm = record_sources(gm)

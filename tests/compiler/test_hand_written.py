@@ -1,7 +1,7 @@
 """Hand-written DiTs in the styles model authors use, each once broke planning: a
 positional table cast to the input with `table.to(x)` (the form `.to(other)`); attention
 in x-transformers' einsum layout or with `k.mT`; a class token read by position; patches
-by pixel_unshuffle and pixel_shuffle.
+by pixel_unshuffle and pixel_shuffle; blocks left under activation checkpointing.
 
 Tolerance: float32, max |pipelined - eager| <= 1e-5 * max |eager| (assert_equivalent).
 """
@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tokpipe_compiler import TokpipeError
 from tokpipe_compiler.testing import assert_equivalent
@@ -173,3 +174,78 @@ def test_einsum_attention_left_unfolded_names_the_folded_forms():
     torch.manual_seed(0)
     with pytest.raises(TokpipeError, match=r"einsum\('bhid,bhjd->bhij', q, k\)"):
         check(ScoresRead(), "stale")
+
+
+
+class CheckpointedBlock(nn.Module):
+    """Self-attention and an MLP, the MLP under `checkpoint` (nested in the block's);
+    returns a pair, as blocks that pass their conditioning on do."""
+
+    def __init__(self, width: int, causal: bool, checkpointed: bool):
+        super().__init__()
+        self.causal, self.checkpointed = causal, checkpointed
+        self.norm, self.qkv, self.proj = nn.LayerNorm(width), nn.Linear(width, 3 * width), \
+            nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
+                                 nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor):
+        q, k, v = self.qkv(self.norm(x) + cond[:, None]).unflatten(-1, (3, 2, -1)).permute(
+            2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+                          .transpose(1, 2).flatten(2))
+        mlp = checkpoint(self.mlp, x, use_reentrant=False) if self.checkpointed \
+            else self.mlp(x)
+        return x + mlp, cond
+
+
+class Checkpointed(nn.Module):
+    """Blocks run under `torch.utils.checkpoint`, left in from training as research code
+    often leaves it (`checkpointed=False`: the same model without it)."""
+
+    def __init__(self, causal: bool = False, checkpointed: bool = True, width: int = 32):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.embed, self.time = nn.Conv2d(4, width, 2, 2), nn.Linear(1, width)
+        self.blocks = nn.ModuleList(CheckpointedBlock(width, causal, checkpointed)
+                                    for _ in range(2))
+        self.out = nn.Linear(width, 16)
+
+    def forward(self, x: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        h, cond = self.embed(x).flatten(2).transpose(1, 2), self.time(timestep[:, None])
+        for block in self.blocks:
+            h, cond = checkpoint(block, h, cond, use_reentrant=False) if self.checkpointed \
+                else block(h, cond)
+        return unpatchify(self.out(h), (x.shape[2] // 2, x.shape[3] // 2), 4)
+
+
+@pytest.mark.parametrize(("mode", "causal"), [("sync", False), ("stale", False),
+                                              ("causal", True)])
+def test_blocks_left_under_activation_checkpointing_are_pipelined(mode: str, causal: bool):
+    """Dynamo traces a checkpointed call as a call of a subgraph, which once had no token
+    rule ("no token rule for 'tag_activation_checkpoint'"); in inference it is its body."""
+    torch.manual_seed(0)
+    args = (torch.randn(1, 4, 16, 16), torch.tensor([500.0]))
+    assert_equivalent(Checkpointed(causal).eval(), args, stages=2, chunks=4, mode=mode)
+
+
+def test_checkpointed_blocks_give_the_plain_models_stale_steps():
+    """After warmup, stale steps differ from eager: with and without checkpointing they
+    are the same steps, bit for bit."""
+    options = {"stages": 2, "chunks": 4, "mode": "stale", "warmup_steps": 1,
+               "compiler": "eager"}
+    x = torch.randn(1, 4, 16, 16)
+    results = []
+    for checkpointed in (True, False):
+        torch.manual_seed(0)
+        model = torch.compile(Checkpointed(checkpointed=checkpointed).eval(),
+                              backend="tokpipe", dynamic=False, options=options)
+        with torch.no_grad():
+            results.append([model(x, timestep=torch.tensor([t])) for t in (900.0, 800.0)])
+    with torch.no_grad():
+        torch.manual_seed(0)
+        eager = Checkpointed(checkpointed=False).eval()(x, torch.tensor([800.0]))
+    assert not torch.equal(results[1][1], eager)  # the second step is stale
+    for with_checkpoints, without in zip(*results, strict=True):
+        assert torch.equal(with_checkpoints, without)
+

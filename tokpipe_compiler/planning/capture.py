@@ -21,6 +21,7 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import argument_of, record_sources
+from tokpipe_compiler.core.wrapped_bodies import inline_wrapped_bodies
 from tokpipe_compiler.planning.compile_calls import own_recompiles
 
 log = logging.getLogger("tokpipe_compiler")
@@ -97,7 +98,8 @@ def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict, fullgraph: b
     def record(gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
         codes.append(_traced_code())
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        graphs.append(Captured(record_sources(gm), list(example_inputs), names))
+        graphs.append(Captured(record_sources(inline_wrapped_bodies(gm)), list(example_inputs),
+                               names))
         return gm.forward if run else _stop_here
 
     compiled = torch.compile(fn, backend=record, dynamic=False, fullgraph=fullgraph,
