@@ -58,13 +58,13 @@ class BrokenTransposed(TinyDiT):
         return self.blocks[1](x, cond)
 
 
-def steps(compiled, model, calls: int = 3) -> list[warnings.WarningMessage]:
+def steps(compiled, model, calls: int = 3, batch: int = 1) -> list[warnings.WarningMessage]:
     """`calls` denoising steps (timesteps 900, 800, ...); the warnings they gave."""
-    latents, _, labels = dit_inputs(model, 8)
+    latents, _, labels = dit_inputs(model, 8, batch=batch)
     with warnings.catch_warnings(record=True) as seen, torch.no_grad():
         warnings.simplefilter("always")
         for k in range(calls):
-            compiled(latents, torch.tensor([900 - 100 * k]), labels)
+            compiled(latents, torch.tensor([900 - 100 * k] * batch), labels)
     return list(seen)
 
 
@@ -127,6 +127,19 @@ def test_a_dynamo_reset_is_not_taken_for_a_retrace():
     seen = steps(compiled, model, calls=1)
     torch._dynamo.reset()
     assert retraced(seen + steps(compiled, model, calls=1)) == []
+
+
+def test_a_second_shape_after_a_dynamo_reset_is_not_taken_for_a_retrace():
+    """Two shapes, a reset, the two shapes again: the second shape's graph after the reset
+    is Dynamo's second graph of the function, as before it, and no retrace."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    seen = []
+    for _ in range(2):
+        compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+        seen += steps(compiled, model, calls=1) + steps(compiled, model, calls=1, batch=2)
+        torch.compiler.reset()
+    assert retraced(seen) == []
 
 
 def test_a_grad_mode_switch_is_named_with_its_own_advice():

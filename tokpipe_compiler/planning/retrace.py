@@ -26,6 +26,7 @@ def traced_again(session: Any, frame: tuple[Any, int | None] | None, example_inp
         return None
     code = frame[0]
     seen = _SEEN.setdefault(session, {})
+    _forget_if_reset(seen, code)
     owner_id = None if owner is None else id(example_inputs[owner])
     key = (code, frame[1], _shapes(example_inputs), owner_id)
     count = seen[key] = seen.get(key, 0) + 1
@@ -39,6 +40,19 @@ def traced_again(session: Any, frame: tuple[Any, int | None] | None, example_inp
         "such graph anew and starts its K/V caches afresh, and past "
         "torch._dynamo.config.recompile_limit graphs Dynamo runs the function eagerly, "
         f"unpipelined. {_advice(reason)} TORCH_LOGS=recompiles gives every reason")
+
+
+def _forget_if_reset(seen: dict[tuple, int], code: Any) -> None:
+    """Forget `code`'s graphs where Dynamo holds fewer than were counted: its caches were
+    reset since (`torch.compiler.reset()`), and the graphs it traces now are first ones."""
+    try:
+        cached = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code))
+    except Exception:  # a Dynamo internal: without it, a reset may read as a retrace
+        return
+    counted = [key for key in seen if key[0] is code]
+    if cached < sum(seen[key] for key in counted):
+        for key in counted:
+            del seen[key]
 
 
 # Functions whose graphs per state are documented: diffusers' step caches and hooks (a
