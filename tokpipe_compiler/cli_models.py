@@ -101,9 +101,17 @@ def _import(source: str):
         path = Path(source)
         if not path.is_file():
             raise SpecError(f"no file {source!r}")
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # as `python file.py` does: its imports beside it
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except ImportError as err:
+            raise SpecError(f"{source} failed to import {err.name or ''}: {err} (the "
+                            f"file's folder {folder} is on the path; set PYTHONPATH for "
+                            "modules elsewhere)") from err
         return module
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does: modules beside the user

@@ -58,6 +58,22 @@ def test_inspect_a_function_and_run_it(tmp_path, capsys, monkeypatch):
     assert main(["inspect", f"{tmp_path / 'my_models.py'}:tiny_dit", "--stages", "1"]) == 0
 
 
+def test_a_file_spec_imports_the_modules_beside_it(tmp_path, capsys, monkeypatch):
+    """As `python file.py` runs it: a model file that imports its neighbours, named by
+    path from another folder."""
+    import sys
+
+    (tmp_path / "my_models.py").write_text(MODULE)
+    (tmp_path / "spec.py").write_text("from my_models import tiny_dit\n")
+    (tmp_path / "broken.py").write_text("import no_such_neighbour_xyz\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder added is taken back
+    monkeypatch.chdir("/")
+    assert main(["inspect", f"{tmp_path / 'spec.py'}:tiny_dit", "--stages", "2"]) == 0
+    assert "2 stage(s)" in capsys.readouterr().out
+    assert main(["inspect", f"{tmp_path / 'broken.py'}:f"]) == 2
+    assert "failed to import no_such_neighbour_xyz" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("nocolon", "is not 'released:name', 'diffusers:ClassName' or 'module:function'"),
     ("diffusers:NoSuchModel", "diffusers has no model class 'NoSuchModel'"),
