@@ -239,7 +239,8 @@ class LazyProgram:
     def _plan(self, args: tuple) -> tuple[Plan | None, Any]:
         """The plan for these input shapes, or None where the graph runs unpipelined."""
         config = self.config_fn()
-        check_timestep_input(config.timestep_input, self.parameters)
+        check_timestep_input(config.timestep_input, self.parameters,
+                             [(source_name(n), argument_of(n)) for n in placeholders(self.gm)])
         if self.block is not None:
             return self._whole_model_only(config)
         gm, select = self.gm, None

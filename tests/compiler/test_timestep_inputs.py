@@ -41,6 +41,14 @@ class Unconditioned(TinyDiT):
         return super().forward(latents, torch.zeros(latents.shape[0]), labels)
 
 
+class DictDiT(TinyDiT):
+    """Takes its conditioning as a dict, as research code often does; its `self` named
+    otherwise."""
+
+    def forward(me, latents, cond):
+        return TinyDiT.forward(me, latents, cond["t"], cond["y"])
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
@@ -106,6 +114,36 @@ def test_a_misspelt_timestep_input_names_the_parameters():
     latents, t, labels = dit_inputs(model, 8)
     with pytest.raises(TokpipeError, match=r"timestep_input='sigmaa'.*'labels'.*'sigma'"):
         compiled(latents, t, labels)
+
+
+@pytest.mark.parametrize("options", [{}, {"timestep_input": "t"}])
+def test_a_timestep_in_a_dict_is_found_or_named_by_its_entry(options):
+    """Found by its entry's name (`cond["t"]`), or named so: each generation's first step
+    is a warmup for both branches, and the later steps are stale."""
+    model, compiled = compile_model(DictDiT, **options)
+    latents, _, labels = dit_inputs(model, 8)
+    errors = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in (900.0, 600.0):
+            for y in (labels, torch.full_like(labels, 9)):
+                cond = {"t": torch.full((1,), t), "y": y}
+                with torch.no_grad():
+                    errors.append(rel_error(compiled(latents, cond), model(latents, cond)))
+    assert max(errors[:2]) <= 1e-5 and min(errors[2:]) > 1e-4
+
+
+def test_a_timestep_input_naming_a_dict_names_its_entries():
+    model, compiled = compile_model(DictDiT, timestep_input="cond")
+    latents, t, labels = dit_inputs(model, 8)
+    with pytest.raises(TokpipeError, match=r"timestep_input='cond' names a parameter the "
+                                           r"model reads entries of .*\['t', 'y'\].*"
+                                           r"timestep_input='t'"):
+        compiled(latents, {"t": t, "y": labels})
+    torch._dynamo.reset()
+    model, compiled = compile_model(DictDiT, timestep_input="time")
+    with pytest.raises(TokpipeError, match=r"its parameters are \['cond', 'latents'\]$"):
+        compiled(latents, {"t": t, "y": labels})
 
 
 @pytest.mark.parametrize("choice", [-1, 1.5, True])

@@ -15,12 +15,24 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.programs.generations import timestep_names
 
 
-def check_timestep_input(choice: str | int | None, parameters: set[str]) -> None:
+def check_timestep_input(choice: str | int | None, parameters: set[str],
+                         inputs: list[tuple[str, str | int | None]] = ()) -> None:
     """Raises where the option `timestep_input` names no parameter of any function Dynamo
     traced for the model (`parameters`; "**" among them: any name may be one; a position
-    is one of a forward that takes *args)."""
-    if choice is None or isinstance(choice, int) or choice in parameters or \
-            "**" in parameters:
+    is one of a forward that takes *args), or names one the graph reads entries of (a
+    dict: the entry is the timestep). `inputs`: the graph's inputs, as (Dynamo source,
+    argument name)."""
+    if choice is None or isinstance(choice, int):
+        return
+    names = {name for _, name in inputs}
+    inside = [str(name) for source, name in inputs
+              if source.startswith(f"L[{choice!r}][") and name is not None]
+    if inside and choice not in names:
+        raise TokpipeError(
+            f"timestep_input={choice!r} names a parameter the model reads entries of (a "
+            f"dict or list; they reach the graph as {inside}): name the entry that holds "
+            f"the timestep, timestep_input={inside[0]!r} say")
+    if choice in parameters or choice in names or "**" in parameters:
         return
     raise TokpipeError(f"timestep_input={choice!r} names no parameter of the model's "
                        f"forward; its parameters are {sorted(parameters - {'self'})}")

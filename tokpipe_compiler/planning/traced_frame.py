@@ -27,8 +27,9 @@ def frame_parameters() -> frozenset[str] | None:
     names = set(code.co_varnames[:code.co_argcount + code.co_kwonlyargcount])
     if code.co_flags & inspect.CO_VARKEYWORDS:
         names.add("**")
-    module = local.get("self")
-    if isinstance(module, torch.nn.Module):
+    module = _module_self(code, local)
+    if module is not None:
+        names.discard(code.co_varnames[0])  # `self`, by whatever name
         # diffusers decorates forward as wrapper(self, *args, **kwargs): its signature
         # (functools.wraps) names the real parameters.
         names.discard("**")
@@ -49,8 +50,8 @@ def number_arguments() -> dict[str, int | float]:
     args, kwargs = local.get("args"), local.get("kwargs")
     kwargs = kwargs if isinstance(kwargs, dict) else {}
     found.update(kwargs)
-    module = local.get("self")
-    if isinstance(module, torch.nn.Module) and isinstance(args, tuple):
+    module = _module_self(code, local)
+    if module is not None and isinstance(args, tuple):
         # not the forward's own arguments (a resume function's): keep what is known
         with contextlib.suppress(TypeError, ValueError):
             found.update(inspect.signature(module.forward).bind_partial(*args, **kwargs)
@@ -69,6 +70,14 @@ def traced_function() -> tuple[Any, int | None] | None:
     code, local = frame
     owner = local.get("self")
     return code, None if owner is None else id(owner)
+
+
+def _module_self(code: Any, local: dict[str, Any]) -> torch.nn.Module | None:
+    """The module a traced method runs on: its first parameter's value, whatever the
+    parameter's name, where that is a module."""
+    first = code.co_varnames[0] if code.co_argcount else None
+    module = local.get(first) if first is not None else None
+    return module if isinstance(module, torch.nn.Module) else None
 
 
 def _frame() -> tuple[Any, dict[str, Any]] | None:
