@@ -355,7 +355,11 @@ def raise_unsupported(annotation: Annotation) -> None:
              for (what, why), count in list(places.items())[:5]]
     attention = any(word in target_name(node) for node in annotation.unsupported
                     for word in _ATTENTION_WORDS)
-    how = ("attention through F.scaled_dot_product_attention" if attention
+    sdpa = any("scaled_dot_product_attention" in target_name(node)
+               for node in annotation.unsupported)
+    how = ("keys and values from the queries' own tokens at their grid, or from inputs "
+           "that are not chunked, such as text" if sdpa
+           else "attention through F.scaled_dot_product_attention" if attention
            else "each token's output rows from its own input rows")
     fast_path = any(op in str(node.target) for node in annotation.unsupported
                     for op in _FAST_PATH_OPS)
@@ -365,8 +369,9 @@ def raise_unsupported(annotation: Annotation) -> None:
         + "\n".join(lines),
         f"\nWhat you can do: {_FAST_PATH_HINT if fast_path else ''}"
         "compute that part outside the compiled model, rewrite it "
-        f"token-wise ({how}), pass options={{'fallback': True}} to run this graph "
-        "unpipelined, or name another input with options={'token_input': ...}."
+        f"token-wise ({how}), use mode='sync' (stage after stage, no chunks: exact), "
+        "pass options={'fallback': True} to run this graph unpipelined, or name another "
+        "input with options={'token_input': ...}."
     )
 
 

@@ -249,3 +249,34 @@ def test_checkpointed_blocks_give_the_plain_models_stale_steps():
     for with_checkpoints, without in zip(*results, strict=True):
         assert torch.equal(with_checkpoints, without)
 
+
+
+class CompressedKeys(nn.Module):
+    """PixArt-Sigma's key/value compression: keys and values from a stride-2 convolution
+    of the token grid, a quarter of the queries' tokens."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.embed, self.out = nn.Conv2d(4, width, 2, 2), nn.Linear(width, 16)
+        self.q, self.kv = nn.Linear(width, width), nn.Linear(width, 2 * width)
+        self.pool = nn.Conv2d(width, width, 2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grid = self.embed(x)
+        h = grid.flatten(2).transpose(1, 2)
+        k, v = self.kv(self.pool(grid).flatten(2).transpose(1, 2)).chunk(2, dim=-1)
+        h = h + F.scaled_dot_product_attention(self.q(h)[:, None], k[:, None], v[:, None])[:, 0]
+        return unpatchify(self.out(h), (x.shape[2] // 2, x.shape[3] // 2), 4)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_attention_over_compressed_keys_runs_in_sync_and_says_how_otherwise():
+    """The refusal's advice fits the attention it refuses: it is sdpa already."""
+    torch.manual_seed(0)
+    model, x = CompressedKeys().eval(), torch.randn(1, 4, 16, 16)
+    assert_equivalent(model, (x,), stages=2, mode="sync")
+    with pytest.raises(TokpipeError) as refused:
+        assert_equivalent(model, (x,), stages=2, chunks=2, mode="stale")
+    advice = str(refused.value).split("What you can do:")[1]
+    assert "keys and values from the queries' own tokens" in advice
+    assert "mode='sync'" in advice and "through F.scaled_dot_product_attention" not in advice
