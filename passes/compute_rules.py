@@ -224,6 +224,88 @@ def conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list
     return list(value) if isinstance(value, (tuple, list)) else [value] * dims
 
 
+# -- pooling and nearest resampling (an hourglass's token merge and split) ---------------------
+
+# op -> (spatial dims, name): F.max_pool*d are boolean_dispatch wrappers named "fn"
+_POOLS = {op: (int(name[-2]), name) for name in
+          ("avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d")
+          for op in [getattr(F, name)]}
+
+
+@register(*_POOLS)
+def pool(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """A pooling whose windows tile the token axis (kernel == stride, no padding, dilation
+    1): each band of `stride` rows becomes one row, as with a patchify convolution."""
+    src, info = first_token(node, ctx)
+    dims, name = _POOLS[node.target]
+    is_max = name.startswith("max")
+    spatial = _resampled_axis(info, len(node_shape(src)), dims)
+    if not isinstance(spatial, int):
+        return spatial
+    kernel = _per_dim(arg(node, 1, "kernel_size"), dims)[spatial]
+    stride = _per_dim(arg(node, 2, "stride") or kernel, dims)[spatial]
+    padding = _per_dim(arg(node, 3, "padding", 0), dims)[spatial]
+    dilation = _per_dim(arg(node, 4, "dilation", 1), dims)[spatial] if is_max else 1
+    if is_max and arg(node, 6, "return_indices", False):
+        return unsupported(f"{name} returns indices into the whole grid")
+    if kernel != stride or padding != 0 or dilation != 1:
+        return unsupported(f"{name} with kernel {kernel}, stride {stride}, "
+                           f"padding {padding} along the token axis reaches across chunk "
+                           "rows (chunked: kernel == stride, no padding)")
+    return _resampled(name, info, Fraction(1, kernel), node_shape(src))
+
+
+@register(F.interpolate)
+def interpolate(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """Nearest resampling by a whole factor along the token axis: each row becomes r rows
+    (an upsample, as pixel_shuffle), or every r-th row is kept (a downsample)."""
+    src, info = first_token(node, ctx)
+    shape = node_shape(src)
+    dims = len(shape) - 2
+    spatial = _resampled_axis(info, len(shape), dims)
+    if not isinstance(spatial, int):
+        return spatial
+    mode, scale = arg(node, 3, "mode", "nearest"), arg(node, 2, "scale_factor")
+    if mode not in ("nearest", "nearest-exact"):
+        return unsupported(f"interpolate(mode={mode!r}) blends neighbouring rows, across "
+                           "chunk edges along the token axis (chunked: mode='nearest')")
+    if scale is None:
+        return unsupported("interpolate(size=...) along the token axis gives the whole "
+                           "grid's size; pass scale_factor= to resample each chunk")
+    factor = float(_per_dim(scale, dims)[spatial])
+    ratio = Fraction(int(factor)) if factor >= 1 and factor.is_integer() else \
+        Fraction(1, int(1 / factor)) if 0 < factor < 1 and (1 / factor).is_integer() else None
+    if ratio is None:
+        return unsupported(f"interpolate by {factor} along the token axis maps rows "
+                           "across chunk edges (chunked: a whole factor or its inverse)")
+    return _resampled("interpolate", info, ratio, shape)
+
+
+def _resampled_axis(info: TokenInfo, rank: int, dims: int) -> TokenInfo | int:
+    """The token axis among a pooling's or resampling's `dims` spatial axes, or the
+    info to return where it is none of them (a batch axis: handed on; channels: refused)."""
+    spatial = info.axis - (rank - dims)
+    if spatial >= 0 and not info.segmented:
+        return spatial
+    if info.axis < rank - dims - 1:
+        return info
+    return unsupported("pooling or resampling over the token axis as channels")
+
+
+def _resampled(name: str, info: TokenInfo, ratio: Fraction, shape: torch.Size) -> TokenInfo:
+    """`info` with each unit's rows scaled by `ratio` (whole segments scaled alike)."""
+    sizes = (info.lead, info.trail, shape[info.axis] // info.outer)
+    if any((size * ratio).denominator != 1 for size in sizes):
+        return unsupported(f"{name} takes bands of rows across the edge of a whole "
+                           "segment (a class or text token) or of an outer block")
+    return replace(info, per_unit=info.per_unit * ratio, lead=int(info.lead * ratio),
+                   trail=int(info.trail * ratio))
+
+
+def _per_dim(value: Any, dims: int) -> list[Any]:
+    return list(value) if isinstance(value, (tuple, list)) else [value] * dims
+
+
 # -- unfold (patch embedding) ------------------------------------------------------------------
 
 _PATCHIFY = "chunked: kernel == stride, no padding, dilation 1; or patchify by view/reshape"

@@ -8,6 +8,7 @@ Tolerance: float32, max |pipelined - eager| <= 1e-5 * max |eager| (assert_equiva
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -280,3 +281,67 @@ def test_attention_over_compressed_keys_runs_in_sync_and_says_how_otherwise():
     advice = str(refused.value).split("What you can do:")[1]
     assert "keys and values from the queries' own tokens" in advice
     assert "mode='sync'" in advice and "through F.scaled_dot_product_attention" not in advice
+
+
+class Hourglass(nn.Module):
+    """Tokens merged 2x2 by a pooling, attention at the low resolution, split back by a
+    nearest upsampling (`down`, `up`: the ops spelt as the model spells them)."""
+
+    def __init__(self, down: str = "avg", up: str = "interpolate", width: int = 32):
+        super().__init__()
+        self.down, self.up = down, up
+        self.embed, self.out = nn.Conv2d(4, width, 2, 2), nn.Linear(width, 16)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.upsample = nn.Upsample(scale_factor=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grid = self.embed(x)
+        low = F.avg_pool2d(grid, 2) if self.down == "avg" else F.max_pool2d(grid, (2, 2))
+        h, w = low.shape[2:]
+        q, k, v = self.qkv(low.flatten(2).transpose(1, 2)).unflatten(-1, (3, 2, -1)).permute(
+            2, 0, 3, 1, 4)
+        a = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+        a = a.transpose(1, 2).unflatten(2, (h, w))
+        up = self.upsample(a) if self.up == "module" else \
+            F.interpolate(a, scale_factor=2, mode=self.up.split(":")[-1] or "nearest")
+        tokens = (grid + up).flatten(2).transpose(1, 2)
+        return unpatchify(self.out(tokens), (x.shape[2] // 2, x.shape[3] // 2), 4)
+
+
+@pytest.mark.filterwarnings("ignore:tokpipe. mode=.stale. found no timestep")
+@pytest.mark.parametrize(("down", "up"), [("avg", "interpolate:"), ("max", "module"),
+                                          ("avg", "interpolate:nearest-exact")])
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_an_hourglass_of_pooling_and_nearest_upsampling_is_pipelined(down, up, mode):
+    """avg_pool2d and max_pool2d with kernel == stride merge bands of rows as a patchify
+    convolution does; a nearest upsampling splits them as pixel_shuffle does."""
+    torch.manual_seed(0)
+    assert_equivalent(Hourglass(down, up).eval(), (torch.randn(1, 4, 32, 16),), stages=2,
+                      chunks=4, mode=mode)
+
+
+@pytest.mark.parametrize(("spelling", "why"), [
+    ("bilinear", "interpolate(mode='bilinear') blends neighbouring rows"),
+    ("size", "interpolate(size=...) along the token axis"),
+    ("overlapping", "avg_pool2d with kernel 3, stride 2, padding 1"),
+])
+def test_resampling_across_chunk_rows_is_refused_with_its_reason(spelling, why):
+    class Resampled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.out = nn.Conv2d(4, 16, 2, 2), nn.Linear(16, 16)
+
+        def forward(self, x):
+            grid = self.embed(x)
+            if spelling == "bilinear":
+                grid = F.interpolate(F.avg_pool2d(grid, 2), scale_factor=2, mode="bilinear")
+            elif spelling == "size":
+                grid = F.interpolate(F.avg_pool2d(grid, 2), size=grid.shape[2:])
+            else:
+                grid = F.interpolate(F.avg_pool2d(grid, 3, 2, 1), scale_factor=2)
+            tokens = grid.flatten(2).transpose(1, 2)
+            return unpatchify(self.out(tokens), (x.shape[2] // 2, x.shape[3] // 2), 4)
+
+    with pytest.raises(TokpipeError, match=re.escape(why)):
+        assert_equivalent(Resampled().eval(), (torch.randn(1, 4, 16, 16),), stages=2,
+                          chunks=2, mode="stale")
