@@ -46,8 +46,9 @@ class StagePlan:
 
     @property
     def code(self) -> str:
-        """The stage graph as Python source (at full sequence length)."""
-        return self.graph.gm.code
+        """The stage graph as Python, with each value's shape and the model's source line:
+        the whole sequence's shapes (each chunk runs the graph at its own length)."""
+        return self.graph.gm.print_readable(print_output=False)
 
     @property
     def kv_cache_bytes(self) -> int:
