@@ -22,10 +22,11 @@ _WRAPPERS = tuple(
 def inline_wrapped_bodies(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """`gm` with every wrapper call whose results are only indexed replaced by its body,
     nested ones too; others are left as they are (the planner then names them)."""
+    inlined = False
     while any(_inline(gm, node) for node in list(gm.graph.nodes) if _is_wrapper(node)):
-        pass
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+        inlined = True
+    if inlined:  # the graph as Dynamo made it otherwise (its dead in-place ops kept)
+        gm.recompile()
     return gm
 
 
