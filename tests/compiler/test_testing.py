@@ -45,10 +45,16 @@ def test_passes_on_correct_pipelines(opts):
     assert report.checks and report.max_relative_error <= 1e-5
     names = [c.name for c in report.checks]
     if opts["mode"] == "sync":
-        assert names == ["exact mode", "exact mode, caches reused"]
+        assert names == ["exact mode", "exact mode, caches reused", "exact mode, another input",
+                         "exact mode, the given input after another"]
+        assert {c.chunks for c in report.checks} == {1}  # sync runs the whole sequence
     else:
         assert "stale mode, repeated input" in names
-        assert names[-1] == "stale mode, given input after another's K/V"
+        assert "stale mode, given input after another's K/V" in names
+        branches = [c for c in report.checks if "guidance branch" in c.name]
+        steps = opts.get("warmup_steps", 1) + 2
+        assert len(branches) == 2 * steps and branches[-1].chunks == opts["chunks"]
+        assert report.chunked
 
 
 def test_catches_caches_that_stop_following_the_calls(monkeypatch):
@@ -98,7 +104,42 @@ def test_passes_on_causal():
     model = TinyCausalLM(depth=2, width=32, heads=2).eval()
     report = assert_equivalent(model, (torch.randn(1, 12, 32),), stages=2, chunks=5,
                                mode="causal")
-    assert [c.call for c in report.checks] == [1, 2]
+    assert [c.call for c in report.checks] == [1, 2, 3, 4]
+    assert {c.chunks for c in report.checks} == {5}  # causal chunks every call
+
+
+def test_catches_a_program_that_keeps_its_first_calls_inputs(monkeypatch):
+    """Exact modes: a program that reads the first call's inputs at every call (a static
+    input buffer never refreshed, say) equals eager on that input repeated; the second
+    input shows it."""
+    original = pipelined.PipelinedProgram._call_env
+    first: dict = {}
+
+    def stuck(self, args):
+        return first.setdefault(id(self), original(self, args))
+
+    monkeypatch.setattr(pipelined.PipelinedProgram, "_call_env", stuck)
+    torch.manual_seed(0)
+    model = TinyCausalLM(depth=2, width=32, heads=2).eval()
+    with pytest.raises(NotEquivalent) as info:
+        assert_equivalent(model, (torch.randn(1, 12, 32),), stages=2, chunks=4, mode="causal")
+    assert info.value.check.name == "exact mode, another input"
+
+
+def test_catches_guidance_branches_that_share_caches(monkeypatch):
+    """Stale mode: two calls of a step at one timestep with other inputs are two guidance
+    branches, each with caches of its own. Taken for one branch, each reads the other's
+    K/V; every single-branch check still passes."""
+    from tokpipe_compiler.programs import generations
+
+    original = generations.StepClock.tick
+    monkeypatch.setattr(generations.StepClock, "tick", lambda self, args: dataclasses.replace(
+        original(self, args), branch=0))
+    model, args = dit()
+    with pytest.raises(NotEquivalent, match="guidance branches differ from each branch run "
+                                            "alone") as info:
+        assert_equivalent(model, args, stages=2, chunks=4, mode="stale")
+    assert "guidance branch" in info.value.check.name
 
 
 def test_names_the_stage_and_chunk_of_an_offset_bug(monkeypatch):

@@ -127,6 +127,7 @@ class PipelinedProgram:
         self.branches: dict[int, KVCaches] = {}  # guidance branch -> its K/V caches
         self.released: Released | None = None  # the last generation's, once freed
         self.branch = 0
+        self.last_chunk_count: int | None = None  # chunks the last call ran as
         arguments = input_arguments(plan)
         self.clock = StepClock(timestep_index(arguments, plan.config.timestep_input),
                                [i for i, name in enumerate(arguments) if name is not None])
@@ -222,6 +223,7 @@ class PipelinedProgram:
 
         with torch.no_grad():
             chunks = self._step_chunks(tick.step)
+            self.last_chunk_count = len(chunks)  # how the last call ran (testing reads it)
             values = self._run(env_for, chunks)
             outputs = self._assemble(values, chunks, env_for, step=0)
         self._run_ends()

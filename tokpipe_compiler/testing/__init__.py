@@ -2,8 +2,9 @@
 
     from tokpipe_compiler.testing import assert_equivalent, latents_like, options
 
-`assert_equivalent` and its report types live in `equivalence`, where a run first goes wrong
-in `locate`, hypothesis strategies in `strategies` (imported on first use: hypothesis is a
+`assert_equivalent` lives in `equivalence`, its report types in `checks`, the inputs it
+makes in `inputs`, its check of guidance branches in `branches`, where a run first goes
+wrong in `locate`, hypothesis strategies in `strategies` (imported on first use: hypothesis is a
 test-only dependency).
 """
 
@@ -11,13 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokpipe_compiler.testing.equivalence import (
-    Check,
-    NotEquivalent,
-    Report,
-    Where,
-    assert_equivalent,
-)
+from tokpipe_compiler.testing.checks import Check, NotEquivalent, Report
+from tokpipe_compiler.testing.equivalence import Where, assert_equivalent
 
 __all__ = ["Check", "NotEquivalent", "Report", "Where", "assert_equivalent", "latents_like",
            "options"]
