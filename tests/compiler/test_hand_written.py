@@ -252,6 +252,9 @@ def test_checkpointed_blocks_give_the_plain_models_stale_steps():
 
 
 
+LIBRARY = torch.library.Library("tokpipetest", "FRAGMENT")  # a user's custom ops
+
+
 class CompressedKeys(nn.Module):
     """PixArt-Sigma's key/value compression: keys and values from a stride-2 convolution
     of the token grid, a quarter of the queries' tokens."""
@@ -345,3 +348,27 @@ def test_resampling_across_chunk_rows_is_refused_with_its_reason(spelling, why):
     with pytest.raises(TokpipeError, match=re.escape(why)):
         assert_equivalent(Resampled().eval(), (torch.randn(1, 4, 16, 16),), stages=2,
                           chunks=2, mode="stale")
+
+
+@pytest.mark.parametrize("overload", [False, True])
+def test_a_custom_op_without_a_token_rule_is_named_by_its_qualified_name(overload):
+    """A torch.library op the compiler has no rule for is refused by its own name, not
+    its overload's ('default')."""
+    if not hasattr(torch.ops.tokpipetest, "shift"):
+        LIBRARY.define("shift(Tensor x) -> Tensor")
+        LIBRARY.impl("shift", lambda x: torch.roll(x, 1, dims=1), "CompositeExplicitAutograd")
+        LIBRARY.impl("shift", lambda x: torch.empty_like(x), "Meta")
+    shift = torch.ops.tokpipetest.shift.default if overload else torch.ops.tokpipetest.shift
+
+    class Shifts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.out = nn.Conv2d(4, 16, 2, 2), nn.Linear(16, 16)
+
+        def forward(self, x):
+            tokens = shift(self.embed(x).flatten(2).transpose(1, 2))
+            return unpatchify(self.out(tokens), (x.shape[2] // 2, x.shape[3] // 2), 4)
+
+    with pytest.raises(TokpipeError, match=r"tokpipetest::shift\(\(1, 16, 16\)\)"):
+        assert_equivalent(Shifts().eval(), (torch.randn(1, 4, 8, 8),), stages=2, chunks=2,
+                          mode="stale")

@@ -118,6 +118,10 @@ def target_name(node: torch.fx.Node) -> str:
         return str(node.target)
     if node.op == "call_module":
         return f"module {node.target}"
+    if isinstance(node.target, torch._ops.OpOverload):  # 'mylib::shift', 'add.Tensor'
+        return node.target.name().removeprefix("aten::").removesuffix(".default")
+    if isinstance(node.target, torch._ops.OpOverloadPacket):
+        return node.target._qualified_op_name.removeprefix("aten::")
     name = getattr(node.target, "__name__", str(node.target))
     return name.rsplit(".", 1)[-1]
 
