@@ -193,7 +193,17 @@ CAUSAL = TinyCausalLM(depth=1, width=16, heads=1).eval()
 @settings(max_examples=10, deadline=None)
 @given(opts=options(CAUSAL, (torch.zeros(1, 3, 16),), max_chunks=8))
 def test_options_respect_the_model(opts):
-    assert 1 <= opts["chunks"] <= 3 and opts["mode"] in ("stale", "causal", "sync")
+    """And pipeline: two chunks at least (the model has three rows) and two stages."""
+    assert 2 <= opts["chunks"] <= 3 and opts["mode"] in ("stale", "causal", "sync")
+    assert opts["stages"] >= 2
+
+
+def test_options_shrink_to_a_chunked_mode():
+    from hypothesis import find
+
+    model, args = dit()
+    smallest = find(options(model, args), lambda opts: True)
+    assert smallest["mode"] != "sync" and smallest["chunks"] == 2 and smallest["stages"] == 2
 
 
 @pytest.mark.filterwarnings("ignore:tokpipe.*cannot be balanced")

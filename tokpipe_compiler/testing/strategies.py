@@ -119,16 +119,20 @@ def options(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     """Backend options valid for `model(*args, **kwargs)`: stages the graph can be cut
     into with work for each, chunks no more than its token rows, modes it supports (causal
     only where it runs on the given inputs: attention causal, or masked to hide later
-    keys), warmup_steps 0 or 1."""
+    keys), warmup_steps 0 or 1. Drawn to pipeline: two stages and two chunks at least
+    where the model allows them (one chunk is the whole sequence, which sync mode runs
+    anyway), and the chunked modes first, which is where hypothesis shrinks to."""
     facts = model_facts(model, args, kwargs)
     allowed = [m for m in (modes or MODES) if m in facts.modes]
     if not allowed:
         raise ValueError(f"none of modes {list(modes or MODES)} suits this model "
                          f"(it supports {list(facts.modes)})")
+    most_stages = facts.max_stages(max_stages)
+    most_chunks = max(1, min(max_chunks, facts.units))
     return st.fixed_dictionaries({
-        "stages": st.integers(1, facts.max_stages(max_stages)),
-        "chunks": st.integers(1, max(1, min(max_chunks, facts.units))),
-        "mode": st.sampled_from(allowed),
+        "stages": st.integers(min(2, most_stages), most_stages),
+        "chunks": st.integers(min(2, most_chunks), most_chunks),
+        "mode": st.sampled_from(sorted(allowed, key=lambda m: m == "sync")),
         "warmup_steps": st.integers(0, 1),
     })
 
