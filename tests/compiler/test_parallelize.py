@@ -333,6 +333,49 @@ def test_a_call_cfg_parallelism_cannot_split_runs_whole_with_a_warning(make, why
     assert rel_error(whole, serial) <= 1e-5
 
 
+@pytest.mark.parametrize("options", [{"eta": 0.5}, {}])
+def test_a_step_option_the_ring_cannot_replay_runs_per_call(options):
+    """DDIM's eta > 0 reaches the scheduler through the pipeline's call (it draws noise at
+    each step): the generation runs per call, says why, and equals the serial pipeline;
+    eta at its default runs the ring."""
+    from diffusers import DDIMScheduler
+
+    def make():
+        pipe, kwargs = pixart_alpha()
+        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, clip_sample=False)
+        return pipe, {**kwargs, **options}
+
+    serial = generate(*make(), steps=3)
+    pipe, kwargs = parallelized(make, mode="sync")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latents = generate(pipe, kwargs, steps=3)
+    said = [str(w.message) for w in caught if "runs per call" in str(w.message)]
+    assert rel_error(latents, serial) <= 1e-5
+    if options:
+        assert said and "DDIMScheduler.step is called with eta=0.5" in said[0]
+    else:
+        assert not said
+
+
+def test_a_per_call_generation_after_a_ring_warns_again():
+    """A server swapping schedulers: each generation that runs per call after one that ran
+    as a ring says why, though the reason is the one said before."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    pipe, kwargs = parallelized(pixart_alpha, mode="sync")
+    config = pipe.scheduler.config
+    said = []
+    for algorithm in ("sde-dpmsolver++", "sde-dpmsolver++", "dpmsolver++", "sde-dpmsolver++"):
+        pipe.scheduler = DPMSolverMultistepScheduler.from_config(config,
+                                                                 algorithm_type=algorithm)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            generate(pipe, kwargs, steps=2)
+        said.append(any("runs per call" in str(w.message) for w in caught))
+    assert said == [True, False, False, True]  # the second: said already, no ring between
+
+
 def test_a_guided_call_after_an_unguided_one_runs_the_ring():
     make = FAMILIES["dit"]
     serial = generate(*make(), steps=3)

@@ -298,7 +298,10 @@ UNSUPPORTED = [
     (lambda: FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), "use_dynamic_shifting"),
     # steps that draw noise, found by the replay
     (EulerAncestralDiscreteScheduler, "EulerAncestralDiscreteScheduler.*not linear"),
-    (DDPMScheduler, "DDPMScheduler.*not linear"),
+    # its default clip_sample=True, and with clip_sample=False it still draws noise
+    (DDPMScheduler, "clip_sample=True is not supported.*but not with that either: ring mode "
+                    "has no token-wise update for DDPMScheduler.*not linear"),
+    (lambda: DDPMScheduler(clip_sample=False), "DDPMScheduler.*not linear"),
     (RollingScheduler, "RollingScheduler.*not linear per token"),
     # diffusers' own step divides by the final sigma of zero
     (lambda: UniPCMultistepScheduler(solver_type="bh1"), "UniPCMultistepScheduler.*NaN"),
@@ -313,6 +316,14 @@ def test_unsupported_configs_name_the_option(make_scheduler: Callable[[], object
         step_table(make_scheduler(), 10)
     message = str(info.value)
     assert "supported" in message and "\n" not in message
+
+
+def test_an_option_a_ring_could_take_otherwise_names_that_alone():
+    """DDIM with clip_sample=True runs as a ring with clip_sample=False: the message says
+    just that (DDPM's goes on to say why it would not)."""
+    with pytest.raises(ValueError) as info:
+        step_table(DDIMScheduler(), 10)
+    assert str(info.value).endswith("supported: clip_sample=False")
 
 
 @pytest.mark.parametrize("name", ["euler-eps", "dpm-eps", "unipc-eps", "flow"])

@@ -66,6 +66,7 @@ from tokpipe_compiler.pipelines.scheduler_route import (
     prev_sample,
     route,
     step_arguments,
+    step_option_reasons,
     with_sample,
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable
@@ -156,6 +157,8 @@ class RingCalls:
             yield kwargs
         finally:
             self.generation = None
+        if gen.ring:  # a per-call generation after this ring says so again
+            self.warned.clear()
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -208,7 +211,8 @@ class RingCalls:
             return original(*args, **kwargs)
         noise_pred, t, sample = step_arguments(original, args, kwargs)
         if gen.step == gen.begin:
-            reasons = self._follow_first_timestep(gen, t) if gen.step == 0 else []
+            reasons = [*self._follow_first_timestep(gen, t),
+                       *step_option_reasons(original, args, kwargs)] if gen.step == 0 else []
             self._identify(gen, noise_pred, sample, t)
             try:
                 if reasons:

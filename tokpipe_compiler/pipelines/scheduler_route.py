@@ -59,6 +59,42 @@ def step_arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> t
     return bound["model_output"], bound["timestep"], bound["sample"]
 
 
+# What a pipeline hands `step` besides the step's values: none changes the update.
+_PASSED_THROUGH = ("model_output", "timestep", "sample", "return_dict", "generator")
+
+
+def step_option_reasons(original: Callable[..., Any], args: tuple, kwargs: dict) -> list[str]:
+    """Why the ring cannot replay these `step` calls: an option set to other than its
+    default (DDIM's eta=0.5, which draws noise; Euler's s_churn), where the ring's step
+    table was read off the scheduler's step with its defaults."""
+    parameters = inspect.signature(original).parameters
+    bound = inspect.signature(original).bind(*args, **kwargs).arguments
+    changed = [f"{name}={_shown(value)}" for name, value in bound.items()
+               if name not in _PASSED_THROUGH and name in parameters
+               and parameters[name].default is not inspect.Parameter.empty
+               and parameters[name].kind is not inspect.Parameter.VAR_KEYWORD
+               and not _same_value(value, parameters[name].default)]
+    if not changed:
+        return []
+    owner = getattr(original, "__self__", None)
+    name = type(owner).__name__ if owner is not None else "the scheduler"
+    return [f"{name}.step is called with {', '.join(changed)} (not its default), and ring "
+            "mode replays the step with its defaults"]
+
+
+def _same_value(value: Any, default: Any) -> bool:
+    if isinstance(value, torch.Tensor) or isinstance(default, torch.Tensor):
+        return value is default
+    try:
+        return bool(value == default)
+    except Exception:  # a value that does not compare: take it for changed
+        return False
+
+
+def _shown(value: Any) -> str:
+    return f"a {tuple(value.shape)} tensor" if isinstance(value, torch.Tensor) else repr(value)
+
+
 def with_sample(output: Any, sample: torch.Tensor) -> Any:
     """The scheduler's step output with `sample` as its previous sample, in the dtype the
     scheduler's own step returns (flow-matching steps cast to the prediction's: CogView4

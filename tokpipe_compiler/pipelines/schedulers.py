@@ -67,15 +67,24 @@ VERIFIED = (
 )
 
 # Config values whose step is not token-wise linear: (option, bad values, why, what works).
+# (option, values a ring cannot take, why, what it can take, one value it can take)
 NONLINEAR_OPTIONS = (
-    ("thresholding", (True,), "it takes a quantile over all tokens", "False"),
-    ("clip_sample", (True,), "clamping x0 is not linear", "False"),
-    ("stochastic_sampling", (True,), "it draws fresh noise every step", "False"),
+    ("thresholding", (True,), "it takes a quantile over all tokens", "False", False),
+    ("clip_sample", (True,), "clamping x0 is not linear", "False", False),
+    ("stochastic_sampling", (True,), "it draws fresh noise every step", "False", False),
     ("algorithm_type", ("sde-dpmsolver", "sde-dpmsolver++"), "it draws fresh noise every step",
-     "'dpmsolver++' or 'dpmsolver'"),
+     "'dpmsolver++' or 'dpmsolver'", "dpmsolver++"),
     ("variance_type", ("learned", "learned_range"),
-     "the model output's extra channels are a variance", "None"),
+     "the model output's extra channels are a variance", "None", None),
 )
+
+
+class UnsupportedOption(ValueError):
+    """A scheduler option a ring cannot take; `allowed`: the config with one it can."""
+
+    def __init__(self, message: str, allowed: dict[str, Any]):
+        super().__init__(message)
+        self.allowed = allowed
 
 
 
@@ -140,7 +149,12 @@ def step_table(scheduler: Any, num_inference_steps: int | None = None, device: A
     and the global RNG are not touched. Raises ValueError, one sentence naming the scheduler
     (and option), for a scheduler or config whose step is not token-wise linear.
     """
-    _check_config(scheduler, set_timesteps_kwargs)
+    try:
+        _check_config(scheduler, set_timesteps_kwargs)
+    except UnsupportedOption as err:
+        otherwise = _unsupported_otherwise(scheduler, err, num_inference_steps, begin_index,
+                                           set_timesteps_kwargs)
+        raise ValueError(f"{err}{otherwise}") from None
     args = (num_inference_steps, begin_index, set_timesteps_kwargs)
     # Some steps draw noise they then scale by zero (Euler without churn): keep the user's RNG.
     with torch.random.fork_rng(devices=[]):
@@ -197,11 +211,12 @@ def _check_config(scheduler: Any, kwargs: dict[str, Any]) -> None:
     config = getattr(scheduler, "config", None)
     if config is None or not callable(getattr(scheduler, "step", None)):
         raise unsupported(scheduler, "it is not a diffusers scheduler")
-    for option, bad, why, ok in NONLINEAR_OPTIONS:
+    for option, bad, why, ok, ok_value in NONLINEAR_OPTIONS:
         value = config.get(option)
         if value in bad and _reads(scheduler, option):
-            raise ValueError(f"{name} option {option}={value!r} is not supported in ring mode "
-                             f"({why}); supported: {option}={ok}")
+            raise UnsupportedOption(f"{name} option {option}={value!r} is not supported in "
+                                    f"ring mode ({why}); supported: {option}={ok}",
+                                    {option: ok_value})
     if getattr(scheduler, "solver_p", None) is not None:
         raise ValueError(f"{name} option solver_p is not supported in ring mode (its state "
                          "lives in another scheduler); supported: solver_p=None")
@@ -209,6 +224,20 @@ def _check_config(scheduler: Any, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"{name} option use_dynamic_shifting=True is supported in ring mode "
                          "with the pipeline's mu (from the image sequence length): pass "
                          "step_table(..., mu=mu)")
+
+
+def _unsupported_otherwise(scheduler: Any, err: UnsupportedOption, *args: Any) -> str:
+    """Why a ring cannot take `scheduler` with the option `err` names set as a ring needs
+    it (DDPM draws noise whatever its clip_sample), as the end of `err`'s message; ''
+    where it can."""
+    try:
+        allowed = type(scheduler).from_config(scheduler.config, **err.allowed)
+        if any(allowed.config.get(option) != value for option, value in err.allowed.items()):
+            return ""  # the option did not take: nothing more is known
+        step_table(allowed, args[0], begin_index=args[1], **args[2])
+    except Exception as other:  # any reason it fails is the user's next one
+        return f"; but not with that either: {other}"
+    return ""
 
 
 def _reads(scheduler: Any, option: str) -> bool:
