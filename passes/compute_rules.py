@@ -226,7 +226,7 @@ def conv_param(node: torch.fx.Node, position: int, name: str, dims: int) -> list
 
 # -- pooling and nearest resampling (an hourglass's token merge and split) ---------------------
 
-# op -> (spatial dims, name): F.max_pool*d are boolean_dispatch wrappers named "fn"
+# op -> (spatial dims, name)
 _POOLS = {op: (int(name[-2]), name) for name in
           ("avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d")
           for op in [getattr(F, name)]}
@@ -285,8 +285,10 @@ def _resampled_axis(info: TokenInfo, rank: int, dims: int) -> TokenInfo | int:
     """The token axis among a pooling's or resampling's `dims` spatial axes, or the
     info to return where it is none of them (a batch axis: handed on; channels: refused)."""
     spatial = info.axis - (rank - dims)
-    if spatial >= 0 and not info.segmented:
-        return spatial
+    if spatial >= 0:
+        return spatial if not info.segmented else unsupported(
+            "pooling or resampling of a token axis that joins other segments (text) to "
+            "the grid")
     if info.axis < rank - dims - 1:
         return info
     return unsupported("pooling or resampling over the token axis as channels")
