@@ -9,7 +9,8 @@ the next step while later chunks of this step are still in flight (PipeFusion's 
     (latents,) = ring.run({"latents": x, "labels": y}, per_step={"t": timesteps})
 
 The numbers equal the per-call loop `for k: latents = compiled(latents, t[k], ...)` with the
-same options: every K/V has the same freshness in both.
+same options where a step's model calls share one timestep: every K/V has the same
+freshness in both.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import torch
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.autocast import autocast_state
-from tokpipe_compiler.core.errors import OneUnitGrid, TokpipeError
+from tokpipe_compiler.core.errors import OneUnitGrid, TokpipeError, user_line
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.free_values import free_values
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.traced_modules import TracedModules
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
@@ -55,6 +57,12 @@ class Ring:
         self.follow_modules = follow_modules
         self.carry = _carry_names(carry)
         self.group = group
+        if options.get("fallback"):
+            raise TokpipeError("Ring: fallback=True does not apply to a ring, which runs the "
+                               "whole loop pipelined or not at all; to run a step the "
+                               "compiler cannot pipeline, call it per step, unpipelined "
+                               "(torch.compile(step, backend='tokpipe', "
+                               "options={'fallback': True}) or eagerly)")
         self.config = Config.from_options({"token_input": self.carry[0], **options})
         if self.config.mode == "stale" and self.config.warmup_steps < 1:
             raise ValueError("ring mode in 'stale' needs option 'warmup_steps' >= 1, got 0: "
@@ -139,11 +147,12 @@ class Ring:
         """The program for these inputs' shapes and dtypes, traced once; with chunks="auto",
         planned for this generation's ring steps (planning once per step count), a new
         program only where the chosen chunks differ."""
-        signature = _signature(values)
+        signature = (*_signature(values), *free_values(self.step_fn))
         if self.follow_modules:
             self._follow_the_modules(signature, values)
         if signature not in self._traces:
             self._traces[signature] = trace_step(self.step_fn, values)
+            self._warn_of_writes(self._traces[signature])
             if self.follow_modules:
                 self._modules[signature] = TracedModules(self.step_fn,
                                                          self._traces[signature].gm, values)
@@ -169,6 +178,17 @@ class Ring:
             for table in (self._traces, self._chosen, self._programs, self._modules):
                 table.clear()
 
+    def _warn_of_writes(self, traced: Captured) -> None:
+        """A step that writes Python state (a counter on a module, a global, a list) has
+        those writes replayed by Dynamo after each call of its graph; a ring runs the
+        graph alone, every step with the values the first trace saw."""
+        if traced.mutations and self.follow_modules:  # parallelize's own step writes none
+            warn(f"tokpipe: Ring: the step function writes Python state "
+                 f"({', '.join(traced.mutations)}), which a ring does not replay: every step "
+                 "runs with the values it had when traced, and the writes are lost. Keep "
+                 "the step free of such writes: pass what changes per step in per_step, "
+                 "and carry what a step hands the next")
+
     def _args(self, values: dict[str, Any], per_step: dict[str, torch.Tensor], k: int) -> tuple:
         current = {**values, **{name: v[k] for name, v in per_step.items()}}
         return tuple(self._traced.with_arguments(current, strict=False))
@@ -176,9 +196,12 @@ class Ring:
     def _carried_outputs(self, program) -> dict[str, str]:
         """Placeholder name of each carried input -> name of the output value it becomes."""
         outputs = program.plan.graphs.outputs
-        if len(outputs) < len(self.carry):
+        if len(outputs) != len(self.carry):
             raise TokpipeError(f"the step function returns {len(outputs)} values but "
-                               f"carry names {len(self.carry)}")
+                               f"carry names {len(self.carry)}: the ring feeds each output "
+                               "back as the carried input of its place and returns those; "
+                               "name every output in carry (a multistep solver's history "
+                               "too), in output order")
         carried = {}
         for name, spec in zip(self.carry, outputs, strict=False):
             placeholder = self._traced.placeholder(name)
@@ -208,8 +231,10 @@ class Ring:
                                f"{made.dtype} (e.g. torch.zeros_like(x, dtype={made.dtype}))")
         info = stage.output_infos[spec.source]
         if info.segmented or not info.per_unit:
-            said = (f"carried input {name!r} is fed by an output holding whole text tokens "
-                    "that every chunk computes its own copy of; carry only the image tokens")
+            said = (f"carried input {name!r} is fed by an output that every chunk computes "
+                    "whole: text tokens joined to the image's (carry only the image tokens), "
+                    "or an update that mixes tokens (a quantile, norm or mean over the whole "
+                    "latent: ring mode needs a token-wise update)")
             if plan.units == 1:  # a layout of one unit: the image's cannot be told from text's
                 raise OneUnitGrid(f"{said} (the token grid is one unit here, where the image "
                                   "tokens' layout cannot be told from text's: a ring needs "
@@ -243,7 +268,7 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
     Where the step itself raises (the model fails on these inputs), that error, as an
     eager call raises it, rather than Dynamo's account of it ("Observed exception")."""
     try:
-        return capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1].without_arguments()
+        traced = capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1]
     except torch._dynamo.exc.Unsupported as err:
         # The step's own error (an exception it raises, a name it lacks) as Python gives it:
         # an eager call raises it, with its traceback; a step that runs has a graph break.
@@ -252,6 +277,13 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
                        for k, v in values.items()})
         raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
                            f"it: {_graph_break(err)}") from err
+    for node in traced.gm.graph.nodes:
+        if node.op == "call_method" and node.target in ("item", "tolist"):
+            raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
+                               f"reads a Python number off a tensor (.{node.target}()) at "
+                               f"{user_line(node)}; keep the value a tensor (a 0-d tensor "
+                               "works in the arithmetic)")
+    return traced.without_arguments()
 
 
 def _graph_break(err: BaseException) -> str:

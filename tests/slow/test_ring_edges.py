@@ -102,14 +102,15 @@ def test_carrying_an_output_with_the_text_stream_is_a_clear_error():
     torch.manual_seed(0)
     block = TinyDiT(depth=1, width=16, heads=2).blocks[0].eval()
 
-    def step(joint, c):
+    def step(joint, image, c):
         joint = joint - c * block(joint, torch.zeros(1, 16))
         return joint, joint[:, 5:]  # the slice makes rows [0, 5) the input's text segment
 
-    ring = tp.Ring(step, carry=["joint"], **OPTIONS)
+    ring = tp.Ring(step, carry=["joint", "image"], **OPTIONS)
     with pytest.raises(tp.TokpipeError, match="carried input 'joint' is fed by an output "
-                                              "holding whole text tokens"):
-        ring.run({"joint": torch.randn(1, 21, 16)}, per_step={"c": torch.full((3,), 0.1)})
+                                              "that every chunk computes whole: text tokens"):
+        ring.run({"joint": torch.randn(1, 21, 16), "image": torch.randn(1, 16, 16)},
+                 per_step={"c": torch.full((3,), 0.1)})
 
 
 def test_a_ring_over_one_row_of_patches_says_why_it_cannot_carry():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import types
 import weakref
 from collections.abc import Callable, Mapping
@@ -34,6 +35,9 @@ class Captured:
     gm: torch.fx.GraphModule
     inputs: list[Any]  # example inputs, in placeholder order
     names: list[str]  # placeholder names
+    # Python state the traced call writes (`m.k`, a global), which Dynamo replays after
+    # running the graph and a program running the graph alone does not
+    mutations: tuple[str, ...] = ()
 
     @property
     def arguments(self) -> list[str | int | None]:
@@ -51,7 +55,7 @@ class Captured:
         its first call's tensors (a server's first request at each size) alive."""
         inputs = [_stand_in(x) if argument is not None else x
                   for x, argument in zip(self.inputs, self.arguments, strict=True)]
-        return Captured(self.gm, inputs, self.names)
+        return Captured(self.gm, inputs, self.names, self.mutations)
 
     def with_arguments(self, values: Mapping[str | int, Any], strict: bool = True) -> list[Any]:
         """The example inputs with user arguments replaced by `values` (keyed by argument
@@ -89,6 +93,19 @@ def capture(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None
                        "tensor inputs? (TORCH_LOGS=graph_breaks shows why)")
 
 
+def _mutated_state() -> tuple[str, ...]:
+    """What the call Dynamo traces now writes outside its graph (attributes, globals,
+    lists), by where the call reached it: ('m.k', 'LOG'); () where Dynamo does not say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        sources = InstructionTranslator.current_tx().output.side_effects.mutated_sources
+        names = [s.name() if callable(s.name) else s.name for s in sources]
+    except Exception:  # a Dynamo internal: without it, nothing is known
+        return ()
+    return tuple(re.sub(r"[GL]\['([^']+)'\]", r"\1", str(name)) for name in names)
+
+
 def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict, fullgraph: bool,
                  run: bool) -> list[Captured]:
     """The graphs of one compiled call; [] when Dynamo hit its recompile limit."""
@@ -99,7 +116,7 @@ def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict, fullgraph: b
         codes.append(_traced_code())
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         graphs.append(Captured(record_sources(inline_wrapped_bodies(gm)), list(example_inputs),
-                               names))
+                               names, _mutated_state()))
         return gm.forward if run else _stop_here
 
     compiled = torch.compile(fn, backend=record, dynamic=False, fullgraph=fullgraph,

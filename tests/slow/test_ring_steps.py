@@ -1,0 +1,95 @@
+"""What a step function may hold that a ring runs apart from Python: values it reads from
+its globals (a trace holds them as constants), writes to Python state (a ring does not
+replay them), a number read off a tensor, more outputs than it carries, an update that
+mixes tokens. Each is right or says what is wrong.
+
+Tolerance: float32, sync mode, max |ring - eager loop| <= 1e-5 * max |eager loop|.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import TinyDiT, dit_inputs
+
+pytestmark = pytest.mark.slow
+OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
+PER_STEP = {"timestep": torch.tensor([900, 600, 300]), "c": torch.tensor([0.3, 0.2, 0.1])}
+GUIDE = 4.0  # read by `guided` from its globals, as a user's script holds a setting
+
+
+def model() -> TinyDiT:
+    torch.manual_seed(0)
+    return TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+
+
+MODEL = model()
+
+
+def guided(latents, timestep, c, labels):
+    cond = MODEL(latents, timestep[None], labels)
+    uncond = MODEL(latents, timestep[None], torch.zeros_like(labels))
+    return (latents - c * (uncond + GUIDE * (cond - uncond)),)
+
+
+def eager_loop(step, latents, labels):
+    with torch.no_grad():
+        for k in range(3):
+            (latents,) = step(latents, PER_STEP["timestep"][k], PER_STEP["c"][k], labels)
+    return latents
+
+
+def test_a_global_the_step_reads_is_read_at_each_run(monkeypatch):
+    """A guidance scale set between runs: the ring traces anew for the new value (it held
+    the first one as a constant and applied it silently)."""
+    latents, _, labels = dit_inputs(MODEL, 8)
+    ring = tp.Ring(guided, carry=["latents"], **OPTIONS)
+    for scale in (4.0, 1.0, 4.0):
+        monkeypatch.setitem(globals(), "GUIDE", scale)
+        (out,) = ring.run({"latents": latents, "labels": labels}, per_step=PER_STEP)
+        expected = eager_loop(guided, latents, labels)
+        assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert len(ring.programs()) == 2  # 4.0's trace taken back
+
+
+def test_a_step_that_writes_python_state_is_warned_of():
+    counter = TinyDiT(depth=1, width=16, heads=2, grid=8).eval()
+    counter.k = 0
+
+    def counting(latents, timestep, c, labels):
+        counter.k = counter.k + 1
+        return (latents - c * counter.k * counter(latents, timestep[None], labels),)
+
+    latents, _, labels = dit_inputs(counter, 8)
+    ring = tp.Ring(counting, carry=["latents"], **OPTIONS)
+    with pytest.warns(UserWarning, match=r"writes Python state \(counter\.k\), which a ring "
+                                         r"does not replay"):
+        ring.run({"latents": latents, "labels": labels}, per_step=PER_STEP)
+
+
+@pytest.mark.parametrize(("spelling", "says"), [
+    ("item", r"reads a Python number off a tensor \(\.item\(\)\) at File .*test_ring_steps"),
+    ("extra output", "returns 2 values but carry names 1"),
+    ("quantile", "an update that mixes tokens"),
+])
+def test_steps_a_ring_cannot_run_say_why(spelling, says):
+    def step(latents, timestep, c, labels):
+        eps = MODEL(latents, timestep[None], labels)
+        if spelling == "item":
+            return (latents - c.item() * eps,)
+        if spelling == "extra output":
+            return latents - c * eps, eps
+        scale = torch.quantile(eps.abs().flatten(1), 0.9, dim=1)[:, None, None, None]
+        return (latents - c * eps / scale,)
+
+    latents, _, labels = dit_inputs(MODEL, 8)
+    with pytest.raises(tp.TokpipeError, match=says):
+        tp.Ring(step, carry=["latents"], **OPTIONS).run(
+            {"latents": latents, "labels": labels}, per_step=PER_STEP)
+
+
+def test_fallback_is_refused_by_a_ring():
+    with pytest.raises(tp.TokpipeError, match="fallback=True does not apply to a ring"):
+        tp.Ring(guided, carry=["latents"], fallback=True, **OPTIONS)
