@@ -46,3 +46,12 @@ def test_latents_of_another_seed_name_the_pipelines_generator():
     other["checksums"]["sample"] = "cccc"
     with pytest.raises(TokpipeError, match=r"generator=torch\.Generator\(\)\.manual_seed"):
         check_agreement([_fingerprint(), other], "a generation's first call")
+
+
+def test_graphs_that_differ_say_what_makes_them_differ():
+    """A guidance scale read from a global, another on each rank: the hash alone sent
+    the reader to the model."""
+    other = copy.deepcopy(_fingerprint())
+    other["plan"]["graphs"] = "3c4d"
+    with pytest.raises(TokpipeError, match=r"plan 'graphs'.*\n.*a global or closure value"):
+        check_agreement([_fingerprint(), other], "a generation's first call")

@@ -179,6 +179,10 @@ def check_agreement(every: list[dict[str, Any]], when: str,
         # as a consequence: named, they would send the reader to the checkpoint
         differences.append("weights: the shapes or dtypes of the parameters or buffers differ "
                            "between ranks")
+    if any(line.startswith("plan 'graphs'") for line in differences):
+        differences.append("(the traced graphs differ: a constant they hold, a Python "
+                           "number the model or step reads, a global or closure value such "
+                           "as a guidance scale, a module's attribute, or the code itself)")
     if differences:
         raise TokpipeError(
             f"the ranks disagree at {when} of a pipelined program, so they cannot run "
