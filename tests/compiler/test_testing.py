@@ -268,3 +268,53 @@ def test_latents_like_names_a_bad_size_key(sizes, says):
 def test_latents_like_draws_the_given_sizes(data):
     noise = data.draw(latents_like(torch.zeros(1, 4, 8, 8), sizes={2: [8, 12], -1: [16]}))
     assert noise.shape[:2] == (1, 4) and noise.shape[2] in (8, 12) and noise.shape[3] == 16
+
+
+class TimestepForms(TinyDiT):
+    """A timestep as an index into a learned table (`table`), as a sigma taken the log of
+    (`log`), or beside an additive mask of 0 and -inf (`mask`)."""
+
+    def __init__(self, form: str):
+        super().__init__(depth=1, width=32, heads=2, grid=8)
+        self.form = form
+        self.table = torch.nn.Embedding(1000, 16)
+
+    def forward(self, latents, timestep, labels, mask=None):
+        if self.form == "table":
+            return super().forward(latents, self.table(timestep).sum(-1), labels)
+        if self.form == "log":
+            return super().forward(latents, timestep.log() * 100, labels)
+        out = super().forward(latents, timestep, labels)
+        return out + mask.clamp(min=-1.0).mean() if mask is not None else out
+
+
+@pytest.mark.parametrize(("form", "t", "mode"), [
+    ("table", 1, "stale"), ("table", 999, "sync"), ("table", 999, "stale"),
+    ("log", 0.5, "stale"), ("mask", 500.0, "sync")])
+def test_made_inputs_stay_in_the_models_domain(form, t, mode):
+    """The inputs assert_equivalent makes from the given one: a table's index stays in the
+    table, a sigma stays positive, a mask stays a mask; the stale steps the branch check
+    means to run chunked run chunked (a timestep that turned back started a generation)."""
+    torch.manual_seed(0)
+    model = TimestepForms(form).eval()
+    latents, _, labels = dit_inputs(model, 8)
+    timestep = torch.tensor([t])
+    args = (latents, timestep, labels)
+    if form == "mask":
+        args += (torch.zeros(1, 1, 16, 16).masked_fill(torch.ones(16, 16).triu(1).bool(),
+                                                       float("-inf")),)
+    report = assert_equivalent(model, args, stages=2, chunks=2, mode=mode)
+    branches = [c for c in report.checks if "guidance branch" in c.name]
+    assert all(c.chunks == 2 for c in branches if "step 0" not in c.name)
+    assert len(branches) == (6 if mode == "stale" else 0)
+
+
+def test_a_timestep_in_a_conditioning_dict_is_moved():
+    from tests.compiler.test_timestep_inputs import DictDiT
+
+    torch.manual_seed(0)
+    model = DictDiT(depth=1, width=16, heads=2, grid=8).eval()
+    latents, t, labels = dit_inputs(model, 8)
+    report = assert_equivalent(model, (latents, {"t": t.float(), "y": labels}), stages=2,
+                               chunks=2, mode="stale")
+    assert report.chunked

@@ -25,16 +25,16 @@ Run = Callable[[Inputs], tuple[Any, int | None]]
 def branch_calls(model: torch.nn.Module, args: tuple, kwargs: dict, config: Config
                  ) -> list[tuple[Inputs, Inputs]]:
     """Per step (warmup steps, then two stale ones): the given input with its timestep
-    moved one per step, and a second branch at that timestep with other token inputs
+    moved a step at a time, and a second branch at that timestep with other token inputs
     (none where the input has no floating tensor of rank >= 3 to change)."""
     steps = config.warmup_steps + 2
-    pairs = [(changed_input(model, args, kwargs, config.timestep_input, -k, tokens=False),
-              changed_input(model, args, kwargs, config.timestep_input, -k, tokens=True))
+    moved = [(changed_input(model, args, kwargs, config.timestep_input, k, False, steps - 1),
+              changed_input(model, args, kwargs, config.timestep_input, k, True, steps - 1))
              for k in range(steps)]
-    given, other = pairs[0]
+    given, other = moved[0]
     if all(a is b for a, b in zip(tree_leaves(given), tree_leaves(other), strict=True)):
         return []  # no token input to change: a second call would repeat the first
-    return pairs
+    return moved
 
 
 def check_branches(run: Run, new_generation: Callable[[], None],
