@@ -28,10 +28,36 @@ def model() -> TinyDiT:
 MODEL = model()
 
 
-def guided(latents, timestep, c, labels):
+def guidance_scale() -> float:
+    return GUIDE
+
+
+class Settings:
+    scale = 4.0
+
+    def guided(self, latents, timestep, c, labels):
+        return _guided(latents, timestep, c, labels, self.scale)
+
+
+SETTINGS = Settings()
+
+
+def _guided(latents, timestep, c, labels, scale):
     cond = MODEL(latents, timestep[None], labels)
     uncond = MODEL(latents, timestep[None], torch.zeros_like(labels))
-    return (latents - c * (uncond + GUIDE * (cond - uncond)),)
+    return (latents - c * (uncond + scale * (cond - uncond)),)
+
+
+def guided(latents, timestep, c, labels):
+    return _guided(latents, timestep, c, labels, GUIDE)
+
+
+def guided_by_helper(latents, timestep, c, labels):
+    return _guided(latents, timestep, c, labels, guidance_scale())
+
+
+def guided_by_settings(latents, timestep, c, labels):
+    return _guided(latents, timestep, c, labels, SETTINGS.scale)
 
 
 def eager_loop(step, latents, labels):
@@ -41,17 +67,36 @@ def eager_loop(step, latents, labels):
     return latents
 
 
-def test_a_global_the_step_reads_is_read_at_each_run(monkeypatch):
-    """A guidance scale set between runs: the ring traces anew for the new value (it held
+@pytest.mark.parametrize("read", ["global", "helper", "settings", "bound self"])
+def test_a_setting_the_step_reads_is_read_at_each_run(read, monkeypatch):
+    """A guidance scale set between runs, read as a global, by a helper, off a settings
+    object or off the step's bound `self`: the ring traces anew for the new value (it held
     the first one as a constant and applied it silently)."""
+    step = {"global": guided, "helper": guided_by_helper, "settings": guided_by_settings,
+            "bound self": SETTINGS.guided}[read]
     latents, _, labels = dit_inputs(MODEL, 8)
-    ring = tp.Ring(guided, carry=["latents"], **OPTIONS)
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
     for scale in (4.0, 1.0, 4.0):
         monkeypatch.setitem(globals(), "GUIDE", scale)
+        monkeypatch.setattr(Settings, "scale", scale)
         (out,) = ring.run({"latents": latents, "labels": labels}, per_step=PER_STEP)
-        expected = eager_loop(guided, latents, labels)
+        expected = eager_loop(step, latents, labels)
         assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert len(ring.programs()) == 2  # 4.0's trace taken back
+
+
+def test_a_global_named_like_an_attribute_the_step_reads_is_not_read():
+    """`out.sample` reads an attribute: a global `sample` is no setting of the step."""
+    from tokpipe_compiler.planning.free_values import free_values
+
+    def step(latents, out):
+        return latents - out.sample
+
+    globals()["sample"] = 3
+    try:
+        assert free_values(step) == ()
+    finally:
+        del globals()["sample"]
 
 
 def test_a_step_that_writes_python_state_is_warned_of():

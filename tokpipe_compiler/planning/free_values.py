@@ -1,30 +1,92 @@
-"""The plain Python values a step function reads from its globals and closure: a trace
-holds them as constants (Dynamo guards its own graphs on them; a ring, which runs its
-trace for whole generations, keys its traces on them instead)."""
+"""The plain Python values a step function reads outside its arguments: a trace holds them
+as constants (Dynamo guards its own graphs on them; a ring, which runs its trace for
+whole generations, keys its traces on them instead).
+
+Read off the function's bytecode: the globals and closure variables it loads, the
+attributes it reads of those (`cfg.scale`) and of its bound `self`, and the same in the
+functions of the user's own code it calls by name (`helper()`), a few calls deep. A value
+is plain where it is a number, a string, None, or a short tuple, list or dict of them.
+Values reached otherwise (through a module's attribute: modules are followed by
+`traced_modules`; through an argument's attribute; through functions of libraries) are
+not read here.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dis
+import types
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+_LIBRARIES = ("torch", "tokpipe_compiler", "diffusers", "transformers", "numpy")
+_DEPTH = 3  # calls followed into the user's own functions
+
 
 def free_values(fn: Callable[..., Any]) -> tuple:
-    """The plain Python values (numbers, strings, and tuples, lists and dicts of them)
-    `fn`'s code reads from its globals and closure: a trace holds them as constants, so
-    another value (a guidance scale set between runs) needs a trace of its own."""
+    """((where, repr(value)), ...) of the plain values `fn` reads outside its arguments."""
+    found: dict[str, str] = {}
+    _read(fn, found, set(), 0)
+    return tuple(sorted(found.items()))
+
+
+def _read(fn: Any, found: dict[str, str], seen: set[int], depth: int) -> None:
+    bound = getattr(fn, "__self__", None)
+    fn = getattr(fn, "__func__", fn)
     code = getattr(fn, "__code__", None)
-    if code is None:
-        return ()
-    found = []
-    cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or (), strict=False))
-    for name, cell in cells.items():
+    if code is None or id(code) in seen or depth > _DEPTH:
+        return
+    seen.add(id(code))
+    cells = {}
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
         with contextlib.suppress(ValueError):  # a cell not yet filled
-            found.append((name, cell.cell_contents))
-    names = {n for c in _codes(code) for n in c.co_names}
-    found += [(name, fn.__globals__[name]) for name in sorted(names)
-              if name in getattr(fn, "__globals__", {})]
-    return tuple((name, repr(value)) for name, value in found if _plain(value))
+            cells[name] = cell.cell_contents
+    own = {"self": bound} if bound is not None and code.co_varnames[:1] == ("self",) else {}
+    for inner in _codes(code):
+        _read_loads(inner, fn.__globals__, cells, own, found, seen, depth)
+
+
+def _read_loads(code: Any, globals_: dict, cells: dict, own: dict, found: dict[str, str],
+                seen: set[int], depth: int) -> None:
+    """Each load of a global, closure or bound-self value, and the attributes read off it."""
+    where, value = None, None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_GLOBAL" and isinstance(ins.argval, str):
+            where, value = _global(ins.argval, globals_)
+        elif ins.opname == "LOAD_DEREF" and ins.argval in cells:
+            where, value = ins.argval, cells[ins.argval]
+        elif ins.opname == "LOAD_FAST" and ins.argval in own:
+            where, value = ins.argval, own[ins.argval]
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and where is not None:
+            if isinstance(value, (torch.nn.Module, torch.Tensor)):
+                where = None  # modules and tensors are followed otherwise
+                continue
+            where, value = f"{where}.{ins.argval}", getattr(value, ins.argval, None)
+        else:
+            if where is not None:
+                _note(where, value, found, seen, depth)
+            where = None
+            continue
+        if where is not None and _plain(value):
+            found[where] = repr(value)
+    if where is not None:
+        _note(where, value, found, seen, depth)
+
+
+def _global(name: str, globals_: dict) -> tuple[str | None, Any]:
+    """A module-level name and its value (builtins are not the user's settings)."""
+    return (name, globals_[name]) if name in globals_ else (None, None)
+
+
+def _note(where: str, value: Any, found: dict[str, str], seen: set[int], depth: int) -> None:
+    """A loaded value: plain, noted; a function of the user's own code, read in turn."""
+    if _plain(value):
+        found[where] = repr(value)
+    elif isinstance(value, (types.FunctionType, types.MethodType)) and not \
+            (getattr(value, "__module__", "") or "").startswith(_LIBRARIES):
+        _read(value, found, seen, depth + 1)
 
 
 def _codes(code: Any) -> list[Any]:
