@@ -296,10 +296,14 @@ def _resampled_axis(info: TokenInfo, rank: int, dims: int) -> TokenInfo | int:
 
 def _resampled(name: str, info: TokenInfo, ratio: Fraction, shape: torch.Size) -> TokenInfo:
     """`info` with each unit's rows scaled by `ratio` (whole segments scaled alike)."""
-    sizes = (info.lead, info.trail, shape[info.axis] // info.outer)
-    if any((size * ratio).denominator != 1 for size in sizes):
+    rows = shape[info.axis] // info.outer
+    if (rows * ratio).denominator != 1:
+        return unsupported(f"{name} by {ratio} along the token axis does not tile its "
+                           f"{rows} rows (a window of {ratio.denominator} rows crosses "
+                           "the grid's edge)")
+    if any((size * ratio).denominator != 1 for size in (info.lead, info.trail)):
         return unsupported(f"{name} takes bands of rows across the edge of a whole "
-                           "segment (a class or text token) or of an outer block")
+                           "segment (a class or text token)")
     return replace(info, per_unit=info.per_unit * ratio, lead=int(info.lead * ratio),
                    trail=int(info.trail * ratio))
 

@@ -327,6 +327,7 @@ def test_an_hourglass_of_pooling_and_nearest_upsampling_is_pipelined(down, up, m
     ("bilinear", "interpolate(mode='bilinear') blends neighbouring rows"),
     ("size", "interpolate(size=...) along the token axis"),
     ("overlapping", "avg_pool2d with kernel 3, stride 2, padding 1"),
+    ("uneven", "avg_pool2d by 1/3 along the token axis does not tile its 8 rows"),
 ])
 def test_resampling_across_chunk_rows_is_refused_with_its_reason(spelling, why):
     class Resampled(nn.Module):
@@ -340,6 +341,9 @@ def test_resampling_across_chunk_rows_is_refused_with_its_reason(spelling, why):
                 grid = F.interpolate(F.avg_pool2d(grid, 2), scale_factor=2, mode="bilinear")
             elif spelling == "size":
                 grid = F.interpolate(F.avg_pool2d(grid, 2), size=grid.shape[2:])
+            elif spelling == "uneven":
+                grid = F.interpolate(F.avg_pool2d(grid, 3, ceil_mode=True), scale_factor=3)
+                grid = grid[:, :, :8, :8]
             else:
                 grid = F.interpolate(F.avg_pool2d(grid, 3, 2, 1), scale_factor=2)
             tokens = grid.flatten(2).transpose(1, 2)

@@ -111,6 +111,23 @@ def test_cfg_parallel_runs_an_unguided_call_whole_on_each_rank(two_rank_runs):
                    for m in messages)
 
 
+def _cfg_seeds_differ(rank: int, world: int) -> str:
+    pipe, kwargs = FAMILIES["dit"]()
+    tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
+    try:
+        generate(pipe, kwargs, steps=2, seed=rank)
+    except tp.TokpipeError as err:
+        return str(err)
+    return ""
+
+
+def test_cfg_parallel_ranks_whose_calls_differ_raise(two_rank_runs):
+    """Each rank's branch swaps predictions with the other's: calls of other seeds would
+    mix two generations into two wrong images, silently."""
+    for message in two_rank_runs["cfg seeds differ"]:
+        assert "cfg=2: the ranks' calls start different generations" in message
+
+
 def _two_videos(rank: int = 0, world: int = 1) -> torch.Tensor:
     pipe, kwargs = FAMILIES["wan"]()
     tp.pipelines.parallelize(pipe, **OPTIONS)
@@ -387,6 +404,8 @@ def two_rank_runs(request) -> dict:
                   for p in selected(request, test_two_ranks_in_bfloat16_equal_one_process)})
     cases.update({("cfg", p["family"]): (_cfg_rank, (p["family"],))
                   for p in selected(request, test_cfg_parallel_on_two_ranks_equals_one_process)})
+    if selected(request, test_cfg_parallel_ranks_whose_calls_differ_raise):
+        cases["cfg seeds differ"] = (_cfg_seeds_differ, ())
     if selected(request, test_cfg_parallel_runs_an_unguided_call_whole_on_each_rank):
         cases["cfg unguided"] = (_cfg_unguided, ())
     if selected(request, test_two_videos_from_one_prompts_embeddings_on_two_ranks):

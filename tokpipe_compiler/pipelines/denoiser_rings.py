@@ -243,8 +243,10 @@ class DenoiserRings:
             carry = ["sample", *(f"state_{i}" for i in range(table.state_size))]
             group = None if self.branches is None else self.branches.stage_group
             # the transformer is followed here (_follow_the_module), for every ring at once
+            # fallback is the per-call path's (prepare falls back to it), not the ring's
+            options = {k: v for k, v in self.options.items() if k != "fallback"}
             self.rings[key] = Ring(step, carry=carry, group=group, follow_modules=False,
-                                   **self.options)
+                                   **options)
         return self.rings[key]
 
     def _exchange(self) -> contextlib.AbstractContextManager:

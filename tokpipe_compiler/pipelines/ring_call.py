@@ -177,7 +177,9 @@ class RingCalls:
     def transformer(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Transformer `name`'s call: a probe answer in a ring generation, else per call."""
         gen = self.generation
-        if gen is None or not gen.ring:
+        if gen is None:  # outside this pipeline's calls: the backend's per-call path
+            return self.denoisers[name].per_call(*args, **kwargs)
+        if not gen.ring:
             return self.denoisers[name].unpipelined(*args, **kwargs)
         if gen.denoiser is None:  # the loop's first call
             self._start(gen)
