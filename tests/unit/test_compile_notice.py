@@ -53,3 +53,22 @@ def test_a_quick_compile_says_nothing_by_default(slow_compiles, monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger="tokpipe_compiler"):
         stage_compile.compile_named("stage 0", _graph(), [], "inductor")
     assert not caplog.records
+
+
+def test_the_notice_is_written_between_the_progress_bars(slow_compiles, monkeypatch, caplog):
+    """Printed while the ring's bar is drawn, it was glued to the bar's line."""
+    import contextlib
+
+    from tqdm import tqdm
+
+    entered = []
+
+    @contextlib.contextmanager
+    def clears_the_bars(file=None, nolock=False):
+        entered.append(file)
+        yield
+
+    monkeypatch.setattr(tqdm, "external_write_mode", clears_the_bars)
+    with caplog.at_level(logging.WARNING, logger="tokpipe_compiler"):
+        stage_compile.compile_named("stage 0", _graph(), [torch.randn(1, 2)], "inductor")
+    assert len(_notices(caplog)) == 1 and len(entered) == 1

@@ -8,7 +8,9 @@ graphs are the runtime's own, per chunk: the `cuda_graphs` option).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,13 +57,25 @@ def compile_named(what: str, gm: torch.fx.GraphModule, example_inputs: list,
     log.info("compiled %s in %.1f s", what, seconds)
     if seconds >= SLOW_COMPILE_S and not _explained:
         _explained = True
-        log.warning(
-            "tokpipe: Inductor took %.0f s to compile %s. Each stage is compiled once per "
-            "chunk length and input shape, at the first call that needs it, so a first "
-            "call at a new shape is slow; later calls reuse the code, and Inductor's "
-            "cache shortens later processes' compiles. TOKPIPE_LOGS=tokpipe logs each "
-            "compile; compiler='eager' skips them (slower steps)", seconds, what)
+        with _between_progress_bars():
+            log.warning(
+                "tokpipe: Inductor took %.0f s to compile %s. Each stage is compiled once "
+                "per chunk length and input shape, at the first call that needs it, so a "
+                "first call at a new shape is slow (the compiles after this one say "
+                "nothing); later calls reuse the code, and Inductor's cache shortens later "
+                "processes' compiles. TOKPIPE_LOGS=tokpipe logs each compile; "
+                "compiler='eager' skips them (slower steps)", seconds, what)
     return fn
+
+
+def _between_progress_bars() -> contextlib.AbstractContextManager:
+    """Output on a line of its own while a progress bar (the ring's, the pipeline's) is
+    drawn: the bars are cleared and redrawn around it."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return contextlib.nullcontext()
+    return tqdm.external_write_mode(file=sys.stderr)
 
 
 def _as_dynamo_hands_them(example_inputs: list) -> tuple[Any, list]:
