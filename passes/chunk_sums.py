@@ -27,7 +27,7 @@ from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.fx import example_value, target_name
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TOKEN, TOKEN_SUM
 from tokpipe_compiler.passes.chunk_attention import add_input
-from tokpipe_compiler.passes.compute_rules import conv_param
+from tokpipe_compiler.passes.grid_rules import conv_param
 from tokpipe_compiler.runtime import halo_conv, token_sums  # noqa: F401  (define the ops)
 from tokpipe_compiler.runtime.caches import SumCacheSpec
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
