@@ -138,3 +138,16 @@ def test_steps_a_ring_cannot_run_say_why(spelling, says):
 def test_fallback_is_refused_by_a_ring():
     with pytest.raises(tp.TokpipeError, match="fallback=True does not apply to a ring"):
         tp.Ring(guided, carry=["latents"], fallback=True, **OPTIONS)
+
+
+def test_a_helper_called_with_a_setting_is_read_too():
+    """`guidance(SETTINGS.scale)`: the helper is loaded, then its argument, then called."""
+    from tokpipe_compiler.planning.free_values import free_values
+
+    def scaled(x):
+        return x * GUIDE
+
+    def step(latents):
+        return scaled(SETTINGS.scale) * latents
+
+    assert free_values(step) == (("GUIDE", repr(GUIDE)), ("SETTINGS.scale", "4.0"))

@@ -67,13 +67,12 @@ def step_option_reasons(original: Callable[..., Any], args: tuple, kwargs: dict)
     """Why the ring cannot replay these `step` calls: an option set to other than its
     default (DDIM's eta=0.5, which draws noise; Euler's s_churn), where the ring's step
     table was read off the scheduler's step with its defaults."""
-    parameters = inspect.signature(original).parameters
-    bound = inspect.signature(original).bind(*args, **kwargs).arguments
-    changed = [f"{name}={_shown(value)}" for name, value in bound.items()
-               if name not in _PASSED_THROUGH and name in parameters
-               and parameters[name].default is not inspect.Parameter.empty
-               and parameters[name].kind is not inspect.Parameter.VAR_KEYWORD
-               and not _same_value(value, parameters[name].default)]
+    signature = inspect.signature(original)
+    defaults = {name: p.default for name, p in signature.parameters.items()
+                if p.default is not inspect.Parameter.empty and name not in _PASSED_THROUGH}
+    changed = [f"{name}={_shown(value)}"
+               for name, value in signature.bind(*args, **kwargs).arguments.items()
+               if name in defaults and not _same_value(value, defaults[name])]
     if not changed:
         return []
     owner = getattr(original, "__self__", None)

@@ -66,8 +66,8 @@ VERIFIED = (
     "PNDMScheduler",
 )
 
-# Config values whose step is not token-wise linear: (option, bad values, why, what works).
-# (option, values a ring cannot take, why, what it can take, one value it can take)
+# Config values whose step is not token-wise linear: (option, values a ring cannot take,
+# why, what it can take, one value it can take).
 NONLINEAR_OPTIONS = (
     ("thresholding", (True,), "it takes a quantile over all tokens", "False", False),
     ("clip_sample", (True,), "clamping x0 is not linear", "False", False),
@@ -85,7 +85,6 @@ class UnsupportedOption(ValueError):
     def __init__(self, message: str, allowed: dict[str, Any]):
         super().__init__(message)
         self.allowed = allowed
-
 
 
 @dataclass(frozen=True)
@@ -152,8 +151,8 @@ def step_table(scheduler: Any, num_inference_steps: int | None = None, device: A
     try:
         _check_config(scheduler, set_timesteps_kwargs)
     except UnsupportedOption as err:
-        otherwise = _unsupported_otherwise(scheduler, err, num_inference_steps, begin_index,
-                                           set_timesteps_kwargs)
+        otherwise = _unsupported_otherwise(scheduler, err.allowed, num_inference_steps,
+                                           begin_index, set_timesteps_kwargs)
         raise ValueError(f"{err}{otherwise}") from None
     args = (num_inference_steps, begin_index, set_timesteps_kwargs)
     # Some steps draw noise they then scale by zero (Euler without churn): keep the user's RNG.
@@ -226,15 +225,16 @@ def _check_config(scheduler: Any, kwargs: dict[str, Any]) -> None:
                          "step_table(..., mu=mu)")
 
 
-def _unsupported_otherwise(scheduler: Any, err: UnsupportedOption, *args: Any) -> str:
-    """Why a ring cannot take `scheduler` with the option `err` names set as a ring needs
-    it (DDPM draws noise whatever its clip_sample), as the end of `err`'s message; ''
-    where it can."""
+def _unsupported_otherwise(scheduler: Any, options: dict[str, Any], steps: int | None,
+                           begin_index: int, set_timesteps_kwargs: dict[str, Any]) -> str:
+    """Why a ring cannot take `scheduler` with `options` set as a ring needs them (DDPM
+    draws noise whatever its clip_sample), as the end of the option's refusal; '' where it
+    can."""
     try:
-        allowed = type(scheduler).from_config(scheduler.config, **err.allowed)
-        if any(allowed.config.get(option) != value for option, value in err.allowed.items()):
+        allowed = type(scheduler).from_config(scheduler.config, **options)
+        if any(allowed.config.get(option) != value for option, value in options.items()):
             return ""  # the option did not take: nothing more is known
-        step_table(allowed, args[0], begin_index=args[1], **args[2])
+        step_table(allowed, steps, begin_index=begin_index, **set_timesteps_kwargs)
     except Exception as other:  # any reason it fails is the user's next one
         return f"; but not with that either: {other}"
     return ""

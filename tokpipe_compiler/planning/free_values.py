@@ -50,34 +50,21 @@ def _read(fn: Any, found: dict[str, str], seen: set[int], depth: int) -> None:
 
 def _read_loads(code: Any, globals_: dict, cells: dict, own: dict, found: dict[str, str],
                 seen: set[int], depth: int) -> None:
-    """Each load of a global, closure or bound-self value, and the attributes read off it."""
+    """Each load of a global, closure or bound-self value, and the attributes read off it
+    (a module's and a tensor's are followed otherwise)."""
+    scopes = {"LOAD_GLOBAL": globals_, "LOAD_DEREF": cells, "LOAD_FAST": own}
     where, value = None, None
     for ins in dis.get_instructions(code):
-        if ins.opname == "LOAD_GLOBAL" and isinstance(ins.argval, str):
-            where, value = _global(ins.argval, globals_)
-        elif ins.opname == "LOAD_DEREF" and ins.argval in cells:
-            where, value = ins.argval, cells[ins.argval]
-        elif ins.opname == "LOAD_FAST" and ins.argval in own:
-            where, value = ins.argval, own[ins.argval]
-        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and where is not None:
-            if isinstance(value, (torch.nn.Module, torch.Tensor)):
-                where = None  # modules and tensors are followed otherwise
-                continue
+        scope = scopes.get(ins.opname, {})
+        if isinstance(ins.argval, str) and ins.argval in scope:
+            where, value = ins.argval, scope[ins.argval]
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and where is not None and \
+                not isinstance(value, (torch.nn.Module, torch.Tensor)):
             where, value = f"{where}.{ins.argval}", getattr(value, ins.argval, None)
         else:
-            if where is not None:
-                _note(where, value, found, seen, depth)
             where = None
             continue
-        if where is not None and _plain(value):
-            found[where] = repr(value)
-    if where is not None:
         _note(where, value, found, seen, depth)
-
-
-def _global(name: str, globals_: dict) -> tuple[str | None, Any]:
-    """A module-level name and its value (builtins are not the user's settings)."""
-    return (name, globals_[name]) if name in globals_ else (None, None)
 
 
 def _note(where: str, value: Any, found: dict[str, str], seen: set[int], depth: int) -> None:
