@@ -89,8 +89,15 @@ def _hybrid(family: str, cfg: int) -> torch.Tensor:
     return generate(pipe, kwargs, steps=4)
 
 
-def _hybrid_rank(rank: int, world: int, family: str) -> torch.Tensor:
-    return _hybrid(family, cfg=2)
+def _hybrid_rank(rank: int, world: int, family: str) -> tuple[torch.Tensor, str]:
+    pipe, kwargs = FAMILIES[family]()
+    tp.pipelines.parallelize(pipe, cfg=2, **HYBRID)
+    latents = generate(pipe, kwargs, steps=4)
+    try:  # then the branches' ranks start generations of different seeds
+        generate(pipe, kwargs, steps=2, seed=rank // 2)
+    except tp.TokpipeError as err:
+        return latents, str(err)
+    return latents, ""
 
 
 @pytest.mark.parametrize("family", ["dit", pytest.param("wan", marks=pytest.mark.full)])
@@ -98,10 +105,12 @@ def test_hybrid_cfg_on_four_ranks_equals_one_process(family):
     """cfg=2 x stages=2: ranks 0-1 run the conditional branch's ring, ranks 2-3 the
     unconditional one's, and the last stages swap each chunk's prediction. Every rank
     returns what one process computes with both branches batched in one ring (stale K/V
-    of the same freshness: each branch keeps its own)."""
+    of the same freshness: each branch keeps its own). Calls whose branches start
+    different generations raise on every rank, as with one stage per branch."""
     alone = _hybrid(family, cfg=1)
-    for result in launch(_hybrid_rank, 4, args=(family,), timeout=900):
+    for result, message in launch(_hybrid_rank, 4, args=(family,), timeout=900):
         assert (result - alone).abs().max().item() <= 1e-5 * alone.abs().max().item()
+        assert "cfg=2: the ranks' calls start different generations" in message
 
 
 @pytest.fixture(scope="module")

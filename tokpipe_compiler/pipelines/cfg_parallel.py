@@ -100,7 +100,7 @@ def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch
     fixed = dict(fixed)
     condition = fixed.pop(CONDITION, None)
     if distributed:
-        _check_same_generation(sample, timesteps, glue.guidance, timeout)
+        check_same_generation(sample, timesteps, glue.guidance, timeout)
     for k in range(len(timesteps)):
         latent = model_input(glue, sample, table.input_scale[k], condition)
         inputs = {**fixed, glue.latent_arg: latent, glue.timestep_arg: per_step[k]}
@@ -119,21 +119,23 @@ def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch
     return sample, tuple(state)
 
 
-def _check_same_generation(sample: torch.Tensor, timesteps: torch.Tensor, guidance: float,
-                           timeout: float) -> None:
-    """Raises on both ranks where their calls start different generations (another seed,
-    step count or guidance scale, or a call one rank made and the other did not): each
-    would swap predictions with a generation not its own and return a wrong image."""
+def check_same_generation(sample: torch.Tensor, timesteps: torch.Tensor, guidance: float,
+                          timeout: float, group: Any = None) -> None:
+    """Raises on both ranks of `group` (two ranks, one per guidance branch; default: the
+    world) where their calls start different generations (another seed, step count or
+    guidance scale, or a call one rank made and the other did not): each would swap
+    predictions with a generation not its own and return a wrong image."""
     x = sample.detach().to(torch.float64)
     weights = torch.arange(1, x.numel() + 1, device=x.device, dtype=torch.float64)
     mine = torch.stack([x.sum(), (x.flatten() * weights).sum(),
                         timesteps.detach().to(x.device, torch.float64).sum(),
                         torch.tensor(float(len(timesteps)), device=x.device, dtype=x.dtype),
                         torch.tensor(float(guidance), device=x.device, dtype=x.dtype)])
-    both = gather_branches(mine[None], None, timeout, "the generation's start").cpu()
+    both = gather_branches(mine[None], group, timeout, "the generation's start").cpu()
     if torch.equal(both[0], both[1]):
         return
-    said = [f"rank {r}: latents checksum {both[r, 0]:.6g}, timesteps sum {both[r, 2]:.6g}, "
+    ranks = dist.get_process_group_ranks(group) if group is not None else [0, 1]
+    said = [f"rank {ranks[r]}: latents checksum {both[r, 0]:.6g}, timesteps sum {both[r, 2]:.6g}, "
             f"{int(both[r, 3])} steps, guidance {both[r, 4]:g}" for r in (0, 1)]
     raise TokpipeError("cfg=2: the ranks' calls start different generations (" +
                        "; ".join(said) + "): each rank must make the same pipeline calls, "

@@ -160,6 +160,10 @@ class DenoiserRings:
                 blended = self._ring(glue, spec, constants, table, branch, blended=True)
             see = None if each_step is None else (
                 lambda k, value: each_step(k, latents_of(value)))
+            if self.branches is not None:  # the peer rank's ring must run this generation
+                cfg_parallel.check_same_generation(start.sample, table.timesteps[:steps],
+                                                   final.guidance, self.config.timeout,
+                                                   self.branches.peer_group)
             with self._exchange():
                 out = blended.run(inputs, {**per_step(final, steps), **blends},
                                   progress=self._progress(steps), each_step=see)
