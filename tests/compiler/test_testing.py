@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 
 import pytest
@@ -140,6 +141,72 @@ def test_catches_guidance_branches_that_share_caches(monkeypatch):
                                             "alone") as info:
         assert_equivalent(model, args, stages=2, chunks=4, mode="stale")
     assert "guidance branch" in info.value.check.name
+
+
+def _attend_before_writing(original):
+    """A kv_attention kernel whose chunks attend to the cache before writing their own
+    K/V: each chunk sees its own tokens' K/V one step late."""
+    signature = inspect.signature(original)
+
+    def kernel(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        q, k, v = (call.arguments[n] for n in ("q", "k", "v"))
+        k_cache, v_cache = call.arguments["k_cache"], call.arguments["v_cache"]
+        if q.shape[-2] == k_cache.shape[-2]:  # a whole-sequence call: as it should
+            return original(*args, **kwargs)
+        offset = int(call.arguments["chunk"][0]) * call.arguments["per_unit"]
+        rows = slice(offset, offset + q.shape[-2])
+        call.arguments["k"] = k_cache[..., rows, :].clone()
+        call.arguments["v"] = v_cache[..., rows, :].clone()
+        out = original(*call.args, **call.kwargs)
+        k_cache[..., rows, :].copy_(k)
+        v_cache[..., rows, :].copy_(v)
+        return out
+
+    return kernel
+
+
+def test_catches_chunks_that_see_their_own_kv_a_step_late():
+    """Stale K/V of the chunk's own tokens equal the fresh ones wherever an input repeats,
+    so only a generation whose inputs change step by step, against stale semantics run
+    eagerly, shows the chunks attending to their own K/V one step late."""
+    from tokpipe_compiler.runtime import kv_attention
+
+    library = torch.library.Library("tokpipe", "IMPL")
+    library.impl("kv_attention", _attend_before_writing(kv_attention._kv_attention), "CPU")
+    model, args = dit()
+    try:
+        with pytest.raises(NotEquivalent, match="differ from stale semantics run eagerly"
+                           ) as info:
+            assert_equivalent(model, args, stages=2, chunks=4, mode="stale")
+    finally:
+        library._destroy()
+    assert info.value.check.chunks == 4
+    assert assert_equivalent(model, args, stages=2, chunks=4, mode="stale").chunked
+
+
+def test_catches_a_first_step_that_attends_to_keys_not_yet_written(monkeypatch):
+    """warmup_steps=0: the first step's chunks must see only the chunks before them (and
+    their own), not the zeros of the keys no call has written yet."""
+    monkeypatch.setattr(pipelined.PipelinedProgram, "_visible",
+                        lambda self, chunks: lambda chunk: self.plan.units)
+    model, args = dit()
+    with pytest.raises(NotEquivalent) as info:
+        assert_equivalent(model, args, stages=2, chunks=4, mode="stale", warmup_steps=0)
+    assert info.value.check.name == ("stale mode, step 0 of a generation against stale "
+                                     "semantics run eagerly")
+
+
+def test_says_where_stale_semantics_were_not_run_eagerly():
+    """Joint attention's text K/V are computed once a step; the eager reference does not
+    model them, and the report says so."""
+    from tests.compiler.test_masked_stale import JointModel, joint_args
+
+    torch.manual_seed(0)
+    report = assert_equivalent(JointModel().eval(), joint_args(), stages=2, chunks=2,
+                               mode="stale")
+    assert any("joint text" in u for u in report.unchecked), str(report)
+    assert "not checked: stale steps against stale semantics run eagerly" in str(report)
 
 
 def test_names_the_stage_and_chunk_of_an_offset_bug(monkeypatch):

@@ -47,6 +47,7 @@ class Report:
     options: dict[str, Any]
     rtol: float
     checks: list[Check] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)  # what was not checked, and why
 
     @property
     def max_relative_error(self) -> float:
@@ -59,7 +60,8 @@ class Report:
 
     def __str__(self) -> str:
         head = f"tokpipe equivalence {self.options}, rtol {self.rtol:g}:"
-        return "\n".join([head, *(f"  {c}" for c in self.checks)])
+        return "\n".join([head, *(f"  {c}" for c in self.checks),
+                          *(f"  not checked: {u}" for u in self.unchecked)])
 
 
 class NotEquivalent(AssertionError):

@@ -10,6 +10,10 @@ equal eager on its warmup calls, and once the same input is repeated (its stale 
 then the fresh ones); then, in a new generation warmed up on another input, once the given
 input has been repeated long enough for its K/V to replace the other's, layer by layer: a
 program whose caches stopped following its calls passes the first check but not this one.
+Then a generation whose inputs change at every step runs against stale semantics computed
+on the eager model (`stale_reference`: each chunk attends to the fresh K/V of the chunks up
+to its own and the previous step's of the rest), where that reference applies (plain
+scaled_dot_product_attention over the chunked tokens; the report says why not elsewhere).
 Then two guidance branches (the given input and one with other token inputs, at one
 timestep per step) run interleaved, and each call must equal its branch run alone
 (`branches`): branches that shared caches would pass every check before. Each check says
@@ -38,6 +42,12 @@ from tokpipe_compiler.testing.branches import branch_calls, check_branches
 from tokpipe_compiler.testing.checks import Check, NotEquivalent, Report, compare
 from tokpipe_compiler.testing.inputs import Inputs, other_input
 from tokpipe_compiler.testing.locate import Drift, Where, compiler_drift, locate
+from tokpipe_compiler.testing.stale_reference import (
+    applies,
+    check_reference,
+    reference_calls,
+    reference_for,
+)
 
 # Also `options` and `latents_like` (see __getattr__ below).
 __all__ = ["Check", "NotEquivalent", "Report", "Where", "assert_equivalent"]
@@ -79,17 +89,23 @@ def assert_equivalent(model: torch.nn.Module, args: tuple = (), kwargs: dict | N
                 where = _locate(recorder, first, call, rtol)
                 drift = _drift(recorder, first, call) if where is None else None
             raise NotEquivalent(_message(report, check, where, drift), check, where)
+    if config.mode == "stale":
+        call = _check_reference(model, compiled, recorder, inputs["given"], config, report,
+                                call)
     if config.mode == "stale" and _tells_steps(recorder):
         _check_branches(model, compiled, recorder, inputs["given"], config, report, call)
     return report
 
 
 def _run(compiled: Any, recorder: _Recorder, inputs: Inputs) -> tuple[Any, int | None]:
-    """One call: its output, and the most chunks any of its programs ran it as."""
+    """One call: its output, and the most chunks any of its programs ran it as (those
+    that ran it are `recorder.ran`)."""
+    for program in recorder.pipelined():
+        program.last_chunk_count = None
     with torch.no_grad():
         output = compiled(*inputs[0], **inputs[1])
-    counts = [p.last_chunk_count for p in recorder.pipelined() if p.last_chunk_count]
-    return output, max(counts, default=None)
+    recorder.ran = [p for p in recorder.pipelined() if p.last_chunk_count]
+    return output, max((p.last_chunk_count for p in recorder.ran), default=None)
 
 
 def _tells_steps(recorder: _Recorder) -> bool:
@@ -98,6 +114,31 @@ def _tells_steps(recorder: _Recorder) -> bool:
     programs = recorder.pipelined()
     return bool(programs) and all(p.clock.timestep_index is not None or
                                   p.clock.source is not None for p in programs)
+
+
+def _check_reference(model: torch.nn.Module, compiled: Any, recorder: _Recorder,
+                     given: Inputs, config: Config, report: Report, calls: int) -> int:
+    """A generation's stale steps against stale semantics run eagerly (`stale_reference`),
+    where they can be; returns the calls made so far."""
+    programs = recorder.ran  # the given input's last call's: in the order they ran
+    why = applies(model, programs, given)
+    if why is not None:
+        report.unchecked.append(f"stale steps against stale semantics run eagerly: {why}")
+        return calls
+    steps = reference_calls(model, *given, config)
+    for check in check_reference(lambda inputs: _run(compiled, recorder, inputs),
+                                 recorder.backend.reset, reference_for(model, programs),
+                                 steps, calls):
+        report.checks.append(check)
+        if not check.passes(report.rtol):
+            raise NotEquivalent(
+                f"pipelined stale steps differ from stale semantics run eagerly; options "
+                f"{report.options}\n  {check}\n  a generation of {len(steps)} steps (the "
+                "given input, its timestep moved a step at a time, its token inputs changed "
+                "every other step): after the warmup steps, chunk p should attend to the "
+                "fresh K/V of chunks 0..p and the previous step's K/V of the rest", check,
+                None)
+    return calls + len(steps)
 
 
 def _check_branches(model: torch.nn.Module, compiled: Any, recorder: _Recorder,
@@ -155,6 +196,7 @@ class _Recorder:
     def __init__(self, config: Config):
         self.backend = TokpipeBackend(**config.as_dict())
         self.graphs: list[tuple[LazyProgram, list[tuple]]] = []
+        self.ran: list[PipelinedProgram] = []  # the programs that ran the last call
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
         lazy = self.backend(gm, example_inputs)
