@@ -214,8 +214,9 @@ def _add_generate(commands) -> None:
     gen.add_argument("--quiet", action="store_true",
                      help="no progress bars (the pipeline's and the ring's)")
     gen.add_argument("--compare", action="store_true",
-                     help="first time the serial pipeline, eager, on rank 0 while the other "
-                          "ranks wait: the speedup and the largest difference")
+                     help="first time the serial pipeline, eager (and with compiled stages "
+                          "compiled alike), on rank 0 while the other ranks wait: the "
+                          "speedups and the largest difference")
     gen.add_argument("--profile", nargs="?", const="", metavar="DIR",
                      help="write a torch.profiler trace per rank, profile_rank<R>.json, to "
                           "DIR (default: --out, else the current folder) and print each "

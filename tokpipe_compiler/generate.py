@@ -32,8 +32,8 @@ from tokpipe_compiler.generate_ranks import (
     gathered,
     one_line_warnings,
     print_on,
-    wait_for_each_other,
 )
+from tokpipe_compiler.generate_serial import compare_lines, serial_runs
 from tokpipe_compiler.released import cast as cast_model
 from tokpipe_compiler.released import load as load_released_spec
 from tokpipe_compiler.released.pipelines import pipeline, small_grid
@@ -206,9 +206,11 @@ def _run(rank: int, args: argparse.Namespace, group: Any) -> dict[str, Any]:
     short = {**kwargs, "num_inference_steps": min(2, args.steps)}
     serial = None
     if args.compare:
+        also = "" if args.compiler == "eager" else f", then compiled by {args.compiler}"
         say(f"serial: a {short['num_inference_steps']}-step call, then the timed one (eager"
-            f"{'; on rank 0 while the other ranks wait' if group is not None else ''})")
-        serial = _serial(pipe, kwargs, short, args, rank, group)
+            f"{also}{'; on rank 0 while the other ranks wait' if group is not None else ''})")
+        serial = serial_runs(pipe, kwargs, short, args, rank, group,
+                             lambda p, k: _timed(p, k, args.seed))
     say(f"pipelined: a first call traces, plans and compiles the stages ({args.compiler}), "
         "then the timed one")
     parallelize(pipe, **options)
@@ -227,22 +229,11 @@ def _run(rank: int, args: argparse.Namespace, group: Any) -> dict[str, Any]:
     result["chunks"] = sorted({len(p.plan.chunks) for p in after})
     result["memory"] = _memory(after, rank)
     if serial is not None:
-        result["serial_s"], result["difference"] = serial[0], _relative(images, serial[1])
+        result["difference"] = _relative(images, serial.pop("serial_images"))
+        result.update(serial)
     if rank == 0 and args.out is not None:
         result["files"] = save(images, Path(args.out))
     return result
-
-
-def _serial(pipe: Any, kwargs: dict, short: dict, args: argparse.Namespace, rank: int,
-            group: Any) -> tuple[float, list] | None:
-    """The unpipelined pipeline's time and images, on rank 0 alone (None elsewhere): ranks
-    that ran it too would share the machine with the one timed."""
-    timed = None
-    if rank == 0:
-        _timed(pipe, short, args.seed)  # first-call costs
-        timed = _timed(pipe, kwargs, args.seed)
-    wait_for_each_other(group)
-    return timed
 
 
 def _describe_released(args: argparse.Namespace, pipe: Any, kwargs: dict[str, Any]) -> str:
@@ -356,18 +347,6 @@ def chunks_ran(counts: list[int], args: argparse.Namespace) -> str:
     return f"{ran} chunk{'s' if counts != [1] else ''} ({asked} asked{why})"
 
 
-def compare(result: dict[str, Any], args: argparse.Namespace) -> None:
-    """The serial run's line, and where the two sides ran unlike, a note that says so."""
-    print(f"serial (eager): {result['serial_s']:.2f} s; speedup "
-          f"{result['serial_s'] / result['pipelined_s']:.2f}x; largest difference "
-          f"{result['difference']:.2e} of the largest "
-          f"{'latent value' if args.released else 'pixel'}")
-    if args.compiler != "eager":
-        print(f"note: the serial pipeline runs eager, the pipelined one compiled by "
-              f"{args.compiler}: the speedup includes the compiler's; --compiler eager "
-              "compares like with like")
-
-
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     cfg = f", guidance branches on {args.cfg} rank groups" if args.cfg > 1 else ""
     graphs = ", CUDA graphs" if args.cuda_graphs else ""
@@ -386,7 +365,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"warning: the timed call made {result['made_while_timed']} new program(s); "
               "its time includes planning and compiling them", file=sys.stderr)
     if "serial_s" in result:
-        compare(result, args)
+        print("\n".join(compare_lines(result, args)))
     print(result["memory"])
     if result.get("traces"):
         print(f"profile: {', '.join(result['traces'])}")
