@@ -186,6 +186,42 @@ def test_in_one_process_the_ring_stops_at_the_step_a_callback_ends(how, monkeypa
     assert len(computed) == 2 * 2  # steps 0 and 1
 
 
+@pytest.mark.parametrize("when", ["ring", "probes"])
+def test_a_cancel_from_outside_the_loop_ends_the_generation(when, monkeypatch):
+    """A server cancels from another thread (`pipe._interrupt = True`) with no step
+    callback: the ring ran every step and returned the uncancelled image. Set while the
+    ring computes step 2, the pipeline gets step 2's latents, as the serial loop gives them
+    where a callback interrupts there; set while the loop runs on probes (before the ring
+    computed anything), the ring's first step's: the loop skipping its steps then would
+    have returned probes."""
+    from tokpipe_compiler.pipelines import ring_call
+
+    make = FAMILIES["flux"]
+    at = 2 if when == "ring" else 0  # the last step the cancelled generation runs
+    expected = _run(make, Seen(interrupt_at=at))
+    pipe, kwargs = make()
+    tp.pipelines.parallelize(pipe, **OPTIONS, mode="sync")
+    if when == "ring":
+        see = StepCallbacks.see
+
+        def cancelling(self, step, latents):  # before the ring shows step 2
+            pipe._interrupt = pipe._interrupt or step == at
+            return see(self, step, latents)
+
+        monkeypatch.setattr(StepCallbacks, "see", cancelling)
+    else:
+        probe = ring_call.probe
+
+        def cancelling(structure, step, *args):  # in the loop's step 3, on probes
+            pipe._interrupt = pipe._interrupt or step == 3
+            return probe(structure, step, *args)
+
+        monkeypatch.setattr(ring_call, "probe", cancelling)
+    out = generate(pipe, kwargs, steps=STEPS)
+    assert _relative(out, expected) <= 1e-5
+    assert _relative(out, generate(*make(), steps=STEPS)) > 1e-3  # the cancel took
+
+
 def test_a_callback_that_changes_the_generation_raises():
     def louder(pipe: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         return {"latents": tensors["latents"] * 1.01} if i == 1 else tensors

@@ -37,7 +37,7 @@ class Generation:
     previous: torch.Tensor | None = None  # the last scheduler step's latents (on probes)
     blends: Blends = field(default_factory=Blends)  # the latents blended between steps
     carried: Carried | None = None  # the real values the current segment starts from
-    callbacks: StepCallbacks | None = None  # the user's step callbacks, if any
+    callbacks: StepCallbacks | None = None  # a ring generation's stand-in for its callbacks
     finished: bool = False  # the last segment's ring has run: the loop's values are real
 
     @property

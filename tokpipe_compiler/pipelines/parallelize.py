@@ -180,7 +180,25 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
                         _steps_counted(self):
                     return cls.__call__(self, *args, **call_kwargs)
 
-    _with_call(pipe, __call__, _RING, calls)
+    extra = {"interrupt": _interrupt_after_probes(calls)} if \
+        isinstance(getattr(cls, "interrupt", None), property) else {}
+    _with_call(pipe, __call__, _RING, calls, extra)
+
+
+def _interrupt_after_probes(calls: RingCalls) -> property:
+    """The pipeline's `interrupt`, but False while a ring generation's loop runs on probes:
+    a cancel set then (from another thread) is seen by the ring at its next step, which
+    hands the loop that step's latents (`StepCallbacks.see`); the loop skipping its steps
+    then would have returned probes."""
+
+    def interrupt(self: Any) -> bool:
+        generation = calls.generation
+        if getattr(self, _RING, None) is calls and generation is not None and \
+                generation.probing:
+            return False
+        return bool(getattr(self, "_interrupt", False))
+
+    return property(interrupt)
 
 
 def _install_fresh_start(pipe: Any) -> None:
@@ -220,14 +238,16 @@ def _one_call_at_a_time(pipe: Any, running: threading.Lock) -> Iterator[None]:
         running.release()
 
 
-def _with_call(pipe: Any, call: Callable[..., Any], mark: str, owner: object) -> None:
+def _with_call(pipe: Any, call: Callable[..., Any], mark: str, owner: object,
+               extra: dict[str, Any] | None = None) -> None:
     """`pipe` as an instance of a subclass of its class with `call` for its `__call__`
     (only this instance's calls go through it; pipelines made from it by from_pipe, of
-    the subclass, lack the `mark` attribute naming `owner`, and `call` passes them on)."""
+    the subclass, lack the `mark` attribute naming `owner`, and `call` passes them on),
+    and the `extra` attributes."""
     cls = type(pipe)
     pipe.__class__ = type(cls.__name__, (cls,), {"__call__": call,
                                                  "__module__": cls.__module__,
-                                                 "__doc__": cls.__doc__})
+                                                 "__doc__": cls.__doc__, **(extra or {})})
     setattr(pipe, mark, owner)
 
 

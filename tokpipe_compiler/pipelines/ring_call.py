@@ -67,7 +67,7 @@ from tokpipe_compiler.pipelines.scheduler_route import (
     step_option_reasons,
     with_sample,
 )
-from tokpipe_compiler.pipelines.step_callbacks import LEGACY, ON_STEP_END, StepCallbacks, StopRing
+from tokpipe_compiler.pipelines.step_callbacks import StepCallbacks, StopRing
 from tokpipe_compiler.pipelines.table import call_reasons
 from tokpipe_compiler.programs.generations import count_step
 
@@ -108,7 +108,7 @@ class RingCalls:
         gen = self.generation
         if gen.reasons:
             self._warn_per_call(gen.reasons)
-        elif kwargs.get(ON_STEP_END) is not None or kwargs.get(LEGACY) is not None:
+        else:  # with or without step callbacks: a cancel reaches the ring through it
             gen.callbacks = StepCallbacks(self.pipe, kwargs, lambda: gen.step,
                                           lambda: gen.probing)
             kwargs = gen.callbacks.call_kwargs(kwargs)

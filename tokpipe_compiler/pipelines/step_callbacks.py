@@ -10,9 +10,11 @@ the pipeline calls after the ring with real latents, goes straight through.
 A ring computes every step from the first step's form, so it cannot follow a callback that
 changes the generation: tensors it returns changed or the guidance scale set anew raise
 once the ring has run (on every rank alike; a callback that does so runs with
-`parallelize(pipe, ring=False)`). An interrupt (`pipe._interrupt = True`) ends the
-generation at its step, as in the pipeline's own loop: the pipeline gets the latents of
-that step. In one process the ring stops there too (`StopRing`), and so after a callback
+`parallelize(pipe, ring=False)`). An interrupt (`pipe._interrupt = True`, by a callback
+or from another thread, with or without callbacks) ends the generation at the step the
+ring shows next, as in the pipeline's own loop: the pipeline gets the latents of that step
+(one set while the loop runs on probes, the first step's: the loop does not see it then).
+In one process the ring stops there too (`StopRing`), and so after a callback
 that raises (a server's cancel); on several ranks it runs its steps to the end (a rank
 whose callback the others do not pass cannot stop them mid-ring) and the error is raised
 after it.
@@ -151,7 +153,7 @@ class StepCallbacks:
         """The latents after loop step `step`: the callbacks the loop made after it, now."""
         for call in self._calls.pop(step, []):
             if self.interrupted is not None or self.error is not None:
-                return
+                break
             try:
                 with self._as_in_the_loop(call.state):
                     self._replay(step, call, latents)
@@ -159,8 +161,11 @@ class StepCallbacks:
             # (KeyboardInterrupt, asyncio.CancelledError) is held the same way.
             except BaseException as err:
                 self.error = err
-            if self._alone and (self.error is not None or self.interrupted is not None):
-                raise StopRing
+        if self.interrupted is None and self.error is None and \
+                getattr(self.pipe, "_interrupt", False):  # a cancel from another thread
+            self.interrupted = latents
+        if self._alone and (self.error is not None or self.interrupted is not None):
+            raise StopRing
 
     def raise_error(self) -> None:
         """What a callback raised or did that the ring cannot follow, once the ring ran
