@@ -213,7 +213,12 @@ def test_a_step_that_needs_more_arguments_is_named():
 
 
 def test_programs_of_a_pipeline_without_any_says_both_causes():
+    """Before its first call a parallelized pipeline has none to list (a server's stats
+    of a pipeline loaded but not yet asked for raised); a pipeline never parallelized
+    raises, naming both causes of none."""
     pipe, _ = parallelized(FAMILIES["pixart_alpha"], mode="sync")
+    assert tp.pipelines.programs(pipe) == []
+    unparallelized, _ = FAMILIES["pixart_alpha"]()
     with pytest.raises(tp.TokpipeError, match="not parallelized and called yet, or every "
                                               "graph of its transformer ran unpipelined"):
-        tp.pipelines.programs(pipe)
+        tp.pipelines.programs(unparallelized)

@@ -54,6 +54,7 @@ _RESET = "_reset_stateful_cache"  # what DiffusionPipeline calls on each compone
 _PARALLELIZED = "_tokpipe_parallelized"  # a transformer's `Parallelized`
 _FRESH = "_tokpipe_fresh_start"  # a per-call pipeline's mark (`_install_fresh_start`)
 _RING = "_tokpipe_ring"  # a ring pipeline's `RingCalls` (`_install_ring`)
+_CALLED = "_tokpipe_called"  # set at a parallelized pipeline's first call
 # Input signatures (resolutions, batch sizes) a transformer is compiled for per call before
 # Dynamo runs it unpipelined: PixArt's and Sana's pipelines bin resolutions into dozens of
 # aspect ratios, and each is one recompile.
@@ -232,6 +233,7 @@ def _one_call_at_a_time(pipe: Any, running: threading.Lock) -> Iterator[None]:
             "parallelized pipeline runs one call at a time, since its generation's state "
             "(ring, scheduler, K/V caches) is the pipeline's. Serialise the calls with a "
             "lock, or load a pipeline per thread")
+    setattr(pipe, _CALLED, True)
     try:
         yield
     finally:
@@ -340,10 +342,13 @@ def _restore(generators: list[torch.Generator], states: tuple) -> None:
 
 def programs(pipe: Any) -> list:
     """The pipelined programs behind a parallelized pipeline: its rings' (one per form of
-    step and input shapes) and its transformer's per-call ones."""
+    step and input shapes) and its transformer's per-call ones; none before its first
+    call. Raises where it has none after one (saying why)."""
     from tokpipe_compiler.api import programs as call_programs
 
     calls = getattr(pipe, _RING, None)
+    if (calls is not None or hasattr(pipe, _FRESH)) and not hasattr(pipe, _CALLED):
+        return []  # parallelized, not called yet: nothing traced
     found = [] if calls is None else [p for rings in calls.denoisers.values()
                                       for ring in rings.rings.values() for p in ring.programs()]
     for denoiser in find_denoisers(pipe).values():
