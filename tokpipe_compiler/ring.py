@@ -24,6 +24,7 @@ from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.autocast import autocast_state
 from tokpipe_compiler.core.errors import OneUnitGrid, TokpipeError, user_line
 from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.logs import LOG as log
 from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.capture import Captured, capture
@@ -34,6 +35,8 @@ from tokpipe_compiler.planning.traced_modules import TracedModules
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
 from tokpipe_compiler.programs.step_watch import Watch
 from tokpipe_compiler.runtime.chunking import Chunk
+
+KEPT_SIGNATURES = 8  # input signatures (shapes, dtypes) whose programs a ring keeps
 
 
 class Ring:
@@ -71,7 +74,7 @@ class Ring:
         self._traced: Captured | None = None
         # One trace per input signature (another batch or resolution traces anew), a plan
         # per signature and step count where chunks="auto" chooses for it, and a program
-        # per signature and chunk table.
+        # per signature and chunk table; those of the KEPT_SIGNATURES used last are kept.
         self._traces: dict[tuple, Captured] = {}
         self._chosen: dict[tuple, tuple[Chunk, ...]] = {}  # (signature, steps) -> chunk table
         self._programs: dict[tuple, Any] = {}  # (signature, chunk table) -> program
@@ -150,7 +153,10 @@ class Ring:
         signature = (*_signature(values), *free_values(self.step_fn))
         if self.follow_modules:
             self._follow_the_modules(signature, values)
-        if signature not in self._traces:
+        if signature in self._traces:  # the latest used last
+            self._traces[signature] = self._traces.pop(signature)
+        else:
+            self._forget_the_oldest()
             self._traces[signature] = trace_step(self.step_fn, values)
             self._warn_of_writes(self._traces[signature])
             if self.follow_modules:
@@ -166,6 +172,22 @@ class Ring:
                 self._programs[signature, table] = make_program(plan, None, group=self.group)
         self.program = self._programs[signature, self._chosen[signature, steps]]
         return self.program
+
+    def _forget_the_oldest(self) -> None:
+        """Before a new signature's trace: drop the traces, plans and programs of the one
+        used least recently where KEPT_SIGNATURES are held (a server drawing at many sizes
+        would keep every size's, tens of MB each at released depths). Every rank makes the
+        same calls, so every rank forgets the same one."""
+        if len(self._traces) < KEPT_SIGNATURES:
+            return
+        oldest = next(iter(self._traces))
+        log.info("tokpipe ring: dropping the programs of an input signature used %d "
+                 "signatures ago; it is traced and planned again if it returns",
+                 KEPT_SIGNATURES)
+        del self._traces[oldest]
+        self._modules.pop(oldest, None)
+        self._chosen = {k: v for k, v in self._chosen.items() if k[0] != oldest}
+        self._programs = {k: v for k, v in self._programs.items() if k[0] != oldest}
 
     def _follow_the_modules(self, signature: tuple, values: dict[str, Any]) -> None:
         """Drop every trace (each holds the weights as they were) where the modules this

@@ -240,3 +240,30 @@ def test_a_step_dynamo_cannot_trace_leaves_the_callers_inputs_as_they_were():
     with pytest.raises(tp.TokpipeError, match="Dynamo broke it"):
         tp.Ring(step, carry=["latents"], **OPTIONS).run(inputs, per_step=per_step)
     assert torch.equal(inputs["latents"], before)
+
+
+def test_a_ring_keeps_the_programs_of_its_latest_input_signatures(monkeypatch):
+    """A server drawing at many sizes kept every size's trace and programs (about 3 MB a
+    block each at released widths): the ring keeps those of the signatures used last and
+    traces an older one again when it returns, with the same numbers."""
+    from tokpipe_compiler import ring as ring_module
+
+    monkeypatch.setattr(ring_module, "KEPT_SIGNATURES", 2)
+    step, _, _ = _forms()["closure"]
+    inputs, per_step = _inputs()
+
+    def batch(b: int) -> dict:
+        return {name: value.repeat(b, *[1] * (value.dim() - 1))
+                for name, value in inputs.items()}
+
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    _run(ring, batch(1), per_step)
+    first = weakref.ref(ring.program)
+    for b in (2, 1, 3):  # batch 1 used again before batch 3: batch 2's is the oldest
+        _run(ring, batch(b), per_step)
+    gc.collect()
+    assert len(ring.programs()) == 2 and first() is not None
+    out, _ = _run(ring, batch(2), per_step)  # traced again, batch 1's dropped
+    gc.collect()
+    assert len(ring.programs()) == 2 and first() is None
+    assert _relative(out, _eager(step, batch(2), per_step)) <= 1e-5
