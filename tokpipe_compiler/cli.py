@@ -167,8 +167,8 @@ def _add_generate(commands) -> None:
     gen.add_argument("--text-length", type=_count(1), metavar="N",
                      help="--model: the prompt's tokens, for pipelines that take "
                           "max_sequence_length (default: the pipeline's, 512 for Wan)")
-    gen.add_argument("--class-label", type=int, default=1,
-                     help="DiT pipelines: the class label drawn (default %(default)s)")
+    gen.add_argument("--class-label", type=int,
+                     help="DiT pipelines: the class label drawn (default 1)")
     gen.add_argument("--guidance-scale", type=float,
                      help="the pipeline's guidance_scale (default: the pipeline's)")
     gen.add_argument("--true-cfg-scale", type=float, metavar="SCALE",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.generate_call import call_kwargs, check_class_label_args
+from tokpipe_compiler.generate_call import call_kwargs, check_class_label_args, class_label
 from tokpipe_compiler.generate_ranks import (
     command_group,
     gathered,
@@ -91,7 +91,10 @@ def check_args(args: argparse.Namespace) -> None:
         if args.tiny == "dit":
             check_class_label_args(args)
         return
-    load_released_spec(args.released)  # an unknown name fails here, naming the bundled ones
+    spec = load_released_spec(args.released)  # an unknown name fails here, naming them
+    if args.class_label is not None and not spec["inputs"].get("class_labels"):
+        raise TokpipeError(f"{args.released} draws what its prompt embeddings say, not a "
+                           "class label; leave out --class-label")
     for given, flag in ((args.prompt, "--prompt"), (args.negative_prompt, "--negative-prompt")):
         if given is not None:
             raise TokpipeError("--released pipelines have no text encoder: their prompts are "
@@ -122,7 +125,7 @@ def load_pipeline(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         if args.guidance_scale is not None:
             kwargs["guidance_scale"] = args.guidance_scale
         if "class_labels" in kwargs:  # DiT
-            kwargs["class_labels"] = [args.class_label] * args.images
+            kwargs["class_labels"] = [class_label(args)] * args.images
         else:  # the prompt's rows repeated, as a text encoder repeats them per image
             kwargs = {name: value.repeat(args.images, *(1,) * (value.dim() - 1))
                       if "prompt" in name and isinstance(value, torch.Tensor) else value

@@ -15,7 +15,10 @@ def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"num_inference_steps": args.steps, "output_type": "np"}
     if type(pipe).__name__ == "DiTPipeline":
         check_class_label_args(args)
-        kwargs["class_labels"] = [args.class_label] * args.images
+        kwargs["class_labels"] = [class_label(args)] * args.images
+    elif args.class_label is not None:
+        raise TokpipeError(f"{type(pipe).__name__} draws what a prompt says, not a class "
+                           "label; leave out --class-label")
     elif args.prompt is None:
         raise TokpipeError(f"{type(pipe).__name__} needs --prompt")
     else:
@@ -64,11 +67,17 @@ def _negative_prompt(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_class_label_args(args: argparse.Namespace) -> None:
-    for given, flag in ((args.negative_prompt, "--negative-prompt"), (args.size, "--size"),
-                        (args.frames, "--frames"), (args.text_length, "--text-length")):
+    for given, flag in ((args.prompt, "--prompt"), (args.negative_prompt, "--negative-prompt"),
+                        (args.size, "--size"), (args.frames, "--frames"),
+                        (args.text_length, "--text-length")):
         if given is not None:
-            raise TokpipeError(f"DiTPipeline draws a class label at its one size; leave out "
-                               f"{flag}")
+            raise TokpipeError(f"DiTPipeline draws a class label (--class-label) at its one "
+                               f"size; leave out {flag}")
+
+
+def class_label(args: argparse.Namespace) -> int:
+    """The class label a DiT pipeline draws (1 where none is given)."""
+    return 1 if args.class_label is None else args.class_label
 
 
 def _per_prompt(pipe: Any, images: int) -> dict[str, int]:

@@ -3,6 +3,7 @@ call, and what it reports (the runs themselves: tests/slow/test_generate.py)."""
 
 from __future__ import annotations
 
+import re
 import types
 import warnings
 
@@ -293,6 +294,38 @@ def test_generate_compare_times_the_serial_pipeline_compiled_alike(monkeypatch):
     # the other ranks wait, without running it: rank 0's time would share the machine
     assert generate_serial.serial_runs(pipe, {}, {}, args, 1, None, timed) is None
     assert len(ran) == 4
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--tiny", "dit", "--prompt", "a cat"], "DiTPipeline draws a class label (--class-label) "
+                                             "at its one size; leave out --prompt"),
+    (["--released", "sd3-medium", "--class-label", "3"],
+     "sd3-medium draws what its prompt embeddings say, not a class label; leave out "
+     "--class-label"),
+])
+def test_generate_refuses_the_other_kinds_conditioning(argv, says):
+    """--prompt for a class-conditional DiT and --class-label for a prompt pipeline were
+    dropped without a word."""
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate import check_args
+
+    with pytest.raises(TokpipeError, match=re.escape(says)):
+        check_args(_parser().parse_args(["generate", *argv]))
+
+
+def test_a_prompt_pipeline_refuses_a_class_label():
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate_call import call_kwargs
+
+    class PixArtSigmaPipeline:
+        def __call__(self, prompt, num_inference_steps, output_type): ...
+
+    args = _parser().parse_args(["generate", "--tiny", "dit", "--class-label", "3"])
+    with pytest.raises(TokpipeError, match="PixArtSigmaPipeline draws what a prompt says, "
+                                           "not a class label; leave out --class-label"):
+        call_kwargs(PixArtSigmaPipeline(), args)
+    args.class_label, args.prompt = None, "a cat"
+    assert call_kwargs(PixArtSigmaPipeline(), args)["prompt"] == "a cat"
 
 
 def test_generate_help_shows_every_default():
