@@ -55,7 +55,8 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str, kernel: str = "sdpa"
             if unfused:
                 sdpa_layers.append(f"{describe(node)}: {unfused}")
         spec = CacheSpec(layer, f"kv_cache_{layer}_k", f"kv_cache_{layer}_v", tuple(k.shape),
-                         tuple(v.shape), k.dtype, node.meta[META_KEY].per_unit)
+                         tuple(v.shape), k.dtype, node.meta[META_KEY].per_unit, info.lead,
+                         info.trail)
         k_cache = add_input(gm, spec.k_name, k)
         v_cache = add_input(gm, spec.v_name, v)
         with gm.graph.inserting_before(node):

@@ -22,6 +22,8 @@ class CacheSpec:
     v_shape: tuple[int, ...]
     dtype: torch.dtype
     per_unit: int
+    lead: int = 0  # tokens before the chunked ones (joint attention's text, a start token)
+    trail: int = 0  # tokens after them
 
     @property
     def bytes(self) -> int:

@@ -198,15 +198,32 @@ def test_catches_a_first_step_that_attends_to_keys_not_yet_written(monkeypatch):
 
 
 def test_says_where_stale_semantics_were_not_run_eagerly():
-    """Joint attention's text K/V are computed once a step; the eager reference does not
-    model them, and the report says so."""
+    """Attention written out (softmax of q @ k.mT) is not intercepted by the eager
+    reference, and the report says so."""
+    from tests.compiler.test_hand_written import TokenDiT
+
+    torch.manual_seed(0)
+    report = assert_equivalent(TokenDiT("k.mT").eval(), (torch.randn(2, 4, 16, 24),),
+                               stages=2, chunks=4, mode="stale")
+    assert any("attention written out" in u for u in report.unchecked), str(report)
+    assert "not checked: stale steps against stale semantics run eagerly" in str(report)
+
+
+@pytest.mark.parametrize("readout", ["", "class", "register"])
+def test_joined_tokens_are_checked_against_stale_semantics(readout):
+    """Joint attention's text (here with padded text keys masked) and a class or register
+    token are computed by a step's first chunk; every chunk attends to their fresh K/V."""
+    from tests.compiler.test_hand_written import TokenDiT
     from tests.compiler.test_masked_stale import JointModel, joint_args
 
     torch.manual_seed(0)
-    report = assert_equivalent(JointModel().eval(), joint_args(), stages=2, chunks=2,
-                               mode="stale")
-    assert any("joint text" in u for u in report.unchecked), str(report)
-    assert "not checked: stale steps against stale semantics run eagerly" in str(report)
+    model, args = ((JointModel(), joint_args()) if not readout else
+                   (TokenDiT(readout=readout), (torch.randn(2, 4, 16, 24),)))
+    report = assert_equivalent(model.eval(), args, stages=2, chunks=2, mode="stale",
+                               warmup_steps=0)
+    assert not report.unchecked, str(report)
+    assert any("against stale semantics" in c.name and c.chunks == 2
+               for c in report.checks), str(report)
 
 
 def test_names_the_stage_and_chunk_of_an_offset_bug(monkeypatch):

@@ -12,8 +12,9 @@ input has been repeated long enough for its K/V to replace the other's, layer by
 program whose caches stopped following its calls passes the first check but not this one.
 Then a generation whose inputs change at every step runs against stale semantics computed
 on the eager model (`stale_reference`: each chunk attends to the fresh K/V of the chunks up
-to its own and the previous step's of the rest), where that reference applies (plain
-scaled_dot_product_attention over the chunked tokens; the report says why not elsewhere).
+to its own and the previous step's of the rest; joined tokens, as joint attention's text,
+computed by the first chunk), where that reference applies (scaled_dot_product_attention
+over the chunked tokens; the report says why not elsewhere).
 Then two guidance branches (the given input and one with other token inputs, at one
 timestep per step) run interleaved, and each call must equal its branch run alone
 (`branches`): branches that shared caches would pass every check before. Each check says
@@ -42,7 +43,7 @@ from tokpipe_compiler.testing.branches import branch_calls, check_branches
 from tokpipe_compiler.testing.checks import Check, NotEquivalent, Report, compare
 from tokpipe_compiler.testing.inputs import Inputs, other_input
 from tokpipe_compiler.testing.locate import Drift, Where, compiler_drift, locate
-from tokpipe_compiler.testing.stale_reference import (
+from tokpipe_compiler.testing.stale_check import (
     applies,
     check_reference,
     reference_calls,
@@ -118,7 +119,7 @@ def _tells_steps(recorder: _Recorder) -> bool:
 
 def _check_reference(model: torch.nn.Module, compiled: Any, recorder: _Recorder,
                      given: Inputs, config: Config, report: Report, calls: int) -> int:
-    """A generation's stale steps against stale semantics run eagerly (`stale_reference`),
+    """A generation's stale steps against stale semantics run eagerly (`stale_check`),
     where they can be; returns the calls made so far."""
     programs = recorder.ran  # the given input's last call's: in the order they ran
     why = applies(model, programs, given)

@@ -2,44 +2,63 @@
 
 The README's table says what chunk p of a stale step attends to: the fresh K/V of chunks
 0..p and the previous step's K/V of chunks p+1.. (with no previous step, at a generation's
-first step without warmup: chunks 0..p only). Every other op of a plain DiT acts token by
-token, so one eager pass per step computes every chunk's answer at once: each attention
-call over the chunked tokens computes this step's K/V of every token (the fresh ones,
-since the tokens' own activations are already the stale-mode ones, layer by layer) and
-gives each chunk's queries those of the chunks up to its own and the previous step's of
-the rest. The first `warmup` steps attend to the whole fresh sequence.
+first step without warmup: chunks 0..p only). Tokens joined to the chunked ones (joint
+attention's text, a start token: `Layout.lead`, `Layout.trail`) are computed by a step's
+first chunk (`text_chunks="first"`), with its keys, and every chunk attends to their fresh
+K/V. Every other op acts token by token, so one eager pass per step computes every chunk's
+answer at once: each attention call over the chunked tokens computes this step's K/V of
+every token (the fresh ones, since the tokens' own activations are already the stale-mode
+ones, layer by layer) and gives each chunk's queries the keys stale mode gives it. The
+first `warmup` steps attend to the whole fresh sequence.
 
 This holds where every attention over the chunked tokens is
-`F.scaled_dot_product_attention` with queries and keys of those tokens alone, in grid
-order (a chunk's tokens contiguous); `applies` says why not elsewhere (joint attention's
-text, sums over tokens, attention written out, graph breaks).
+`F.scaled_dot_product_attention` with queries and keys of the whole sequence, in grid
+order (a chunk's tokens contiguous); `stale_check.applies` says why not elsewhere.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tokpipe_compiler.config import Config
-from tokpipe_compiler.programs.pipelined import PipelinedProgram
-from tokpipe_compiler.runtime.caches import CacheSpec
-from tokpipe_compiler.testing.checks import Check, compare
-from tokpipe_compiler.testing.inputs import Inputs, changed_input
-
-# A compiled call: inputs -> (output, the chunks it ran as)
-Run = Callable[[Inputs], tuple[Any, int | None]]
-STALE_STEPS = 3  # steps compared after the warmup ones
-
 _SDPA = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0,
                           is_causal=False, scale=None, enable_gqa=False: None)
 
 
-def _bind(args: tuple, kwargs: dict) -> inspect.BoundArguments:
+@dataclass(frozen=True)
+class Layout:
+    """One attention's sequence: `lead` tokens, the chunked `tokens`, `trail` tokens."""
+
+    lead: int
+    tokens: int
+    trail: int
+
+    @property
+    def length(self) -> int:
+        return self.lead + self.tokens + self.trail
+
+    def chunked(self, start: int, stop: int) -> torch.Tensor:
+        """The positions of chunked tokens [start, stop)."""
+        return torch.arange(self.lead + start, self.lead + stop)
+
+    def segments(self) -> torch.Tensor:
+        """The positions of the tokens joined to the chunked ones."""
+        return torch.cat([torch.arange(self.lead),
+                          torch.arange(self.lead + self.tokens, self.length)])
+
+    def holds(self, call: inspect.BoundArguments) -> bool:
+        """Whether an attention call's queries and keys are this sequence."""
+        q, k = call.arguments["query"], call.arguments["key"]
+        return q.dim() >= 2 and q.shape[-2] == k.shape[-2] == self.length
+
+
+def bind(args: tuple, kwargs: dict) -> inspect.BoundArguments:
     """An attention call's arguments by name, defaults included."""
     call = _SDPA.bind(*args, **kwargs)
     call.apply_defaults()
@@ -48,11 +67,13 @@ def _bind(args: tuple, kwargs: dict) -> inspect.BoundArguments:
 
 class StaleReference:
     """A stale-mode run of `model`: call it once per denoising step of one guidance branch;
-    `new_generation` drops the K/V of the last."""
+    `new_generation` drops the K/V of the last. layouts: the sequence of each attention
+    over the chunked tokens, in call order; bounds: the chunks, in chunked tokens."""
 
-    def __init__(self, model: torch.nn.Module, tokens: int, bounds: Sequence[tuple[int, int]],
-                 warmup: int):
-        self.model, self.tokens, self.bounds, self.warmup = model, tokens, list(bounds), warmup
+    def __init__(self, model: torch.nn.Module, layouts: Sequence[Layout],
+                 bounds: Sequence[tuple[int, int]], warmup: int):
+        self.model, self.layouts, self.bounds = model, list(layouts), list(bounds)
+        self.warmup = warmup
         self.new_generation()
 
     def new_generation(self) -> None:
@@ -72,22 +93,47 @@ class StaleReference:
         self.caches[layer] = (k, v)
         if self.steps < self.warmup:
             return F.scaled_dot_product_attention(**call.arguments)
-        mask = call.arguments["attn_mask"]
-        outputs = []
-        for start, stop in self.bounds:
-            keys, values = k[..., :stop, :], v[..., :stop, :]
-            if stale is not None:
-                keys = torch.cat([keys, stale[0][..., stop:, :]], dim=-2)
-                values = torch.cat([values, stale[1][..., stop:, :]], dim=-2)
-            outputs.append(F.scaled_dot_product_attention(
-                **{**call.arguments, "query": q[..., start:stop, :], "key": keys,
-                   "value": values, "attn_mask": _rows(mask, start, stop, keys.shape[-2])}))
-        return torch.cat(outputs, dim=-2)
+        layout = self.layouts[layer]
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        for p, (start, stop) in enumerate(self.bounds):
+            rows = layout.chunked(start, stop)
+            if p == 0:  # the first chunk computes the joined tokens
+                rows = torch.cat([layout.segments(), rows])
+            rows = rows.to(q.device)
+            keys, values, columns = self._keys(layout, k, v, stale, stop)
+            out.index_copy_(-2, rows, F.scaled_dot_product_attention(
+                **{**call.arguments, "query": q.index_select(-2, rows), "key": keys,
+                   "value": values,
+                   "attn_mask": _mask(call.arguments["attn_mask"], rows, columns)}))
+        return out
 
-    def is_chunked(self, call: inspect.BoundArguments) -> bool:
-        """Whether the attention's queries and keys are the chunked tokens."""
-        q, k = call.arguments["query"], call.arguments["key"]
-        return q.dim() >= 2 and q.shape[-2] == k.shape[-2] == self.tokens
+    @staticmethod
+    def _keys(layout: Layout, k: torch.Tensor, v: torch.Tensor,
+              stale: tuple[torch.Tensor, torch.Tensor] | None, stop: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The keys and values a chunk ending at `stop` attends to, and their positions
+        (None: all): fresh up to its end, the previous step's after it."""
+        if stale is None:  # no previous step: the keys written so far
+            seen = torch.cat([layout.segments(), layout.chunked(0, stop)]).to(k.device)
+            return k.index_select(-2, seen), v.index_select(-2, seen), seen
+        later = layout.chunked(stop, layout.tokens).to(k.device)
+        keys, values = k.clone(), v.clone()
+        keys.index_copy_(-2, later, stale[0].index_select(-2, later))
+        values.index_copy_(-2, later, stale[1].index_select(-2, later))
+        return keys, values, None
+
+
+def _mask(mask: torch.Tensor | None, rows: torch.Tensor, columns: torch.Tensor | None
+          ) -> torch.Tensor | None:
+    """A mask's entries of the queries `rows` and the keys `columns` (None: all); a
+    dimension it broadcasts stays as it is."""
+    if mask is None or mask.dim() < 2:
+        return mask
+    if mask.shape[-2] > 1:
+        mask = mask.index_select(-2, rows.to(mask.device))
+    if columns is not None and mask.shape[-1] > 1:
+        mask = mask.index_select(-1, columns.to(mask.device))
+    return mask
 
 
 class _StaleAttention(TorchFunctionMode):
@@ -102,102 +148,30 @@ class _StaleAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        call = _bind(args, kwargs)
-        if not self.reference.is_chunked(call):
+        call = bind(args, kwargs)
+        layouts = self.reference.layouts
+        if self.layer >= len(layouts) or not layouts[self.layer].holds(call):
             return func(*args, **kwargs)
         self.layer += 1
         return self.reference.attend(self.layer - 1, call)
 
 
-def _rows(mask: torch.Tensor | None, start: int, stop: int, keys: int) -> torch.Tensor | None:
-    """A mask's rows of the queries [start, stop) and its first `keys` columns."""
-    if mask is None:
-        return None
-    rows = mask if mask.dim() < 2 or mask.shape[-2] == 1 else mask[..., start:stop, :]
-    return rows if rows.dim() < 1 or rows.shape[-1] == 1 else rows[..., :keys]
+class AttentionCount(TorchFunctionMode):
+    """Counts one forward's attention calls whose queries and keys have the length of any
+    of `layouts` (`found`), those that match `layouts` in call order (`matched`), and
+    whether any is causal."""
 
-
-def applies(model: torch.nn.Module, programs: Sequence[PipelinedProgram], inputs: tuple
-            ) -> str | None:
-    """Why StaleReference cannot stand for these programs of `model` (None where it can)."""
-    if any(not isinstance(c, CacheSpec) for p in programs for c in p.plan.caches):
-        return "the model sums over tokens (stale partial sums)"
-    if any(p.plan.text_tokens for p in programs):
-        return "the model's attention joins tokens other than the chunked ones (joint text)"
-    attending = [p for p in programs if p.plan.caches]
-    if not attending:
-        return "no attention over the chunked tokens (no K/V caches): nothing is stale"
-    if len({(p.plan.tokens, tuple(_bounds(p))) for p in attending}) != 1:
-        return (f"the model's {len(programs)} pipelined programs (graph breaks) chunk "
-                "their tokens differently")
-    found = _Count(attending[0].plan.tokens)
-    with found, torch.no_grad():
-        model(*inputs[0], **inputs[1])
-    caches = sum(len(p.plan.caches) for p in attending)
-    if found.causal:
-        return "the model's attention is causal"
-    if found.chunked != caches:
-        return (f"{found.chunked} scaled_dot_product_attention call(s) with queries and keys "
-                f"of the {attending[0].plan.tokens} chunked tokens, against {caches} K/V "
-                "cache(s) in the plan (attention written out, or over another layout of "
-                "the tokens)")
-    return None
-
-
-def reference_for(model: torch.nn.Module, programs: Sequence[PipelinedProgram]
-                  ) -> StaleReference:
-    """The StaleReference of `programs`' chunks and warmup (those `applies` accepted)."""
-    program = next(p for p in programs if p.plan.caches)
-    return StaleReference(model, program.plan.tokens, _bounds(program),
-                          program.plan.config.warmup_steps)
-
-
-def _bounds(program: PipelinedProgram) -> list[tuple[int, int]]:
-    """The token ranges of `program`'s chunks."""
-    plan = program.plan
-    per_unit = plan.tokens // plan.units
-    return [(c.start * per_unit, c.stop * per_unit) for c in plan.chunks]
-
-
-class _Count(TorchFunctionMode):
-    """Counts one forward's attention calls over `tokens` tokens."""
-
-    def __init__(self, tokens: int):
+    def __init__(self, layouts: Sequence[Layout]):
         super().__init__()
-        self.tokens, self.chunked, self.causal = tokens, 0, False
+        self.layouts, self.found, self.matched, self.causal = list(layouts), 0, 0, False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            call = _bind(args, kwargs)
-            q, k = call.arguments["query"], call.arguments["key"]
-            if q.dim() >= 2 and q.shape[-2] == k.shape[-2] == self.tokens:
-                self.chunked += 1
+            call = bind(args, kwargs)
+            if any(layout.holds(call) for layout in self.layouts):
+                self.found += 1
                 self.causal |= bool(call.arguments["is_causal"])
+            if self.matched < len(self.layouts) and self.layouts[self.matched].holds(call):
+                self.matched += 1
         return func(*args, **kwargs)
-
-
-def reference_calls(model: torch.nn.Module, args: tuple, kwargs: dict, config: Config
-                    ) -> list[Inputs]:
-    """A generation's steps (its warmup ones and `STALE_STEPS` more): the given input with
-    its timestep moved a step at a time and its token inputs changed every other step, so
-    each step's K/V differ from the last's."""
-    steps = config.warmup_steps + STALE_STEPS
-    return [changed_input(model, args, kwargs, config.timestep_input, k, k % 2 == 1,
-                          steps - 1) for k in range(steps)]
-
-
-def check_reference(run: Run, new_generation: Callable[[], None], reference: StaleReference,
-                    calls: list[Inputs], first_call: int) -> list[Check]:
-    """Each step of a new generation of `calls` against StaleReference's run of them.
-    `first_call`: the number of calls made before (for the checks' call numbers)."""
-    new_generation()
-    reference.new_generation()
-    checks = []
-    for step, inputs in enumerate(calls):
-        actual, chunks = run(inputs)
-        expected = reference(*inputs[0], **inputs[1])
-        checks.append(compare(f"stale mode, step {step} of a generation against stale "
-                              "semantics run eagerly", first_call + step + 1, expected,
-                              actual, chunks))
-    return checks
