@@ -361,11 +361,28 @@ def _check_steps(steps: int | None, per_step: dict[str, torch.Tensor]) -> int:
 
 def _signature(values: dict[str, Any]) -> tuple:
     """What a traced step is specialised to: each tensor's shape, dtype and device, the
-    value of anything else (the trace holds those as constants), and the autocast state
-    (it sets the dtypes of the values, caches and messages a plan allocates)."""
-    return (*sorted(
-        (name, (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else repr(v))
-        for name, v in values.items()), autocast_state())
+    value of anything else (the trace holds those as constants: a settings object's by its
+    attributes), and the autocast state (it sets the dtypes of the values, caches and
+    messages a plan allocates)."""
+    return (*sorted((name, _value_key(v)) for name, v in values.items()), autocast_state())
+
+
+def _value_key(value: Any, depth: int = 0) -> Any:
+    """A value as a traced step is specialised to it. An object's attributes count (a step
+    reading `settings.guidance` traces it as a constant), a few levels deep; modules and
+    other callables by identity (`traced_modules` follows what modules hold)."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_value_key(v, depth + 1) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(k), _value_key(v, depth + 1))
+                                     for k, v in value.items())))
+    if isinstance(value, torch.nn.Module) or callable(value) or depth >= 3 or \
+            not hasattr(value, "__dict__"):  # a function (a class) by identity, not its attributes
+        return repr(value)
+    return (type(value).__qualname__, tuple(sorted(
+        (name, _value_key(v, depth + 1)) for name, v in vars(value).items())))
 
 
 def _steps_of(per_step: dict[str, torch.Tensor]) -> int:
