@@ -186,6 +186,41 @@ def test_step_callbacks_on_two_ranks(two_rank_runs):
             assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+def _thread_cancel(rank: int, world: int) -> tuple[torch.Tensor, list[str]]:
+    """A cancel set from outside the loop (here while it runs on probes, as a thread would
+    set it), with no step callback, on every rank."""
+    from tokpipe_compiler.pipelines import ring_call
+
+    pipe, kwargs = FAMILIES["flux"]()
+    tp.pipelines.parallelize(pipe, **OPTIONS)
+    probe = ring_call.probe
+
+    def cancelling(structure, step, *args):
+        pipe._interrupt = pipe._interrupt or step == 2
+        return probe(structure, step, *args)
+
+    ring_call.probe = cancelling
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            latents = generate(pipe, kwargs, steps=4)
+    finally:
+        ring_call.probe = probe
+    return latents, [str(w.message) for w in caught]
+
+
+def test_a_cancel_from_outside_the_loop_on_two_ranks_runs_the_ring_to_its_end(two_rank_runs):
+    """Each rank would see another thread's cancel at another step and return another
+    step's latents (0.2 apart): on several ranks the ring runs to its end, on every rank,
+    and says so (the uncancelled generation's latents, as one process makes them)."""
+    pipe, kwargs = FAMILIES["flux"]()
+    tp.pipelines.parallelize(pipe, **OPTIONS)
+    serial = generate(pipe, kwargs, steps=4)
+    for latents, said in two_rank_runs["thread cancel"]:
+        assert (latents - serial).abs().max().item() <= 1e-5 * serial.abs().max().item()
+        assert any("interrupt was set while its ring ran on several ranks" in m for m in said)
+
+
 def _noisy_steps(rank: int, world: int) -> tuple[str, torch.Tensor]:
     """SD3 with a scheduler that draws noise at each step (per call), from each rank's own
     random state: seeded apart, then alike (sync: the serial pipeline's numbers)."""
@@ -329,6 +364,9 @@ def two_rank_runs(request) -> dict:
         cases["from_pipe"] = (_from_pipe, ())
     if selected(request, test_step_callbacks_on_two_ranks):
         cases["callbacks"] = (_callbacks, ())
+    if selected(request,
+                test_a_cancel_from_outside_the_loop_on_two_ranks_runs_the_ring_to_its_end):
+        cases["thread cancel"] = (_thread_cancel, ())
     cases.update({("one rank raises", p["split"]): (_one_rank_raises, (p["split"],))
                   for p in selected(request,
                                     test_a_rank_whose_per_call_step_raises_stops_the_others_at_once)})

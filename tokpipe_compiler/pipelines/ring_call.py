@@ -67,7 +67,13 @@ from tokpipe_compiler.pipelines.scheduler_route import (
     step_option_reasons,
     with_sample,
 )
-from tokpipe_compiler.pipelines.step_callbacks import StepCallbacks, StopRing
+from tokpipe_compiler.pipelines.step_callbacks import (
+    LEGACY,
+    ON_STEP_END,
+    StepCallbacks,
+    StopRing,
+    interruptible,
+)
 from tokpipe_compiler.pipelines.table import call_reasons
 from tokpipe_compiler.programs.generations import count_step
 
@@ -108,7 +114,10 @@ class RingCalls:
         gen = self.generation
         if gen.reasons:
             self._warn_per_call(gen.reasons)
-        else:  # with or without step callbacks: a cancel reaches the ring through it
+        elif kwargs.get(ON_STEP_END) is not None or kwargs.get(LEGACY) is not None or \
+                (interruptible(self.pipe) and not torch.distributed.is_initialized()):
+            # without callbacks too in one process: another thread's cancel reaches the
+            # ring through it (on several ranks each would see it at another step)
             gen.callbacks = StepCallbacks(self.pipe, kwargs, lambda: gen.step,
                                           lambda: gen.probing)
             kwargs = gen.callbacks.call_kwargs(kwargs)
@@ -269,6 +278,11 @@ class RingCalls:
         gen.run = None
         if callbacks is not None:
             callbacks.raise_error()
+        elif interruptible(self.pipe) and getattr(self.pipe, "_interrupt", False):
+            warn(f"tokpipe: {type(self.pipe).__name__}'s interrupt was set while its ring ran "
+                 "on several ranks, which each would see at another step: the ring ran to "
+                 "its end. To end a generation early on several ranks, interrupt it from a "
+                 "step callback (callback_on_step_end) that every rank passes")
         return gen.carried
 
     def _blended(self, gen: Generation, sample: torch.Tensor) -> None:

@@ -10,10 +10,12 @@ the pipeline calls after the ring with real latents, goes straight through.
 A ring computes every step from the first step's form, so it cannot follow a callback that
 changes the generation: tensors it returns changed or the guidance scale set anew raise
 once the ring has run (on every rank alike; a callback that does so runs with
-`parallelize(pipe, ring=False)`). An interrupt (`pipe._interrupt = True`, by a callback
-or from another thread, with or without callbacks) ends the generation at the step the
-ring shows next, as in the pipeline's own loop: the pipeline gets the latents of that step
-(one set while the loop runs on probes, the first step's: the loop does not see it then).
+`parallelize(pipe, ring=False)`). An interrupt (`pipe._interrupt = True`, where the
+pipeline's loop reads one) set by a callback ends the generation at its step, as in the
+pipeline's own loop: the pipeline gets the latents of that step. In one process, one set
+from another thread, with or without callbacks, ends it at the step the ring shows next
+(one set while the loop runs on probes, at the first step: the loop does not see it then);
+on several ranks, where each would see it at another step, only a callback's counts.
 In one process the ring stops there too (`StopRing`), and so after a callback
 that raises (a server's cancel); on several ranks it runs its steps to the end (a rank
 whose callback the others do not pass cannot stop them mid-ring) and the error is raised
@@ -76,6 +78,7 @@ class StepCallbacks:
         self.interrupted: torch.Tensor | None = None  # the latents of the step it ended at
         self.error: BaseException | None = None
         self._alone = not (dist.is_available() and dist.is_initialized())  # no peers
+        self._interruptible = interruptible(pipe)
         self._calls: dict[int, list[_Call]] = {}
         self._first: dict[str, Any] = {}  # each asked tensor as the first step had it
 
@@ -161,8 +164,8 @@ class StepCallbacks:
             # (KeyboardInterrupt, asyncio.CancelledError) is held the same way.
             except BaseException as err:
                 self.error = err
-        if self.interrupted is None and self.error is None and \
-                getattr(self.pipe, "_interrupt", False):  # a cancel from another thread
+        if self.interrupted is None and self.error is None and self._alone and \
+                self._interrupted():  # a cancel from another thread
             self.interrupted = latents
         if self._alone and (self.error is not None or self.interrupted is not None):
             raise StopRing
@@ -196,8 +199,12 @@ class StepCallbacks:
         if getattr(self.pipe, "_guidance_scale", None) != guidance:
             changed.append("the guidance scale")
         self._refuse(changed, step)
-        if getattr(self.pipe, "_interrupt", False):
+        if self._interrupted():
             self.interrupted = real
+
+    def _interrupted(self) -> bool:
+        """Whether the pipeline's interrupt is set (where its loop reads one)."""
+        return self._interruptible and bool(getattr(self.pipe, "_interrupt", False))
 
     @staticmethod
     def _refuse(changed: list[str], step: int,
@@ -207,6 +214,12 @@ class StepCallbacks:
                                f"{step}; the ring computed every step ahead from the first "
                                "step's form, so it cannot follow: run a callback that changes "
                                "the generation with parallelize(pipe, ring=False)")
+
+
+def interruptible(pipe: Any) -> bool:
+    """Whether the pipeline's loop reads an interrupt (its class's `interrupt` property):
+    PixArt's, DiT's and AuraFlow's read none, and a `_interrupt` set on them does nothing."""
+    return isinstance(getattr(type(pipe), "interrupt", None), property)
 
 
 class _Marks:
