@@ -326,3 +326,21 @@ def test_a_stale_ring_without_warmup_is_refused_at_once():
 
 def test_parallelize_is_at_the_top_of_the_package():
     assert tp.parallelize is tp.pipelines.parallelize
+
+
+def test_a_pipeline_keeps_the_rings_of_its_latest_sizes(monkeypatch):
+    """LTX passes its grid to the transformer as Python ints: each size is another form of
+    step, with a ring of its own, which a server at many sizes kept for good. The rings of
+    the latest KEPT_SIGNATURES are kept; an older size comes back traced anew, exact."""
+    from tokpipe_compiler.pipelines import denoiser_rings
+
+    monkeypatch.setattr(denoiser_rings, "KEPT_SIGNATURES", 2)
+    make = FAMILIES["ltx"]
+    pipe, kwargs = make()
+    tp.pipelines.parallelize(pipe, stages=2, chunks=2, mode="sync", compiler="eager")
+    height, width = kwargs["height"], kwargs["width"]
+    for h, w in [(height, width), (2 * height, width), (height, 2 * width)]:
+        generate(pipe, {**kwargs, "height": h, "width": w}, steps=2)
+    assert len(pipe._tokpipe_ring.denoisers["transformer"].rings) == 2
+    serial = generate(*make(), steps=2)
+    assert rel_error(generate(pipe, kwargs, steps=2), serial) <= 1e-5

@@ -41,7 +41,7 @@ from tokpipe_compiler.pipelines.ring_step import (
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.planning.module_state import ModuleState, changed_parts, module_state
-from tokpipe_compiler.ring import Ring
+from tokpipe_compiler.ring import KEPT_SIGNATURES, Ring
 from tokpipe_compiler.runtime.branch_exchange import exchanging
 
 ONE_UNIT = ("the latents' token grid is one unit (an image one row of patches high), which "
@@ -241,7 +241,11 @@ class DenoiserRings:
         glue = dataclasses.replace(glue, guidance=0.0, timestep_forms=())
         key = (glue, str(spec), repr(constants), table.state_size, table.pattern, branch,
                blended)
-        if key not in self.rings:
+        if key in self.rings:  # the latest used last
+            self.rings[key] = self.rings.pop(key)
+        else:
+            if len(self.rings) >= KEPT_SIGNATURES:  # a form of step per size (LTX's ints)
+                del self.rings[next(iter(self.rings))]
             step = make_step(self.denoiser.forward, glue, spec, constants, table, branch,
                              blended)
             carry = ["sample", *(f"state_{i}" for i in range(table.state_size))]
