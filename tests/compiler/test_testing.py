@@ -246,6 +246,30 @@ def test_a_model_split_by_graph_breaks_passes_stale(warmup):
     assert report.chunked and not report.unchecked, str(report)
 
 
+class _Untimed(torch.nn.Module):
+    """A DiT called with its timestep and labels fixed: no timestep input."""
+
+    def __init__(self, model: torch.nn.Module, timestep: torch.Tensor, labels: torch.Tensor):
+        super().__init__()
+        self.model, self.timestep, self.labels = model, timestep, labels
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.model(latents, self.timestep, self.labels)
+
+
+def test_says_the_guidance_branches_were_not_checked_without_a_timestep():
+    """Without a timestep input every call is a step: the branch check cannot run, and the
+    report said nothing of it."""
+    model, (latents, timestep, labels) = dit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = assert_equivalent(_Untimed(model, timestep, labels), (latents,), stages=2,
+                                   chunks=4, mode="stale")
+    assert any(u.startswith("guidance branches: the model reads no timestep tensor")
+               for u in report.unchecked), str(report)
+    assert not any("guidance branch" in c.name for c in report.checks)
+
+
 def test_names_the_stage_and_chunk_of_an_offset_bug(monkeypatch):
     """The chunk descriptor of chunk 1 starts one row late (every stage)."""
     original = stage_feeds.chunk_descriptor

@@ -95,6 +95,9 @@ def assert_equivalent(model: torch.nn.Module, args: tuple = (), kwargs: dict | N
                                 call)
     if config.mode == "stale" and _tells_steps(recorder):
         _check_branches(model, compiled, recorder, inputs["given"], config, report, call)
+    elif config.mode == "stale":
+        report.unchecked.append("guidance branches: the model reads no timestep tensor, so "
+                                "every call is a step and no two calls are branches of one")
     return report
 
 
@@ -146,6 +149,9 @@ def _check_branches(model: torch.nn.Module, compiled: Any, recorder: _Recorder,
                     given: Inputs, config: Config, report: Report, calls: int) -> None:
     """Two guidance branches interleaved against each alone (`branches`)."""
     pairs = branch_calls(model, *given, config)
+    if not pairs:
+        report.unchecked.append("guidance branches: the input has no token data (a float "
+                                "tensor of rank >= 3) to change for a second branch")
     for check in check_branches(lambda inputs: _run(compiled, recorder, inputs),
                                 recorder.backend.reset, pairs, calls):
         report.checks.append(check)
