@@ -288,6 +288,24 @@ def test_names_the_stage_and_chunk_of_an_offset_bug(monkeypatch):
     assert info.value.check.name == "stale mode, repeated input"
 
 
+def test_a_difference_in_a_model_with_joined_tokens_is_reported(monkeypatch):
+    """A register token joined to the image's: locating the difference compared stage
+    outputs that hold it with the unchunked run's and crashed (68 against 64 tokens)."""
+    from tests.compiler.test_hand_written import TokenDiT
+
+    original = stage_feeds.chunk_descriptor
+
+    def off_by_one(chunk: Chunk, visible: int) -> torch.Tensor:
+        return original(Chunk(chunk.index, chunk.start + 1, chunk.stop + 1, chunk.segments)
+                        if chunk.index == 1 else chunk, visible)
+
+    monkeypatch.setattr(stage_feeds, "chunk_descriptor", off_by_one)
+    torch.manual_seed(0)
+    with pytest.raises(NotEquivalent):
+        assert_equivalent(TokenDiT(readout="register").eval(), (torch.randn(2, 4, 16, 24),),
+                          stages=2, chunks=4, mode="stale")
+
+
 def test_names_a_later_stage(monkeypatch):
     """Only stage 1 runs chunk 2 one row late: stage 0 is right, stage 1 is not."""
     original = executor.Executor._compute
