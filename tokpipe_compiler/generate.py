@@ -92,10 +92,16 @@ def check_args(args: argparse.Namespace) -> None:
             check_class_label_args(args)
         return
     spec = load_released_spec(args.released)  # an unknown name fails here, naming them
-    if args.class_label is not None and not spec["inputs"].get("class_labels"):
+    classes = spec["inputs"].get("class_labels")
+    if classes:
+        class_label(args, classes)
+    elif args.class_label is not None:
         raise TokpipeError(f"{args.released} draws what its prompt embeddings say, not a "
                            "class label; leave out --class-label")
     for given, flag in ((args.prompt, "--prompt"), (args.negative_prompt, "--negative-prompt")):
+        if given is not None and classes:
+            raise TokpipeError(f"{args.released} draws a class label (--class-label); leave "
+                               f"out {flag}")
         if given is not None:
             raise TokpipeError("--released pipelines have no text encoder: their prompts are "
                                "random embeddings at the released text length; leave out "
@@ -125,7 +131,8 @@ def load_pipeline(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         if args.guidance_scale is not None:
             kwargs["guidance_scale"] = args.guidance_scale
         if "class_labels" in kwargs:  # DiT
-            kwargs["class_labels"] = [class_label(args)] * args.images
+            classes = load_released_spec(args.released)["inputs"]["class_labels"]
+            kwargs["class_labels"] = [class_label(args, classes)] * args.images
         else:  # the prompt's rows repeated, as a text encoder repeats them per image
             kwargs = {name: value.repeat(args.images, *(1,) * (value.dim() - 1))
                       if "prompt" in name and isinstance(value, torch.Tensor) else value

@@ -15,7 +15,8 @@ def call_kwargs(pipe: Any, args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"num_inference_steps": args.steps, "output_type": "np"}
     if type(pipe).__name__ == "DiTPipeline":
         check_class_label_args(args)
-        kwargs["class_labels"] = [class_label(args)] * args.images
+        classes = getattr(pipe.transformer.config, "num_embeds_ada_norm", None)
+        kwargs["class_labels"] = [class_label(args, classes)] * args.images
     elif args.class_label is not None:
         raise TokpipeError(f"{type(pipe).__name__} draws what a prompt says, not a class "
                            "label; leave out --class-label")
@@ -75,9 +76,14 @@ def check_class_label_args(args: argparse.Namespace) -> None:
                                f"size; leave out {flag}")
 
 
-def class_label(args: argparse.Namespace) -> int:
-    """The class label a DiT pipeline draws (1 where none is given)."""
-    return 1 if args.class_label is None else args.class_label
+def class_label(args: argparse.Namespace, classes: int | None) -> int:
+    """The class label a DiT pipeline of `classes` classes draws (1 where none is given);
+    one outside [0, classes) is refused (DiT's label `classes` is its unconditional one)."""
+    label = 1 if args.class_label is None else args.class_label
+    if classes is not None and not 0 <= label < classes:
+        raise TokpipeError(f"--class-label {label}: the pipeline's DiT draws classes 0 to "
+                           f"{classes - 1}")
+    return label
 
 
 def _per_prompt(pipe: Any, images: int) -> dict[str, int]:

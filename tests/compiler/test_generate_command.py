@@ -302,6 +302,12 @@ def test_generate_compare_times_the_serial_pipeline_compiled_alike(monkeypatch):
     (["--released", "sd3-medium", "--class-label", "3"],
      "sd3-medium draws what its prompt embeddings say, not a class label; leave out "
      "--class-label"),
+    (["--released", "dit-xl-2-256", "--prompt", "a cat"],
+     "dit-xl-2-256 draws a class label (--class-label); leave out --prompt"),
+    (["--released", "dit-xl-2-256", "--class-label", "1000"],
+     "--class-label 1000: the pipeline's DiT draws classes 0 to 999"),
+    (["--released", "dit-xl-2-256", "--class-label", "-5"],
+     "--class-label -5: the pipeline's DiT draws classes 0 to 999"),
 ])
 def test_generate_refuses_the_other_kinds_conditioning(argv, says):
     """--prompt for a class-conditional DiT and --class-label for a prompt pipeline were
@@ -326,6 +332,24 @@ def test_a_prompt_pipeline_refuses_a_class_label():
         call_kwargs(PixArtSigmaPipeline(), args)
     args.class_label, args.prompt = None, "a cat"
     assert call_kwargs(PixArtSigmaPipeline(), args)["prompt"] == "a cat"
+
+
+def test_a_dit_pipeline_refuses_a_class_it_lacks():
+    """Label 10 of a 10-class DiT is its unconditional one; -5 crashed in a kernel."""
+    from tokpipe_compiler.cli import _parser
+    from tokpipe_compiler.generate_call import call_kwargs
+
+    class DiTPipeline:
+        transformer = types.SimpleNamespace(config=types.SimpleNamespace(
+            num_embeds_ada_norm=10))
+
+    for label in (10, -5):
+        args = _parser().parse_args(["generate", "--tiny", "dit", "--class-label", str(label)])
+        with pytest.raises(TokpipeError, match=f"--class-label {label}: the pipeline's DiT "
+                                               "draws classes 0 to 9"):
+            call_kwargs(DiTPipeline(), args)
+    args.class_label = 9
+    assert call_kwargs(DiTPipeline(), args)["class_labels"] == [9]
 
 
 def test_generate_help_shows_every_default():
