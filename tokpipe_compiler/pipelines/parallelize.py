@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +40,11 @@ from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
 from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
 from tokpipe_compiler.pipelines.probes import RingUnavailable
+from tokpipe_compiler.pipelines.random_states import (
+    call_generators,
+    random_states,
+    restore_random_states,
+)
 from tokpipe_compiler.pipelines.ring_call import RingCalls
 from tokpipe_compiler.pipelines.scheduler_route import route
 from tokpipe_compiler.planning.compile_calls import own_recompiles
@@ -168,14 +172,14 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
         if getattr(self, _RING, None) is not calls:  # made from this one (from_pipe)
             return cls.__call__(self, *args, **kwargs)
         _warn_replaced(self)
-        generators = _generators(cls.__call__, self, args, kwargs)
-        states = _random_states(generators)
+        generators = call_generators(cls.__call__, self, args, kwargs)
+        states = random_states(generators)
         with _one_call_at_a_time(self, running):
             try:
                 with calls.generation_of(kwargs) as call_kwargs, _steps_counted(self):
                     return cls.__call__(self, *args, **call_kwargs)
             except RingUnavailable as err:  # only probes ran: the same call again, per call
-                _restore(generators, states)
+                restore_random_states(generators, states)
                 again = f"{err}; the call started again per call, from the same random state"
                 with calls.generation_of(kwargs, [again]) as call_kwargs, \
                         _steps_counted(self):
@@ -313,31 +317,6 @@ def _warn_replaced(pipe: Any) -> None:
             warn(f"tokpipe: {type(pipe).__name__}.{name} was replaced after parallelize and "
                  "runs unpipelined; call tp.pipelines.parallelize(pipe, ...) again to "
                  "pipeline it")
-
-
-def _generators(call: Any, pipe: Any, args: tuple, kwargs: dict) -> list[torch.Generator]:
-    """The torch generators a pipeline call draws from: its `generator` argument's."""
-    try:
-        given = inspect.signature(call).bind(pipe, *args, **kwargs).arguments.get("generator")
-    except TypeError:  # the pipeline's own call will say what is wrong
-        return []
-    found = given if isinstance(given, (list, tuple)) else [given]
-    return [g for g in found if isinstance(g, torch.Generator)]
-
-
-def _random_states(generators: list[torch.Generator]) -> tuple:
-    """The random state a call starts from: its generators' and the global ones."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return [g.get_state() for g in generators], torch.get_rng_state(), cuda
-
-
-def _restore(generators: list[torch.Generator], states: tuple) -> None:
-    own, cpu, cuda = states
-    for generator, state in zip(generators, own, strict=True):
-        generator.set_state(state)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
 
 
 def programs(pipe: Any) -> list:
