@@ -3,9 +3,10 @@
     from tokpipe_compiler.testing import assert_equivalent, latents_like, options
 
 `assert_equivalent` lives in `equivalence`, its report types in `checks`, the inputs it
-makes in `inputs`, its check of guidance branches in `branches`, where a run first goes
-wrong in `locate`, hypothesis strategies in `strategies` (imported on first use: hypothesis is a
-test-only dependency).
+makes in `inputs`, its check of guidance branches in `branches`, stale mode's semantics
+run on the eager model in `stale_reference` and its check in `stale_check`, where a run
+first goes wrong in `locate`, hypothesis strategies in `strategies` (imported on first
+use: hypothesis is a test-only dependency).
 """
 
 from __future__ import annotations
