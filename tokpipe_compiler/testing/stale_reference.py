@@ -18,7 +18,6 @@ order (a chunk's tokens contiguous); `stale_check.applies` says why not elsewher
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_SDPA = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0,
-                          is_causal=False, scale=None, enable_gqa=False: None)
+from tokpipe_compiler.core.args import SDPA
+
+Call = dict[str, Any]  # an attention call's arguments by name, those given
 
 
 @dataclass(frozen=True)
@@ -52,17 +52,15 @@ class Layout:
         return torch.cat([torch.arange(self.lead),
                           torch.arange(self.lead + self.tokens, self.length)])
 
-    def holds(self, call: inspect.BoundArguments) -> bool:
+    def holds(self, call: Call) -> bool:
         """Whether an attention call's queries and keys are this sequence."""
-        q, k = call.arguments["query"], call.arguments["key"]
+        q, k = call["query"], call["key"]
         return q.dim() >= 2 and q.shape[-2] == k.shape[-2] == self.length
 
 
-def bind(args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    """An attention call's arguments by name, defaults included."""
-    call = _SDPA.bind(*args, **kwargs)
-    call.apply_defaults()
-    return call
+def bind(args: tuple, kwargs: dict) -> Call:
+    """An attention call's arguments by name (`core.args.SDPA`'s order)."""
+    return {**dict(zip(SDPA, args, strict=False)), **kwargs}
 
 
 class StaleReference:
@@ -86,13 +84,13 @@ class StaleReference:
         self.steps += 1
         return output
 
-    def attend(self, layer: int, call: inspect.BoundArguments) -> torch.Tensor:
+    def attend(self, layer: int, call: Call) -> torch.Tensor:
         """Layer `layer`'s attention at this step: per chunk, its keys as stale mode has them."""
-        q, k, v = (call.arguments[n] for n in ("query", "key", "value"))
+        q, k, v = (call[n] for n in ("query", "key", "value"))
         stale = self.caches.get(layer)
         self.caches[layer] = (k, v)
         if self.steps < self.warmup:
-            return F.scaled_dot_product_attention(**call.arguments)
+            return F.scaled_dot_product_attention(**call)
         layout = self.layouts[layer]
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         for p, (start, stop) in enumerate(self.bounds):
@@ -102,9 +100,8 @@ class StaleReference:
             rows = rows.to(q.device)
             keys, values, columns = self._keys(layout, k, v, stale, stop)
             out.index_copy_(-2, rows, F.scaled_dot_product_attention(
-                **{**call.arguments, "query": q.index_select(-2, rows), "key": keys,
-                   "value": values,
-                   "attn_mask": _mask(call.arguments["attn_mask"], rows, columns)}))
+                **{**call, "query": q.index_select(-2, rows), "key": keys, "value": values,
+                   "attn_mask": _mask(call.get("attn_mask"), rows, columns)}))
         return out
 
     @staticmethod
@@ -171,7 +168,7 @@ class AttentionCount(TorchFunctionMode):
             call = bind(args, kwargs)
             if any(layout.holds(call) for layout in self.layouts):
                 self.found += 1
-                self.causal |= bool(call.arguments["is_causal"])
+                self.causal |= bool(call.get("is_causal", False))
             if self.matched < len(self.layouts) and self.layouts[self.matched].holds(call):
                 self.matched += 1
         return func(*args, **kwargs)
