@@ -47,6 +47,7 @@ from tokpipe_compiler.pipelines.random_states import (
 )
 from tokpipe_compiler.pipelines.ring_call import RingCalls
 from tokpipe_compiler.pipelines.scheduler_route import route
+from tokpipe_compiler.pipelines.step_callbacks import interruptible
 from tokpipe_compiler.planning.compile_calls import own_recompiles
 from tokpipe_compiler.planning.graph_share import GraphTally, summary
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS, StepMarks, count_step
@@ -185,8 +186,7 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
                         _steps_counted(self):
                     return cls.__call__(self, *args, **call_kwargs)
 
-    extra = {"interrupt": _interrupt_after_probes(calls)} if \
-        isinstance(getattr(cls, "interrupt", None), property) else {}
+    extra = {"interrupt": _interrupt_after_probes(calls)} if interruptible(pipe) else {}
     _with_call(pipe, __call__, _RING, calls, extra)
 
 
