@@ -130,19 +130,25 @@ def _check_reference(model: torch.nn.Module, compiled: Any, recorder: _Recorder,
         report.unchecked.append(f"stale steps against stale semantics run eagerly: {why}")
         return calls
     steps = reference_calls(model, *given, config)
-    for check in check_reference(lambda inputs: _run(compiled, recorder, inputs),
-                                 recorder.backend.reset, reference_for(model, programs),
-                                 steps, calls):
+    _record(report, check_reference(lambda inputs: _run(compiled, recorder, inputs),
+                                    recorder.backend.reset, reference_for(model, programs),
+                                    steps, calls),
+            "pipelined stale steps differ from stale semantics run eagerly",
+            f"a generation of {len(steps)} steps (the given input, its timestep moved a step "
+            "at a time, its token inputs changed every other step): after the warmup steps, "
+            "chunk p should attend to the fresh K/V of chunks 0..p and the previous step's "
+            "K/V of the rest")
+    return calls + len(steps)
+
+
+def _record(report: Report, checks: list[Check], what: str, why: str) -> None:
+    """`checks` added to the report; the first that fails raises, saying `what` differs
+    and `why` it should not."""
+    for check in checks:
         report.checks.append(check)
         if not check.passes(report.rtol):
-            raise NotEquivalent(
-                f"pipelined stale steps differ from stale semantics run eagerly; options "
-                f"{report.options}\n  {check}\n  a generation of {len(steps)} steps (the "
-                "given input, its timestep moved a step at a time, its token inputs changed "
-                "every other step): after the warmup steps, chunk p should attend to the "
-                "fresh K/V of chunks 0..p and the previous step's K/V of the rest", check,
-                None)
-    return calls + len(steps)
+            raise NotEquivalent(f"{what}; options {report.options}\n  {check}\n  {why}",
+                                check, None)
 
 
 def _check_branches(model: torch.nn.Module, compiled: Any, recorder: _Recorder,
@@ -152,15 +158,12 @@ def _check_branches(model: torch.nn.Module, compiled: Any, recorder: _Recorder,
     if not pairs:
         report.unchecked.append("guidance branches: the input has no token data (a float "
                                 "tensor of rank >= 3) to change for a second branch")
-    for check in check_branches(lambda inputs: _run(compiled, recorder, inputs),
-                                recorder.backend.reset, pairs, calls):
-        report.checks.append(check)
-        if not check.passes(report.rtol):
-            raise NotEquivalent(
-                f"pipelined guidance branches differ from each branch run alone; options "
-                f"{report.options}\n  {check}\n  the calls alternated two inputs at each "
-                "step's timestep (the given one, and one with other token inputs): each "
-                "should attend to K/V caches of its own, as when it runs alone", check, None)
+    _record(report, check_branches(lambda inputs: _run(compiled, recorder, inputs),
+                                   recorder.backend.reset, pairs, calls),
+            "pipelined guidance branches differ from each branch run alone",
+            "the calls alternated two inputs at each step's timestep (the given one, and one "
+            "with other token inputs): each should attend to K/V caches of its own, as when "
+            "it runs alone")
 
 
 def _calls(config: Config, recorder: _Recorder) -> Iterator[tuple[str | None, str | None]]:
