@@ -269,6 +269,33 @@ def test_a_ring_keeps_the_programs_of_its_latest_input_signatures(monkeypatch):
     assert _relative(out, _eager(step, batch(2), per_step)) <= 1e-5
 
 
+def test_a_dropped_signature_frees_its_fake_tensors(monkeypatch):
+    """Each trace's fake tensors (Dynamo's FakeTensorMode and about 50 fake copies) outlived
+    the ring's dropping it where a per-step input is a view (`timesteps[k]`): its fake copy
+    holds a symbol of the trace from C++, out of the garbage collector's sight
+    (`planning.capture`). Past the kept signatures, their number stays."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tokpipe_compiler import ring as ring_module
+
+    monkeypatch.setattr(ring_module, "KEPT_SIGNATURES", 2)
+    step, _, _ = _forms()["closure"]
+    inputs, per_step = _inputs()
+
+    def modes() -> int:
+        gc.collect()
+        return sum(isinstance(o, FakeTensorMode) for o in gc.get_objects())
+
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    held = []
+    for b in range(1, 7):
+        _run(ring, {name: value.repeat(b, *[1] * (value.dim() - 1))
+                    for name, value in inputs.items()}, per_step)
+        held.append(modes())
+    assert per_step["timestep"][0]._is_view()
+    assert held[-1] == held[2], f"fake modes held after each new signature: {held}"
+
+
 class _Settings:
     def __init__(self, guidance: float):
         self.guidance = guidance

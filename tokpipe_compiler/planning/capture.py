@@ -111,9 +111,11 @@ def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict, fullgraph: b
     """The graphs of one compiled call; [] when Dynamo hit its recompile limit."""
     graphs: list[Captured] = []
     codes: list[types.CodeType] = []
+    modes: list[Any] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs: list, **_: Any):
         codes.append(_traced_code())
+        modes.append(torch._guards.detect_fake_mode(example_inputs))
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         graphs.append(Captured(record_sources(inline_wrapped_bodies(gm)), list(example_inputs),
                                names, _mutated_state()))
@@ -131,6 +133,7 @@ def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict, fullgraph: b
         pass
     finally:
         _forget(compiled, codes, record)
+        _untrack_fakes(modes)
     found = list(graphs)
     graphs.clear()  # the backend's closure outlives the call wherever _forget cannot reach
     return found
@@ -183,6 +186,22 @@ def _forget(compiled: Callable[..., Any], codes: list[types.CodeType | None],
                 return
             dropped.append(manager)
     _detach_finalizers(dropped)
+
+
+def _untrack_fakes(modes: list[Any]) -> None:
+    """Drops the list of fake inputs each trace's shape environment keeps for guards.
+
+    A fake copy of a view (a buffer made by `unsqueeze`, as SD3's position table; a step's
+    `timesteps[k]`) holds its fake base, or a symbol of the trace, from C++ where the
+    garbage collector cannot see it; with that list, the fakes, their mode and the shape
+    environment form a cycle it never frees: every trace's fakes (about 50, 5 MB at
+    released widths) would outlive the graphs that use them. Dynamo has made its guards
+    by now; the graphs keep the fakes they read."""
+    for mode in modes:
+        env = getattr(mode, "shape_env", None)
+        if env is not None and hasattr(env, "tracked_fakes"):
+            env.tracked_fakes = None
+    modes.clear()  # the backend's closure, which holds the list, outlives the call
 
 
 def _detach_finalizers(managers: list[Any]) -> None:
