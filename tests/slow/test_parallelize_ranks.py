@@ -221,6 +221,61 @@ def test_a_cancel_from_outside_the_loop_on_two_ranks_runs_the_ring_to_its_end(tw
         assert any("interrupt was set while its ring ran on several ranks" in m for m in said)
 
 
+# Where each rank's callback interrupts (step by rank): a cancel that reached one rank.
+ONE_RANK_ENDS = {"wan22": {0: 0}, "flux": {1: 1}, "flux both": {0: 2, 1: 1}}
+
+
+def _one_rank_ends(rank: int = 0, world: int = 1) -> list[Any]:
+    """Step callbacks that interrupt on one rank only, or at another step on each, and one
+    that raises on rank 0 only; then a generation without callbacks. One process
+    interrupts where the earliest rank does."""
+    def interrupting(at: dict[int, int]):
+        step = min(at.values()) if world == 1 else at.get(rank)
+
+        def callback(pipe, i, t, tensors):
+            pipe._interrupt = pipe._interrupt or i == step
+            return tensors
+        return callback
+
+    def failing(pipe, i, t, tensors):
+        if rank == 0 and i == 1:
+            raise ValueError("the request was cancelled")
+        return tensors
+
+    results: list[Any] = []
+    for name, at in ONE_RANK_ENDS.items():
+        pipe, kwargs = FAMILIES[name.split()[0]]()
+        tp.pipelines.parallelize(pipe, **OPTIONS)
+        results.append(generate(pipe, {**kwargs, "callback_on_step_end": interrupting(at)},
+                                steps=4))
+    start = time.monotonic()
+    try:
+        generate(pipe, {**kwargs, "callback_on_step_end": failing}, steps=4)
+        results.append("returned")
+    except (ValueError, tp.TokpipeError) as err:
+        results.append(f"{type(err).__name__}: {err}")
+    results += [time.monotonic() - start, generate(pipe, kwargs, steps=4)]
+    return results
+
+
+def test_callbacks_that_end_a_generation_on_one_rank_end_it_on_every_rank(two_rank_runs):
+    """A cancel that reached one rank (its callback interrupts, or raises): the ranks
+    returned other images (Flux, an interrupt at step 0 on rank 0 only: 0.46 apart), and
+    where a second expert takes over (Wan 2.2) the rank that went on waited for the other's
+    ring, then raised a wrong account. Every rank now ends at the earliest interrupted
+    step, with the latents one process returns there; a raise on one rank ends the call on
+    every rank, at once, and the next generation runs as ever."""
+    alone = _one_rank_ends()
+    for rank, result in enumerate(two_rank_runs["one rank ends"]):
+        for got, want in zip(result[:3], alone[:3], strict=True):
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        said, seconds, after = result[3:]
+        want_said = "ValueError: the request was cancelled" if rank == 0 else \
+            "PeerStopped: the step callback of rank 0 raised"
+        assert said.startswith(want_said), said
+        assert seconds < 60 and (after - alone[5]).abs().max() <= 1e-5 * alone[5].abs().max()
+
+
 def _noisy_steps(rank: int, world: int) -> tuple[str, torch.Tensor]:
     """SD3 with a scheduler that draws noise at each step (per call), from each rank's own
     random state: seeded apart, then alike (sync: the serial pipeline's numbers)."""
@@ -370,6 +425,9 @@ def two_rank_runs(request) -> dict:
     cases.update({("one rank raises", p["split"]): (_one_rank_raises, (p["split"],))
                   for p in selected(request,
                                     test_a_rank_whose_per_call_step_raises_stops_the_others_at_once)})
+    if selected(request,
+                test_callbacks_that_end_a_generation_on_one_rank_end_it_on_every_rank):
+        cases["one rank ends"] = (_one_rank_ends, ())
     if selected(request, test_ranks_whose_scheduler_noise_parts_them_raise):
         cases["noisy steps"] = (_noisy_steps, ())
     return launch_cases(cases, 2, timeout=600 * len(cases))

@@ -39,6 +39,7 @@ class Generation:
     carried: Carried | None = None  # the real values the current segment starts from
     callbacks: StepCallbacks | None = None  # a ring generation's stand-in for its callbacks
     finished: bool = False  # the last segment's ring has run: the loop's values are real
+    agreed_end: torch.Tensor | None = None  # several ranks: the latents every rank ends at
 
     @property
     def ring(self) -> bool:
@@ -51,7 +52,10 @@ class Generation:
 
     @property
     def interrupted(self) -> torch.Tensor | None:
-        """The latents of the step a callback interrupted the generation at, if one did."""
+        """The latents of the step a callback interrupted the generation at, if one did (on
+        several ranks: the earliest step any rank's interrupted it at, `segment_ends`)."""
+        if self.agreed_end is not None:
+            return self.agreed_end
         return None if self.callbacks is None else self.callbacks.interrupted
 
 

@@ -67,6 +67,7 @@ from tokpipe_compiler.pipelines.scheduler_route import (
     step_option_reasons,
     with_sample,
 )
+from tokpipe_compiler.pipelines.segment_ends import agree_on_the_end
 from tokpipe_compiler.pipelines.step_callbacks import (
     LEGACY,
     ON_STEP_END,
@@ -276,14 +277,31 @@ class RingCalls:
         except StopRing:  # a callback ended the generation (raise_error raises its error)
             gen.carried = Carried(gen.interrupted)
         gen.run = None
+        if torch.distributed.is_initialized():
+            self._agree_on_the_end(gen)
         if callbacks is not None:
             callbacks.raise_error()
-        elif interruptible(self.pipe) and getattr(self.pipe, "_interrupt", False):
+        elif gen.agreed_end is None and interruptible(self.pipe) and \
+                getattr(self.pipe, "_interrupt", False):
             warn(f"tokpipe: {type(self.pipe).__name__}'s interrupt was set while its ring ran "
                  "on several ranks, which each would see at another step: the ring ran to "
                  "its end. To end a generation early on several ranks, interrupt it from a "
                  "step callback (callback_on_step_end) that every rank passes")
         return gen.carried
+
+    def _agree_on_the_end(self, gen: Generation) -> None:
+        """Several ranks: the segment ends alike on every rank, where a step callback
+        interrupted it on one or raised on one (`segment_ends`). An interrupt agreed on is
+        set on the pipeline too, so that its loop skips the steps left on every rank."""
+        timeout = self.denoisers[gen.denoiser].config.timeout
+        end = agree_on_the_end(gen.callbacks, gen.carried.sample, timeout)
+        if end.latents is None:
+            return
+        dtype = gen.interrupted.dtype if gen.interrupted is not None else \
+            gen.previous.dtype if gen.previous is not None else end.latents.dtype
+        gen.agreed_end = end.latents.to(dtype)
+        gen.carried = Carried(gen.agreed_end)
+        self.pipe._interrupt = True
 
     def _blended(self, gen: Generation, sample: torch.Tensor) -> None:
         """The pipeline changed the latents after the last step: a blend the ring can apply

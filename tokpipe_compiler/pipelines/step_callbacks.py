@@ -18,8 +18,9 @@ from another thread, with or without callbacks, ends it at the step the ring sho
 on several ranks, where each would see it at another step, only a callback's counts.
 In one process the ring stops there too (`StopRing`), and so after a callback
 that raises (a server's cancel); on several ranks it runs its steps to the end (a rank
-whose callback the others do not pass cannot stop them mid-ring) and the error is raised
-after it.
+whose callback the others do not pass cannot stop them mid-ring), and then the ranks agree
+(`segment_ends`): an interrupt on one rank ends the generation on every rank at its step,
+an error on one ends the call on every rank.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class StepCallbacks:
         self.on_step_end = kwargs.get(ON_STEP_END)
         self.legacy = kwargs.get(LEGACY)
         self.interrupted: torch.Tensor | None = None  # the latents of the step it ended at
+        self.interrupted_step: int | None = None  # and that step
         self.error: BaseException | None = None
         self._alone = not (dist.is_available() and dist.is_initialized())  # no peers
         self._interruptible = interruptible(pipe)
@@ -166,7 +168,7 @@ class StepCallbacks:
                 self.error = err
         if self.interrupted is None and self.error is None and self._alone and \
                 self._interrupted():  # a cancel from another thread
-            self.interrupted = latents
+            self.interrupted, self.interrupted_step = latents, step
         if self._alone and (self.error is not None or self.interrupted is not None):
             raise StopRing
 
@@ -200,7 +202,7 @@ class StepCallbacks:
             changed.append("the guidance scale")
         self._refuse(changed, step)
         if self._interrupted():
-            self.interrupted = real
+            self.interrupted, self.interrupted_step = real, step
 
     def _interrupted(self) -> bool:
         """Whether the pipeline's interrupt is set (where its loop reads one)."""
