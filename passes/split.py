@@ -172,6 +172,15 @@ def _prelude(
     return torch.fx.GraphModule(gm, graph, class_name="prelude"), names
 
 
+def live_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """What the graph's outputs and effects need, with the in-place writes into it
+    (`m.mul_(g)`, `F.silu(m, inplace=True)`): fx's dead code elimination drops a write,
+    which has no users, and the value read after it then misses it."""
+    roots = [n for n in graph.nodes
+             if n.op == "output" or (n.op != "placeholder" and n.is_impure())]
+    return _with_writes(graph, _ancestors(roots))
+
+
 def _with_writes(graph: torch.fx.Graph, wanted: set[torch.fx.Node]) -> set[torch.fx.Node]:
     """`wanted` plus the in-place writes into its values (`ids[..., 0] = rows`, `x.add_(y)`,
     and through views: `x[:, 5:].copy_(y)`, `x.data[...]`): they have no users, so following

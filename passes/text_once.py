@@ -26,6 +26,7 @@ from tokpipe_compiler.core.args import arg
 from tokpipe_compiler.core.errors import TokpipeError, describe
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, TokenInfo
+from tokpipe_compiler.passes.split import live_nodes
 from tokpipe_compiler.runtime.kv_attention import kv_attention
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
@@ -76,19 +77,28 @@ def drop_segments(graph: torch.fx.Graph) -> None:
     reference = _rows_input(graph)
     with graph.inserting_before(output):
         output.args = (tuple(_empty_if_segment(graph, v, reference) for v in output.args[0]),)
-    graph.eliminate_dead_code()
+    _drop_dead(graph)
     # Attention among text tokens alone (QwenImage 2.1's text segment over its own keys)
     # writes no rows here and its output is unused: DCE keeps it only because it writes.
     for node in list(graph.nodes):
         if node.target is kv_attention and not node.users \
                 and _info(arg(node, 1, "k")).only_segment:
             graph.erase_node(node)
-    graph.eliminate_dead_code()
+    _drop_dead(graph)
     for node in graph.nodes:
         if node.op == "call_function" and node.target is not kv_attention \
                 and _info(node).only_segment:
             raise TokpipeError(f"{describe(node)} still computes the text segment in a "
                                f"chunk that leaves it to the step's first chunk; {_EVERY}")
+
+
+def _drop_dead(graph: torch.fx.Graph) -> None:
+    """Removes what the graph no longer needs, keeping the in-place writes into what it
+    needs (`split.live_nodes`)."""
+    live = live_nodes(graph)
+    for node in reversed(list(graph.nodes)):
+        if node not in live and node.op != "placeholder":
+            graph.erase_node(node)
 
 
 def _rows_input(graph: torch.fx.Graph) -> torch.fx.Node:
