@@ -282,6 +282,41 @@ def test_graphs_of_the_same_shapes_alternating_each_keep_their_generation():
                 assert not torch.allclose(got, eager[step], rtol=1e-6, atol=0)
 
 
+class OptionalText(torch.nn.Module):
+    """Guidance as two calls a step whose unconditional call passes an optional input as
+    None (or a shorter text): two graphs with other inputs, the same token input."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, t, y, text=None):
+        out = self.model(x, t, y)
+        return out if text is None else out + text.mean(1, keepdim=True)[..., None]
+
+
+def test_calls_of_a_step_with_other_inputs_each_keep_their_generation():
+    """The unconditional call's graph (no text, or a shorter one) took the role over from
+    the conditional one's at every call, each reset the other: every call ran whole, as a
+    first step, and nothing was pipelined, silently. Programs of one token input shape now
+    keep their generations side by side, and each computes what it computes alone."""
+    torch.manual_seed(0)
+    model = OptionalText(TinyDiT(depth=2, width=32, heads=2, grid=8).eval())
+    latents, _, labels = dit_inputs(model.model, 8)
+    texts = (torch.randn(1, 4, 1), None, torch.randn(1, 2, 1))
+
+    def compiled():
+        return torch.compile(model, backend="tokpipe", options=OPTIONS, dynamic=False)
+
+    together = compiled()
+    both = _branch_steps(together, latents, labels, texts)
+    assert [p.last_chunk_count for p in tp.programs(together)] == [4, 4, 4]
+    for text in texts:
+        alone = _branch_steps(compiled(), latents, labels, (text,))[text]
+        for got, expected in zip(both[text], alone, strict=True):
+            assert torch.equal(got, expected)
+
+
 def test_a_graph_of_the_same_shapes_left_behind_lets_its_caches_go():
     """A graph Dynamo made again for a new Python value (here the flag; a guidance scale
     passed as a float is another) of the same shapes: the old one's program, no longer

@@ -74,11 +74,13 @@ class Session:
         self.calls.clear()
 
     def claim(self, program: PipelinedProgram, owner: int | None) -> None:
-        """Called per call: a program of other input shapes than its role's holders (for
-        the same model) takes the role over: it starts afresh, and theirs' K/V are freed (a
-        process drawing at many sizes holds the caches of one). Programs of the same shapes
-        share the role, each with its caches, while they alternate: Dynamo made several
-        graphs of one call (a step cache's hooks trace each guidance branch apart). One
+        """Called per call: a program of another token input shape than its role's holders
+        (for the same model) takes the role over: it starts afresh, and theirs' K/V are
+        freed (a process drawing at many sizes holds the caches of one). Programs of the
+        same token input shape share the role, each with its caches, while they alternate:
+        Dynamo made several graphs of one call (a step cache's hooks trace each guidance
+        branch apart), or the calls of a step differ in their other inputs (guidance whose
+        unconditional call passes no mask, or a shorter text). One
         not called in the role's last MANY_BRANCHES calls is let go (a graph Dynamo made
         again for a new Python value would otherwise keep the old one's K/V)."""
         role = (owner, program.plan.token_input)
@@ -87,7 +89,7 @@ class Session:
                    if (p := ref()) is not None}
         if program not in holders:
             program.reset()
-            if holders and next(iter(holders)).shapes != program.shapes:
+            if holders and next(iter(holders)).token_shape != program.token_shape:
                 holders = self._let_go(holders)
         holders[program] = calls
         kept = {p: last for p, last in holders.items() if calls - last <= MANY_BRANCHES}
@@ -132,7 +134,7 @@ class PipelinedProgram:
         self.clock = StepClock(timestep_index(arguments, plan.config.timestep_input),
                                [i for i, name in enumerate(arguments) if name is not None])
         self.calls = 0  # steps run by this program, for the timeline
-        self.shapes: tuple | None = None  # its inputs' shapes (static), once called
+        self.token_shape: tuple | None = None  # its token input's shape, once called
         self.ring_steps: int | None = None  # the steps of the ring run being run, if any
         self.peak_values_held = 0  # the last run's most (step, chunk) value sets at once
         # what stopped the last run on every rank, and its number (`runtime.run_stops`)
@@ -200,8 +202,9 @@ class PipelinedProgram:
     def __call__(self, *args: torch.Tensor) -> Any:
         """One step: warmup (whole sequence) or chunked, by the mode and the step."""
         if self.session is not None:
-            if self.shapes is None:
-                self.shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+            if self.token_shape is None:
+                position = self.plan.graphs.input_names.index(self.plan.token_input)
+                self.token_shape = tuple(args[position].shape)
             self.session.claim(self, self.owner)
         if torch.is_grad_enabled():
             warn_no_gradients(args, self.session.warned if self.session is not None else set())
