@@ -146,6 +146,15 @@ def test_a_timestep_input_naming_a_dict_names_its_entries():
         compiled(latents, {"t": t, "y": labels})
 
 
+def test_a_timestep_input_naming_a_dict_suggests_its_timestep_entry():
+    """The entry read first was suggested (the class labels, 'y')."""
+    from tokpipe_compiler.planning.timestep_checks import check_timestep_input
+
+    inputs = [("L['cond']['y']", "y"), ("L['cond']['mask']", "mask"), ("L['cond']['t']", "t")]
+    with pytest.raises(TokpipeError, match=r"timestep_input='t' say$"):
+        check_timestep_input("cond", {"x", "cond"}, inputs)
+
+
 @pytest.mark.parametrize("choice", [-1, 1.5, True])
 def test_a_timestep_input_that_is_neither_a_name_nor_a_position_is_refused(choice):
     """A position (an int >= 0) names the input of a forward of (*args, **kwargs)."""

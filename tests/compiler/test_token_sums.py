@@ -298,3 +298,16 @@ def test_a_mean_over_tokens_expanded_as_the_tokens_is_chunked():
         expected = model(x)
         for _ in range(3):  # warmup, then the stale sums of the same input: exact
             assert_rel_close(p(*t.args(x=x))[0], expected)
+
+
+@pytest.mark.parametrize("case, said", [("row_conv", "convolves across rows"),
+                                        ("mean", "sums over tokens")])
+def test_assert_equivalent_says_why_it_leaves_stale_semantics_unchecked(case, said):
+    """A convolution across rows was reported as a sum over tokens."""
+    from tokpipe_compiler.testing import assert_equivalent
+
+    torch.manual_seed(0)
+    model_class, _, shape, _ = CASES[case]
+    report = assert_equivalent(model_class().eval(), (torch.randn(shape),), stages=2,
+                               chunks=CHUNKS, mode="stale")
+    assert any(said in u for u in report.unchecked), str(report)

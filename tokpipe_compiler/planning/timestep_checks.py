@@ -28,10 +28,11 @@ def check_timestep_input(choice: str | int | None, parameters: set[str],
     inside = [str(name) for source, name in inputs
               if source.startswith(f"L[{choice!r}][") and name is not None]
     if inside and choice not in names:
+        likely = next((n for n in timestep_names() if n in inside), inside[0])
         raise TokpipeError(
             f"timestep_input={choice!r} names a parameter the model reads entries of (a "
             f"dict or list; they reach the graph as {inside}): name the entry that holds "
-            f"the timestep, timestep_input={inside[0]!r} say")
+            f"the timestep, timestep_input={likely!r} say")
     if choice in parameters or choice in names or "**" in parameters:
         return
     raise TokpipeError(f"timestep_input={choice!r} names no parameter of the model's "

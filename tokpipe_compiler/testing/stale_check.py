@@ -25,7 +25,10 @@ def applies(model: torch.nn.Module, programs: Sequence[PipelinedProgram], inputs
             ) -> str | None:
     """Why StaleReference cannot stand for `programs` (those that ran one call of
     `model`, in order) on `inputs`; None where it can."""
-    if any(not isinstance(c, CacheSpec) for p in programs for c in p.plan.caches):
+    others = [c for p in programs for c in p.plan.caches if not isinstance(c, CacheSpec)]
+    if any(getattr(c, "rows", False) for c in others):
+        return "the model convolves across rows (stale rows at the chunks' edges)"
+    if others:
         return "the model sums over tokens (stale partial sums)"
     attending = [p for p in programs if p.plan.caches]
     if not attending:
