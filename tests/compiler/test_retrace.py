@@ -172,3 +172,16 @@ def test_a_step_caches_graphs_per_state_are_not_taken_for_retraces():
         warnings.simplefilter("always")
         generate(pipe, kwargs, steps=3)
     assert retraced(list(seen)) == []
+
+
+def test_latents_made_outside_inference_mode_are_named_with_their_advice():
+    """A loop under torch.inference_mode() whose first latents were drawn before it: step
+    2's latents are inference tensors, step 1's were not, and Dynamo traces again on
+    their dispatch keys (its reason, as it gave it). The advice said to call the model
+    under one grad mode, which the loop did."""
+    from tokpipe_compiler.planning.retrace import _advice
+
+    said = _advice("tensor 'x' dispatch key set mismatch. expected DispatchKeySet(CPU, "
+                   "BackendSelect, ADInplaceOrView), actual DispatchKeySet(CPU, BackendSelect)")
+    assert "draw the latents inside torch.inference_mode()" in said
+    assert "one grad mode" in _advice("GLOBAL_STATE changed: grad_mode")

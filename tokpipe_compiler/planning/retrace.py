@@ -62,7 +62,13 @@ _EXPECTED = ("/diffusers/hooks/",)
 
 def _advice(reason: str) -> str:
     """What to do about the guard that failed."""
-    if "grad_mode" in reason or "GLOBAL_STATE" in reason or "dispatch key" in reason:
+    if "dispatch key" in reason:
+        return ("An input made outside torch.inference_mode() (the first latents, drawn "
+                "before the loop) and the same input made inside it (the next step's) "
+                "differ to Dynamo: make the inputs under the mode the model runs in (draw "
+                "the latents inside torch.inference_mode()), or run the loop under "
+                "torch.no_grad(), and call the model under one grad mode.")
+    if "grad_mode" in reason or "GLOBAL_STATE" in reason:
         return ("Call the model under one grad mode (torch.no_grad() or "
                 "torch.inference_mode(), not one and then the other).")
     if "training" in reason:
