@@ -2,7 +2,7 @@
 that changed since (a Python number or an int attribute the forward reads, grad mode, a
 global). Each such graph is planned and compiled anew and starts its K/V caches afresh, and
 past Dynamo's recompile limit the function runs eagerly, unpipelined; the backend says so,
-once per function, with Dynamo's reason where it gives one.
+once per function and kind of guard, with Dynamo's reason where it gives one.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def traced_again(session: Any, frame: tuple[Any, int | None] | None, example_inp
     if count < 2 or reason is None:
         return None
     where = f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
-    return f"traced again: {where}", (
+    # once per function and cause: another cause later (inference tensors after a grad
+    # mode switch) says its own advice
+    return f"traced again: {where}: {_cause(reason)}", (
         f"tokpipe: Dynamo traced {where} again for the same model and input shapes (graph "
         f"{count} of it; the guard that failed: {reason}): tokpipe plans and compiles each "
         "such graph anew and starts its K/V caches afresh, and past "
@@ -60,21 +62,33 @@ def _forget_if_reset(seen: dict[tuple, int], code: Any) -> None:
 _EXPECTED = ("/diffusers/hooks/",)
 
 
+_ADVICE = {
+    "dispatch keys": (
+        "An input made outside torch.inference_mode() (the first latents, drawn before the "
+        "loop) and the same input made inside it (the next step's) differ to Dynamo: make "
+        "the inputs under the mode the model runs in (draw the latents inside "
+        "torch.inference_mode()), or run the loop under torch.no_grad(), and call the "
+        "model under one grad mode."),
+    "grad mode": ("Call the model under one grad mode (torch.no_grad() or "
+                  "torch.inference_mode(), not one and then the other)."),
+    "training": "Keep the model in one mode (.eval()) between calls.",
+    "a value": ("Where the guard is on a value of the model's own that changes between "
+                "calls (a Python number, an int attribute of a module), pass it as a tensor."),
+}
+
+
+def _cause(reason: str) -> str:
+    """The kind of guard that failed (a key of _ADVICE)."""
+    if "dispatch key" in reason:
+        return "dispatch keys"
+    if "grad_mode" in reason or "GLOBAL_STATE" in reason:
+        return "grad mode"
+    return "training" if "training" in reason else "a value"
+
+
 def _advice(reason: str) -> str:
     """What to do about the guard that failed."""
-    if "dispatch key" in reason:
-        return ("An input made outside torch.inference_mode() (the first latents, drawn "
-                "before the loop) and the same input made inside it (the next step's) "
-                "differ to Dynamo: make the inputs under the mode the model runs in (draw "
-                "the latents inside torch.inference_mode()), or run the loop under "
-                "torch.no_grad(), and call the model under one grad mode.")
-    if "grad_mode" in reason or "GLOBAL_STATE" in reason:
-        return ("Call the model under one grad mode (torch.no_grad() or "
-                "torch.inference_mode(), not one and then the other).")
-    if "training" in reason:
-        return "Keep the model in one mode (.eval()) between calls."
-    return ("Where the guard is on a value of the model's own that changes between calls "
-            "(a Python number, an int attribute of a module), pass it as a tensor.")
+    return _ADVICE[_cause(reason)]
 
 
 def recompile_reason() -> str | None:
