@@ -3,7 +3,6 @@
     python benchmarks/pipeline_memory.py [--model wan2.1-1.3b] [--pipelines 4] [--steps 3]
     python benchmarks/pipeline_memory.py --model sd3-medium --sizes 24
 
-
 A released-width transformer (one block, a small grid: tests/fixtures/released_pipelines.py)
 inside its diffusers pipeline, with guidance. In one process, one thread: a new pipeline is
 built, parallelized (2 stages x 2 chunks, stale, eager stages), run once and dropped, again

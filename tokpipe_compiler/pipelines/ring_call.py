@@ -294,12 +294,12 @@ class RingCalls:
         interrupted it on one or raised on one (`segment_ends`). An interrupt agreed on is
         set on the pipeline too, so that its loop skips the steps left on every rank."""
         timeout = self.denoisers[gen.denoiser].config.timeout
-        end = agree_on_the_end(gen.callbacks, gen.carried.sample, timeout)
-        if end.latents is None:
+        latents = agree_on_the_end(gen.callbacks, gen.carried.sample, timeout)
+        if latents is None:
             return
         dtype = gen.interrupted.dtype if gen.interrupted is not None else \
-            gen.previous.dtype if gen.previous is not None else end.latents.dtype
-        gen.agreed_end = end.latents.to(dtype)
+            gen.previous.dtype if gen.previous is not None else latents.dtype
+        gen.agreed_end = latents.to(dtype)
         gen.carried = Carried(gen.agreed_end)
         self.pipe._interrupt = True
 

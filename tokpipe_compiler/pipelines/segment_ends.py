@@ -14,7 +14,6 @@ by the rank that has them. Callbacks on the other ranks may have seen later step
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,21 +25,12 @@ from tokpipe_compiler.runtime.transport_errors import TransportError
 _NOT_ENDED = -1
 
 
-@dataclass(frozen=True)
-class SegmentEnd:
-    """What a segment's end was, agreed by every rank: the step the generation was
-    interrupted at, with that step's latents (None: it goes on)."""
-
-    step: int | None = None
-    latents: torch.Tensor | None = None
-
-
 def agree_on_the_end(callbacks: StepCallbacks | None, like: torch.Tensor,
-                     timeout: float) -> SegmentEnd:
-    """Every rank's end of the segment that just ran, from each rank's callbacks (None on
-    a rank that passed none). `like`: the segment's latents on this rank (shape, dtype and
-    device of what an interrupting rank sends). Raises on every rank where a callback
-    raised on one."""
+                     timeout: float) -> torch.Tensor | None:
+    """The latents every rank ends the segment that just ran at: those of the earliest
+    step any rank's callbacks (None on a rank that passed none) interrupted it at; None
+    where none did. `like`: the segment's latents on this rank (shape, dtype and device of
+    what an interrupting rank sends). Raises on every rank where a callback raised on one."""
     step = _NOT_ENDED if callbacks is None or callbacks.interrupted_step is None \
         else callbacks.interrupted_step
     errored = callbacks is not None and callbacks.error is not None
@@ -54,7 +44,7 @@ def agree_on_the_end(callbacks: StepCallbacks | None, like: torch.Tensor,
                           "every rank")
     ended = [s for s, _ in every if s != _NOT_ENDED]
     if not ended:
-        return SegmentEnd()
+        return None
     first = min(ended)
     source = next(rank for rank, (s, _) in enumerate(every) if s == first)
     mine = callbacks.interrupted if dist.get_rank() == source else None
@@ -62,7 +52,7 @@ def agree_on_the_end(callbacks: StepCallbacks | None, like: torch.Tensor,
     work = dist.broadcast(latents, src=source, async_op=True)
     _wait(work, timeout, f"the latents of step {first}, where rank {source}'s step "
                          "callback interrupted the generation")
-    return SegmentEnd(first, latents)
+    return latents
 
 
 def _gather(mine: torch.Tensor, timeout: float) -> torch.Tensor:
