@@ -124,16 +124,27 @@ def _tensor_like(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def _first_supported(gm: torch.fx.GraphModule,
                      seed: torch.fx.Node) -> tuple[TokenInfo, RuleContext]:
-    """The seed's first candidate info whose propagation meets no unsupported op (else the
-    first candidate, whose errors the user sees): each candidate token axis, then each
-    with whole segments around its chunked range (segments.seed_candidates)."""
-    tried = []
+    """The seed's first candidate info whose propagation meets no unsupported op and leaves
+    the output chunked (else the first that meets none, else the first candidate, whose
+    errors the user sees): each candidate token axis, then each with whole segments around
+    its chunked range (segments.seed_candidates). A token input that already holds
+    registers or text before its image tokens slices both out; the range the output is
+    made of is the one to chunk, whichever slice the graph takes first."""
+    tried, supported = [], []
     for seeded in _seed_infos(gm, seed):
         ctx = _propagate(gm, seed, seeded)
         if all(i.kind != UNSUPPORTED for i in ctx.infos.values()):
-            return seeded, ctx
+            if _output_chunked(gm, ctx):
+                return seeded, ctx
+            supported.append((seeded, ctx))
         tried.append((seeded, ctx))
-    return tried[0]
+    return (supported or tried)[0]
+
+
+def _output_chunked(gm: torch.fx.GraphModule, ctx: RuleContext) -> bool:
+    """Whether an output of the graph holds chunked tokens (not only whole segments)."""
+    infos = (ctx.infos.get(n) for n in gm.graph.output_node().all_input_nodes)
+    return any(i is not None and i.kind == TOKEN and i.per_unit for i in infos)
 
 
 def _seed_infos(gm: torch.fx.GraphModule, seed: torch.fx.Node) -> Iterator[TokenInfo]:

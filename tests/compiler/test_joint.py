@@ -229,6 +229,31 @@ def test_text_joined_before_the_graph_is_a_segment_of_the_token_input():
         assert_rel_close(program(*traced.args())[0], expected)
 
 
+class TextSlicedFirst(JoinedBefore):
+    """JoinedBefore whose graph first slices the text out, then adds a positional table to
+    the image tokens only: the first constant slice the graph takes is the text's."""
+
+    def forward(self, joint: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        text, image = joint[:, :5], joint[:, 5:]
+        return super().forward(torch.cat([text, image + table], dim=1))
+
+
+def test_the_range_the_output_is_made_of_is_chunked():
+    """Of the ranges the graph slices from its token input, the image tokens the output is
+    made of are chunked, not the 5 text tokens it happens to slice first."""
+    torch.manual_seed(0)
+    model = TextSlicedFirst().eval()
+    joint, table = torch.cat(inputs(0)[::-1], dim=1), torch.randn(12, 16)
+    traced = trace(model, joint, table)
+    with torch.no_grad():
+        expected = model(joint, table)
+    for mode in ("sync", "stale"):
+        program = traced.program(mode=mode, stages=2, chunks=3, warmup_steps=1)
+        assert program.plan.units == 12
+        program(*traced.args())
+        assert_rel_close(program(*traced.args())[0], expected)
+
+
 def _linears(gm: torch.fx.GraphModule) -> int:
     return sum(n.op == "call_function" and "linear" in str(n.target) for n in gm.graph.nodes)
 
