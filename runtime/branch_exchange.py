@@ -21,7 +21,6 @@ exchange is matched, and the group carries the next run.
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from tokpipe_compiler.core.meta import META_KEY
 from tokpipe_compiler.core.stage_graph import StageGraph
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.runtime.op_library import define_op
-from tokpipe_compiler.runtime.transport_errors import TransportError
+from tokpipe_compiler.runtime.transport_errors import wait_collective
 
 
 @dataclass
@@ -132,11 +131,8 @@ def gather_branches(x: torch.Tensor, group: Any, timeout: float, what: str) -> t
     mine = x.contiguous()
     both = [torch.empty_like(mine) for _ in range(2)]
     work = dist.all_gather(both, mine, group=group, async_op=True)
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as err:  # a message's failure: no hollow run can finish it
-        raise TransportError(f"cfg=2: rank {dist.get_rank()} waiting for the other guidance "
-                             f"branch's prediction ({what}): {err}") from err
+    # a message's failure: no hollow run can finish it
+    wait_collective(work, timeout, f"the other guidance branch's prediction ({what}), cfg=2")
     return torch.cat(both)
 
 

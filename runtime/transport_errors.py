@@ -4,8 +4,11 @@ first failure)."""
 
 from __future__ import annotations
 
+import datetime
 import re
 from typing import TYPE_CHECKING
+
+import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
 
@@ -17,6 +20,16 @@ class TransportError(TokpipeError):
     """A message that could not be moved: a wait that failed or timed out, or a group that
     carries none any more. A run meeting one cannot end on every rank together
     (`run_stops`): its peers meet their own."""
+
+
+def wait_collective(work: dist.Work, timeout: float, what: str) -> None:
+    """Wait at most `timeout` seconds for a collective's `work`; a TransportError naming
+    `what` (the value this rank waits for) where it fails or times out."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as err:
+        raise TransportError(f"rank {dist.get_rank()} waiting for {what}: "
+                             f"{reason_of(err, timeout)}") from err
 
 
 def recv_error(rank: int, src: int, key: MessageKey, reason: str) -> TransportError:

@@ -13,14 +13,12 @@ by the rank that has them. Callbacks on the other ranks may have seen later step
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import PeerStopped
 from tokpipe_compiler.pipelines.step_callbacks import StepCallbacks
-from tokpipe_compiler.runtime.transport_errors import TransportError
+from tokpipe_compiler.runtime.transport_errors import wait_collective
 
 _NOT_ENDED = -1
 
@@ -50,7 +48,7 @@ def agree_on_the_end(callbacks: StepCallbacks | None, like: torch.Tensor,
     mine = callbacks.interrupted if dist.get_rank() == source else None
     latents = like.contiguous() if mine is None else mine.to(like.dtype).contiguous()
     work = dist.broadcast(latents, src=source, async_op=True)
-    _wait(work, timeout, f"the latents of step {first}, where rank {source}'s step "
+    wait_collective(work, timeout, f"the latents of step {first}, where rank {source}'s step "
                          "callback interrupted the generation")
     return latents
 
@@ -58,12 +56,6 @@ def agree_on_the_end(callbacks: StepCallbacks | None, like: torch.Tensor,
 def _gather(mine: torch.Tensor, timeout: float) -> torch.Tensor:
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     work = dist.all_gather(every, mine, async_op=True)
-    _wait(work, timeout, "where each rank's step callbacks ended the ring's steps")
+    wait_collective(work, timeout, "where each rank's step callbacks ended the ring's steps")
     return torch.stack(every).cpu()
 
-
-def _wait(work: dist.Work, timeout: float, what: str) -> None:
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as err:
-        raise TransportError(f"rank {dist.get_rank()} waiting for {what}: {err}") from err
