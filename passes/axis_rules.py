@@ -139,6 +139,16 @@ def split_op(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     return info
 
 
+@register(F.glu, torch._C._nn.glu)
+def glu(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """A gated linear unit halves its `dim`: token-wise along any other axis."""
+    src, info = first_token(node, ctx)
+    if arg(node, 1, "dim", -1) % len(node_shape(src)) == info.axis:
+        return unsupported("glu along the token axis pairs rows of the two halves of the "
+                           "sequence, which a chunk does not hold")
+    return info
+
+
 @register("method:unbind", torch.unbind)
 def unbind(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     src, info = first_token(node, ctx)

@@ -45,6 +45,21 @@ _ELEMENTWISE = [
     torch.clamp_max, torch.nan_to_num,
     F.gelu, F.silu, F.relu, F.mish, F.leaky_relu, F.softplus, F.dropout, F.hardswish,
     torch._C._nn.gelu, torch._C._nn.silu, torch.nn.functional.sigmoid, torch.nn.functional.tanh,
+    # comparisons and masks (`torch.where(h > 0, h, 0.1 * h)`, a NaN guard)
+    operator.gt, operator.ge, operator.lt, operator.le, operator.eq, operator.ne,
+    operator.invert, operator.and_, operator.or_, operator.xor, operator.abs, operator.mod,
+    operator.isub, operator.itruediv,
+    torch.gt, torch.ge, torch.lt, torch.le, torch.eq, torch.ne, torch.logical_not,
+    torch.logical_and, torch.logical_or, torch.logical_xor, torch.bitwise_not,
+    torch.isnan, torch.isinf, torch.isfinite, torch.signbit,
+    # more of the pointwise maths
+    torch.sign, torch.sgn, torch.reciprocal, torch.log1p, torch.expm1, torch.log2,
+    torch.log10, torch.exp2, torch.floor, torch.ceil, torch.round, torch.trunc, torch.frac,
+    torch.tan, torch.atan, torch.atan2, torch.sinh, torch.cosh, torch.asinh, torch.remainder,
+    torch.fmod, torch.hypot, torch.copysign, torch.float_power, torch.erfc, torch.sinc,
+    torch.relu_, torch.sigmoid_, torch.tanh_,
+    F.elu, F.selu, F.celu, F.hardtanh, F.relu6, F.hardsigmoid, F.logsigmoid, F.softsign,
+    F.tanhshrink, F.threshold, torch._C._nn.hardtanh, torch._C._nn.elu,
 ]
 _ELEMENTWISE_METHODS = [
     "add", "sub", "mul", "div", "pow", "neg", "exp", "log", "sin", "cos", "tanh", "sigmoid",
@@ -54,6 +69,13 @@ _ELEMENTWISE_METHODS = [
     "clamp_", "erf", "lerp", "addcmul", "float_power", "sign",
     # float16 guards against overflow (Flux's and Sana's blocks clip in float16)
     "clip", "clip_", "clamp_min", "clamp_max", "nan_to_num",
+    "gt", "ge", "lt", "le", "eq", "ne", "logical_not", "logical_and", "logical_or",
+    "bitwise_not", "isnan", "isinf", "isfinite", "bool", "int", "long", "where", "maximum",
+    "minimum", "reciprocal", "log1p", "expm1", "log2", "exp2", "floor", "ceil", "round",
+    "trunc", "frac", "tan", "atan", "remainder", "fmod", "sgn", "erfc",
+    "sub_", "div_", "neg_", "exp_", "pow_", "abs_", "sqrt_", "rsqrt_", "tanh_", "sigmoid_",
+    "relu_", "masked_fill_", "addcmul_", "lerp_", "nan_to_num_", "reciprocal_", "sign_",
+    "floor_", "round_", "clamp_min_", "clamp_max_",
 ]
 
 
