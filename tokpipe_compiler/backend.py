@@ -149,7 +149,10 @@ class LazyProgram:
                  example_inputs: list):
         gm = inline_wrapped_bodies(gm)  # checkpointed blocks: their ops in line
         self.origin = origin(gm)  # while Dynamo traces: whether the model has graph breaks
-        self.block = None if self.origin.piece else repeated_block()  # regional compiling
+        # A block traced on its own. Under parallelize, whose pipeline tells steps and
+        # branches apart, one that hooks break out of the blocks' loop runs per call.
+        self.block = None if self.origin.piece and session.outside_call is not None \
+            else repeated_block(self.origin.piece)
         self.gm = record_sources(gm)
         self.config_fn = config_fn
         self.session = session
@@ -239,10 +242,10 @@ class LazyProgram:
     def _plan(self, args: tuple) -> tuple[Plan | None, Any]:
         """The plan for these input shapes, or None where the graph runs unpipelined."""
         config = self.config_fn()
+        if self.block is not None:  # before the options that name the model's inputs
+            return self._whole_model_only(config)
         check_timestep_input(config.timestep_input, self.parameters,
                              [(source_name(n), argument_of(n)) for n in placeholders(self.gm)])
-        if self.block is not None:
-            return self._whole_model_only(config)
         gm, select = self.gm, None
         if self.dynamic:
             self._warn_once("symbolic", SYMBOLIC)
@@ -269,12 +272,7 @@ class LazyProgram:
 
     def _whole_model_only(self, config: Config) -> tuple[None, None]:
         """A block compiled on its own is refused (run as traced with fallback=True)."""
-        err = TokpipeError(
-            f"tokpipe pipelines a whole model, but this graph is {self.block} (diffusers' "
-            "compile_repeated_blocks, or block.compile() in a loop): each block would fill "
-            "and drain a pipeline of its own and count its calls as denoising steps. "
-            "Compile the model instead: torch.compile(transformer, backend='tokpipe', ...) "
-            "or tp.pipelines.parallelize(pipe)")
+        err = TokpipeError(f"tokpipe pipelines a whole model, but this graph is {self.block}")
         if not config.fallback:
             raise err
         warn(f"tokpipe: running this graph unpipelined (fallback=True): {err.found}")

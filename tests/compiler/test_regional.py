@@ -20,6 +20,13 @@ from tests.fixtures.tracing import assert_rel_close
 OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager"}
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo's code for Block.forward, traced (and refused) in one test, would serve the
+    blocks of the next: each test traces its own."""
+    torch.compiler.reset()
+
+
 class Blocks(nn.Module):
     def __init__(self):
         super().__init__()
@@ -54,14 +61,65 @@ class SelfNamedS(Blocks):
     (Blocks, "one of the 3 Block blocks of Blocks"),
     (SelfNamedS, "one of the 3 BlockNamedS blocks of SelfNamedS"),  # forward(s, ...)
 ])
-def test_blocks_compiled_one_by_one_are_refused(model_class, found):
+@pytest.mark.parametrize("assigned", [False, True])
+def test_blocks_compiled_one_by_one_are_refused(model_class, found, assigned):
+    """`block.compile()`, or the compiled wrapper put in the block's place."""
     torch.manual_seed(0)
     model = model_class().eval()
-    for block in model.blocks:
-        block.compile(backend="tokpipe", dynamic=False, options=OPTIONS)
+    for i, block in enumerate(model.blocks):
+        if assigned:
+            model.blocks[i] = torch.compile(block, backend="tokpipe", dynamic=False,
+                                            options=OPTIONS)
+        else:
+            block.compile(backend="tokpipe", dynamic=False, options=OPTIONS)
     with pytest.raises(tp.TokpipeError, match=f"{found}, compiled on its own.*Compile the "
                                               "model instead"), torch.no_grad():
         model(torch.randn(1, 16, 16))
+
+
+class BreakInTheLoop(Blocks):
+    """A graph break between the blocks, inside the loop over them: Dynamo skips the
+    model's forward and traces each block on its own."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.cond)
+            if self.how == "print":
+                print("block done")
+            else:
+                x = _not_traced(x)
+        return x
+
+
+@torch.compiler.disable
+def _not_traced(x: torch.Tensor) -> torch.Tensor:
+    return x * 1.0
+
+
+@pytest.mark.parametrize("how", ["print", "disabled call"])
+def test_a_model_whose_loop_over_blocks_breaks_the_graph_is_refused(how):
+    """Not a pipeline per block, which would take a step's second guidance branch for the
+    next step (attending to the first branch's K/V); with fallback=True the blocks run as
+    traced, as eager."""
+    torch.manual_seed(0)
+    model = BreakInTheLoop(how).eval()
+    x = torch.randn(1, 16, 16)
+    with torch.no_grad():
+        expected = model(x)
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+    with pytest.raises(tp.TokpipeError, match=r"one of the 3 Block blocks of BreakInTheLoop, "
+                       r"traced on its own: .*graph break inside its loop over the blocks"), \
+            torch.no_grad():
+        compiled(x)
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "fallback": True})
+    with pytest.warns(UserWarning, match="running this graph unpipelined"), torch.no_grad():
+        assert torch.equal(compiled(x), expected)
 
 
 def test_diffusers_regional_compilation_is_refused_and_runs_as_traced_with_fallback():

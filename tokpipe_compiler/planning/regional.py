@@ -17,19 +17,44 @@ from types import FrameType
 
 import torch
 
+import tokpipe_compiler
+from tokpipe_compiler import passes, runtime
+
 _EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# this package's (the backend's frames, between Dynamo's and the traced block's caller)
+_PACKAGE_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (tokpipe_compiler, passes, runtime))
 
 
-def repeated_block() -> str | None:
-    """Called by the backend while Dynamo traces: a description of the model and block
+_COST = ("each block would fill and drain a pipeline of its own and count its calls as "
+         "denoising steps")
+_REGIONAL = ("compiled on its own while the model runs eagerly (diffusers' "
+             "compile_repeated_blocks, block.compile() or blocks[i] = torch.compile(blocks[i]) "
+             f"in a loop): {_COST}. Compile the "
+             "model instead: torch.compile(transformer, backend='tokpipe', ...) or "
+             "tp.pipelines.parallelize(pipe)")
+_SKIPPED = ("traced on its own: the model was compiled whole, but Dynamo skipped its forward "
+            "at a graph break inside its loop over the blocks (a print, a branch on .item(), "
+            "a torch.compiler.disable'd call; TORCH_LOGS=graph_breaks names it) and traced "
+            f"each block it calls: {_COST}. Move what breaks the graph out of the loop")
+
+
+def repeated_block(piece: bool) -> str | None:
+    """Called by the backend while Dynamo traces: why the graph is no model to pipeline
+    (the model and the block, how the block came to be traced alone, what to do instead)
     when the traced frame is a block of its caller, an eagerly running module: one of a
     stack of blocks (a ModuleList or Sequential of its class), or of a class the caller
-    lists among its repeated blocks (diffusers' `_repeated_blocks`); None otherwise."""
+    lists among its repeated blocks (diffusers' `_repeated_blocks`); None otherwise.
+    The caller runs eagerly where the block was compiled on its own (regional
+    compilation), or, for a `piece` (a graph Dynamo traced from a frame its caller's code
+    called), where Dynamo skipped the caller's forward, compiled whole (a graph break in
+    its loop over the blocks)."""
     block = _traced_module()
     if block is None or _is_model(block):
         return None  # a model compiled whole (one of an ensemble, say) is no block
-    model = _calling_module(block)
+    frames = _outer_frames()
+    model = _skipped_model(block, frames) if piece else _calling_module(block, frames)
     if model is None:
         return None
     alike = sum(type(m) is type(block) for m in model.modules())
@@ -38,12 +63,18 @@ def repeated_block() -> str | None:
         return None  # a wrapper calling a model it holds (two experts, say): that is whole
     count = "the" if alike == 1 else f"one of the {alike}"
     return (f"{count} {type(block).__name__} block{'s' * (alike > 1)} of "
-            f"{type(model).__name__}, compiled on its own while the model runs eagerly")
+            f"{type(model).__name__}, {_SKIPPED if piece else _REGIONAL}")
 
 
 def _in_a_stack(block: torch.nn.Module, model: torch.nn.Module) -> bool:
     """Whether `block` is one of a stack of blocks of `model`."""
-    return any(any(m is block for m in stack) for stack in _stacks(model))
+    return any(any(_unwrapped(m) is block for m in stack) for stack in _stacks(model))
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a `torch.compile` wrapper put in a stack (`blocks[i] = torch.compile(
+    blocks[i])`) compiles: what Dynamo traces."""
+    return getattr(module, "_orig_mod", module)
 
 
 def _is_model(module: torch.nn.Module) -> bool:
@@ -74,27 +105,53 @@ def _traced_module() -> torch.nn.Module | None:
     return module if isinstance(module, torch.nn.Module) else None
 
 
-def _calling_module(block: torch.nn.Module) -> torch.nn.Module | None:
+def _calling_module(block: torch.nn.Module,
+                    frames: list[FrameType]) -> torch.nn.Module | None:
     """The module whose forward called the compiled block: the first frame outside torch
     past the torch.compile wrapper (eval_frame.py), if it is a module's `forward` holding
     `block`. Only that frame's locals are read: on Python 3.11 reading a running frame's
     locals keeps a copy of them on the frame, and a caller's loop (a function that makes,
     compiles and drops models) would keep its first model alive."""
-    frames = _outer_frames()
-    entered = [i for i, f in enumerate(frames) if f.f_code.co_filename.endswith(_EVAL_FRAME)]
-    if not entered:
+    entered = _entered(frames)
+    if entered is None:
         return None
-    for frame in frames[entered[-1] + 1:]:
+    for frame in frames[entered + 1:]:
         if os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR):
             continue  # the module call machinery (the block's own __call__)
-        code = frame.f_code
-        if code.co_name != "forward" or not code.co_argcount:
-            return None
-        caller = frame.f_locals.get(code.co_varnames[0])  # `self`, whatever its name
-        if isinstance(caller, torch.nn.Module) and caller is not block and \
-                any(m is block for m in caller.modules()):
-            return caller
+        return _forward_holding(frame, block)
+    return None
+
+
+def _skipped_model(block: torch.nn.Module,
+                   frames: list[FrameType]) -> torch.nn.Module | None:
+    """The model whose forward, inside the torch.compile wrapper, runs eagerly and called
+    the traced block: Dynamo skipped that frame (a graph break inside its loop over the
+    blocks) and traces each frame it calls. The innermost frame outside torch and this
+    package, between the wrapper and the trace; it ends with the call, so reading its
+    locals keeps nothing alive."""
+    entered = _entered(frames)
+    for frame in frames[:entered]:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith((_TORCH_DIR, *_PACKAGE_DIRS)):
+            return _forward_holding(frame, block)
+    return None
+
+
+def _entered(frames: list[FrameType]) -> int | None:
+    """The index of the outermost torch.compile wrapper's frame (eval_frame.py)."""
+    entered = [i for i, f in enumerate(frames) if f.f_code.co_filename.endswith(_EVAL_FRAME)]
+    return entered[-1] if entered else None
+
+
+def _forward_holding(frame: FrameType, block: torch.nn.Module) -> torch.nn.Module | None:
+    """The module `frame` runs the forward of, if it holds `block` and is not it."""
+    code = frame.f_code
+    if code.co_name != "forward" or not code.co_argcount:
         return None
+    caller = frame.f_locals.get(code.co_varnames[0])  # `self`, whatever its name
+    if isinstance(caller, torch.nn.Module) and caller is not block and \
+            any(m is block for m in caller.modules()):
+        return caller
     return None
 
 
