@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.fx
@@ -43,32 +43,13 @@ from tokpipe_compiler.planning.traced_frame import (
     number_arguments,
     traced_function,
 )
+from tokpipe_compiler.programs.compile_sessions import session_for
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS, timestep_index
 from tokpipe_compiler.programs.owners import PerOwner, owner_of, register
 from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session
 
 log = logging.getLogger("tokpipe_compiler")
-
-# Sessions of string-backend compiles, one per torch.compile call, told by the identity of
-# its `options` dict (the one object Dynamo hands every recompile of that call) and its
-# `mode` (compiles without options are told apart by mode only).
-_SESSIONS: list[tuple[Any, str | None, Session]] = []
-
-
-class CompileSessions(NamedTuple):
-    """Where the programs of one torch.compile call are: `own`, its session, once Dynamo
-    traced a graph for it; `alike`, those of calls with equal options. Dynamo takes equal
-    options for one backend (`_TorchCompileWrapper.__eq__`) and serves a call from another
-    call's graphs, whose programs are then in that call's session."""
-
-    own: Session | None
-    alike: list[Session]
-
-    @property
-    def every(self) -> list[Session]:
-        return ([self.own] if self.own is not None else []) + self.alike
-
 
 class TokpipeBackend:
     """`tokpipe_compiler.backend(**options)`: a backend object with its options checked now."""
@@ -92,30 +73,8 @@ def tokpipe(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None
             mode: str | None = None, **_: Any):
     """The function registered as the "tokpipe" Dynamo backend. `mode`: torch.compile's,
     as the options it stands for (config.TORCH_MODES)."""
-    session = sessions_for_options(options, mode).own
-    if session is None:
-        session = Session()
-        _SESSIONS.append((options, mode, session))
-    return LazyProgram(gm, lambda: Config.from_options(options, mode), session, example_inputs)
-
-
-def sessions_for_options(options: dict | None, mode: str | None = None) -> CompileSessions:
-    """The sessions of the torch.compile call whose options are `options` (and mode
-    `mode`)."""
-    own = next((session for known, its_mode, session in _SESSIONS
-                if known is options and its_mode == mode), None)
-    alike = [session for known, its_mode, session in _SESSIONS
-             if known is not options and its_mode == mode and _equal(known, options)]
-    return CompileSessions(own, alike)
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """`a == b` as Dynamo compares backend options; False where that is not a bool (an
-    option holding a tensor)."""
-    try:
-        return bool(a == b)
-    except (RuntimeError, TypeError, ValueError):
-        return False
+    session, copied = session_for(options, mode)
+    return LazyProgram(gm, lambda: Config.from_options(copied, mode), session, example_inputs)
 
 
 # Per session: the parameter names of every function Dynamo traced for it (a model's forward

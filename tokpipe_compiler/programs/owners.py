@@ -42,7 +42,8 @@ def programs_of(module: torch.nn.Module) -> list[Any]:
 
 
 class PerOwner:
-    """A table per model, dropped when the model's identifying weight is freed."""
+    """A table per model, dropped when the model's identifying weight is freed, or with
+    this object (the graph's, which Dynamo drops at a reset while the model lives on)."""
 
     def __init__(self) -> None:
         self.tables: dict[int | None, dict[Any, Any]] = {}
@@ -51,6 +52,12 @@ class PerOwner:
         key = None if owner is None else id(owner)
         if key not in self.tables:
             self.tables[key] = {}
-            if owner is not None:
-                weakref.finalize(owner, self.tables.pop, key, None)
+            if owner is not None:  # holding this object weakly: the model outlives it
+                weakref.finalize(owner, _drop_table, weakref.ref(self), key)
         return self.tables[key]
+
+
+def _drop_table(per_owner: weakref.ref, key: int) -> None:
+    found = per_owner()
+    if found is not None:
+        found.tables.pop(key, None)
