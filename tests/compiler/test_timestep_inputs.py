@@ -162,6 +162,16 @@ def test_a_timestep_input_that_is_neither_a_name_nor_a_position_is_refused(choic
         compile_model(SigmaDiT, timestep_input=choice)[1](*dit_inputs(TinyDiT(grid=8), 8))
 
 
+def test_a_position_for_a_forward_of_named_parameters_names_them():
+    """A position names an input only where the forward takes *args: one given to a forward
+    of named parameters fell back to the default names without a word."""
+    model, compiled = compile_model(SigmaDiT, timestep_input=9)
+    latents, t, labels = dit_inputs(model, 8)
+    with pytest.raises(TokpipeError, match=r"timestep_input=9 names a position.*\['labels', "
+                                           r"'latents', 'sigma'\].*timestep_input='sigma'"):
+        compiled(latents, t, labels)
+
+
 def test_a_python_number_timestep_warns_once_and_stays_exact():
     """Each value is a new graph and a new generation: every step a warmup, equal to eager,
     and a warning that says to pass a tensor."""

@@ -22,9 +22,12 @@ def check_timestep_input(choice: str | int | None, parameters: set[str],
     is one of a forward that takes *args), or names one the graph reads entries of (a
     dict: the entry is the timestep). `inputs`: the graph's inputs, as (Dynamo source,
     argument name)."""
-    if choice is None or isinstance(choice, int):
+    if choice is None:
         return
     names = {name for _, name in inputs}
+    if isinstance(choice, int):
+        _check_position(choice, parameters, names)
+        return
     inside = [str(name) for source, name in inputs
               if source.startswith(f"L[{choice!r}][") and name is not None]
     if inside and choice not in names:
@@ -37,6 +40,20 @@ def check_timestep_input(choice: str | int | None, parameters: set[str],
         return
     raise TokpipeError(f"timestep_input={choice!r} names no parameter of the model's "
                        f"forward; its parameters are {sorted(parameters - {'self'})}")
+
+
+def _check_position(choice: int, parameters: set[str], names: set[str | int | None]) -> None:
+    """A position names an input of a forward that takes *args (diffusers' wrapped forwards
+    called positionally); one the call holds, or any where the frame is unknown."""
+    if choice in names or parameters & {"*", "**"}:
+        return
+    named = sorted(p for p in parameters if p not in ("self", "*", "**"))
+    likely = next((n for n in timestep_names() if n in named), named[0] if named else None)
+    raise TokpipeError(
+        f"timestep_input={choice} names a position in the call, which names an input only "
+        f"where the forward takes *args; this model's forward names its parameters {named}: "
+        f"name the one that carries the timestep (timestep_input={likely!r}, say)"
+        if named else f"timestep_input={choice} names no input of the call")
 
 
 def number_timestep(numbers: dict[str, int | float], choice: str | None) -> str | None:

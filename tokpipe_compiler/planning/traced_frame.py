@@ -18,7 +18,8 @@ import torch
 def frame_parameters() -> frozenset[str] | None:
     """The parameter names of the function whose frame Dynamo traces, and of
     `self.forward` when the frame has a module `self` (a decorated forward, a resume
-    function after a graph break); "**" among them when a signature takes **kwargs. None
+    function after a graph break); "**" among them when a signature takes **kwargs, "*"
+    when the traced function takes *args. None
     when unknown."""
     frame = _frame()
     if frame is None:
@@ -27,12 +28,14 @@ def frame_parameters() -> frozenset[str] | None:
     names = set(code.co_varnames[:code.co_argcount + code.co_kwonlyargcount])
     if code.co_flags & inspect.CO_VARKEYWORDS:
         names.add("**")
+    if code.co_flags & inspect.CO_VARARGS:
+        names.add("*")  # inputs by position: a timestep_input may be one
     module = _module_self(code, local)
     if module is not None:
         names.discard(code.co_varnames[0])  # `self`, by whatever name
         # diffusers decorates forward as wrapper(self, *args, **kwargs): its signature
         # (functools.wraps) names the real parameters.
-        names.discard("**")
+        names -= {"*", "**"}
         names |= _signature_names(module.forward)
     return frozenset(names)
 
@@ -96,4 +99,7 @@ def _signature_names(fn: Callable[..., Any]) -> set[str]:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return {"**"}
-    return {"**" if p.kind == p.VAR_KEYWORD else p.name for p in parameters}
+    return {_MARKS.get(p.kind, p.name) for p in parameters}
+
+
+_MARKS = {inspect.Parameter.VAR_KEYWORD: "**", inspect.Parameter.VAR_POSITIONAL: "*"}
