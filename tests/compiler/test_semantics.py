@@ -149,10 +149,12 @@ def test_stale_with_explicit_lengths_repeats_eager():
     ([20, 44], r"chunk lengths \[20, 44\] are not whole units .*8 tokens a unit, 8 units; "
                r"a unit is an image.s row of patches.*multiples of 8"),
 ])
-def test_explicit_lengths_that_do_not_tile_the_grid_are_errors(lengths, words):
+@pytest.mark.parametrize("mode", ["stale", "sync"])
+def test_explicit_lengths_that_do_not_tile_the_grid_are_errors(lengths, words, mode):
+    """In sync too, which runs one chunk: the same options would fail when run stale."""
     _, traced = traced_dit(2, 16, 2, 16)
     with pytest.raises(TokpipeError, match=words):
-        traced.program(mode="stale", stages=2, chunks=lengths)
+        traced.program(mode=mode, stages=2, chunks=lengths)
 
 
 def test_reset_restarts_warmup():

@@ -218,10 +218,12 @@ def plan_chunks(
     ring_steps: int | None = None, once: bool = False,
 ) -> list[Chunk]:
     units = annotation.units
+    if isinstance(config.chunks, tuple):  # checked in sync too: the same options run stale
+        table = table_from_tokens(units, tokens, config.chunks)
+        if config.mode != "sync":
+            return table
     if config.mode == "sync":
         return chunk_table(units, 1)
-    if isinstance(config.chunks, tuple):
-        return table_from_tokens(units, tokens, config.chunks)
     if config.chunks != "auto":
         table = chunk_table(units, _fitted_chunk_count(config.chunks, units, tokens))
         # the first chunk computes the step's text stream: an uneven split's smaller
