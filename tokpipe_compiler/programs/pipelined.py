@@ -83,7 +83,7 @@ class Session:
         unconditional call passes no mask, or a shorter text). One
         not called in the role's last MANY_BRANCHES calls is let go (a graph Dynamo made
         again for a new Python value would otherwise keep the old one's K/V)."""
-        role = (owner, program.plan.token_input)
+        role = (owner, program.token_argument)
         calls = self.calls[role] = self.calls.get(role, 0) + 1
         holders = {p: last for ref, last in self.holders.get(role, {}).items()
                    if (p := ref()) is not None}
@@ -131,6 +131,10 @@ class PipelinedProgram:
         self.branch = 0
         self.last_chunk_count: int | None = None  # chunks the last call ran as
         arguments = input_arguments(plan)
+        # the call's argument the token input holds: its role in the session (the graph's
+        # placeholder name differs between a static graph and a symbolic one's copy)
+        token = arguments[plan.graphs.input_names.index(plan.token_input)]
+        self.token_argument = plan.token_input if token is None else token
         self.clock = StepClock(timestep_index(arguments, plan.config.timestep_input),
                                [i for i, name in enumerate(arguments) if name is not None])
         self.calls = 0  # steps run by this program, for the timeline
