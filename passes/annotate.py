@@ -124,17 +124,18 @@ def _tensor_like(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def _first_supported(gm: torch.fx.GraphModule,
                      seed: torch.fx.Node) -> tuple[TokenInfo, RuleContext]:
-    """The seed's first candidate info whose propagation meets no unsupported op and leaves
-    the output chunked (else the first that meets none, else the first candidate, whose
-    errors the user sees): each candidate token axis, then each with whole segments around
-    its chunked range (segments.seed_candidates). A token input that already holds
-    registers or text before its image tokens slices both out; the range the output is
-    made of is the one to chunk, whichever slice the graph takes first."""
+    """The seed's first candidate info whose propagation meets no unsupported op (else the
+    first candidate, whose errors the user sees): each candidate token axis, then each with
+    whole segments around its chunked range (segments.seed_candidates), of which the first
+    that leaves the output chunked goes first. A token input that already holds registers
+    or text before its image tokens slices both out; the range the output is made of is
+    the one to chunk, whichever slice the graph takes first."""
     tried, supported = [], []
     for seeded in _seed_infos(gm, seed):
         ctx = _propagate(gm, seed, seeded)
         if all(i.kind != UNSUPPORTED for i in ctx.infos.values()):
-            if _output_chunked(gm, ctx):
+            whole_axis = not (seeded.lead or seeded.trail)
+            if whole_axis or _output_chunked(gm, ctx):
                 return seeded, ctx
             supported.append((seeded, ctx))
         tried.append((seeded, ctx))

@@ -132,7 +132,8 @@ def gather_branches(x: torch.Tensor, group: Any, timeout: float, what: str) -> t
     both = [torch.empty_like(mine) for _ in range(2)]
     work = dist.all_gather(both, mine, group=group, async_op=True)
     # a message's failure: no hollow run can finish it
-    wait_collective(work, timeout, f"the other guidance branch's prediction ({what}), cfg=2")
+    wait_collective(work, timeout, f"the other guidance branch's prediction ({what}), cfg=2",
+                    group)
     return torch.cat(both)
 
 

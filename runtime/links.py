@@ -164,6 +164,19 @@ class _Groups:
         return self.base() if way == FORWARD else self.back()
 
 
+def mark_closed(group: Any, said: str) -> str | None:
+    """A collective over `group` (None: the world) failed, `said` so: under gloo its pairs
+    are closed for good, so later messages over it raise at once (`GroupClosed`). Returns
+    the failure another rank said first, if one did (`RunStops.first_failure`)."""
+    base = dist.group.WORLD if group is None else group
+    made = None if base is None else _made.get(base)
+    if made is None:
+        return None
+    if dist.get_backend(base) == "gloo":
+        made.broken = made.broken or said
+    return None if made.stops is None else made.stops.first_failure(said)
+
+
 # A group's two groups, by the group: an entry goes with its group (destroy_process_group).
 _made: weakref.WeakKeyDictionary[Any, _Groups] = weakref.WeakKeyDictionary()
 

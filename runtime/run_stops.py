@@ -17,6 +17,7 @@ one stops in the other.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import signal
 import threading
@@ -90,6 +91,49 @@ class RunStops:
             with contextlib.suppress(RuntimeError, dist.DistError):
                 store.set(f"{self._prefix}{run}", f"rank {self.named(rank)}: {_said(error)}")
         told(error)
+
+    def say_call(self, run: int, rank: int, what: str) -> None:
+        """Rank `rank` runs run `run` as `what` (a call's step, branch and timestep): said
+        in the store, for `calls_said`; its key of two runs before, read by every rank by
+        now, goes."""
+        store = self._store()
+        if store is None:
+            return
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            store.set(self._call_key(run, rank), what)
+            if run > 2:
+                store.delete_key(self._call_key(run - 2, rank))
+
+    def calls_said(self, run: int, world: int, timeout: float) -> list[str] | None:
+        """What each rank said run `run` is (`say_call`), in rank order, waiting at most
+        `timeout` for a rank yet to say it; None where the store cannot tell."""
+        store = self._store()
+        if store is None:
+            return None
+        keys = [self._call_key(run, rank) for rank in range(world)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+            return [store.get(key).decode(errors="replace") for key in keys]
+        except (RuntimeError, dist.DistError):
+            return None
+
+    def first_failure(self, said: str) -> str | None:
+        """The failed wait a rank of the group said first during this rank's current run
+        (`said`, this rank's, becomes it where none did): a peer's connection lost because
+        a third rank died is that rank's fault, not the peer's. None where this rank's is
+        the first (or the store cannot tell)."""
+        store = self._store()
+        if store is None:
+            return None
+        try:
+            first = store.compare_set(f"{self._prefix}failed/{self.runs}", "", said)
+        except (RuntimeError, dist.DistError):
+            return None
+        first = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+        return None if first == said else first
+
+    def _call_key(self, run: int, rank: int) -> str:
+        return f"{self._prefix}call/{run}/{rank}"
 
     def seen(self, run: int) -> str | None:
         """Who stopped run `run` and why (None: nobody has)."""

@@ -38,6 +38,7 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.runtime.links import Links, TorchLinks, Work
 from tokpipe_compiler.runtime.run_stops import RunStops
 from tokpipe_compiler.runtime.transport_errors import (
+    EARLIER,
     GLOO_CLOSED,
     closed_error,
     first_line,
@@ -357,6 +358,10 @@ class DistributedTransport:
         good, the group is marked closed (later messages raise at once) and it says so.
         Its unfinished sends are dropped: their works would keep the group's store alive
         after destroy_process_group, for a group started anew on its port to take over."""
+        stops = self.stops
+        earlier = None if stops is None else stops.first_failure(headline(error(reason)))
+        if earlier is not None:
+            reason = f"{reason}. {EARLIER}{earlier}"
         if not (self._native_timeout and hasattr(self.links, "broken")):
             return reason
         self.links.broken = self.links.broken or headline(error(reason))

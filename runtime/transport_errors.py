@@ -22,14 +22,29 @@ class TransportError(TokpipeError):
     (`run_stops`): its peers meet their own."""
 
 
-def wait_collective(work: dist.Work, timeout: float, what: str) -> None:
-    """Wait at most `timeout` seconds for a collective's `work`; a TransportError naming
-    `what` (the value this rank waits for) where it fails or times out."""
+# Said before the first failed wait of a run that another rank saw first.
+EARLIER = "Another rank's wait had failed before this one, the likely cause: "
+
+
+def wait_collective(work: dist.Work, timeout: float, what: str,
+                    group: dist.ProcessGroup | None = None) -> None:
+    """Wait at most `timeout` seconds for a collective's `work` over `group` (default: the
+    world); a TransportError naming `what` (the value this rank waits for) where it fails
+    or times out. A collective names no peer: the error says which rank failed first,
+    where one said so (`RunStops.first_failure`), and the group carries no message after
+    it under gloo (`links.mark_closed`)."""
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as err:
-        raise TransportError(f"rank {dist.get_rank()} waiting for {what}: "
-                             f"{reason_of(err, timeout)}") from err
+        from tokpipe_compiler.runtime.links import mark_closed  # links imports this module
+
+        said = f"rank {dist.get_rank()} waiting for {what}: {reason_of(err, timeout)}"
+        earlier = mark_closed(group, said)
+        cause = f". {EARLIER}{earlier}" if earlier else ""
+        gloo = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        raise TransportError(f"{said}{cause}. One rank of the group has likely failed or "
+                             "died (its own error or exit says why); "
+                             f"{GLOO_CLOSED if gloo else 'restart the ranks'}") from err
 
 
 def recv_error(rank: int, src: int, key: MessageKey, reason: str) -> TransportError:

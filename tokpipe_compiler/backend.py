@@ -201,8 +201,8 @@ class LazyProgram:
     def _plan(self, args: tuple) -> tuple[Plan | None, Any]:
         """The plan for these input shapes, or None where the graph runs unpipelined."""
         config = self.config_fn()
-        if self.block is not None:  # before the options that name the model's inputs
-            return self._whole_model_only(config)
+        if self.block is not None and not self._block_runs(config):
+            return self._whole_model_only(config)  # before the options naming the inputs
         check_timestep_input(config.timestep_input, self.parameters,
                              [(source_name(n), argument_of(n)) for n in placeholders(self.gm)])
         gm, select = self.gm, None
@@ -229,9 +229,19 @@ class LazyProgram:
             warn(f"tokpipe: running this graph unpipelined (fallback=True): {err.found}")
         return None, None
 
+    def _block_runs(self, config: Config) -> bool:
+        """Whether a block traced on its own runs as a pipeline of its own (saying what that
+        costs): where Dynamo skipped its model's forward, in sync and causal mode, or
+        following the timestep an earlier graph of the model read (`SharedTimesteps`)."""
+        if not self.block.skipped or (config.mode == "stale" and
+                                      self.session.timesteps.follow() is None):
+            return False
+        self._warn_once("block alone", self.block.warning())
+        return True
+
     def _whole_model_only(self, config: Config) -> tuple[None, None]:
-        """A block compiled on its own is refused (run as traced with fallback=True)."""
-        err = TokpipeError(f"tokpipe pipelines a whole model, but this graph is {self.block}")
+        """A block traced on its own is refused (run as traced with fallback=True)."""
+        err = TokpipeError(self.block.refusal())
         if not config.fallback:
             raise err
         warn(f"tokpipe: running this graph unpipelined (fallback=True): {err.found}")

@@ -122,6 +122,22 @@ def test_a_model_whose_loop_over_blocks_breaks_the_graph_is_refused(how):
         assert torch.equal(compiled(x), expected)
 
 
+def test_blocks_traced_alone_run_in_sync_mode_saying_what_it_costs():
+    """Where steps need not be told apart, each block runs as a pipeline of its own, exact,
+    with a warning that says so (a diffusers model whose blocks break the graph)."""
+    torch.manual_seed(0)
+    model = BreakInTheLoop("disabled call").eval()
+    x = torch.randn(1, 16, 16)
+    with torch.no_grad():
+        expected = model(x)
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "mode": "sync"})
+    with pytest.warns(UserWarning, match="each block runs as a pipeline of its own"), \
+            torch.no_grad():
+        assert_rel_close(compiled(x), expected)
+    assert len(tp.programs(compiled)) == 3
+
+
 def test_diffusers_regional_compilation_is_refused_and_runs_as_traced_with_fallback():
     expected = generate(*wan(), steps=2)
     pipe, kwargs = wan()

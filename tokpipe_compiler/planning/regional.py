@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import FrameType
 
 import torch
@@ -27,29 +28,51 @@ _PACKAGE_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                       for m in (tokpipe_compiler, passes, runtime))
 
 
-_COST = ("each block would fill and drain a pipeline of its own and count its calls as "
-         "denoising steps")
 _REGIONAL = ("compiled on its own while the model runs eagerly (diffusers' "
              "compile_repeated_blocks, block.compile() or blocks[i] = torch.compile(blocks[i]) "
-             f"in a loop): {_COST}. Compile the "
-             "model instead: torch.compile(transformer, backend='tokpipe', ...) or "
-             "tp.pipelines.parallelize(pipe)")
+             "in a loop): each block would fill and drain a pipeline of its own and count its "
+             "calls as denoising steps. Compile the model instead: torch.compile(transformer, "
+             "backend='tokpipe', ...) or tp.pipelines.parallelize(pipe)")
 _SKIPPED = ("traced on its own: the model was compiled whole, but Dynamo skipped its forward "
             "at a graph break inside its loop over the blocks (a print, a branch on .item(), "
-            "a torch.compiler.disable'd call; TORCH_LOGS=graph_breaks names it) and traced "
-            f"each block it calls: {_COST}. Move what breaks the graph out of the loop")
+            "a torch.compiler.disable'd call, in the loop or in a block; TORCH_LOGS="
+            "graph_breaks names it) and traced each block it calls")
 
 
-def repeated_block(piece: bool) -> str | None:
-    """Called by the backend while Dynamo traces: why the graph is no model to pipeline
-    (the model and the block, how the block came to be traced alone, what to do instead)
-    when the traced frame is a block of its caller, an eagerly running module: one of a
-    stack of blocks (a ModuleList or Sequential of its class), or of a class the caller
-    lists among its repeated blocks (diffusers' `_repeated_blocks`); None otherwise.
-    The caller runs eagerly where the block was compiled on its own (regional
-    compilation), or, for a `piece` (a graph Dynamo traced from a frame its caller's code
-    called), where Dynamo skipped the caller's forward, compiled whole (a graph break in
-    its loop over the blocks)."""
+@dataclass(frozen=True)
+class BlockAlone:
+    """A block of a model traced on its own: `what` names it, `skipped` where Dynamo
+    skipped the model's forward (else the block was compiled on its own)."""
+
+    what: str
+    skipped: bool
+
+    def refusal(self) -> str:
+        """Why the graph is not pipelined, and what to do."""
+        if not self.skipped:
+            return f"tokpipe pipelines a whole model, but this graph is {self.what}, {_REGIONAL}"
+        return (f"tokpipe pipelines a whole model, but this graph is {self.what}, {_SKIPPED}. "
+                "In stale mode each block's pipeline must tell steps and guidance branches "
+                "apart, and no graph of the model read a timestep for it to follow: a step's "
+                "second branch would attend to the first's K/V as the last step's. Move what "
+                "breaks the graph out of the loop (mode='sync' runs each block as a pipeline "
+                "of its own, exactly)")
+
+    def warning(self) -> str:
+        """What it costs where it runs (a skipped forward whose steps are told apart)."""
+        return (f"tokpipe: this graph is {self.what}, {_SKIPPED}: each block runs as a "
+                "pipeline of its own, filling and draining it at every call, which costs "
+                "most of what pipelining saves; move what breaks the graph out of the loop")
+
+
+def repeated_block(piece: bool) -> BlockAlone | None:
+    """Called by the backend while Dynamo traces: the block, when the traced frame is a
+    block of its caller, an eagerly running module: one of a stack of blocks (a ModuleList
+    or Sequential of its class), or of a class the caller lists among its repeated blocks
+    (diffusers' `_repeated_blocks`); None otherwise. The caller runs eagerly where the
+    block was compiled on its own (regional compilation), or, for a `piece` (a graph
+    Dynamo traced from a frame its caller's code called), where Dynamo skipped the
+    caller's forward, compiled whole (a graph break in its loop over the blocks)."""
     block = _traced_module()
     if block is None or _is_model(block):
         return None  # a model compiled whole (one of an ensemble, say) is no block
@@ -62,8 +85,8 @@ def repeated_block(piece: bool) -> str | None:
     if not declared and not _in_a_stack(block, model):
         return None  # a wrapper calling a model it holds (two experts, say): that is whole
     count = "the" if alike == 1 else f"one of the {alike}"
-    return (f"{count} {type(block).__name__} block{'s' * (alike > 1)} of "
-            f"{type(model).__name__}, {_SKIPPED if piece else _REGIONAL}")
+    return BlockAlone(f"{count} {type(block).__name__} block{'s' * (alike > 1)} of "
+                      f"{type(model).__name__}", piece)
 
 
 def _in_a_stack(block: torch.nn.Module, model: torch.nn.Module) -> bool:

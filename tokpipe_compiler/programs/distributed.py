@@ -39,12 +39,12 @@ from tokpipe_compiler.programs.agreement import (
     send_leave,
 )
 from tokpipe_compiler.programs.device_copies import DeviceCopies
-from tokpipe_compiler.programs.generations import PIPELINE_STEPS
+from tokpipe_compiler.programs.generations import PIPELINE_STEPS, Tick
 from tokpipe_compiler.programs.outputs import assemble_output
 from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, device_of
 from tokpipe_compiler.programs.plan_reads import weight_inputs
 from tokpipe_compiler.programs.prelude import Prelude
-from tokpipe_compiler.programs.run_ends import RunEnds
+from tokpipe_compiler.programs.run_ends import RunEnds, call_description
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.programs.weight_values import WeightValues
 from tokpipe_compiler.runtime.process_group import init_process_group_from_env
@@ -107,6 +107,7 @@ class DistributedProgram(RunEnds, PipelinedProgram):
         self.mid_call = False  # inside a call (one that raised stays so)
         self._output_step = 0  # the step whose outputs `_gather` is collecting
         self._looked = False  # whether this run's end looked for a peer's stop
+        self.call_run: int | None = None  # the run this rank said which call it is
         self.weight_inputs = weight_inputs(plan)
         self.weight_values = WeightValues()  # compared at each generation's start
 
@@ -147,6 +148,17 @@ class DistributedProgram(RunEnds, PipelinedProgram):
         except TokpipeError as err:
             raise TokpipeError(f"{err}\nAt step {step} of a per-call generation: "
                                f"{DIVERGED}") from err
+
+    def _call_begins(self, tick: Tick) -> None:
+        """A call of a model compiled directly: this rank says in the store which call its
+        run is, to compare once the run's outputs are shared (`RunEnds._same_call`). A
+        parallelized pipeline compares each per-call step's inputs instead (`_step_starts`),
+        and a ring run its steps."""
+        stops = self.transport.stops
+        if stops is None or PIPELINE_STEPS.get() is not None or self.ring_steps is not None:
+            return
+        self.call_run = stops.runs + 1  # the run the executor begins next
+        stops.say_call(self.call_run, self.rank, call_description(tick, self.clock.last))
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,

@@ -219,6 +219,7 @@ class PipelinedProgram:
         else:
             self._step_starts(args, tick.step)
         self.branch = tick.branch
+        self._call_begins(tick)
         if tick.branch == MANY_BRANCHES:
             self._warn_many_branches(tick)
         envs: dict[int, dict] = {}
@@ -254,6 +255,9 @@ class PipelinedProgram:
     def _step_starts(self, args: tuple, step: int) -> None:
         """A later call of the generation, with `args`, is about to run (one process:
         nothing to agree on)."""
+
+    def _call_begins(self, tick: Tick) -> None:
+        """The call `tick` tells is about to run (one process: nothing to say)."""
 
     def run_ring(self, step_args: list[tuple], carried: dict[str, str],
                  progress: Callable[[int], None] | None = None, first: int = 0,

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 
 import torch
 
+from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.programs.generations import Tick
 from tokpipe_compiler.runtime.branch_exchange import other_branch_stopped
 from tokpipe_compiler.runtime.run_stops import (
     DeferredInterrupts,
@@ -73,12 +75,39 @@ class RunEnds:
         PeerStopped on the others, and the generation starts anew at the next call, in
         every program of the compile (as `tp.reset` starts it): this one's K/V caches hold
         what the hollow run left."""
-        stopped = self._stop_seen()
+        stopped = self._stop_seen() or self._same_call()
         if stopped is not None:
             for program in self.session.programs if self.session is not None else (self,):
                 program.reset()
             raise stopped
 
+    def _same_call(self) -> TokpipeError | None:
+        """Where the ranks said other calls for this run (`call_run`: a model compiled
+        directly), the error every rank raises: they mixed their inputs."""
+        run, self.call_run = self.call_run, None
+        stops = self._stops
+        if run is None or stops is None or run != self.run_number:
+            return None
+        said = stops.calls_said(run, self.world, self.plan.config.timeout)
+        if said is None or len(set(said)) == 1:
+            return None
+        calls = "; ".join(f"rank {stops.named(r)}: {what}" for r, what in enumerate(said))
+        return TokpipeError(
+            f"the ranks ran other calls as one pipelined call ({calls}): each rank's stages "
+            "computed on its own inputs, so the outputs mixed them and are not returned. "
+            "Call the compiled model on every rank alike: the same timesteps, as many calls "
+            "a step, and none run another way on one rank only (a call under "
+            "torch.compiler.set_stance('force_eager'), or skipped). The next call starts a "
+            "new generation")
+
     def _zeros(self, spec: TensorSpec) -> torch.Tensor:
         """What a stopped run sends in place of a value it did not compute."""
         return torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
+
+
+def call_description(tick: Tick, timestep: float | None) -> str:
+    """A call as the ranks compare it: its step and branch in the generation and the
+    timestep its host read (no wait for the device)."""
+    said = "a generation's first call" if tick.new_generation else f"step {tick.step}"
+    at = "" if timestep is None else f" at timestep {timestep:g}"
+    return f"{said}{at}, guidance branch {tick.branch}"
