@@ -104,10 +104,15 @@ def exchange_fingerprints(transport, mine: dict[str, Any], when: str) -> list[di
     transport.let_sends_wait(stopped)  # a peer that left takes this one at its next call
     transport.flush()
     if stopped:
+        # a peer that left on a failed wait (a lost rank) may leave no group to run in
+        lost = any(reason.startswith(("TransportError", "GroupClosed"))
+                   for reason in stopped.values())
         raise PeerStopped(
             f"rank(s) {sorted(stopped)} left this pipeline call, their call raising "
             f"({'; '.join(stopped.values())}); seen here at {when}: this call stops too, "
-            "and the next one runs as ever")
+            + ("and the process group may carry no message after the failure the peer "
+               "met (a rank lost): restart the ranks if the next call fails" if lost
+               else "and the next one runs as ever"))
     return [mine if r == rank else received[r] for r in range(world)]
 
 
