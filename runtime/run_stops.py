@@ -113,7 +113,9 @@ class RunStops:
         keys = [self._call_key(run, rank) for rank in range(world)]
         try:
             store.wait(keys, datetime.timedelta(seconds=timeout))
-            return [store.get(key).decode(errors="replace") for key in keys]
+            values = store.multi_get(keys) if hasattr(store, "multi_get") else \
+                [store.get(key) for key in keys]  # one round trip where the store can
+            return [value.decode(errors="replace") for value in values]
         except (RuntimeError, dist.DistError):
             return None
 
