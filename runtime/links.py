@@ -164,10 +164,12 @@ class _Groups:
         return self.base() if way == FORWARD else self.back()
 
 
-def mark_closed(group: Any, said: str) -> str | None:
-    """A collective over `group` (None: the world) failed, `said` so: under gloo its pairs
-    are closed for good, so later messages over it raise at once (`GroupClosed`). Returns
-    the failure another rank said first, if one did (`RunStops.first_failure`)."""
+def collective_failed(group: Any, said: str) -> str | None:
+    """A collective over `group` (None: the world) failed, `said` so: recorded as the
+    group's failure, the first of its run where no rank said one before
+    (`RunStops.first_failure`: returned where another rank did), and, under gloo, which
+    closes its pairs for good, as what later messages over it raise at once
+    (`GroupClosed`)."""
     base = dist.group.WORLD if group is None else group
     made = None if base is None else _made.get(base)
     if made is None:

@@ -32,14 +32,14 @@ def wait_collective(work: dist.Work, timeout: float, what: str,
     world); a TransportError naming `what` (the value this rank waits for) where it fails
     or times out. A collective names no peer: the error says which rank failed first,
     where one said so (`RunStops.first_failure`), and the group carries no message after
-    it under gloo (`links.mark_closed`)."""
+    it under gloo (`links.collective_failed`)."""
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as err:
-        from tokpipe_compiler.runtime.links import mark_closed  # links imports this module
+        from tokpipe_compiler.runtime.links import collective_failed  # links imports this module
 
         said = f"rank {dist.get_rank()} waiting for {what}: {reason_of(err, timeout)}"
-        earlier = mark_closed(group, said)
+        earlier = collective_failed(group, said)
         cause = f". {EARLIER}{earlier}" if earlier else ""
         gloo = dist.is_initialized() and dist.get_backend(group) == "gloo"
         raise TransportError(f"{said}{cause}. One rank of the group has likely failed or "

@@ -47,7 +47,8 @@ from tokpipe_compiler.programs.compile_sessions import session_for
 from tokpipe_compiler.programs.distributed import make_program, planned_alike
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS, timestep_index
 from tokpipe_compiler.programs.owners import PerOwner, owner_of, register
-from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session
+from tokpipe_compiler.programs.pipelined import PipelinedProgram
+from tokpipe_compiler.programs.session import Session
 
 log = logging.getLogger("tokpipe_compiler")
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import operator
 from fractions import Fraction
-from typing import Any
 
 import pytest
 import torch
 import torch.fx
 import torch.nn.functional as F
 
+from tests.fixtures.fx_graphs import Graph, tok
 from tokpipe_compiler.core.args import SDPA, arg, bound_args, varargs
 from tokpipe_compiler.core.meta import (
     ATTENTION,
@@ -22,52 +22,11 @@ from tokpipe_compiler.core.meta import (
     UNSUPPORTED,
     TokenInfo,
 )
-from tokpipe_compiler.core.ops import RuleCrashed, call_rule, merge_tables, op_key
+from tokpipe_compiler.core.ops import RuleCrashed, merge_tables
 from tokpipe_compiler.passes import compute_rules, view_rules
 from tokpipe_compiler.passes.annotate import annotate
-from tokpipe_compiler.passes.rule_base import RuleContext, registrar
+from tokpipe_compiler.passes.rule_base import registrar
 from tokpipe_compiler.passes.rules import RULES
-
-
-class Graph:
-    """A torch.fx.Graph built by hand; every node's example value is computed for real."""
-
-    def __init__(self) -> None:
-        self.graph = torch.fx.Graph()
-        self.infos: dict[torch.fx.Node, TokenInfo] = {}
-
-    def input(self, name: str, shape: tuple[int, ...], info: TokenInfo = INVARIANT_INFO):
-        node = self.graph.placeholder(name)
-        node.meta["example_value"] = torch.randn(shape)
-        self.infos[node] = info
-        return node
-
-    def call(self, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
-        return self._add(self.graph.call_function(target, args, kwargs))
-
-    def method(self, name: str, *args: Any, **kwargs: Any) -> torch.fx.Node:
-        return self._add(self.graph.call_method(name, args, kwargs))
-
-    def _add(self, node: torch.fx.Node) -> torch.fx.Node:
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
-                                             lambda n: n.meta["example_value"])
-        if node.op == "call_method":
-            value = getattr(args[0], node.target)(*args[1:], **kwargs)
-        else:
-            value = node.target(*args, **kwargs)
-        node.meta["example_value"] = value
-        return node
-
-    def infer(self, node: torch.fx.Node) -> TokenInfo:
-        """The merged table's answer for `node` (and kept for the nodes after it)."""
-        info = call_rule("token", RULES[op_key(node)], node, RuleContext(self.infos))
-        self.infos[node] = info
-        return info
-
-
-def tok(axis: int, per_unit: int = 1) -> TokenInfo:
-    return TokenInfo(TOKEN, axis, per_unit)
-
 
 # -- views and layout --------------------------------------------------------------------------
 
@@ -131,46 +90,6 @@ def test_attention_over_a_sequence_of_several_batch_rows_is_unsupported():
     out = g.infer(g.call(F.scaled_dot_product_attention, q, k, v))
     assert out.kind == UNSUPPORTED and "rows are an inner factor" in out.reason
     assert "the batch rows or the frames" in out.reason
-
-
-def test_elementwise_keeps_outer_blocks_and_cuts_a_per_row_table_in_every_block():
-    g = Graph()
-    x = g.input("x", (8, 16), TokenInfo(TOKEN, 0, 1, outer=2))
-    table = g.input("table", (8, 1))  # a timestep embedding repeated per frame
-    node = g.call(torch.add, x, table)
-    assert g.infer(node) == TokenInfo(TOKEN, 0, 1, outer=2)
-    [(operand, axis, sliced)] = node.meta[SLICES_KEY]
-    assert operand is table and axis == 0 and sliced.outer == 2
-
-
-@pytest.mark.parametrize("build", [
-    lambda g, x: g.call(torch.where, g.call(operator.gt, x, 0.0), x, 0.0),
-    lambda g, x: g.call(operator.invert, g.call(torch.isnan, x)),
-    lambda g, x: g.method("masked_fill", x, g.call(torch.isinf, x), 0.0),
-    lambda g, x: g.call(torch.logical_and, g.call(torch.isfinite, x), g.method("le", x, 1.0)),
-    lambda g, x: g.call(torch.sign, x), lambda g, x: g.call(torch.reciprocal, x),
-    lambda g, x: g.call(torch.log1p, x), lambda g, x: g.call(torch.expm1, x),
-    lambda g, x: g.call(torch.floor, x), lambda g, x: g.call(F.elu, x),
-    lambda g, x: g.call(F.hardtanh, x), lambda g, x: g.method("tanh_", x),
-    lambda g, x: g.call(F.glu, x, -1),
-], ids=["where-gt", "invert-isnan", "masked_fill-isinf", "and-isfinite-le", "sign",
-        "reciprocal", "log1p", "expm1", "floor", "elu", "hardtanh", "tanh_", "glu-features"])
-def test_pointwise_ops_keep_the_token_layout(build):
-    """Comparisons, masks and the rest of the pointwise maths act on each token alone."""
-    g = Graph()
-    x = g.input("x", (2, 8, 16), tok(1))
-    last = build(g, x)
-    for node in g.graph.nodes:
-        if node not in g.infos:
-            assert g.infer(node) == tok(1), node
-    assert g.infos[last] == tok(1)
-
-
-def test_glu_along_the_token_axis_is_refused():
-    g = Graph()
-    x = g.input("x", (2, 8, 16), tok(1))
-    info = g.infer(g.call(F.glu, x, 1))
-    assert info.kind == UNSUPPORTED and "token axis" in info.reason
 
 
 def test_transpose_and_permute_follow_the_token_axis():

@@ -41,10 +41,11 @@ from tokpipe_compiler.programs.agreement import (
 from tokpipe_compiler.programs.device_copies import DeviceCopies
 from tokpipe_compiler.programs.generations import PIPELINE_STEPS, Tick
 from tokpipe_compiler.programs.outputs import assemble_output
-from tokpipe_compiler.programs.pipelined import PipelinedProgram, Session, device_of
+from tokpipe_compiler.programs.pipelined import PipelinedProgram, device_of
 from tokpipe_compiler.programs.plan_reads import weight_inputs
 from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.programs.run_ends import RunEnds, call_description
+from tokpipe_compiler.programs.session import Session
 from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.programs.weight_values import WeightValues
 from tokpipe_compiler.runtime.process_group import init_process_group_from_env
