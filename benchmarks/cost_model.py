@@ -37,10 +37,10 @@ from tokpipe_compiler.costmodel.chunk_choice import (
 from tokpipe_compiler.planning.capture import capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.programs.pipelined import PipelinedProgram
 from tokpipe_compiler.run_device import say_if_busy
 from tokpipe_compiler.runtime.chunking import chunk_table
 from tokpipe_compiler.runtime.launch import launch
+from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures, benchmarks
 from benchmarks._args import parser_for, positive_int

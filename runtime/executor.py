@@ -90,7 +90,7 @@ class Executor:
     carried: input name -> output name fed back as that input at the next step (ring mode).
     transport: moves values between ranks (None when every stage is local).
     computed(action, values): called after each compute with the chunk's values (a ring's
-    per-step view of an output, `programs.step_watch`).
+    per-step view of an output, `stage_programs.step_watch`).
     interrupts: where a Ctrl-C is held during the run, raised between two actions.
     """
 

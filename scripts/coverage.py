@@ -50,9 +50,9 @@ from tests.fixtures.zoo import ZOO, build  # noqa: E402
 from tokpipe_compiler import Config  # noqa: E402
 from tokpipe_compiler.planning.capture import Captured, capture  # noqa: E402
 from tokpipe_compiler.planning.driver import build_plan  # noqa: E402
-from tokpipe_compiler.programs.distributed import make_program  # noqa: E402
-from tokpipe_compiler.programs.pipelined import PipelinedProgram  # noqa: E402
 from tokpipe_compiler.runtime.launch import launch  # noqa: E402
+from tokpipe_compiler.stage_programs.distributed import make_program  # noqa: E402
+from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram  # noqa: E402
 
 
 def transformer_classes() -> list[str]:

@@ -18,6 +18,10 @@ fi
 here="$(pwd)/passes"
 there="$(cd / && "$PY" -c 'import os, tokpipe_compiler.passes as p; print(os.path.dirname(p.__file__))' \
   2>/dev/null || true)"
-if [ "$there" != "$here" ]; then
+# An install made before a module moved names a backend entry point that no longer loads.
+entry_loads="$(cd / && "$PY" -c 'from importlib.metadata import entry_points
+print([e.load() for e in entry_points(group="torch_dynamo_backends", name="tokpipe")] != [])' \
+  2>/dev/null || true)"
+if [ "$there" != "$here" ] || [ "$entry_loads" != "True" ]; then
   "$PY" -m pip install -q --no-deps -e .
 fi

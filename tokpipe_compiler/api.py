@@ -7,17 +7,17 @@ from typing import Any
 
 import torch
 
-from tokpipe_compiler.backend import LazyProgram, TokpipeBackend
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
+from tokpipe_compiler.dynamo_backend import LazyProgram, TokpipeBackend
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.capture import capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.pieces import Origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.programs.compile_sessions import CompileSessions, sessions_for_options
-from tokpipe_compiler.programs.owners import programs_of as owned_programs
-from tokpipe_compiler.programs.pipelined import PipelinedProgram, made_order
+from tokpipe_compiler.stage_programs.compile_sessions import CompileSessions, sessions_for_options
+from tokpipe_compiler.stage_programs.owners import programs_of as owned_programs
+from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram, made_order
 
 # Attributes that lead from a torch.compile'd module to the backend Dynamo holds.
 _LINKS = ("dynamo_ctx", "callback", "_torchdynamo_orig_backend", "_torchdynamo_orig_callable",

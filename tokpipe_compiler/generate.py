@@ -188,7 +188,7 @@ def parallelize_options(args: argparse.Namespace) -> dict[str, Any]:
 def _check_options(args: argparse.Namespace) -> None:
     """parallelize's own checks of the options, before any rank starts or --compare's
     serial run spends its time, in the command line's words."""
-    from tokpipe_compiler.pipelines.parallelize import checked_options
+    from tokpipe_compiler.pipelines.parallel_pipeline import checked_options
 
     try:
         checked_options(**parallelize_options(args))
@@ -200,7 +200,7 @@ def _check_options(args: argparse.Namespace) -> None:
 
 
 def _run(rank: int, args: argparse.Namespace, group: Any) -> dict[str, Any]:
-    from tokpipe_compiler.pipelines.parallelize import parallelize
+    from tokpipe_compiler.pipelines.parallel_pipeline import parallelize
 
     options = parallelize_options(args)
     torch.set_num_threads(args.threads)
@@ -259,7 +259,7 @@ def _describe_released(args: argparse.Namespace, pipe: Any, kwargs: dict[str, An
 def _programs(pipe: Any) -> list:
     """The pipelined programs behind `pipe`: none where CFG parallelism runs each guidance
     branch whole on its own rank (--cfg 2 --stages 1)."""
-    from tokpipe_compiler.pipelines.parallelize import programs
+    from tokpipe_compiler.pipelines.parallel_pipeline import programs
 
     try:
         return programs(pipe)

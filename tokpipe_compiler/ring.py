@@ -32,9 +32,9 @@ from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.free_values import free_values
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.traced_modules import TracedModules
-from tokpipe_compiler.programs.distributed import make_program, planned_alike
-from tokpipe_compiler.programs.step_watch import Watch
 from tokpipe_compiler.runtime.chunking import Chunk
+from tokpipe_compiler.stage_programs.distributed import make_program, planned_alike
+from tokpipe_compiler.stage_programs.step_watch import Watch
 
 KEPT_SIGNATURES = 8  # input signatures (shapes, dtypes) whose programs a ring keeps
 

@@ -13,7 +13,7 @@ import torch
 
 from tests.compiler.test_testing import dit
 from tests.fixtures.models import TinyDiT, dit_inputs, timestep_features
-from tokpipe_compiler.programs import pipelined
+from tokpipe_compiler.stage_programs import pipelined
 from tokpipe_compiler.testing import NotEquivalent, assert_equivalent
 
 

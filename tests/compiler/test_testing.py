@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyCausalLM, TinyDiT, dit_inputs
 from tokpipe_compiler.passes.partition import ImbalanceWarning
-from tokpipe_compiler.programs import compile as compile_module
-from tokpipe_compiler.programs import pipelined
 from tokpipe_compiler.runtime import executor, stage_feeds
 from tokpipe_compiler.runtime.chunking import Chunk
+from tokpipe_compiler.stage_programs import compile as compile_module
+from tokpipe_compiler.stage_programs import pipelined
 from tokpipe_compiler.testing import (
     NotEquivalent,
     assert_equivalent,
@@ -130,7 +130,7 @@ def test_catches_guidance_branches_that_share_caches(monkeypatch):
     """Stale mode: two calls of a step at one timestep with other inputs are two guidance
     branches, each with caches of its own. Taken for one branch, each reads the other's
     K/V; every single-branch check still passes."""
-    from tokpipe_compiler.programs import generations
+    from tokpipe_compiler.stage_programs import generations
 
     original = generations.StepClock.tick
     monkeypatch.setattr(generations.StepClock, "tick", lambda self, args: dataclasses.replace(

@@ -82,7 +82,7 @@ def test_the_max_autotune_compiler_compiles_with_inductors_autotuning(
         monkeypatch: pytest.MonkeyPatch, compiler, autotuned):
     from torch._inductor import compile_fx, config
 
-    from tokpipe_compiler.programs.compile import compile_stage
+    from tokpipe_compiler.stage_programs.compile import compile_stage
 
     seen = []
 

@@ -13,7 +13,7 @@ import tokpipe_compiler as tp
 from tests.fixtures.models import SplitDiT, dit_inputs
 from tests.fixtures.ranks import launch_cases, selected
 from tests.fixtures.tracing import rel_error
-from tokpipe_compiler.programs.distributed import DistributedProgram
+from tokpipe_compiler.stage_programs.distributed import DistributedProgram
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 

@@ -16,8 +16,8 @@ from tests.fixtures.emulated_nccl import EmulatedNccl, run_ranks
 from tests.fixtures.models import TinyDiT, dit_inputs
 from tests.fixtures.tracing import trace
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.programs.distributed import DistributedProgram
 from tokpipe_compiler.runtime.transport import DistributedTransport, MessageKey, TensorSpec
+from tokpipe_compiler.stage_programs.distributed import DistributedProgram
 
 pytestmark = pytest.mark.slow
 

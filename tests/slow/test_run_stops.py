@@ -125,7 +125,7 @@ def ring(rank: int, world: int) -> list[tuple[str, float]]:
 def pipeline(rank: int, world: int) -> list[tuple[str, float]]:
     """A parallelized diffusers pipeline (its loop one ring), PixArt-Sigma with guidance."""
     from tests.fixtures.pipelines import pixart_sigma
-    from tokpipe_compiler.programs.distributed import DistributedProgram
+    from tokpipe_compiler.stage_programs.distributed import DistributedProgram
 
     torch.set_num_threads(1)
     pipe, kwargs = pixart_sigma()
@@ -152,7 +152,7 @@ HYBRID_FAULTS = [(0, "stage", 3), (3, "stage", 5), (2, "prelude", 1), (1, "cance
 
 def hybrid_pipeline(rank: int, world: int) -> list[tuple[str, float]]:
     from tests.fixtures.pipelines import dit, generate
-    from tokpipe_compiler.programs.distributed import DistributedProgram
+    from tokpipe_compiler.stage_programs.distributed import DistributedProgram
 
     torch.set_num_threads(1)
     pipe, kwargs = dit()
@@ -257,7 +257,7 @@ def per_call_cancel_after_the_run(rank: int, world: int) -> list[tuple[str, floa
     """A parallelized pipeline run per call; rank 0 (not the stage that sends the outputs)
     gets a Ctrl-C while it waits for a step's outputs, once, then the service goes on."""
     from tests.fixtures.pipelines import pixart_sigma
-    from tokpipe_compiler.programs.distributed import DistributedProgram
+    from tokpipe_compiler.stage_programs.distributed import DistributedProgram
 
     torch.set_num_threads(1)
     python_sigint()

@@ -170,7 +170,7 @@ def pipeline_rank(rank: int, world: int, faulty: int, fault: str) -> None:
     """A parallelized pipeline (its loop one ring): a healthy call, then one where
     `faulty`'s stage fails at its second stage call."""
     from tokpipe_compiler.generate import tiny_dit_pipeline
-    from tokpipe_compiler.programs.distributed import DistributedProgram
+    from tokpipe_compiler.stage_programs.distributed import DistributedProgram
 
     pipe = tiny_dit_pipeline()
     tp.parallelize(pipe, stages=world, **OPTIONS)

@@ -2,7 +2,7 @@
 per process, another checkpoint, a weight changed on one rank only) each ran their stages
 with their own and returned one mixed model's output, silently; now every rank raises at the
 generation's first call, naming the first parameter that differs
-(`programs/weight_values.py`)."""
+(`stage_programs/weight_values.py`)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,11 @@ def test_ranks_with_the_same_weights_run_on():
 def test_a_digest_of_many_parameters_names_none():
     """Past NAMED_UP_TO parameters the ranks compare one digest of them all: it names no
     parameter (it named the first one, whichever differed)."""
-    from tokpipe_compiler.programs.weight_values import NAMED_UP_TO, WeightValues, first_differing
+    from tokpipe_compiler.stage_programs.weight_values import (
+        NAMED_UP_TO,
+        WeightValues,
+        first_differing,
+    )
 
     many = NAMED_UP_TO + 1
     weights = {f"p{i}": torch.nn.Parameter(torch.full((2,), float(i))) for i in range(many)}

@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.programs.agreement import check_agreement
+from tokpipe_compiler.stage_programs.agreement import check_agreement
 
 
 def _fingerprint() -> dict:

@@ -1,9 +1,9 @@
-"""Inductor's failures told in a line (programs/compile.py): its first line and the first
+"""Inductor's failures told in a line (stage_programs/compile.py): its first line and the first
 compiler 'error:' line, not pages of g++ command line and warnings."""
 
 from __future__ import annotations
 
-from tokpipe_compiler.programs.compile import compile_failed, gist
+from tokpipe_compiler.stage_programs.compile import compile_failed, gist
 
 CPP = ("C++ compile error\n\nCommand:\ng++ /tmp/x.cpp -O3 -march=native " + "-I/x " * 400
        + "\n\nOutput:\n/tmp/x.cpp:12:5: error: 'foo' was not declared in this scope\n"

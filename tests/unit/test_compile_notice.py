@@ -1,5 +1,5 @@
 """A slow stage compile explains, once per process, why a first call at a new shape takes
-long (programs/compile.py); eager stages and quick compiles say nothing."""
+long (stage_programs/compile.py); eager stages and quick compiles say nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from tokpipe_compiler.programs import compile as stage_compile
+from tokpipe_compiler.stage_programs import compile as stage_compile
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.fixtures.models import TinyCausalLM, TinyDiT, dit_inputs
-from tokpipe_compiler.programs import stage as stage_module
 from tokpipe_compiler.runtime.cuda_graphs import COPIED, HOST, PERSISTENT, GraphedStage
+from tokpipe_compiler.stage_programs import stage as stage_module
 
 OPTIONS = {"stages": 2, "chunks": 4, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 

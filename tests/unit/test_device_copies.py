@@ -9,7 +9,7 @@ import gc
 import torch
 
 from tests.fixtures.quantized import Int8Weight
-from tokpipe_compiler.programs.device_copies import DeviceCopies
+from tokpipe_compiler.stage_programs.device_copies import DeviceCopies
 
 
 def weight() -> torch.nn.Parameter:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokpipe_compiler.programs.generations import StepClock, timestep_index
+from tokpipe_compiler.stage_programs.generations import StepClock, timestep_index
 
 
 def ticks(clock: StepClock, calls: list[tuple]) -> list[tuple[bool, int, int]]:

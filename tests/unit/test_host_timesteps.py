@@ -1,11 +1,11 @@
-"""Timesteps read from a host copy of the scheduler's timesteps (programs/host_timesteps.py):
+"""Timesteps read from a host copy of the scheduler's timesteps (stage_programs/host_timesteps.py):
 the same values as reading each call's tensor, one copy per schedule."""
 
 from __future__ import annotations
 
 import torch
 
-from tokpipe_compiler.programs.host_timesteps import HostTimesteps
+from tokpipe_compiler.stage_programs.host_timesteps import HostTimesteps
 
 
 def schedule(steps: int = 5) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tokpipe_compiler.programs.agreement import HostViews
+from tokpipe_compiler.stage_programs.agreement import HostViews
 
 
 def test_each_view_reads_its_own_values_from_one_copy_of_the_table():

@@ -11,8 +11,8 @@ import torch
 from tests.fixtures.emulated_nccl import EmulatedNccl, run_ranks
 from tests.fixtures.models import TinyDiT, dit_inputs
 from tests.fixtures.tracing import trace
-from tokpipe_compiler.programs.distributed import DistributedProgram
 from tokpipe_compiler.runtime.transport import DistributedTransport
+from tokpipe_compiler.stage_programs.distributed import DistributedProgram
 
 
 def test_every_rank_returns_its_outputs_on_the_callers_device(monkeypatch: pytest.MonkeyPatch):

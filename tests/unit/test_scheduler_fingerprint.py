@@ -12,7 +12,7 @@ import pytest
 
 PRINT_ENTRY = """
 import diffusers
-from tokpipe_compiler.programs.agreement import pipeline_entry
+from tokpipe_compiler.stage_programs.agreement import pipeline_entry
 scheduler = getattr(diffusers, {name!r}).from_config(getattr(diffusers, {name!r})().config)
 print(pipeline_entry(scheduler, ring=True)["scheduler"])
 """
@@ -35,7 +35,7 @@ def test_processes_with_other_hash_seeds_fingerprint_a_scheduler_alike(name):
 def test_the_fingerprint_tells_configurations_apart():
     from diffusers import DPMSolverMultistepScheduler
 
-    from tokpipe_compiler.programs.agreement import pipeline_entry
+    from tokpipe_compiler.stage_programs.agreement import pipeline_entry
 
     one = pipeline_entry(DPMSolverMultistepScheduler(), ring=True)
     other = pipeline_entry(DPMSolverMultistepScheduler(solver_order=3), ring=True)

@@ -8,10 +8,10 @@ import torch
 import torch.fx
 
 from tokpipe_compiler.core.stage_graph import BOUNDARY, CALL, SLICED, StageGraph, StageInput
-from tokpipe_compiler.programs.prelude import Prelude
 from tokpipe_compiler.runtime.chunking import chunk_table
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
 from tokpipe_compiler.runtime.stage_feeds import StageFeeds
+from tokpipe_compiler.stage_programs.prelude import Prelude
 
 
 def _stage() -> StageGraph:

@@ -108,5 +108,5 @@ def _shape_str(node: torch.fx.Node) -> str:
 
 class PeerStopped(TokpipeError):
     """A peer stopped this call: its parallelized pipeline call raised between two per-call
-    steps and left it (`programs.agreement.send_leave`), or a step raised on it mid-run
+    steps and left it (`stage_programs.agreement.send_leave`), or a step raised on it mid-run
     (`runtime.run_stops`)."""

@@ -272,7 +272,7 @@ def _local(device: str, threads: int | None, refresh: bool) -> DeviceRates:
 def shared_rates(share: Share) -> Iterator[None]:
     """Within the block, load_or_measure returns `share(device, local)`, where `local()`
     gives the rates it would return, asking once per device and thread count (the ranks of
-    a process group plan with rank 0's: `programs.distributed.planned_alike`)."""
+    a process group plan with rank 0's: `stage_programs.distributed.planned_alike`)."""
     _SHARING.append((share, {}))
     try:
         yield

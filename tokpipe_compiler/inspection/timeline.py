@@ -6,7 +6,7 @@ and each receive, a ring's carries among them. Receives are posted ahead, so a r
 time is the rank's wait for its values (there is no separate wait event). The prelude and the
 broadcast of the output to every rank are not recorded.
 
-    program = tokpipe_compiler.programs(compiled)[0]          # after a few calls
+    program = tokpipe_compiler.stage_programs(compiled)[0]          # after a few calls
     write_chrome_trace(program.timeline, "trace.json")       # ui.perfetto.dev, chrome://tracing
     print(format_comparison(compare(program.plan, program.timeline),
                             program.plan.config.compiler))

@@ -1,6 +1,6 @@
 """Diffusers pipelines, pipelined: `parallelize(pipe, **options)`; the token-wise scheduler
 updates that ring mode uses (`schedulers`)."""
 
-from tokpipe_compiler.pipelines.parallelize import parallelize, programs
+from tokpipe_compiler.pipelines.parallel_pipeline import parallelize, programs
 
 __all__ = ["parallelize", "programs"]

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.pipelines.guidance_forms import GlueNotFound, close, combine, fit_guidance
-from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
+from tokpipe_compiler.stage_programs.generations import TIMESTEP_NAMES
 
 DIVISORS = (1.0, 1000.0)  # pipelines pass t, or t / 1000 (flow-matching transformers)
 # How the timestep passed is made from the scheduler's t: (divisor, divide_first), see Glue.

@@ -76,7 +76,7 @@ from tokpipe_compiler.pipelines.step_callbacks import (
     interruptible,
 )
 from tokpipe_compiler.pipelines.table import call_reasons
-from tokpipe_compiler.programs.generations import count_step
+from tokpipe_compiler.stage_programs.generations import count_step
 
 
 class RingCalls:

@@ -1,5 +1,5 @@
 """How a compiled model's calls carry their timestep, which tells a call's denoising step,
-guidance branch and generation (`programs/generations.py`): a misspelt `timestep_input`
+guidance branch and generation (`stage_programs/generations.py`): a misspelt `timestep_input`
 raises, and the two ways a stale pipeline would quietly lose its steps warn.
 
 - No timestep among the inputs: every call is the next step of one generation and one
@@ -12,7 +12,7 @@ raises, and the two ways a stale pipeline would quietly lose its steps warn.
 from __future__ import annotations
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.programs.generations import timestep_names
+from tokpipe_compiler.stage_programs.generations import timestep_names
 
 
 def check_timestep_input(choice: str | int | None, parameters: set[str],

@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from tokpipe_compiler.backend import LazyProgram, TokpipeBackend
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.programs.pipelined import PipelinedProgram
+from tokpipe_compiler.dynamo_backend import LazyProgram, TokpipeBackend
+from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram
 from tokpipe_compiler.testing.branches import branch_calls, check_branches
 from tokpipe_compiler.testing.checks import Check, NotEquivalent, Report, compare
 from tokpipe_compiler.testing.inputs import Inputs, other_input

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tokpipe_compiler.programs.generations import timestep_names
+from tokpipe_compiler.stage_programs.generations import timestep_names
 
 Inputs = tuple[tuple, dict]  # args, kwargs
 

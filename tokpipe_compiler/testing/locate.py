@@ -18,8 +18,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.programs.pipelined import PipelinedProgram
 from tokpipe_compiler.runtime.chunking import Chunk, slice_to_chunk
+from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram
 
 Record = dict[int, list[tuple[Chunk, dict[str, torch.Tensor]]]]  # stage -> [(chunk, outputs)]
 

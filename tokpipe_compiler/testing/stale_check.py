@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.programs.pipelined import PipelinedProgram
 from tokpipe_compiler.runtime.caches import CacheSpec
+from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram
 from tokpipe_compiler.testing.checks import Check, compare
 from tokpipe_compiler.testing.inputs import Inputs, changed_input
 from tokpipe_compiler.testing.stale_reference import AttentionCount, Layout, StaleReference

@@ -31,7 +31,7 @@ from tokpipe_compiler.planning.driver import (
     sequence_tokens,
     token_batch,
 )
-from tokpipe_compiler.programs.pipelined import PipelinedProgram
+from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram
 
 
 @dataclass(frozen=True)

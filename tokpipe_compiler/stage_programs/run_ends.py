@@ -10,7 +10,6 @@ from contextlib import contextmanager
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.programs.generations import Tick
 from tokpipe_compiler.runtime.branch_exchange import other_branch_stopped
 from tokpipe_compiler.runtime.run_stops import (
     DeferredInterrupts,
@@ -18,6 +17,7 @@ from tokpipe_compiler.runtime.run_stops import (
     peer_stopped,
 )
 from tokpipe_compiler.runtime.transport import TensorSpec
+from tokpipe_compiler.stage_programs.generations import Tick
 
 
 class RunEnds:

@@ -21,23 +21,27 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.programs.generations import StepClock, Tick, timestep_index
-from tokpipe_compiler.programs.outputs import (
-    assemble_output,
-    restrided,
-    traced_strides,
-    warn_no_gradients,
-)
-from tokpipe_compiler.programs.plan_reads import carry_edges, input_arguments, persistent_inputs
-from tokpipe_compiler.programs.prelude import Prelude
-from tokpipe_compiler.programs.session import MANY_BRANCHES, Session
-from tokpipe_compiler.programs.stage import StageProgram
-from tokpipe_compiler.programs.step_watch import StepPieces, Watch
 from tokpipe_compiler.runtime.caches import KVCaches, Released, held_bytes
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
 from tokpipe_compiler.runtime.executor import Executor, Timeline
 from tokpipe_compiler.runtime.run_stops import DeferredInterrupts
 from tokpipe_compiler.runtime.stage_feeds import StageFeeds
+from tokpipe_compiler.stage_programs.generations import StepClock, Tick, timestep_index
+from tokpipe_compiler.stage_programs.outputs import (
+    assemble_output,
+    restrided,
+    traced_strides,
+    warn_no_gradients,
+)
+from tokpipe_compiler.stage_programs.plan_reads import (
+    carry_edges,
+    input_arguments,
+    persistent_inputs,
+)
+from tokpipe_compiler.stage_programs.prelude import Prelude
+from tokpipe_compiler.stage_programs.session import MANY_BRANCHES, Session
+from tokpipe_compiler.stage_programs.stage import StageProgram
+from tokpipe_compiler.stage_programs.step_watch import StepPieces, Watch
 
 
 class PipelinedProgram:

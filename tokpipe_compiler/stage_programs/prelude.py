@@ -15,7 +15,7 @@ import torch.fx
 
 from tokpipe_compiler.core.fx import node_count
 from tokpipe_compiler.core.warn import warn
-from tokpipe_compiler.programs.compile import compile_named, gist
+from tokpipe_compiler.stage_programs.compile import compile_named, gist
 
 
 class Prelude:

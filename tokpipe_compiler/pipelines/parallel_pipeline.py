@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
-from tokpipe_compiler.backend import TokpipeBackend
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.warn import warn
+from tokpipe_compiler.dynamo_backend import TokpipeBackend
 from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
 from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
 from tokpipe_compiler.pipelines.probes import RingUnavailable
@@ -50,7 +50,7 @@ from tokpipe_compiler.pipelines.scheduler_route import route
 from tokpipe_compiler.pipelines.step_callbacks import interruptible
 from tokpipe_compiler.planning.compile_calls import own_recompiles
 from tokpipe_compiler.planning.graph_share import GraphTally, summary
-from tokpipe_compiler.programs.generations import PIPELINE_STEPS, StepMarks, count_step
+from tokpipe_compiler.stage_programs.generations import PIPELINE_STEPS, StepMarks, count_step
 
 # The attributes that hold a pipeline's denoising transformers (Wan 2.2's low-noise expert
 # in the second).

@@ -17,7 +17,7 @@ import weakref
 from typing import Any, NamedTuple
 
 from tokpipe_compiler.core.warn import warn
-from tokpipe_compiler.programs.session import Session
+from tokpipe_compiler.stage_programs.session import Session
 
 
 class CompileSessions(NamedTuple):

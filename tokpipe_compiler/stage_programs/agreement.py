@@ -18,10 +18,10 @@ from tokpipe_compiler.core.errors import PeerStopped, TokpipeError
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.programs.generations import TIMESTEP_NAMES
-from tokpipe_compiler.programs.plan_reads import input_arguments
-from tokpipe_compiler.programs.weight_values import first_differing
 from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as_bytes
+from tokpipe_compiler.stage_programs.generations import TIMESTEP_NAMES
+from tokpipe_compiler.stage_programs.plan_reads import input_arguments
+from tokpipe_compiler.stage_programs.weight_values import first_differing
 
 FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
 RATES_STEP = -1  # the rates travel before any step's message

@@ -43,12 +43,12 @@ from tokpipe_compiler.planning.traced_frame import (
     number_arguments,
     traced_function,
 )
-from tokpipe_compiler.programs.compile_sessions import session_for
-from tokpipe_compiler.programs.distributed import make_program, planned_alike
-from tokpipe_compiler.programs.generations import PIPELINE_STEPS, timestep_index
-from tokpipe_compiler.programs.owners import PerOwner, owner_of, register
-from tokpipe_compiler.programs.pipelined import PipelinedProgram
-from tokpipe_compiler.programs.session import Session
+from tokpipe_compiler.stage_programs.compile_sessions import session_for
+from tokpipe_compiler.stage_programs.distributed import make_program, planned_alike
+from tokpipe_compiler.stage_programs.generations import PIPELINE_STEPS, timestep_index
+from tokpipe_compiler.stage_programs.owners import PerOwner, owner_of, register
+from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram
+from tokpipe_compiler.stage_programs.session import Session
 
 log = logging.getLogger("tokpipe_compiler")
 

@@ -12,11 +12,11 @@ from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY
 from tokpipe_compiler.core.stage_graph import CALL, StageGraph
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.passes.specialize import specialize
-from tokpipe_compiler.programs.compile import StageFn, compile_failed, compile_named
 from tokpipe_compiler.runtime.branch_exchange import cfg_gather
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.runtime.cuda_graphs import COPIED, HOST, PERSISTENT, GraphedStage
 from tokpipe_compiler.runtime.kv_attention import CHUNK_INPUT
+from tokpipe_compiler.stage_programs.compile import StageFn, compile_failed, compile_named
 
 
 class StageProgram:

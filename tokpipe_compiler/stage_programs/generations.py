@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.errors import PeerStopped, TokpipeError
-from tokpipe_compiler.programs.host_timesteps import HostTimesteps
 from tokpipe_compiler.runtime.run_stops import was_told
+from tokpipe_compiler.stage_programs.host_timesteps import HostTimesteps
 
 # The forward's parameter names taken for the timestep, first found first (k-diffusion and
 # EDM models take the noise level, `sigma`); the option timestep_input names another.
@@ -92,7 +92,7 @@ class StepMarks:
         return None if timesteps is None else len(timesteps)
 
 
-# Set for the duration of a parallelized pipeline's call (pipelines/parallelize.py).
+# Set for the duration of a parallelized pipeline's call (pipelines/parallel_pipeline.py).
 PIPELINE_STEPS: ContextVar[StepMarks | None] = ContextVar("tokpipe_pipeline_steps",
                                                           default=None)
 

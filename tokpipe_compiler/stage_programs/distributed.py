@@ -28,7 +28,15 @@ from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.costmodel import calibrate
 from tokpipe_compiler.passes.split import prelude_for
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.programs.agreement import (
+from tokpipe_compiler.runtime.process_group import init_process_group_from_env
+from tokpipe_compiler.runtime.transport import (
+    WHOLE,
+    DistributedTransport,
+    MessageKey,
+    TensorSpec,
+)
+from tokpipe_compiler.runtime.transport_errors import GroupClosed
+from tokpipe_compiler.stage_programs.agreement import (
     CALL,
     LATE_PEER,
     check_agreement,
@@ -38,24 +46,16 @@ from tokpipe_compiler.programs.agreement import (
     pipeline_entry,
     send_leave,
 )
-from tokpipe_compiler.programs.device_copies import DeviceCopies
-from tokpipe_compiler.programs.generations import PIPELINE_STEPS, Tick
-from tokpipe_compiler.programs.outputs import assemble_output
-from tokpipe_compiler.programs.pipelined import PipelinedProgram, device_of
-from tokpipe_compiler.programs.plan_reads import weight_inputs
-from tokpipe_compiler.programs.prelude import Prelude
-from tokpipe_compiler.programs.run_ends import RunEnds, call_description
-from tokpipe_compiler.programs.session import Session
-from tokpipe_compiler.programs.step_watch import StepPieces, Watch
-from tokpipe_compiler.programs.weight_values import WeightValues
-from tokpipe_compiler.runtime.process_group import init_process_group_from_env
-from tokpipe_compiler.runtime.transport import (
-    WHOLE,
-    DistributedTransport,
-    MessageKey,
-    TensorSpec,
-)
-from tokpipe_compiler.runtime.transport_errors import GroupClosed
+from tokpipe_compiler.stage_programs.device_copies import DeviceCopies
+from tokpipe_compiler.stage_programs.generations import PIPELINE_STEPS, Tick
+from tokpipe_compiler.stage_programs.outputs import assemble_output
+from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram, device_of
+from tokpipe_compiler.stage_programs.plan_reads import weight_inputs
+from tokpipe_compiler.stage_programs.prelude import Prelude
+from tokpipe_compiler.stage_programs.run_ends import RunEnds, call_description
+from tokpipe_compiler.stage_programs.session import Session
+from tokpipe_compiler.stage_programs.step_watch import StepPieces, Watch
+from tokpipe_compiler.stage_programs.weight_values import WeightValues
 
 
 def distributed_world(group: Any = None, timeout: float | None = None

@@ -8,10 +8,10 @@ import weakref
 from typing import TYPE_CHECKING
 
 from tokpipe_compiler.planning.graph_share import GraphTally
-from tokpipe_compiler.programs.generations import SharedTimesteps
+from tokpipe_compiler.stage_programs.generations import SharedTimesteps
 
 if TYPE_CHECKING:
-    from tokpipe_compiler.programs.pipelined import PipelinedProgram
+    from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram
 
 # Guidance runs 2 branches a step, skip-layer guidance 3: past this, calls at one timestep
 # are more likely separate generations, each holding a set of caches.
