@@ -23,7 +23,7 @@ from fractions import Fraction
 import torch
 import torch.fx
 
-from tokpipe_compiler.core.errors import TokpipeError, describe
+from tokpipe_compiler.core.errors import TokpipeError, UnchunkableOps, describe
 from tokpipe_compiler.core.fx import (
     example_value,
     is_tensor_node,
@@ -375,7 +375,7 @@ def raise_unsupported(annotation: Annotation) -> None:
            else "each token's output rows from its own input rows")
     fast_path = any(op in str(node.target) for node in annotation.unsupported
                     for op in _FAST_PATH_OPS)
-    raise TokpipeError(
+    raise UnchunkableOps(
         "tokpipe cannot split this graph into token chunks; these ops mix tokens, or have "
         "no rule that tells how they use them:\n"
         + "\n".join(lines),
@@ -383,7 +383,8 @@ def raise_unsupported(annotation: Annotation) -> None:
         "compute that part outside the compiled model, rewrite it "
         f"token-wise ({how}), use mode='sync' (stage after stage, no chunks: exact), "
         "pass options={'fallback': True} to run this graph unpipelined, or name another "
-        "input with options={'token_input': ...}."
+        "input with options={'token_input': ...}.",
+        tuple(node.name for node in annotation.unsupported),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import Any
 
@@ -13,6 +14,7 @@ from tokpipe_compiler.dynamo_backend import LazyProgram, TokpipeBackend
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.capture import capture
 from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.graph_tail import plan_with_tail
 from tokpipe_compiler.planning.pieces import Origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.stage_programs.compile_sessions import CompileSessions, sessions_for_options
@@ -108,9 +110,9 @@ def explain(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     graphs = capture_graphs(model, args, kwargs)
     for gm in graphs:
         try:
-            if len(graphs) > 1:
-                return plan_piece(gm, config, Origin(piece=True))
-            return build_plan(gm, config)
+            planner = functools.partial(plan_piece, config=config, where=Origin(piece=True)) \
+                if len(graphs) > 1 else functools.partial(build_plan, config=config)
+            return plan_with_tail(gm, planner)[0]
         except UnknownTokenInput as err:  # an error only when no graph reads it
             inputs += [name for name in err.inputs if name not in inputs]
         except (NoTokenInput, NothingToPipeline):

@@ -8,6 +8,7 @@ BackendCompilerFailed, and lets the plan see the real inputs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Any
@@ -23,6 +24,7 @@ from tokpipe_compiler.core.wrapped_bodies import inline_wrapped_bodies
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.graph_share import summary
+from tokpipe_compiler.planning.graph_tail import GraphTail, plan_with_tail
 from tokpipe_compiler.planning.pieces import origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.regional import repeated_block
@@ -124,7 +126,7 @@ class LazyProgram:
         # said at the first call, not inside Dynamo's trace
         self.retraced = traced_again(session, traced_function(), example_inputs,
                                      self.owner_index)
-        self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> plan, select
+        self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> _plan's
         self.programs = PerOwner()  # per model: input shapes -> callable
         # A piece's timestep argument, for its model's pieces that read none.
         self.timestep_at = timestep_index(self._arguments(), _timestep_choice(config_fn)) \
@@ -162,7 +164,7 @@ class LazyProgram:
             self.plans[key] = self._plan(args)
             if self.origin.piece and len(self.plans) == 1:  # not a new shape's plan
                 self.session.graphs.record(self.gm, self.plans[key][0] is not None, self)
-        plan, select = self.plans[key]
+        plan, select, tail = self.plans[key]
         if plan is None:
             return self.gm.forward
         program = make_program(plan, self.session, None if owner is None else id(owner))
@@ -171,7 +173,8 @@ class LazyProgram:
         self._warn_about_timesteps(program)
         register(owner, program)
         self.pipelined.add(program)
-        return program if select is None else lambda *a: program(*select(a))
+        body = program if select is None else lambda *a: program(*select(a))
+        return body if tail is None else functools.partial(tail.run, body)
 
     def _warn_about_timesteps(self, program: PipelinedProgram) -> None:
         """Once per compile: a pipeline that cannot tell steps apart says so, and once per
@@ -199,8 +202,9 @@ class LazyProgram:
         """Whether a graph of this model may read input `name`."""
         return name in self.parameters or "**" in self.parameters
 
-    def _plan(self, args: tuple) -> tuple[Plan | None, Any]:
-        """The plan for these input shapes, or None where the graph runs unpipelined."""
+    def _plan(self, args: tuple) -> tuple[Plan | None, Any, GraphTail | None]:
+        """The plan for these input shapes (None where the graph runs unpipelined), how a
+        symbolic graph's arguments reach it, and the graph's tail that runs after it."""
         config = self.config_fn()
         if self.block is not None and not self._block_runs(config):
             return self._whole_model_only(config)  # before the options naming the inputs
@@ -211,11 +215,12 @@ class LazyProgram:
             self._warn_once("symbolic", SYMBOLIC)
             static = StaticGraph(self.gm, args, self.floats)
             gm, select = static.gm, static.select
+        planner = functools.partial(plan_piece, config=config, where=self.origin) \
+            if self.origin.piece else functools.partial(build_plan, config=config)
         try:
             with planned_alike(None, config.timeout):
-                if self.origin.piece:
-                    return plan_piece(gm, config, self.origin), select
-                return build_plan(gm, config), select
+                plan, tail = plan_with_tail(gm, planner)
+                return plan, select, tail
         except UnknownTokenInput as err:
             # Misspelt, unless the name is a parameter of a function Dynamo traced for this
             # model: then this graph is a piece (graph breaks) that does not read it.
@@ -228,7 +233,7 @@ class LazyProgram:
             if not config.fallback:
                 raise
             warn(f"tokpipe: running this graph unpipelined (fallback=True): {err.found}")
-        return None, None
+        return None, None, None
 
     def _block_runs(self, config: Config) -> bool:
         """Whether a block traced on its own runs as a pipeline of its own (saying what that
@@ -240,13 +245,13 @@ class LazyProgram:
         self._warn_once("block alone", self.block.warning())
         return True
 
-    def _whole_model_only(self, config: Config) -> tuple[None, None]:
+    def _whole_model_only(self, config: Config) -> tuple[None, None, None]:
         """A block traced on its own is refused (run as traced with fallback=True)."""
         err = TokpipeError(self.block.refusal())
         if not config.fallback:
             raise err
         warn(f"tokpipe: running this graph unpipelined (fallback=True): {err.found}")
-        return None, None
+        return None, None, None
 
 
 def _timestep_choice(config_fn) -> str | None:

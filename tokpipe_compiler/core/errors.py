@@ -46,6 +46,15 @@ class OneUnitGrid(TokpipeError):
     whole (text) segment's. A parallelized pipeline runs such a call per call."""
 
 
+class UnchunkableOps(TokpipeError):
+    """Ops that mix tokens with no way to chunk them; `nodes`: their names in the graph
+    annotated (a check at the end of a forward can run after the pipeline: graph_tail)."""
+
+    def __init__(self, message: str, advice: str, nodes: tuple[str, ...]):
+        super().__init__(message, advice)
+        self.nodes = nodes
+
+
 class NothingToPipeline(TokpipeError):
     """A piece of a model split by graph breaks with no attention over its tokens: it runs
     as traced (the backend warns), like a graph without the token input."""

@@ -1,0 +1,129 @@
+"""A check at the end of a forward that mixes every token (a NaN guard, a norm) runs after
+the pipeline, on its whole output (planning/graph_tail.py): stale and causal pipeline the
+model instead of refusing it."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import ChecksItsOutput, TinyDiT, dit_inputs
+from tokpipe_compiler.core.errors import UnchunkableOps
+from tokpipe_compiler.planning.graph_tail import plan_with_tail, split_tail
+
+OPTIONS = {"stages": 2, "chunks": 4, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
+TIMESTEPS = (900, 800, 700)
+
+
+def _compiled_calls(model, latents, labels) -> tuple[list, object]:
+    """The compiled model's outputs at TIMESTEPS (stale after the first)."""
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=dict(OPTIONS))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outputs = [compiled(latents, torch.tensor([t]), labels) for t in TIMESTEPS]
+    return outputs, compiled
+
+
+def _with_check(check: str, out: torch.Tensor):
+    return {"nan_guard": out, "norm": (out, out.norm()), "scaled": out / out.abs().amax()}[check]
+
+
+def _relative(actual, expected) -> float:
+    if isinstance(expected, tuple):
+        return max(map(_relative, actual, expected))
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("check", ["nan_guard", "norm", "scaled"])
+def test_a_check_on_the_output_runs_after_the_pipeline(check):
+    """The checked model's pipeline computes what the plain model's does, the check then
+    applied to its whole output; its warmup step is the model's own numbers."""
+    torch.manual_seed(0)
+    model = ChecksItsOutput(check, depth=2, grid=8).eval()
+    latents, _, labels = dit_inputs(model, 8)
+    plain = TinyDiT(depth=2, grid=8).eval()
+    plain.load_state_dict(model.state_dict())
+    checked, compiled = _compiled_calls(model, latents, labels)
+    unchecked, _ = _compiled_calls(plain, latents, labels)
+    assert len(tp.programs(compiled)) == 1  # pipelined, not run as traced
+    with torch.no_grad():
+        assert _relative(checked[0], model(latents, torch.tensor([900]), labels)) <= 1e-5
+    for got, out in zip(checked, unchecked, strict=True):
+        assert _relative(got, _with_check(check, out)) <= 1e-6
+    assert _relative(unchecked[1], model(latents, torch.tensor([800]), labels)) > 1e-5
+
+
+def _outputs(check: str, latents_of) -> None:
+    torch.manual_seed(0)
+    model = ChecksItsOutput(check, depth=2, grid=8).eval()
+    latents, _, labels = dit_inputs(model, 8)
+    _compiled_calls(model, latents_of(latents), labels)
+
+
+def test_the_check_still_sees_the_output():
+    with pytest.raises(FloatingPointError, match="NaN"):
+        _outputs("nan_guard", lambda latents: latents.index_fill(2, torch.tensor([3]), torch.nan))
+
+
+def test_a_reduction_that_attention_reads_is_still_refused():
+    with pytest.raises(tp.TokpipeError, match="mix tokens"):
+        _outputs("attends", lambda latents: latents)
+
+
+def _graph(check) -> torch.fx.GraphModule:
+    """x [1, 8, 4] -> x * 2, then `check`; a weight w [4] enters as the second input."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    weight = graph.placeholder("L_self_modules_lin_parameters_weight_")
+    doubled = graph.call_function(operator.mul, (x, 2))
+    total = graph.call_function(torch.sum, (doubled,))
+    graph.output(check(graph, doubled, total, weight))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_the_body_and_tail_compose_to_the_graph():
+    gm = _graph(lambda g, doubled, total, _: (doubled, g.call_function(operator.truediv,
+                                                                        (doubled, total))))
+    split = split_tail(gm, ["sum_1"])
+    x, weight = torch.randn(1, 8, 4), torch.randn(4)
+    assert [n.name for n in split.tail.graph.find_nodes(op="placeholder")] == ["mul"]
+    for got, want in zip(split.run(split.body, x, weight), gm(x, weight), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_attention_after_the_ops_is_no_tail():
+    attend = torch.nn.functional.scaled_dot_product_attention
+    gm = _graph(lambda g, doubled, total, _: (g.call_function(attend, (doubled, doubled,
+                                                                       total)),))
+    assert split_tail(gm, ["sum_1"]) is None
+
+
+def test_a_tail_that_multiplies_matrices_says_it_is_not_pipelined():
+    gm = _graph(lambda g, doubled, total, weight: (g.call_function(torch.matmul, (
+        g.call_function(operator.truediv, (doubled, total)), weight)),))
+    planned = []
+
+    def plan(graph):
+        if not planned:
+            planned.append(graph)
+            raise UnchunkableOps("mixes tokens", "", ("sum_1",))
+        planned.append(graph)
+        return "the body's plan"
+
+    with pytest.warns(UserWarning, match="unpipelined, including the matrix products matmul"):
+        plan_result, split = plan_with_tail(gm, plan)
+    assert plan_result == "the body's plan" and planned[1] is split.body
+    x, weight = torch.randn(1, 8, 4), torch.randn(4)
+    assert torch.equal(split.run(split.body, x, weight)[0], gm(x, weight)[0])
+
+
+def test_explain_plans_the_body():
+    torch.manual_seed(0)
+    model = ChecksItsOutput("nan_guard", depth=2, grid=8).eval()
+    latents, t, labels = dit_inputs(model, 8)
+    plan = tp.explain(model, (latents, t, labels), **OPTIONS)
+    assert len(plan.stages) == 2 and len(plan.chunks) == 4
