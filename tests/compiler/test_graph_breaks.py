@@ -200,3 +200,22 @@ def test_the_block_graph_follows_generations_and_guidance_branches():
             assert_rel_close(got, expected)
     (program,) = tp.programs(compiled[0])
     assert sorted(program.branches) == [0, 1]
+
+
+@pytest.mark.parametrize("model_class", [TinyDiT, SplitDiT])
+def test_backward_through_the_pipeline_raises(model_class):
+    """Called in grad mode, a model split at graph breaks runs its other graphs with
+    autograd: a backward() would give their weights gradients and the pipelined blocks'
+    None. It raises instead, as it does for a model in one graph."""
+    torch.manual_seed(0)
+    model = model_class(depth=2, width=32, heads=2, grid=8).eval()
+    args = dit_inputs(model, 8)
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={"compiler": "eager", "stages": 2, "chunks": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = compiled(*args)
+    with torch.no_grad():
+        assert_rel_close(out, model(*args))
+    with pytest.raises(tp.TokpipeError, match="carry no gradients"):
+        out.sum().backward()

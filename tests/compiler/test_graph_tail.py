@@ -5,6 +5,7 @@ model instead of refusing it."""
 from __future__ import annotations
 
 import operator
+import types
 import warnings
 
 import pytest
@@ -102,21 +103,37 @@ def test_attention_after_the_ops_is_no_tail():
     assert split_tail(gm, ["sum_1"]) is None
 
 
-def test_a_tail_that_multiplies_matrices_says_it_is_not_pipelined():
+def test_a_matrix_product_after_the_ops_is_no_tail():
+    """Attention the compiler could not chunk (here: its scores' product) would make the
+    rest of the model a tail, unpipelined: it is refused as before."""
     gm = _graph(lambda g, doubled, total, weight: (g.call_function(torch.matmul, (
         g.call_function(operator.truediv, (doubled, total)), weight)),))
+    assert split_tail(gm, ["sum_1"]) is None
+
+
+def test_a_write_after_the_ops_is_no_tail():
+    """`joint[:, 0] = total` changes what later readers of `joint` see, though they are no
+    users of the write: no split keeps that order."""
+    def check(g, doubled, total, _):
+        g.call_function(operator.setitem, (doubled, 0, total))
+        return (g.call_function(operator.mul, (doubled, 3)),)
+
+    assert split_tail(_graph(check), ["sum_1"]) is None
+
+
+def test_the_body_is_planned_where_the_ops_are_a_tail():
+    gm = _graph(lambda g, doubled, total, _: (g.call_function(operator.truediv,
+                                                              (doubled, total)),))
     planned = []
 
     def plan(graph):
-        if not planned:
-            planned.append(graph)
-            raise UnchunkableOps("mixes tokens", "", ("sum_1",))
         planned.append(graph)
-        return "the body's plan"
+        if len(planned) == 1:
+            raise UnchunkableOps("mixes tokens", "", ("sum_1",))
+        return types.SimpleNamespace(caches=["a K/V cache"])
 
-    with pytest.warns(UserWarning, match="unpipelined, including the matrix products matmul"):
-        plan_result, split = plan_with_tail(gm, plan)
-    assert plan_result == "the body's plan" and planned[1] is split.body
+    plan_result, split = plan_with_tail(gm, plan)
+    assert plan_result.caches and planned[1] is split.body
     x, weight = torch.randn(1, 8, 4), torch.randn(4)
     assert torch.equal(split.run(split.body, x, weight)[0], gm(x, weight)[0])
 
@@ -127,3 +144,26 @@ def test_explain_plans_the_body():
     latents, t, labels = dit_inputs(model, 8)
     plan = tp.explain(model, (latents, t, labels), **OPTIONS)
     assert len(plan.stages) == 2 and len(plan.chunks) == 4
+
+
+class _TemperedAttention(torch.nn.Module):
+    """Attention with a learned temperature tensor, which the compiler does not fold into
+    sdpa: unchunkable where it stands, in the first of two blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+        self.temperature = torch.nn.Parameter(torch.full((1, 2, 1, 1), 0.25))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = ((q @ k.transpose(-2, -1)) * self.temperature).softmax(-1) @ v
+        return h + self.out(a.transpose(1, 2).reshape(b, n, 16))
+
+
+def test_attention_it_cannot_chunk_is_refused_not_made_a_tail():
+    model = torch.nn.Sequential(_TemperedAttention(), _TemperedAttention()).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=dict(OPTIONS))
+    with torch.no_grad(), pytest.raises(tp.TokpipeError, match="mix tokens"):
+        compiled(torch.randn(1, 16, 16))

@@ -4,10 +4,10 @@
     if torch.isnan(o).any(): raise ...   # the tail: mixes every token of o, feeds no block
 
 An op that mixes tokens cannot run on one chunk. Where every such op only leads to the
-graph's outputs (through no attention), the graph splits in two: the body, pipelined,
-returns the values the tail reads, gathered whole as every output is; the tail then runs on
-them, unpipelined, on every rank. A tail that multiplies matrices (a layer after the
-check) says so in a warning: that work is not pipelined.
+graph's outputs, through element-wise ops and reductions (no matrix product: no layer, no
+attention the compiler could not chunk, which would leave the blocks after it unpipelined),
+the graph splits in two: the body, pipelined, returns the values the tail reads, gathered
+whole as every output is; the tail then runs on them, unpipelined, on every rank.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from tokpipe_compiler.core.errors import UnchunkableOps
+from tokpipe_compiler.core.errors import TokpipeError, UnchunkableOps
 from tokpipe_compiler.core.fx import target_name
 from tokpipe_compiler.core.logs import LOG
-from tokpipe_compiler.core.warn import warn
+from tokpipe_compiler.passes.split import written_base
 from tokpipe_compiler.passes.token_input import ATTENTION_OPS
 
 
@@ -35,7 +35,6 @@ class GraphTail:
     tail: torch.fx.GraphModule
     input_positions: tuple[int, ...]
     ops: tuple[str, ...]  # the tail's ops that mix tokens
-    heavy: tuple[str, ...]  # the tail's matrix products (layers), run unpipelined
 
     def run(self, body_program: Callable, *args: Any) -> Any:
         values = body_program(*args)
@@ -44,14 +43,16 @@ class GraphTail:
 
 def split_tail(gm: torch.fx.GraphModule, mixing: Iterable[str]) -> GraphTail | None:
     """The split of `gm` at the ops named `mixing` (those that mix tokens), or None where
-    they are not a tail: attention follows them, or one of them is not a node of `gm` (a
-    pass wrote it)."""
+    they are not a tail: a matrix product follows them (or is one of them), or one of them
+    is not a node of `gm` (a pass wrote it)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     mixing = list(mixing)
     if not mixing or any(name not in nodes for name in mixing):
         return None
     tail = _computed_from([nodes[name] for name in mixing])
-    if any(n.target in ATTENTION_OPS for n in tail):
+    if any(n.target in ATTENTION_OPS or _multiplies_matrices(n) for n in tail):
+        return None
+    if _writes_from(tail[0]):  # a write's readers are no users of it: no split can see them
         return None
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     read = _read_by(tail)
@@ -60,8 +61,7 @@ def split_tail(gm: torch.fx.GraphModule, mixing: Iterable[str]) -> GraphTail | N
         return None
     inputs = [n for n in placeholders if n in read]
     return GraphTail(_body(gm, tail, computed), _tail(gm, tail, computed, inputs),
-                     tuple(placeholders.index(n) for n in inputs), tuple(mixing),
-                     tuple(target_name(n) for n in tail if _multiplies_matrices(n)))
+                     tuple(placeholders.index(n) for n in inputs), tuple(mixing))
 
 
 def _computed_from(start: list[torch.fx.Node]) -> list[torch.fx.Node]:
@@ -74,6 +74,16 @@ def _computed_from(start: list[torch.fx.Node]) -> list[torch.fx.Node]:
                 found.add(user)
                 stack.append(user)
     return [n for n in start[0].graph.nodes if n in found]
+
+
+def _writes_from(first: torch.fx.Node) -> bool:
+    """Whether `first` or a node after it writes a tensor in place."""
+    node = first
+    while node.op != "output":
+        if written_base(node) is not None:
+            return True
+        node = node.next
+    return False
 
 
 def _multiplies_matrices(node: torch.fx.Node) -> bool:
@@ -123,19 +133,21 @@ def _tail(gm: torch.fx.GraphModule, tail: list[torch.fx.Node], computed: list[to
 def plan_with_tail(gm: torch.fx.GraphModule,
                    plan: Callable[[torch.fx.GraphModule], Any]) -> tuple[Any, GraphTail | None]:
     """`plan(gm)`, or where ops that mix tokens end the graph, the plan of its body and the
-    tail that runs after it (the planning error stands where they are not a tail)."""
+    tail that runs after it. The planning error stands where they are not a tail, or where
+    the body holds nothing to pipeline (no attention, no sum over tokens: no caches), as
+    when mixing the tokens is all the model does."""
     try:
         return plan(gm), None
     except UnchunkableOps as err:
         split = split_tail(gm, err.nodes)
         if split is None:
             raise
-    said = (f"the ops {', '.join(split.ops)} mix tokens at the end of the graph: they and "
-            "what follows them run after the pipeline, on its whole outputs")
-    if split.heavy:
-        warn(f"tokpipe: {said}, unpipelined, including the matrix products "
-             f"{', '.join(split.heavy)}; compute them outside the compiled model, or "
-             "token-wise, to pipeline them")
-    else:
-        LOG.info(said)
-    return plan(split.body), split
+        try:
+            body = plan(split.body)
+        except TokpipeError:
+            raise err from None
+        if not body.caches:
+            raise
+    LOG.info("the ops %s mix tokens at the end of the graph: they and what follows them run "
+             "after the pipeline, on its whole outputs", ", ".join(split.ops))
+    return body, split

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.core.warn import warn
@@ -49,11 +50,46 @@ def warn_no_gradients(args: tuple, said: set[str]) -> None:
     """Outputs carry no gradients: say so once (per `said`) where a caller may expect them
     (grad enabled and an input, a parameter say, requiring grad), not at a later backward()
     far from the cause."""
-    if "grad mode" in said or not any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+    if "grad mode" in said or _requiring_grad(args) is None:
         return
     said.add("grad mode")
     warn("tokpipe: called with grad enabled and inputs (parameters, say) that require grad, "
-         "but this is an inference backend: its outputs carry no gradients. Call it under "
-         "torch.no_grad() or torch.inference_mode() (diffusers pipelines do), or "
-         "model.requires_grad_(False)")
+         "but this is an inference backend: its outputs carry no gradients (a backward() "
+         "through them raises). Call it under torch.no_grad() or torch.inference_mode() "
+         "(diffusers pipelines do), or model.requires_grad_(False)")
+
+
+def refusing_backward(outputs: tuple, args: tuple) -> tuple:
+    """`outputs`, where an input requires grad, as tensors whose backward() raises: a model
+    split at graph breaks runs its other graphs with autograd, so a backward() that ended
+    at outputs without gradients would fill in the gradients of those graphs' weights and
+    leave the pipelined ones' at None, silently."""
+    anchor = _requiring_grad(args)
+    wrapped = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)
+               and o.is_floating_point() and not o.requires_grad]
+    if anchor is None or not wrapped:
+        return outputs
+    refusing = _NoBackward.apply(anchor, *(outputs[i] for i in wrapped))
+    found = list(outputs)
+    for i, tensor in zip(wrapped, refusing, strict=True):
+        found[i] = tensor
+    return tuple(found)
+
+
+def _requiring_grad(args: tuple) -> torch.Tensor | None:
+    return next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+
+
+class _NoBackward(torch.autograd.Function):
+    """The identity on a pipeline's outputs; backward raises."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, *outputs: torch.Tensor) -> tuple:
+        return tuple(o.detach() for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        raise TokpipeError(
+            "backward() reached the outputs of a tokpipe pipeline, which carry no gradients "
+            "(an inference backend); the gradients of the model's weights would be wrong. "
+            "Train or fine-tune the model without the tokpipe backend")

@@ -29,6 +29,7 @@ from tokpipe_compiler.runtime.stage_feeds import StageFeeds
 from tokpipe_compiler.stage_programs.generations import StepClock, Tick, timestep_index
 from tokpipe_compiler.stage_programs.outputs import (
     assemble_output,
+    refusing_backward,
     restrided,
     traced_strides,
     warn_no_gradients,
@@ -175,7 +176,7 @@ class PipelinedProgram:
             outputs = self._assemble(values, chunks, env_for, step=0)
         self._run_ends()
         self._advance(1)
-        return outputs
+        return refusing_backward(outputs, args) if torch.is_grad_enabled() else outputs
 
     def _warn_many_branches(self, tick: Tick) -> None:
         """Calls at one timestep with other inputs each get a branch and its caches, kept
