@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED}
 
 
-@pytest.mark.parametrize("family", ["dit", "wan", "wan22", "flux_inpaint"])
+@pytest.mark.parametrize("family", ["dit", "wan", "wan22", "flux_inpaint", "flux_ip_adapter"])
 def test_cfg_parallel_in_one_process_equals_serial(family):
     """cfg=2, stages=1: each guidance branch runs alone (one batch half, or one of the two
     calls), then guidance and the update combine them; in one process the branches run in

@@ -28,7 +28,8 @@ OPTIONS = SMALL_RING
 # One of each kind of step, and the pipelines the ring table took last.
 CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "hunyuan_video",
                "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video", "qwenimage",
-               "wan22", "wan22_5b", "flux_inpaint", "wan_first_last_frame", "pixart_sigma_pag")
+               "wan22", "wan22_5b", "flux_inpaint", "wan_first_last_frame", "pixart_sigma_pag",
+               "flux_ip_adapter")
 FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED}
 
 

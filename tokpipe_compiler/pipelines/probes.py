@@ -146,9 +146,12 @@ def _quiet(logger: str) -> Iterator[None]:
 
 
 def bind_call(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by parameter name (**kwargs spread out)."""
+    """The call's arguments by parameter name (**kwargs spread out), their dicts and lists
+    copied: a pipeline may pass one dict to both guidance branches' calls and change it in
+    between (Flux's IP-adapter embeds in `joint_attention_kwargs`), after the first call is
+    recorded but before the ring reads it."""
     bound = inspect.signature(forward).bind(*args, **kwargs)
-    arguments = dict(bound.arguments)
+    arguments = {name: _containers_copied(value) for name, value in bound.arguments.items()}
     for name, param in inspect.signature(forward).parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
             arguments.update(arguments.pop(name))
@@ -156,3 +159,14 @@ def bind_call(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) 
             raise TokpipeError("the transformer's forward takes *args; ring mode needs "
                                "named inputs")
     return arguments
+
+
+def _containers_copied(value: Any) -> Any:
+    """`value` with its dicts, lists and tuples copied, their items (tensors) shared."""
+    if type(value) is dict:
+        return {k: _containers_copied(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_containers_copied(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_containers_copied(v) for v in value)
+    return value
