@@ -71,7 +71,14 @@ def test_after_the_first_call_one_line_says_how_much_is_pipelined():
 
 
 class MaxInBlocks(SplitDiT):
-    """The blocks' graph ends with a max over the tokens: no chunking for it."""
+    """The blocks' graph starts with a max over the tokens: no chunking for it."""
+
+    def before_blocks(self, x):
+        return x - x.amax(dim=1, keepdim=True)
+
+
+class MaxAfterBlocks(SplitDiT):
+    """The blocks' graph ends with a max over the image's rows, which no block reads."""
 
     def unpatchify(self, x, shape):
         out = super().unpatchify(x, shape)
@@ -84,6 +91,17 @@ def test_a_block_graph_that_cannot_be_chunked_raises():
     with pytest.raises(tp.TokpipeError, match="amax") as err:
         run(model, dit_inputs(model, 8), mode="stale")
     assert "fallback" in str(err.value)
+
+
+def test_a_max_after_the_blocks_runs_after_the_pipeline():
+    """planning/graph_tail.py: the max runs on the whole output; the blocks are pipelined."""
+    torch.manual_seed(0)
+    model = MaxAfterBlocks(depth=2, width=32, heads=2, grid=8).eval()
+    args = dit_inputs(model, 8)
+    out, compiled, _ = run(model, args, mode="stale")
+    with torch.no_grad():
+        assert_rel_close(out, model(*args))  # the first call is the warmup step: exact
+    assert [len(p.plan.caches) for p in tp.programs(compiled)] == [2]
 
 
 class SortBeforeBlocks(SplitDiT):
