@@ -36,9 +36,14 @@ def reset(compiled: Any) -> None:
     """Start a new generation: every K/V cache of `compiled` is dropped and warmup reruns.
 
     `compiled`: what torch.compile returned, a module compiled in place (`model.compile()`),
-    or a backend made by `backend(...)`. A generation also starts by itself when the
-    timestep goes back up (see README, "Generations").
+    a backend made by `backend(...)`, or a parallelized pipeline or its transformer (whose
+    calls each start afresh: this drops what its per-call steps hold). A generation also
+    starts by itself when the timestep goes back up (see README, "Generations").
     """
+    from tokpipe_compiler.pipelines.parallel_pipeline import reset_parallelized
+
+    if reset_parallelized(compiled):
+        return
     for program in programs(compiled):
         program.reset()
 

@@ -345,3 +345,23 @@ def test_a_pipeline_keeps_the_rings_of_its_latest_sizes(monkeypatch):
     assert len(pipe._tokpipe_ring.denoisers["transformer"].rings) == 2
     serial = generate(*make(), steps=2)
     assert rel_error(generate(pipe, kwargs, steps=2), serial) <= 1e-5
+
+
+def test_reset_of_a_parallelized_pipeline_or_its_transformer():
+    """Each call starts afresh: a reset between calls has nothing to drop, and one from a
+    step callback during a ring says it cannot restart the ring; neither raises."""
+    pipe, kwargs = parallelized(pixart_alpha, mode="stale", warmup_steps=1)
+    first = generate(pipe, kwargs, steps=3)
+    tp.reset(pipe)
+    tp.reset(pipe.transformer)
+
+    def reset_at_step_1(step: int, *_):
+        if step == 1:
+            tp.reset(pipe.transformer)
+
+    with pytest.warns(UserWarning, match="has no effect: its denoising loop runs as one ring"):
+        during = generate(pipe, {**kwargs, "callback": reset_at_step_1, "callback_steps": 1},
+                          steps=3)
+    assert torch.equal(during, first)
+    with pytest.raises(tp.TokpipeError, match="found no tokpipe program"):
+        tp.reset(torch.nn.Linear(2, 2))

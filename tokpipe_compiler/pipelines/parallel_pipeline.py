@@ -23,6 +23,7 @@ caches go with them, so two calls with one seed give one image twice.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import threading
@@ -175,7 +176,7 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
         _warn_replaced(self)
         generators = call_generators(cls.__call__, self, args, kwargs)
         states = random_states(generators)
-        with _one_call_at_a_time(self, running):
+        with _one_call_at_a_time(self, running), _calling(calls):
             try:
                 with calls.generation_of(kwargs) as call_kwargs, _steps_counted(self):
                     return cls.__call__(self, *args, **call_kwargs)
@@ -342,6 +343,43 @@ def programs(pipe: Any) -> list:
                            "parallelized and called yet, or every graph of its transformer "
                            "ran unpipelined (a warning at its first call said why)")
     return found
+
+
+def reset_parallelized(obj: Any) -> bool:
+    """`tp.reset` of a parallelized pipeline or of its transformer: drops the K/V of the
+    transformer's per-call programs (none where it only ran in rings). A ring's generation
+    is the pipeline's call: a reset during one (from a step callback) cannot restart it, and
+    says so. False where `obj` is neither."""
+    if getattr(obj, _PARALLELIZED, None) is not None:
+        denoisers = [obj]
+    elif hasattr(obj, _RING) or hasattr(obj, _FRESH):
+        denoisers = list(find_denoisers(obj).values())
+    else:
+        return False
+    calls = _CALLING.get()
+    generation = None if calls is None else calls.generation
+    if generation is not None and generation.ring and (
+            obj is calls.pipe or any(d in find_denoisers(calls.pipe).values() for d in denoisers)):
+        warn(f"tokpipe: tp.reset({type(obj).__name__}) during a parallelized pipeline's call "
+             "has no effect: its denoising loop runs as one ring, whose steps cannot start "
+             "again mid-call; the next call starts afresh")
+    for denoiser in denoisers:
+        _reset_programs(denoiser)
+    return True
+
+
+# The ring pipeline whose call runs now (`reset_parallelized` tells a reset during it).
+_CALLING: contextvars.ContextVar[RingCalls | None] = contextvars.ContextVar(
+    "tokpipe_ring_calling", default=None)
+
+
+@contextlib.contextmanager
+def _calling(calls: RingCalls) -> Iterator[None]:
+    token = _CALLING.set(calls)
+    try:
+        yield
+    finally:
+        _CALLING.reset(token)
 
 
 def find_denoisers(pipe: Any) -> dict[str, torch.nn.Module]:
