@@ -11,12 +11,13 @@ attention it spells is what the K/V-cache rewrite (chunk_attention) chunks. Also
 `q @ k.transpose(-1, -2)` or `q @ k.mT` (matmul, bmm or the operator) and einsums, latent
 diffusion's ("b i d, b j d -> b i j", then "b i j, b j d -> b i d") or with the heads
 between tokens and features ("bnhd,bmhd->bhnm", then "bhnm,bmhd->bnhd": permuted to sdpa's
-layout and back, `attention_einsums.py`), scaled by a number (`* s`, `/ s`)
-and plus a mask or filled with -inf where a boolean table says so (nanoGPT's causal
-`masked_fill`; sdpa gets the table's negation as its mask), casts of the scores or
-probabilities (an upcast softmax), and a dropout that is off. A causal table reaches sdpa
-as a mask, not as `is_causal`: causal mode runs it exactly, but attends over the masked
-keys after the chunk too.
+layout and back, `attention_einsums.py`), scaled by a number (`* s`, `/ s`) or by a
+tensor the same for every query and key of a head (a learned temperature such as Swin v2's
+`logit_scale.exp()`, which scales the queries instead), plus a mask or filled with -inf
+where a boolean table says so (nanoGPT's causal `masked_fill`; sdpa gets the table's
+negation as its mask), casts of the scores or probabilities (an upcast softmax), and a
+dropout that is off. A causal table reaches sdpa as a mask, not as `is_causal`: causal
+mode runs it exactly, but attends over the masked keys after the chunk too.
 
 The fold is exact in value and approximate in rounding: the scores are no longer
 materialised, so float32 results move by about 1e-7 relative. It applies only where
@@ -66,6 +67,9 @@ class Scores:
     transposed: bool = True
     excluded: bool = False  # the mask is boolean and marks what may not be attended
     layout: attention_einsums.ScoresLayout = _SDPA_LAYOUT  # an einsum's may differ
+    # A tensor that scales each head's scores alike (a learned temperature), and whether it
+    # divides them: folded into the queries, as sdpa's scale is a number.
+    factor: tuple[torch.fx.Node, bool] | None = None
 
 
 @dataclass
@@ -189,16 +193,34 @@ def _scaled_product(node: Any) -> Scores | None:
         return Scores(node.args[0], node.args[1], None, 1.0, [node])
     if key not in MULS and key not in DIVS:
         return None
-    product, factor = node.args
-    if key in MULS and _number(product):
-        product, factor = factor, product
-    if not _number(factor) or factor == 0:
-        return None
-    found = _scaled_product(product)
-    if found is None or found.scale != 1.0 or found.mask is not None:
-        return None
-    scale = float(factor) if key in MULS else 1.0 / float(factor)
-    return replace(found, scale=scale, nodes=[node, *found.nodes])
+    for product, factor in (node.args, node.args[::-1]) if key in MULS else (node.args,):
+        found = _scaled_product(product)
+        if found is None or found.scale != 1.0 or found.mask is not None or found.factor:
+            continue
+        if _number(factor) and factor != 0:
+            scale = float(factor) if key in MULS else 1.0 / float(factor)
+            return replace(found, scale=scale, nodes=[node, *found.nodes])
+        if _per_head(factor, found):
+            return replace(found, factor=(factor, key in DIVS), nodes=[node, *found.nodes])
+    return None
+
+
+def _per_head(factor: Any, scores: Scores) -> bool:
+    """A tensor of size 1 along the queries and keys (per head, or one number), in the
+    queries' dtype where it has dims (so that scaling them keeps their dtype and shape)."""
+    if not isinstance(factor, torch.fx.Node) or scores.layout is not _SDPA_LAYOUT:
+        return False
+    value, query = example_value(factor), example_value(scores.query)
+    if not (isinstance(value, torch.Tensor) and isinstance(query, torch.Tensor)):
+        return False
+    if not value.is_floating_point() or (value.dim() and value.dtype != query.dtype):
+        return False
+    if any(size != 1 for size in value.shape[-2:]) or value.dim() > query.dim():
+        return False
+    try:
+        return torch.broadcast_shapes(value.shape, query.shape) == query.shape
+    except RuntimeError:
+        return False
 
 
 def _number(value: Any) -> bool:
@@ -236,6 +258,10 @@ def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
     layout = scores.layout
     with graph.inserting_before(out):
         query = _permuted(graph, scores.query, layout.query)
+        if scores.factor is not None:
+            factor, divides = scores.factor
+            query = add_node(graph, "function", operator.truediv if divides else operator.mul,
+                             (query, factor))
         key = (_untransposed(graph, scores.keys) if scores.transposed
                else _permuted(graph, scores.keys, layout.key))
         value = _permuted(graph, attention.value, attention.value_perm)

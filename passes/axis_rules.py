@@ -238,6 +238,16 @@ def along_dim(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     return info
 
 
+@register(F.normalize)
+def normalize(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """`F.normalize(x, p, dim=1)`: each vector along `dim` to unit norm (QK-norm, cosine
+    attention over the features): token-wise unless `dim` is the token axis."""
+    src, info = first_token(node, ctx)
+    if arg(node, 2, "dim", 1) % len(node_shape(src)) == info.axis:
+        return unsupported("normalize along the token axis mixes tokens")
+    return info
+
+
 _REDUCTIONS = ["sum", "mean", "amax", "amin", "var", "std", "norm", "logsumexp", "prod"]
 # Where a reduction's dim and keepdim sit when passed by position, where not (1 and 2): a
 # norm's order comes first (`x.norm(2, -1)`), var's and std's `unbiased` before keepdim.

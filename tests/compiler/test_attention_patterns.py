@@ -141,6 +141,21 @@ def probabilities_read_twice(q, k, v, bias):
     return torch.bmm(probs, v) + probs.sum()
 
 
+def per_head_temperature(q, k, v, bias):
+    """Swin v2's learned temperature: one factor per head (here made from the bias)."""
+    temperature = (bias[:, :, :1] * 0 + 0.7).exp()
+    return ((q @ k.transpose(-2, -1)) * temperature).softmax(-1) @ v
+
+
+def divided_by_a_tensor(q, k, v, bias):
+    return (torch.bmm(q, k.transpose(-1, -2)) / (bias.sum() * 0 + 4.0)).softmax(-1) @ v
+
+
+def per_query_factor(q, k, v, bias):
+    """A factor per query row is no temperature: left as written."""
+    return ((q @ k.transpose(-2, -1)) * q[:, :, :1].sigmoid()).softmax(-1) @ v
+
+
 class Wrap(nn.Module):
     def __init__(self, fn):
         super().__init__()
@@ -166,7 +181,8 @@ def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
 @pytest.mark.parametrize("fn", [classic, classic_masked_upcast, scaled_matmul_masked, divided,
                                 keys_given_transposed, einsum_scaled, einsum_heads_masked,
                                 einsum_heads_after_tokens, einsum_keys_first_masked, keys_by_mT,
-                                masked_fill_causal, chained])
+                                masked_fill_causal, chained, per_head_temperature,
+                                divided_by_a_tensor])
 def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
     args = inputs()
     traced = trace(Wrap(fn), *args)
@@ -180,7 +196,8 @@ def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
 
 @pytest.mark.parametrize("fn", [scores_returned, softmax_over_queries, half_beta, double_mask,
                                 einsum_over_queries, masked_fill_finite,
-                                einsum_heads_last_masked, probabilities_read_twice])
+                                einsum_heads_last_masked, probabilities_read_twice,
+                                per_query_factor])
 def test_what_is_not_exactly_attention_is_left_as_written(fn):
     traced = trace(Wrap(fn), *inputs())
     before = [n.format_node() for n in traced.gm.graph.nodes]

@@ -52,3 +52,14 @@ def test_glu_along_the_token_axis_is_refused():
     x = g.input("x", (2, 8, 16), tok(1))
     info = g.infer(g.call(F.glu, x, 1))
     assert info.kind == UNSUPPORTED and "token axis" in info.reason
+
+
+@pytest.mark.parametrize(("args", "kwargs", "kind"), [
+    ((), {"dim": -1}, TOKEN), ((2.0, 2), {}, TOKEN), ((), {"dim": 1}, UNSUPPORTED),
+    ((), {}, UNSUPPORTED),  # F.normalize's default dim is 1: here the token axis
+], ids=["features-by-name", "features-by-position", "tokens", "default-dim"])
+def test_normalize_is_token_wise_unless_along_the_tokens(args, kwargs, kind):
+    """L2 QK-norm and cosine attention: `F.normalize(q, dim=-1)`."""
+    g = Graph()
+    x = g.input("x", (2, 8, 16), tok(1))
+    assert g.infer(g.call(F.normalize, x, *args, **kwargs)).kind == kind
