@@ -25,6 +25,7 @@ from tokpipe_compiler.testing import (
     latents_like,
     options,
 )
+from tokpipe_compiler.testing.inputs import other_input
 
 
 @functools.cache
@@ -336,3 +337,20 @@ def test_a_timestep_in_a_conditioning_dict_is_moved():
     report = assert_equivalent(model, (latents, {"t": t.float(), "y": labels}), stages=2,
                                chunks=2, mode="stale")
     assert report.chunked
+
+
+@pytest.mark.parametrize("by_keyword", [("latents", "timestep", "labels"), ("labels",)])
+def test_the_inputs_it_makes_are_passed_as_the_given_one(by_keyword):
+    """Arguments given by keyword stay keywords: a call by position would be traced again
+    by Dynamo (its guards check how a call passes them), with a warning to the user."""
+    model, args = dit()
+    names = ("latents", "timestep", "labels")
+    positional = tuple(a for n, a in zip(names, args, strict=True) if n not in by_keyword)
+    keywords = {n: a for n, a in zip(names, args, strict=True) if n in by_keyword}
+    moved_args, moved_kwargs = other_input(model, positional, keywords)
+    assert len(moved_args) == len(positional) and sorted(moved_kwargs) == sorted(keywords)
+    assert not torch.equal(moved_kwargs.get("timestep", moved_args[-1] if moved_args else 0),
+                           args[1])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: Dynamo traced")
+        assert_equivalent(model, positional, keywords, stages=2, chunks=2, mode="sync")

@@ -35,7 +35,7 @@ def changed_input(model: torch.nn.Module, args: tuple, kwargs: dict,
     the most steps any input of the sequence moves, which sets the direction) and, where
     `tokens`, its data tensors changed (another branch's or generation's)."""
     signature = inspect.signature(model.forward)
-    bound = signature.bind(*args, **kwargs)
+    signature.bind(*args, **kwargs)  # a call the forward takes
     names = timestep_names(timestep_input if isinstance(timestep_input, str) else None)
     position = timestep_input if isinstance(timestep_input, int) else None
 
@@ -48,16 +48,15 @@ def changed_input(model: torch.nn.Module, args: tuple, kwargs: dict,
             return _moved(value, steps, span)
         return 0.25 - value if tokens and _is_data(value) else value
 
-    for name, value in bound.arguments.items():
-        kind = signature.parameters[name].kind
-        if kind == inspect.Parameter.VAR_KEYWORD:  # **kwargs: each by its keyword
-            value = {key: changed(v, key in names) for key, v in value.items()}
-        elif kind == inspect.Parameter.VAR_POSITIONAL:
-            value = tuple(changed(v, i == position) for i, v in enumerate(value))
+    # Passed as given, by position or keyword: Dynamo guards on how (another form of the
+    # call is traced again, with a warning).
+    moved_args: list[Any] = []
+    for name, value in signature.bind_partial(*args).arguments.items():
+        if signature.parameters[name].kind == inspect.Parameter.VAR_POSITIONAL:
+            moved_args += [changed(v, i == position) for i, v in enumerate(value)]
         else:
-            value = changed(value, name in names)
-        bound.arguments[name] = value
-    return bound.args, bound.kwargs
+            moved_args.append(changed(value, name in names))
+    return tuple(moved_args), {key: changed(v, key in names) for key, v in kwargs.items()}
 
 
 def _moved(t: torch.Tensor, steps: int, span: int) -> torch.Tensor:
