@@ -27,6 +27,7 @@ from tokpipe_compiler.planning.graph_share import summary
 from tokpipe_compiler.planning.graph_tail import GraphTail, plan_with_tail
 from tokpipe_compiler.planning.pieces import origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.planning.recompile_limit import note_traced
 from tokpipe_compiler.planning.regional import repeated_block
 from tokpipe_compiler.planning.retrace import traced_again
 from tokpipe_compiler.planning.static import (
@@ -123,9 +124,11 @@ class LazyProgram:
         self.floats = wrapped_floats(gm) if self.dynamic else ()  # dynamic=True's floats
         self.numbers = number_arguments()  # the call's Python numbers: specialised on
         self.owner_index = owner_placeholder(gm)
+        traced = traced_function()
+        if traced is not None:
+            note_traced(traced[0])
         # said at the first call, not inside Dynamo's trace
-        self.retraced = traced_again(session, traced_function(), example_inputs,
-                                     self.owner_index)
+        self.retraced = traced_again(session, traced, example_inputs, self.owner_index)
         self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> _plan's
         self.programs = PerOwner()  # per model: input shapes -> callable
         # A piece's timestep argument, for its model's pieces that read none.

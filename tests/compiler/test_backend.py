@@ -313,3 +313,16 @@ def test_grad_mode_with_parameters_requiring_grad_warns_once():
         compiled(*args)
     said = [str(w.message) for w in caught if "grad enabled" in str(w.message)]
     assert len(said) == 1 and "torch.no_grad()" in said[0]
+
+
+def test_dynamos_recompile_limit_is_said_as_a_warning():
+    """Past the limit Dynamo runs the model eagerly, unpipelined, with a log record only."""
+    model, compiled = compile_dit(stages=2, chunks=2)
+    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad(), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (1, 2, 3):
+            compiled(*dit_inputs(model, 8, batch=batch))
+    said = [str(w.message) for w in caught if "recompile_limit (2)" in str(w.message)]
+    assert len(said) == 1 and "eagerly, unpipelined" in said[0]
+    assert "models.py" in said[0] and "isolate_recompiles=True" in said[0]

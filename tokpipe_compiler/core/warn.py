@@ -14,7 +14,7 @@ import warnings
 # Modules whose frames are never the line the user wrote (the package's own runtime and
 # passes load as tokpipe_compiler.runtime and tokpipe_compiler.passes).
 _INSIDE = ("tokpipe_compiler", "torch", "diffusers", "transformers", "peft", "accelerate",
-           "contextlib", "functools")
+           "contextlib", "functools", "logging")
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
