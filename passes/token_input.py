@@ -15,7 +15,9 @@ keys and values or modulation, never in its own shape. So, best first:
      [B, 1, L, L] one larger than the tokens, only weighs scores: not through it);
   2. by how the input's shape matches an output's: equal shape; equal but for one axis
      (channels); equal element count (a packed layout); no match;
-  3. the larger input, then the earlier one.
+  3. not a conditioning stream by its name (`CONDITIONING`): where no shape matches (a
+     latent grid the patches do not tile, which the model crops), the latent, not the text;
+  4. the larger input, then the earlier one.
 
 A piece of a model split at graph breaks (`piece_token_input`) is ranked by input name
 first: its output is an intermediate value, often the refined text (HunyuanVideo 1.5's
@@ -127,7 +129,8 @@ def _positional(inputs: list[torch.fx.Node], choice: int) -> torch.fx.Node:
 
 
 def _ranking(gm: torch.fx.GraphModule, candidates: list[torch.fx.Node]):
-    """Sort key of a candidate: (reaches the output, shape match, size, earlier)."""
+    """Sort key of a candidate: (reaches the output, shape match, not named as a
+    conditioning stream, size, earlier)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     reached = _value_ancestors(output)
     outputs = [node_shape(n) for n in output.all_input_nodes if node_shape(n) is not None]
@@ -136,7 +139,7 @@ def _ranking(gm: torch.fx.GraphModule, candidates: list[torch.fx.Node]):
     def key(node: torch.fx.Node) -> tuple:
         shape = node_shape(node)
         match = max((_shape_match(shape, out) for out in outputs), default=0)
-        return node in reached, match, shape.numel(), -order[node]
+        return node in reached, match, not is_conditioning(node), shape.numel(), -order[node]
 
     return key
 

@@ -54,6 +54,24 @@ def test_released_widths_pick_the_latent_not_the_larger_text(name):
     assert argument_of(find_token_input(captured.gm, None)) == "hidden_states"
 
 
+def test_a_grid_the_patches_do_not_tile_names_the_latent_not_the_text():
+    """SD3 crops a 15x15 latent to 7x7 patches: no input's shape matches the output's, and
+    the larger text was taken for the tokens, silently; now the latent is, and the grid's
+    rows are refused with what to do."""
+    import diffusers
+
+    torch.manual_seed(0)
+    config = ZOO["SD3Transformer2DModel"].config
+    model = diffusers.SD3Transformer2DModel(**{**config, "sample_size": 15,
+                                               "pos_embed_max_size": 16}).eval()
+    kwargs = {"hidden_states": torch.randn(1, 4, 15, 15),
+              "encoder_hidden_states": torch.randn(1, 300, config["joint_attention_dim"]),
+              "pooled_projections": torch.randn(1, config["pooled_projection_dim"]),
+              "timestep": torch.tensor([700.0]), "return_dict": False}
+    with pytest.raises(TokpipeError, match="hidden_states.* 15 rows .*pad the input"):
+        tp.explain(model, (), kwargs, stages=2, chunks=2)
+
+
 def test_joint_model_with_more_text_than_image_tokens_pipelines_the_image():
     torch.manual_seed(0)
     model = TinyJoint().eval()
