@@ -68,7 +68,7 @@ def test_a_grid_the_patches_do_not_tile_names_the_latent_not_the_text():
               "encoder_hidden_states": torch.randn(1, 300, config["joint_attention_dim"]),
               "pooled_projections": torch.randn(1, config["pooled_projection_dim"]),
               "timestep": torch.tensor([700.0]), "return_dict": False}
-    with pytest.raises(TokpipeError, match="hidden_states.* 15 rows .*pad the input"):
+    with pytest.raises(TokpipeError, match=r"hidden_states.* 15 rows .*pad the input"):
         tp.explain(model, (), kwargs, stages=2, chunks=2)
 
 
