@@ -185,3 +185,19 @@ def test_a_ring_with_fewer_chunks_than_ranks_keeps_ranks_idle():
     result = simulate_model(stages, boundary, 4096, 4, 20, 1, DEVICES["l20"], LINKS["pcie4"], 8)
     assert result.speedup <= 4
     assert result.bubble_fraction >= 0.5
+
+
+def test_per_stage_seconds_are_a_chunks_whether_or_not_the_chunks_are_even():
+    """A table a few tokens uneven gives about the even table's seconds (the step's sum
+    over 8 chunks was given instead, 8x as much)."""
+    from tokpipe_compiler.costmodel.simulator import simulate_chunks
+
+    stages, boundary = pixart_stage_costs(2)
+    device, link = DEVICES["h200"], LINKS["nvlink4"]
+    even = simulate_chunks(stages, boundary, 4096, [(512, 4096, 0.0)] * 8, 20, 1, device,
+                           link, 2)  # stale chunks: each attends to all 4096 tokens
+    uneven = simulate_chunks(stages, boundary, 4096,
+                             [(n, 4096, 0.0) for n in [576, *[512] * 6, 448]],
+                             20, 1, device, link, 2)
+    for a, b in zip(even.per_stage_s, uneven.per_stage_s, strict=True):
+        assert b == pytest.approx(a, rel=0.1)

@@ -43,8 +43,9 @@ def plan_dtype(plan: Any) -> torch.dtype:
 @dataclass(frozen=True)
 class SimResult:
     """serial_s: one device, `steps` full-sequence steps. pipelined_s: `world` devices.
-    per_stage_s: seconds of one chunk on each stage. bubble_fraction: idle share of the
-    devices over the pipelined (post-warmup) part."""
+    per_stage_s: seconds of a chunk on each stage (the mean of a step's chunks, where they
+    differ: joint attention's first chunk also computes the text). bubble_fraction: idle
+    share of the devices over the pipelined (post-warmup) part."""
 
     serial_s: float
     pipelined_s: float
@@ -109,8 +110,7 @@ def simulate_chunks(
     tokens, share of the text segments it computes), e.g. TeraPipe's uneven causal chunks,
     each attending over those before it, or a step whose first chunk alone computes joint
     attention's text. text_bytes[s]: what stage s sends of the text rows, scaled by a
-    chunk's share (the first chunk's send carries the text). per_stage_s is then each
-    stage's seconds summed over one step's chunks."""
+    chunk's share (the first chunk's send carries the text)."""
     if len(stage_costs) != world or len(boundary_bytes_per_token) != world:
         raise ValueError(f"need one stage cost and one boundary size per rank ({world})")
     _check_steps(steps, warmup_steps)
@@ -137,12 +137,10 @@ def simulate_chunks(
     pipelined_steps = max(steps - warmup_steps, 0)
     span = pipeline_time.seconds(compute, pipelined_steps, ring=True, send=links)
     total = min(steps, warmup_steps) * sync + span + outside_s
-    per_stage = [sum(ts) for ts in compute]
-    busy = pipelined_steps * sum(per_stage)
+    busy = pipelined_steps * sum(sum(ts) for ts in compute)
     bubble = 1 - busy / (world * span) if span > 0 else 0.0
-    if len(set(chunks)) == 1:  # uniform chunks: one chunk's seconds, as before
-        per_stage = [ts[0] for ts in compute]
-    return SimResult(serial, total, serial / total, per_stage, bubble)
+    per_chunk = [sum(ts) / len(ts) for ts in compute]
+    return SimResult(serial, total, serial / total, per_chunk, bubble)
 
 
 def _check_steps(steps: int, warmup_steps: int) -> None:
