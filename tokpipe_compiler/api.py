@@ -10,6 +10,7 @@ import torch
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
+from tokpipe_compiler.core.fx import argument_of, source_name
 from tokpipe_compiler.dynamo_backend import LazyProgram, TokpipeBackend
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.capture import capture
@@ -17,6 +18,8 @@ from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.graph_tail import plan_with_tail
 from tokpipe_compiler.planning.pieces import Origin, plan_piece
 from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.planning.timestep_checks import check_timestep_input
+from tokpipe_compiler.planning.traced_frame import signature_names
 from tokpipe_compiler.stage_programs.compile_sessions import CompileSessions, sessions_for_options
 from tokpipe_compiler.stage_programs.owners import programs_of as owned_programs
 from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram, made_order
@@ -113,6 +116,9 @@ def explain(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     config = Config.from_options(options)
     inputs: list[str | int] = []  # of the graphs without the named token input
     graphs = capture_graphs(model, args, kwargs)
+    check_timestep_input(config.timestep_input, signature_names(model.forward),
+                         [(source_name(n), argument_of(n)) for gm in graphs
+                          for n in gm.graph.find_nodes(op="placeholder")])
     for gm in graphs:
         try:
             planner = functools.partial(plan_piece, config=config, where=Origin(piece=True)) \

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
 from tests.fixtures.tracing import assert_rel_close, rel_error
 from tokpipe_compiler import TokpipeError
@@ -114,6 +115,15 @@ def test_a_misspelt_timestep_input_names_the_parameters():
     latents, t, labels = dit_inputs(model, 8)
     with pytest.raises(TokpipeError, match=r"timestep_input='sigmaa'.*'labels'.*'sigma'"):
         compiled(latents, t, labels)
+
+
+def test_explain_names_a_misspelt_timestep_input_as_the_call_does():
+    torch.manual_seed(0)
+    model = SigmaDiT(depth=1, width=16, heads=2, grid=8).eval()
+    with pytest.raises(TokpipeError, match=r"timestep_input='sigmaa'.*'labels'.*'sigma'"):
+        tp.explain(model, dit_inputs(model, 8), stages=2, chunks=2, timestep_input="sigmaa")
+    assert tp.explain(model, dit_inputs(model, 8), stages=2, chunks=2,
+                      timestep_input="sigma").stages
 
 
 @pytest.mark.parametrize("options", [{}, {"timestep_input": "t"}])

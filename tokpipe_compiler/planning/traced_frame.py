@@ -36,7 +36,7 @@ def frame_parameters() -> frozenset[str] | None:
         # diffusers decorates forward as wrapper(self, *args, **kwargs): its signature
         # (functools.wraps) names the real parameters.
         names -= {"*", "**"}
-        names |= _signature_names(module.forward)
+        names |= signature_names(module.forward)
     return frozenset(names)
 
 
@@ -94,7 +94,8 @@ def _frame() -> tuple[Any, dict[str, Any]] | None:
         return None
 
 
-def _signature_names(fn: Callable[..., Any]) -> set[str]:
+def signature_names(fn: Callable[..., Any]) -> set[str]:
+    """`fn`'s parameter names, "**" and "*" for its **kwargs and *args (all: unknown)."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
