@@ -240,6 +240,19 @@ def test_logs_from_environment_and_bad_names():
     assert not logs.PASSES.isEnabledFor(logging.DEBUG)
     with pytest.raises(ValueError, match="allowed"):
         logs.set_logs("pases")
+    with pytest.warns(UserWarning, match="allowed.*logging left as it was"):
+        logs.configure_from_env({"TOKPIPE_LOGS": "pases"})  # at import: not an error
+
+
+def test_set_logs_dumps_where_the_environment_says(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKPIPE_LOGS_DIR", str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
+    logs.set_logs("passes")
+    try:
+        logs.dump_graph("annotate", torch.fx.symbolic_trace(torch.nn.ReLU()))
+    finally:
+        logs.set_logs("")
+    assert [p.name for p in tmp_path.glob("*.py")] == ["000_annotate.py"]
 
 
 def test_plans_name_the_models_modules_and_token_argument():

@@ -41,6 +41,7 @@ import itertools
 import logging
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,10 @@ _handler: logging.Handler | None = None
 
 
 def set_logs(spec: str = "", dump_dir: str | Path | None = None) -> None:
-    """Turn on what `spec` names (the TOKPIPE_LOGS syntax); an empty spec turns all off."""
+    """Turn on what `spec` names (the TOKPIPE_LOGS syntax); an empty spec turns all off.
+    `dump_dir`: where the pass dumps go (None: TOKPIPE_LOGS_DIR's, if set)."""
     global _dump_dir
+    dump_dir = dump_dir or os.environ.get(DIR_ENV) or None
     names = [name.strip() for name in spec.split(",") if name.strip()]
     unknown = sorted(set(names) - set(ARTIFACTS) - set(_ALL))
     if unknown:
@@ -85,9 +88,13 @@ def set_logs(spec: str = "", dump_dir: str | Path | None = None) -> None:
 
 
 def configure_from_env(environ: Mapping[str, str] = os.environ) -> None:
-    """Apply TOKPIPE_LOGS and TOKPIPE_LOGS_DIR; without TOKPIPE_LOGS leave logging alone."""
+    """Apply TOKPIPE_LOGS and TOKPIPE_LOGS_DIR; without TOKPIPE_LOGS leave logging alone.
+    A bad TOKPIPE_LOGS warns: a logging variable must not stop the package importing."""
     if environ.get(ENV):
-        set_logs(environ[ENV], environ.get(DIR_ENV) or None)
+        try:
+            set_logs(environ[ENV], environ.get(DIR_ENV) or None)
+        except ValueError as err:
+            warnings.warn(f"tokpipe: {err}; logging left as it was", stacklevel=2)
 
 
 def register_with_torch() -> None:
