@@ -224,7 +224,9 @@ def predicted(plan: Any, target: str, run: TargetRun) -> tuple[str, list[str]]:
     line = (f"predicted on {len(plan.stages)} x {target} ({link}, {host}), {run.steps} steps "
             f"({run.why}) of the transformer in {name}{extra}: serial {result.serial_s:.2f} "
             f"s, pipelined {result.pipelined_s:.2f} s ({result.speedup:.2f}x, the GPUs idle "
-            f"{result.bubble:.0%} of the ring's steps); the busiest GPU holds "
+            f"{result.bubble:.0%} of the ring's chunked steps, by the device model: each "
+            f"chunk's own rate, sends and launches, where the plan's bubble counts FLOPs); "
+            f"the busiest GPU holds "
             f"{peak / 2**30:.1f} GiB (weights, K/V, boundary values){held}")
     if result.speedup < 1:
         line += (f"; slower than one GPU: this model's chunks are too short for "

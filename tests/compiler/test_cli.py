@@ -182,7 +182,8 @@ def predicted_run(capsys, argv: list[str]) -> tuple[str, list[float], int, str]:
     found = re.fullmatch(r"predicted on 2 x h200 \(nvlink4, ([a-zA-Z ]+)\), (\d+ steps "
                          r"\([^)]+\)) of the transformer in bfloat16(?:, plus [\d.]+ s of "
                          r"text encoders and VAE decode)?: serial ([\d.]+) s, pipelined "
-                         r"([\d.]+) s \(([\d.]+)x, the GPUs idle \d+% of the ring's steps\); "
+                         r"([\d.]+) s \(([\d.]+)x, the GPUs idle \d+% of the ring's chunked "
+                         r"steps, by the device model: [^)]*\); "
                          r"the busiest GPU holds ([\d.]+) GiB \(weights, K/V, boundary values\)"
                          r"(?:, and [\d.]+ GiB of text encoders)?(?:; slower than one GPU.*)?",
                          line)

@@ -107,8 +107,11 @@ def _bubble(plan: Plan) -> list[str]:
     from tokpipe_compiler.planning.plan import RING_STEPS
 
     s, m = len(plan.stages), len(plan.chunks)
-    ring = (f"; {plan.bubble_fraction(RING_STEPS):.1%} over a {RING_STEPS}-step PipeFusion "
-            "ring" if plan.config.mode == "stale" else "")  # only stale steps run as a ring
+    warmup = plan.config.warmup_steps
+    ring = (f"; {plan.bubble_fraction(RING_STEPS):.1%} over {RING_STEPS} chunked steps of a "
+            "PipeFusion ring" + (f" (its {warmup} warmup step(s), run whole, not counted)"
+                                 if warmup else "")
+            if plan.config.mode == "stale" else "")  # only stale steps run as a ring
     return [f"predicted bubble (from stage FLOPs per chunk): {plan.bubble_fraction(1):.1%} "
             f"per call that fills and drains the pipeline ((S-1)/(M+S-1) = "
             f"{(s - 1) / (m + s - 1):.1%} if stages were balanced){ring}"]
