@@ -79,9 +79,12 @@ def test_measured_time_far_beyond_the_prediction_is_op_overhead():
     was called compute/memory bound)."""
     assert not timing(1.2).overhead_bound
     assert timing(11.0).overhead_bound
-    assert "fewer chunks (or Inductor stages" in format_comparison([timing(11.0)])
+    assert "fewer chunks, or Inductor stages" in format_comparison([timing(11.0)])
     compiled = format_comparison([timing(11.0)], compiler="inductor")
-    assert "fewer chunks (or CUDA graphs" in compiled and "Inductor" not in compiled
+    assert "fewer chunks, or CUDA graphs" in compiled and "Inductor" not in compiled
+    whole = format_comparison([dataclasses.replace(timing(11.0), whole=True)])  # sync
+    assert "a whole step of" in whole and "fewer stages" in whole
+    assert "chunk" not in whole.split("\n", 1)[1]  # sync runs no chunks to make fewer
     unmeasured = dataclasses.replace(timing(11.0), steps=(), steps_short=2)
     assert not unmeasured.overhead_bound  # by the prediction alone
 

@@ -6,7 +6,7 @@ and each receive, a ring's carries among them. Receives are posted ahead, so a r
 time is the rank's wait for its values (there is no separate wait event). The prelude and the
 broadcast of the output to every rank are not recorded.
 
-    program = tokpipe_compiler.stage_programs(compiled)[0]          # after a few calls
+    program = tokpipe_compiler.programs(compiled)[0]                # after a few calls
     write_chrome_trace(program.timeline, "trace.json")       # ui.perfetto.dev, chrome://tracing
     print(format_comparison(compare(program.plan, program.timeline),
                             program.plan.config.compiler))
@@ -191,6 +191,7 @@ class StageTiming:
     chunk_tokens: int = 0
     steps: tuple[int, ...] = ()  # the steps measured, counted across calls
     steps_short: int = 0  # more chunked steps the stage must run to be measured
+    whole: bool = False  # the plan runs every step whole, one chunk (sync mode)
 
     @property
     def ratio(self) -> float:
@@ -257,7 +258,8 @@ def compare(plan: Plan, events: Timeline | Iterable[Event],
                                 statistics.median(measured) if measured else float("nan"),
                                 statistics.median(predicted),
                                 launches * rates.per_op_overhead,
-                                plan.chunk_tokens(plan.chunks[0]), tuple(steps), short))
+                                plan.chunk_tokens(plan.chunks[0]), tuple(steps), short,
+                                len(plan.chunks) == 1))
     return rows
 
 
@@ -274,9 +276,12 @@ def format_comparison(rows: list[StageTiming], compiler: str = "eager") -> str:
                            else ("-", "-"))
         lines.append(f"{r.stage:>5} {_step_ranges(r.steps) or '-':>8} {r.samples:>6} "
                      f"{measured:>12} {r.predicted_s * 1e3:>13.3f} {ratio:>19}  {bound}")
-    lines.append("measured: the median chunk over the steps shown (counted across calls); left "
-                 "out: whole-sequence warmup steps, each chunk length's first chunked step (it "
-                 "compiles) and the first half of the steps after it (they still run slow)")
+    whole = rows[0].whole
+    lines.append("measured: the median " + ("step" if whole else "chunk") + " over the steps "
+                 "shown (counted across calls); left out: " + ("" if whole else
+                 "whole-sequence warmup steps, each chunk length's first chunked step") +
+                 ("the first step" if whole else "") + " (it compiles) and the first half of "
+                 "the steps after it (they still run slow)")
     short = [r for r in rows if r.steps_short]
     if short:
         lines.append(
@@ -286,13 +291,16 @@ def format_comparison(rows: list[StageTiming], compiler: str = "eager") -> str:
             "larger --run)")
     small = [r for r in rows if r.overhead_bound]
     if small:
+        what = "a whole step" if whole else "a chunk"
+        remedies = [] if whole else ["fewer chunks"]
+        remedies += ["Inductor stages"] * (compiler == "eager") + ["CUDA graphs on a GPU"]
+        if whole:
+            remedies.append("fewer stages")
         lines.append(
-            f"stage(s) {_stage_list(small)}: a chunk of {small[0].chunk_tokens} tokens is "
+            f"stage(s) {_stage_list(small)}: {what} of {small[0].chunk_tokens} tokens is "
             "too small for this device; more than half its time is the fixed cost of "
             "launching each op (beyond the predicted compute and memory time), which the "
-            "prediction holds loosely; use fewer chunks ("
-            + ("or Inductor stages, " if compiler == "eager" else "")
-            + "or CUDA graphs on a GPU)")
+            f"prediction holds loosely; use {', or '.join(remedies)}")
     return "\n".join(lines)
 
 
