@@ -289,6 +289,21 @@ def test_latents_like_draws_the_given_sizes(data):
     assert noise.shape[:2] == (1, 4) and noise.shape[2] in (8, 12) and noise.shape[3] == 16
 
 
+@settings(max_examples=5, deadline=None)
+@given(data=st.data())
+def test_latents_like_draws_one_size_for_a_tuple_of_axes(data):
+    noise = data.draw(latents_like(torch.zeros(1, 4, 8, 8), sizes={(2, -1): [8, 12, 16]}))
+    assert noise.shape[2] == noise.shape[3] in (8, 12, 16)
+
+
+def test_options_for_inputs_the_model_does_not_take_say_so():
+    """A DiT takes square grids only: a non-square draw fails in the model, not in tokpipe."""
+    model = TinyDiT(depth=1, width=16, heads=2, grid=8).eval()
+    latents, t, labels = dit_inputs(model, 8)
+    with pytest.raises(tp.TokpipeError, match="the model itself raises at these inputs"):
+        options(model, (latents[..., :4], t, labels))
+
+
 class TimestepForms(TinyDiT):
     """A timestep as an index into a learned table (`table`), as a sigma taken the log of
     (`log`), or beside an additive mask of 0 and -inf (`mask`)."""

@@ -13,6 +13,7 @@ import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -87,7 +88,7 @@ def _shape(value: object) -> object:
 
 
 def _measure(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> ModelFacts:
-    for captured in capture(model, args, kwargs, fresh=True):
+    for captured in _captured(model, args, kwargs):
         annotated = copy_graph_module(captured.gm)
         try:
             annotation = annotate(annotated, None)
@@ -98,6 +99,27 @@ def _measure(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> ModelF
                       if mode != "causal" or _runs_causal(captured, annotation.units))
         return ModelFacts(annotation.units, modes, annotated, annotation.token_input, tokens)
     raise TokpipeError("no traced graph of this model has a token input to pipeline")
+
+
+def _captured(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> list[Captured]:
+    """capture's graphs; where tracing fails because the model itself fails at these inputs
+    (a drawn shape it does not take), that error, said as such."""
+    try:
+        return capture(model, args, kwargs, fresh=True)
+    except TokpipeError:
+        raise
+    except Exception as err:
+        try:
+            with torch.no_grad():
+                model(*args, **(kwargs or {}))
+        except Exception as eager:
+            shapes = [_shape(a) for a in [*args, *(kwargs or {}).values()]]
+            raise TokpipeError(
+                f"the model itself raises at these inputs (shapes {shapes}), run eagerly: "
+                f"{type(eager).__name__}: {eager}; draw inputs it takes (latents_like's "
+                "`sizes` draws each axis on its own; a tuple of axes as the key draws one "
+                "size for all of them, as a square grid needs)") from eager
+        raise err
 
 
 def _runs_causal(captured: Captured, units: int) -> bool:
@@ -138,23 +160,28 @@ def options(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
 
 
 def latents_like(like: torch.Tensor, *,
-                 sizes: Mapping[int, Sequence[int]] | None = None) -> st.SearchStrategy:
+                 sizes: Mapping[int | tuple[int, ...], Sequence[int]] | None = None
+                 ) -> st.SearchStrategy:
     """Tensors of `like`'s dtype and device, normal noise at a drawn seed and scale.
 
     sizes: axis -> allowed sizes, for models that take several shapes (say, latent sides
-    that are multiples of the patch); by default the shape of `like`. Options drawn for
+    that are multiples of the patch); a tuple of axes draws one size for all of them (a
+    square grid: `{(2, 3): [16, 24]}`); by default the shape of `like`. Options drawn for
     `like` may hold more chunks than a smaller drawn grid has rows: draw the latents first,
     then `options(model, (latents, ...))` for them.
     """
     if not like.is_floating_point():
         raise ValueError(f"latents_like needs a floating tensor, got {like.dtype}; draw "
                          "labels or timesteps with hypothesis.strategies.integers")
-    axes = _size_choices(like, sizes or {})
+    groups = _size_choices(like, sizes or {})
 
     @st.composite
     def draw_latents(draw) -> torch.Tensor:
-        shape = [draw(st.sampled_from(axes[a])) if a in axes else n
-                 for a, n in enumerate(like.shape)]
+        shape = list(like.shape)
+        for axes, allowed in groups:
+            size = draw(st.sampled_from(allowed))
+            for axis in axes:
+                shape[axis] = size
         seed = draw(st.integers(0, 2**31 - 1))
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
         scale = draw(st.sampled_from([1.0, 0.1, 10.0]))
@@ -163,20 +190,24 @@ def latents_like(like: torch.Tensor, *,
     return draw_latents()
 
 
-def _size_choices(like: torch.Tensor, sizes: Mapping[int, Sequence[int]]) -> dict[int, list]:
-    """`sizes` checked: integer axes of `like` (negative from the end), each to a non-empty
-    list of positive sizes."""
+def _size_choices(like: torch.Tensor, sizes: Mapping[Any, Sequence[int]]
+                  ) -> list[tuple[tuple[int, ...], list[int]]]:
+    """`sizes` checked: integer axes of `like` (negative from the end) or tuples of them,
+    each to a non-empty list of positive sizes; as (axes, sizes) pairs."""
     example = f"sizes={{{like.dim() - 2}: [16, 24], {like.dim() - 1}: [16, 24]}}"
-    axes: dict[int, list] = {}
-    for axis, choices in sizes.items():
-        if isinstance(axis, bool) or not isinstance(axis, int) or \
-                not -like.dim() <= axis < like.dim():
-            raise ValueError(f"latents_like sizes: key {axis!r} is not an axis of the "
-                             f"{like.dim()}-d latents {tuple(like.shape)}: keys are integer "
-                             f"axes (negative from the end), e.g. {example}")
+    groups = []
+    for key, choices in sizes.items():
+        for axis in key if isinstance(key, tuple) and key else (key,):
+            if isinstance(axis, bool) or not isinstance(axis, int) or \
+                    not -like.dim() <= axis < like.dim():
+                raise ValueError(f"latents_like sizes: key {key!r} is not an axis of the "
+                                 f"{like.dim()}-d latents {tuple(like.shape)}: keys are "
+                                 "integer axes (negative from the end) or tuples of them, "
+                                 f"e.g. {example}")
         allowed = list(choices)
         if not allowed or not all(isinstance(n, int) and n > 0 for n in allowed):
-            raise ValueError(f"latents_like sizes: axis {axis} needs a non-empty list of "
+            raise ValueError(f"latents_like sizes: axis {key} needs a non-empty list of "
                              f"positive integer sizes, got {choices!r}, e.g. {example}")
-        axes[axis % like.dim()] = allowed
-    return axes
+        axes = tuple(a % like.dim() for a in (key if isinstance(key, tuple) else (key,)))
+        groups.append((axes, allowed))
+    return groups
