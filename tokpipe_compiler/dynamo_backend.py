@@ -127,6 +127,8 @@ class LazyProgram:
         traced = traced_function()
         if traced is not None:
             note_traced(traced[0])
+        self.block_round = 0 if self.block is None or traced is None \
+            else session.block_traced(traced[1])
         # said at the first call, not inside Dynamo's trace
         self.retraced = traced_again(session, traced, example_inputs, self.owner_index)
         self.plans: dict[Any, Any] = {}  # input shapes (dynamic graphs) -> _plan's
@@ -245,7 +247,9 @@ class LazyProgram:
         if not self.block.skipped or (config.mode == "stale" and
                                       self.session.timesteps.follow() is None):
             return False
-        self._warn_once("block alone", self.block.warning())
+        if self.block_round > self.session.block_round_said:  # once per trace of the blocks
+            self.session.block_round_said = self.block_round
+            warn(self.block.warning())
         return True
 
     def _whole_model_only(self, config: Config) -> tuple[None, None, None]:

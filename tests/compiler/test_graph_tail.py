@@ -16,6 +16,14 @@ from tests.fixtures.models import ChecksItsOutput, TinyDiT, dit_inputs
 from tokpipe_compiler.core.errors import UnchunkableOps
 from tokpipe_compiler.planning.graph_tail import plan_with_tail, split_tail
 
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Code shared across tests (nn.Sequential's forward) past Dynamo's recompile limit
+    would run eagerly: each test traces afresh."""
+    torch.compiler.reset()
+
+
 OPTIONS = {"stages": 2, "chunks": 4, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 TIMESTEPS = (900, 800, 700)
 
@@ -146,24 +154,39 @@ def test_explain_plans_the_body():
     assert len(plan.stages) == 2 and len(plan.chunks) == 4
 
 
-class _TemperedAttention(torch.nn.Module):
-    """Attention with a learned temperature tensor, which the compiler does not fold into
-    sdpa: unchunkable where it stands, in the first of two blocks."""
+class _Attention(torch.nn.Module):
+    """Self-attention through sdpa, or (`relu`) with a ReLU for its softmax, which the
+    compiler does not fold into sdpa: unchunkable where it stands."""
 
-    def __init__(self):
+    def __init__(self, relu: bool):
         super().__init__()
+        self.relu = relu
         self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
-        self.temperature = torch.nn.Parameter(torch.full((1, 2, 1, 1), 0.25))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, n, _ = h.shape
         q, k, v = self.qkv(h).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
-        a = ((q @ k.transpose(-2, -1)) * self.temperature).softmax(-1) @ v
+        if self.relu:
+            a = (q @ k.transpose(-2, -1)).relu() @ v / n
+        else:
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         return h + self.out(a.transpose(1, 2).reshape(b, n, 16))
 
 
+class _TwoBlocks(torch.nn.Module):
+    """A block the compiler chunks, then one it cannot: the second's matrix products would
+    make it an unpipelined tail."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = _Attention(relu=False), _Attention(relu=True)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(h))
+
+
 def test_attention_it_cannot_chunk_is_refused_not_made_a_tail():
-    model = torch.nn.Sequential(_TemperedAttention(), _TemperedAttention()).eval()
+    model = _TwoBlocks().eval()
     compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=dict(OPTIONS))
     with torch.no_grad(), pytest.raises(tp.TokpipeError, match="mix tokens"):
         compiled(torch.randn(1, 16, 16))

@@ -138,6 +138,23 @@ def test_blocks_traced_alone_run_in_sync_mode_saying_what_it_costs():
     assert len(tp.programs(compiled)) == 3
 
 
+def test_blocks_traced_alone_again_say_so_again():
+    """Dynamo keeps skipping the model's forward when it traces the blocks again (a new
+    input shape here; a diffusers cache hook turned off, in use): the new pipelines per
+    block are said again, once for all the blocks."""
+    torch.manual_seed(0)
+    model = BreakInTheLoop("disabled call").eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "mode": "sync"})
+    said = []
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for tokens in (16, 16, 24):
+            compiled(torch.randn(1, tokens, 16))
+            said.append(sum("pipeline of its own" in str(w.message) for w in caught))
+    assert said == [1, 1, 2]
+
+
 def test_diffusers_regional_compilation_is_refused_and_runs_as_traced_with_fallback():
     expected = generate(*wan(), steps=2)
     pipe, kwargs = wan()

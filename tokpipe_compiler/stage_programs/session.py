@@ -34,6 +34,15 @@ class Session:
         # pipeline's call (a pipeline made from it with from_pipe and not parallelized).
         self.outside_call: str | None = None
         self.graphs = GraphTally()  # each graph's outcome, for a split model's summary
+        self.block_traces: dict[int | None, int] = {}  # per block: times traced alone
+        self.block_round_said = 0  # the last such time whose cost a warning said
+
+    def block_traced(self, block: int | None) -> int:
+        """Counts a trace of the block `block` (its id) on its own; returns which one it is:
+        the blocks' second traces (Dynamo still skipping their model's forward after a hook
+        came and went, or at a new input shape) warn again."""
+        self.block_traces[block] = self.block_traces.get(block, 0) + 1
+        return self.block_traces[block]
 
     def reset(self) -> None:
         for program in list(self.programs):
