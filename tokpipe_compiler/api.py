@@ -43,7 +43,7 @@ def reset(compiled: Any) -> None:
     calls each start afresh: this drops what its per-call steps hold). A generation also
     starts by itself when the timestep goes back up (see README, "Generations").
     """
-    from tokpipe_compiler.pipelines.parallel_pipeline import reset_parallelized
+    from tokpipe_compiler.pipelines.marks import reset_parallelized
 
     if reset_parallelized(compiled):
         return

@@ -259,7 +259,7 @@ def _describe_released(args: argparse.Namespace, pipe: Any, kwargs: dict[str, An
 def _programs(pipe: Any) -> list:
     """The pipelined programs behind `pipe`: none where CFG parallelism runs each guidance
     branch whole on its own rank (--cfg 2 --stages 1)."""
-    from tokpipe_compiler.pipelines.parallel_pipeline import programs
+    from tokpipe_compiler.pipelines.marks import programs
 
     try:
         return programs(pipe)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.generate_ranks import wait_for_each_other
-from tokpipe_compiler.pipelines.parallel_pipeline import find_denoisers
+from tokpipe_compiler.pipelines.marks import find_denoisers
 
 Timed = Callable[[Any, dict], tuple[float, list]]  # (pipe, kwargs) -> (seconds, images)
 

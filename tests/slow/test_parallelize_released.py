@@ -82,7 +82,7 @@ def test_released_widths_hybrid_cfg_on_four_ranks():
 
 
 def _auto_rank(rank: int, world: int, name: str) -> tuple[torch.Tensor, list]:
-    from tokpipe_compiler.pipelines.parallel_pipeline import programs
+    from tokpipe_compiler.pipelines.marks import programs
 
     pipe, kwargs = RELEASED[name]()
     tp.pipelines.parallelize(pipe, **{**OPTIONS, "chunks": "auto"}, mode="stale")

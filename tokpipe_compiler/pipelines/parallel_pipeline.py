@@ -23,7 +23,6 @@ caches go with them, so two calls with one seed give one image twice.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import threading
@@ -40,6 +39,18 @@ from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.dynamo_backend import TokpipeBackend
 from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
 from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
+from tokpipe_compiler.pipelines.marks import (
+    CALLED,
+    FRESH,
+    PARALLELIZED,
+    RESET,
+    RING,
+    calling,
+    find_denoisers,
+    programs,
+    reset_programs,
+    reset_with_the_pipeline,
+)
 from tokpipe_compiler.pipelines.probes import RingUnavailable
 from tokpipe_compiler.pipelines.random_states import (
     call_generators,
@@ -53,14 +64,6 @@ from tokpipe_compiler.planning.compile_calls import own_recompiles
 from tokpipe_compiler.planning.graph_share import GraphTally, summary
 from tokpipe_compiler.stage_programs.generations import PIPELINE_STEPS, StepMarks, count_step
 
-# The attributes that hold a pipeline's denoising transformers (Wan 2.2's low-noise expert
-# in the second).
-DENOISERS = ("transformer", "transformer_2")
-_RESET = "_reset_stateful_cache"  # what DiffusionPipeline calls on each component at the end
-_PARALLELIZED = "_tokpipe_parallelized"  # a transformer's `Parallelized`
-_FRESH = "_tokpipe_fresh_start"  # a per-call pipeline's mark (`_install_fresh_start`)
-_RING = "_tokpipe_ring"  # a ring pipeline's `RingCalls` (`_install_ring`)
-_CALLED = "_tokpipe_called"  # set at a parallelized pipeline's first call
 # Input signatures (resolutions, batch sizes) a transformer is compiled for per call before
 # Dynamo runs it unpipelined: PixArt's and Sana's pipelines bin resolutions into dozens of
 # aspect ratios, and each is one recompile.
@@ -83,7 +86,7 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     for name, denoiser in denoisers.items():
         _check_denoiser(pipe, name, denoiser, config)
     for denoiser in denoisers.values():  # each with its own programs and recompile limit
-        if getattr(denoiser, _PARALLELIZED, None) is None:
+        if getattr(denoiser, PARALLELIZED, None) is None:
             backend = TokpipeBackend(**options)
             backend.session.outside_call = (
                 f"tokpipe: {type(denoiser).__name__}, parallelized with {type(pipe).__name__}, "
@@ -94,15 +97,15 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
                 "others waiting `timeout`); parallelize that pipeline too (with the same "
                 "options) to run its loop as a ring")
             denoiser.compile(backend=backend, dynamic=False, **own_recompiles(RECOMPILES))
-            object.__setattr__(denoiser, _PARALLELIZED,
+            object.__setattr__(denoiser, PARALLELIZED,
                                Parallelized(config, denoiser._compiled_call_impl,
                                             backend.session.graphs))
-            _reset_with_the_pipeline(denoiser)
+            reset_with_the_pipeline(denoiser)
     if ring:
         hybrid = cfg == 2 and config.stages > 1
         _install_ring(pipe, denoisers, options, cfg,
                       branch_groups(config.stages) if hybrid else None)
-    elif getattr(pipe, _FRESH, None) is None:
+    elif getattr(pipe, FRESH, None) is None:
         _install_fresh_start(pipe)
     return pipe
 
@@ -136,12 +139,12 @@ class Parallelized:
 def _check_denoiser(pipe: Any, name: str, denoiser: torch.nn.Module, config: Config) -> None:
     """A transformer parallelize can take: not compiled otherwise; one parallelized for a
     pipeline that shares it (diffusers' `from_pipe`) with the same options."""
-    shared = getattr(denoiser, _PARALLELIZED, None)
+    shared = getattr(denoiser, PARALLELIZED, None)
     if shared is not None:
         differ = [f"{f.name}={getattr(shared.config, f.name)!r}"
                   for f in dataclasses.fields(config)
                   if getattr(shared.config, f.name) != getattr(config, f.name)]
-        if differ and any(getattr(pipe, mark, None) is not None for mark in (_RING, _FRESH)):
+        if differ and any(getattr(pipe, mark, None) is not None for mark in (RING, FRESH)):
             raise TokpipeError(f"{type(pipe).__name__} is parallelized already, with "
                                f"{', '.join(differ)}; a transformer keeps the options it was "
                                "parallelized with: load the pipeline again for others")
@@ -163,7 +166,7 @@ def _check_denoiser(pipe: Any, name: str, denoiser: torch.nn.Module, config: Con
 def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dict[str, Any],
                   cfg: int, branches: Branches | None) -> None:
     """Route the pipeline's call, its transformers and its scheduler through `RingCalls`."""
-    rings = {name: DenoiserRings(pipe, name, module, getattr(module, _PARALLELIZED).per_call,
+    rings = {name: DenoiserRings(pipe, name, module, getattr(module, PARALLELIZED).per_call,
                                  options, cfg, branches) for name, module in denoisers.items()}
     calls = RingCalls(pipe, rings, cfg)
     calls.take_transformers()
@@ -171,12 +174,12 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
 
     @functools.wraps(cls.__call__)  # the pipeline's own signature and docstring
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, _RING, None) is not calls:  # made from this one (from_pipe)
+        if getattr(self, RING, None) is not calls:  # made from this one (from_pipe)
             return cls.__call__(self, *args, **kwargs)
         _warn_replaced(self)
         generators = call_generators(cls.__call__, self, args, kwargs)
         states = random_states(generators)
-        with _one_call_at_a_time(self, running), _calling(calls):
+        with _one_call_at_a_time(self, running), calling(calls):
             try:
                 with calls.generation_of(kwargs) as call_kwargs, _steps_counted(self):
                     return cls.__call__(self, *args, **call_kwargs)
@@ -188,7 +191,7 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
                     return cls.__call__(self, *args, **call_kwargs)
 
     extra = {"interrupt": _interrupt_after_probes(calls)} if interruptible(pipe) else {}
-    _with_call(pipe, __call__, _RING, calls, extra)
+    _with_call(pipe, __call__, RING, calls, extra)
 
 
 def _interrupt_after_probes(calls: RingCalls) -> property:
@@ -199,7 +202,7 @@ def _interrupt_after_probes(calls: RingCalls) -> property:
 
     def interrupt(self: Any) -> bool:
         generation = calls.generation
-        if getattr(self, _RING, None) is calls and generation is not None and \
+        if getattr(self, RING, None) is calls and generation is not None and \
                 generation.probing:
             return False
         return bool(getattr(self, "_interrupt", False))
@@ -214,17 +217,17 @@ def _install_fresh_start(pipe: Any) -> None:
 
     @functools.wraps(cls.__call__)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, _FRESH, None) is not marker:  # a pipeline made from this one
+        if getattr(self, FRESH, None) is not marker:  # a pipeline made from this one
             return cls.__call__(self, *args, **kwargs)
         _warn_replaced(self)
         with _one_call_at_a_time(self, running):
             for denoiser in find_denoisers(self).values():
-                _reset_programs(denoiser)
+                reset_programs(denoiser)
             route(self.scheduler, marker, {"step": _counted_step})  # it may be replaced
             with _steps_counted(self):
                 return cls.__call__(self, *args, **kwargs)
 
-    _with_call(pipe, __call__, _FRESH, marker)
+    _with_call(pipe, __call__, FRESH, marker)
 
 
 @contextlib.contextmanager
@@ -238,7 +241,7 @@ def _one_call_at_a_time(pipe: Any, running: threading.Lock) -> Iterator[None]:
             "parallelized pipeline runs one call at a time, since its generation's state "
             "(ring, scheduler, K/V caches) is the pipeline's. Serialise the calls with a "
             "lock, or load a pipeline per thread")
-    setattr(pipe, _CALLED, True)
+    setattr(pipe, CALLED, True)
     try:
         yield
     finally:
@@ -285,12 +288,12 @@ def _distributed(pipe: Any) -> list:
 
 def _end_call(pipe: Any) -> None:
     """A call that raised ends as diffusers ends one that returns: each transformer's
-    `_reset_stateful_cache` (`_reset_with_the_pipeline`), which resets its step caches
+    `_reset_stateful_cache` (`reset_with_the_pipeline`), which resets its step caches
     (First Block Cache and its kind) and its programs' generations. Left midway, the ranks'
     caches would skip blocks differently, and their programs would start the next
     generation apart (a from_pipe sibling's call, say)."""
     for denoiser in find_denoisers(pipe).values():
-        reset = getattr(denoiser, _RESET, None)
+        reset = getattr(denoiser, RESET, None)
         if callable(reset):
             reset()
 
@@ -299,7 +302,7 @@ def _summarize_graphs(pipe: Any) -> None:
     """After a call that planned the graphs of a transformer split at graph breaks: how
     many there are and how much of it is pipelined, in one line."""
     for denoiser in find_denoisers(pipe).values():
-        parallelized = getattr(denoiser, _PARALLELIZED, None)
+        parallelized = getattr(denoiser, PARALLELIZED, None)
         if parallelized is not None:
             line = summary(type(denoiser).__name__, parallelized.graphs.take_new())
             if line is not None:
@@ -314,107 +317,7 @@ def _counted_step(original: Callable[..., Any], *args: Any, **kwargs: Any) -> An
 def _warn_replaced(pipe: Any) -> None:
     """A transformer set on the pipeline after `parallelize` runs as it is: say so."""
     for name, denoiser in find_denoisers(pipe).items():
-        if getattr(denoiser, _PARALLELIZED, None) is None:
+        if getattr(denoiser, PARALLELIZED, None) is None:
             warn(f"tokpipe: {type(pipe).__name__}.{name} was replaced after parallelize and "
                  "runs unpipelined; call tp.pipelines.parallelize(pipe, ...) again to "
                  "pipeline it")
-
-
-def programs(pipe: Any) -> list:
-    """The pipelined programs behind a parallelized pipeline: its rings' (one per form of
-    step and input shapes) and its transformer's per-call ones; none before its first
-    call. Raises where it has none after one (saying why)."""
-    from tokpipe_compiler.api import programs as call_programs
-
-    calls = getattr(pipe, _RING, None)
-    if (calls is not None or hasattr(pipe, _FRESH)) and not hasattr(pipe, _CALLED):
-        return []  # parallelized, not called yet: nothing traced
-    found = [] if calls is None else [p for rings in calls.denoisers.values()
-                                      for ring in rings.rings.values() for p in ring.programs()]
-    for denoiser in find_denoisers(pipe).values():
-        with contextlib.suppress(TokpipeError):  # none: never called per call
-            found += call_programs(denoiser)
-    if not found and calls is not None and all(
-            rings.cfg == 2 and rings.config.stages == 1 for rings in calls.denoisers.values()):
-        raise TokpipeError(f"{type(pipe).__name__} runs each guidance branch whole on its "
-                           "own rank (cfg=2, stages=1): it has no pipelined program")
-    if not found:
-        raise TokpipeError(f"{type(pipe).__name__} has no pipelined program: it was not "
-                           "parallelized and called yet, or every graph of its transformer "
-                           "ran unpipelined (a warning at its first call said why)")
-    return found
-
-
-def reset_parallelized(obj: Any) -> bool:
-    """`tp.reset` of a parallelized pipeline or of its transformer: drops the K/V of the
-    transformer's per-call programs (none where it only ran in rings). A ring's generation
-    is the pipeline's call: a reset during one (from a step callback) cannot restart it, and
-    says so. False where `obj` is neither."""
-    if getattr(obj, _PARALLELIZED, None) is not None:
-        denoisers = [obj]
-    elif hasattr(obj, _RING) or hasattr(obj, _FRESH):
-        denoisers = list(find_denoisers(obj).values())
-    else:
-        return False
-    calls = _CALLING.get()
-    generation = None if calls is None else calls.generation
-    if generation is not None and generation.ring and (
-            obj is calls.pipe or any(d in find_denoisers(calls.pipe).values() for d in denoisers)):
-        warn(f"tokpipe: tp.reset({type(obj).__name__}) during a parallelized pipeline's call "
-             "has no effect: its denoising loop runs as one ring, whose steps cannot start "
-             "again mid-call; the next call starts afresh")
-    for denoiser in denoisers:
-        _reset_programs(denoiser)
-    return True
-
-
-# The ring pipeline whose call runs now (`reset_parallelized` tells a reset during it).
-_CALLING: contextvars.ContextVar[RingCalls | None] = contextvars.ContextVar(
-    "tokpipe_ring_calling", default=None)
-
-
-@contextlib.contextmanager
-def _calling(calls: RingCalls) -> Iterator[None]:
-    token = _CALLING.set(calls)
-    try:
-        yield
-    finally:
-        _CALLING.reset(token)
-
-
-def find_denoisers(pipe: Any) -> dict[str, torch.nn.Module]:
-    """The pipeline's denoising transformers by attribute name (Wan 2.2 has two), or an
-    error naming what the pipeline has."""
-    found = {name: module for name in DENOISERS
-             if isinstance(module := getattr(pipe, name, None), torch.nn.Module)}
-    if found:
-        return found
-    components = getattr(pipe, "components", None)
-    have = sorted(components) if isinstance(components, dict) else type(pipe).__name__
-    raise TokpipeError(f"{type(pipe).__name__} has no denoising transformer "
-                       f"(looked for {', '.join(DENOISERS)}; it has {have}); tokpipe "
-                       "pipelines transformer denoisers, not UNets")
-
-
-def _reset_with_the_pipeline(denoiser: torch.nn.Module) -> None:
-    """End the generation when the pipeline call ends: DiffusionPipeline calls each
-    component's `_reset_stateful_cache` there (diffusers' own stateful hooks too)."""
-    own = getattr(denoiser, _RESET, None)
-
-    def reset_caches(*args: Any, **kwargs: Any) -> None:
-        if own is not None:
-            own(*args, **kwargs)
-        _reset_programs(denoiser)
-
-    object.__setattr__(denoiser, _RESET, reset_caches)
-
-
-def _reset_programs(denoiser: torch.nn.Module) -> None:
-    from tokpipe_compiler.api import programs
-
-    try:
-        found = programs(denoiser)
-    except TokpipeError:  # the transformer never ran (no steps): nothing to drop
-        found = []
-    for program in found:
-        program.reset()
