@@ -4,8 +4,8 @@ model instead of refusing it."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
-import types
 import warnings
 
 import pytest
@@ -35,6 +35,12 @@ def _compiled_calls(model, latents, labels) -> tuple[list, object]:
         warnings.simplefilter("ignore")
         outputs = [compiled(latents, torch.tensor([t]), labels) for t in TIMESTEPS]
     return outputs, compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    caches: list
+    tail_ops: tuple = ()
 
 
 def _with_check(check: str, out: torch.Tensor):
@@ -138,10 +144,11 @@ def test_the_body_is_planned_where_the_ops_are_a_tail():
         planned.append(graph)
         if len(planned) == 1:
             raise UnchunkableOps("mixes tokens", "", ("sum_1",))
-        return types.SimpleNamespace(caches=["a K/V cache"])
+        return _Planned(caches=["a K/V cache"])
 
     plan_result, split = plan_with_tail(gm, plan)
     assert plan_result.caches and planned[1] is split.body
+    assert plan_result.tail_ops == ("sum_1",)
     x, weight = torch.randn(1, 8, 4), torch.randn(4)
     assert torch.equal(split.run(split.body, x, weight)[0], gm(x, weight)[0])
 
@@ -152,6 +159,16 @@ def test_explain_plans_the_body():
     latents, t, labels = dit_inputs(model, 8)
     plan = tp.explain(model, (latents, t, labels), **OPTIONS)
     assert len(plan.stages) == 2 and len(plan.chunks) == 4
+    assert plan.tail_ops and plan.summary()["tail_ops"] == list(plan.tail_ops)
+    printed = str(plan)
+    assert "after the pipeline" in printed and all(op in printed for op in plan.tail_ops)
+
+
+def test_a_plan_without_a_tail_says_nothing_of_one():
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, grid=8).eval()
+    plan = tp.explain(model, dit_inputs(model, 8), **OPTIONS)
+    assert plan.tail_ops == () and "after the pipeline" not in str(plan)
 
 
 class _Attention(torch.nn.Module):

@@ -28,7 +28,15 @@ def _header(plan: Plan) -> list[str]:
             f"token input {_token_argument(plan)!r}: {plan.units} grid rows, {plan.tokens} "
             "tokens; "
             f"weights (parameters and buffers) {human_bytes(plan.model_param_bytes)} (each "
-            "counted once)"]
+            "counted once)", *_tail(plan)]
+
+
+def _tail(plan: Plan) -> list[str]:
+    """The ops that end the graph mixing every token: they run after the pipeline."""
+    if not plan.tail_ops:
+        return []
+    return [f"after the pipeline, on its whole outputs, on every rank: {', '.join(plan.tail_ops)}"
+            " and what they feed (ops that mix every token; the stages below hold the rest)"]
 
 
 def _token_argument(plan: Plan) -> str:

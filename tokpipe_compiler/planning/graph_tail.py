@@ -12,6 +12,7 @@ whole as every output is; the tail then runs on them, unpipelined, on every rank
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -150,4 +151,4 @@ def plan_with_tail(gm: torch.fx.GraphModule,
             raise
     LOG.info("the ops %s mix tokens at the end of the graph: they and what follows them run "
              "after the pipeline, on its whole outputs", ", ".join(split.ops))
-    return body, split
+    return dataclasses.replace(body, tail_ops=split.ops), split

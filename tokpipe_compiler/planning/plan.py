@@ -73,6 +73,7 @@ class Plan:
     tokens: int = 0  # image (video) tokens of one sample, text segments not counted
     imbalance: float = 1.0  # the slowest stage's cost over an even share (the partition's)
     imbalance_warning: str = ""  # why the stages are not balanced, when they are not
+    tail_ops: tuple[str, ...] = ()  # ops mixing tokens that end the graph: run after it
     _schedules: dict[tuple, Schedule] = field(default_factory=dict, init=False, repr=False,
                                               compare=False)
 
@@ -191,6 +192,7 @@ def summary(plan: Plan) -> dict[str, Any]:
         "text_tokens": plan.text_tokens,
         "imbalance": plan.imbalance,
         "imbalance_warning": plan.imbalance_warning,
+        "tail_ops": list(plan.tail_ops),
         "model_param_bytes": plan.model_param_bytes,
         "prelude": {"nodes": node_count(plan.graphs.prelude),
                     "param_bytes": plan.prelude_param_bytes,
