@@ -181,6 +181,21 @@ def test_save_writes_files_that_open(tmp_path):
             assert image.size[0] > 100 and image.size[1] > 50
 
 
+def test_the_partition_lists_each_layer_of_a_stage_once():
+    """Flux's traced graph interleaves its blocks' nodes with top-level ones; the partition
+    (and its chart: one bar per entry) still holds each layer once, its FLOPs summed."""
+    from tests.fixtures.zoo import ZOO, build
+
+    model = build("FluxTransformer2DModel").eval()
+    plan = tp.explain(model, kwargs=ZOO["FluxTransformer2DModel"].inputs(0), stages=2,
+                      chunks=2, compiler="eager")
+    for stage in plan.stages:
+        layers = [layer for layer, _ in stage.layer_flops]
+        assert len(layers) == len(set(layers)), layers
+    assert {"transformer_blocks.0", "single_transformer_blocks.0"} <= {
+        layer for s in plan.stages for layer, _ in s.layer_flops}
+
+
 def test_layers_compress():
     assert layer_of("transformer_blocks.3.attn1.to_q") == "transformer_blocks.3"
     assert layer_of("pos_embed.proj") == "pos_embed"

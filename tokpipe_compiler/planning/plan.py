@@ -260,16 +260,14 @@ def _modules(nodes: list[torch.fx.Node]) -> list[str]:
 
 
 def _layer_flops(cut: Partition, stage: int) -> list[tuple[str, float]]:
-    out: list[tuple[str, float]] = []
+    """Each layer of the stage once, in order of its first node, with its nodes' summed
+    weights (a traced graph interleaves a block's nodes with top-level ones)."""
+    flops: dict[str, float] = {}
     for node, weight in zip(cut.order, cut.weights, strict=True):
-        if cut.stage_of[node] != stage:
-            continue
-        layer = layer_of(module_path(node)) or "(top level)"
-        if out and out[-1][0] == layer:
-            out[-1] = (layer, out[-1][1] + weight)
-        else:
-            out.append((layer, weight))
-    return out
+        if cut.stage_of[node] == stage:
+            layer = layer_of(module_path(node)) or "(top level)"
+            flops[layer] = flops.get(layer, 0.0) + weight
+    return list(flops.items())
 
 
 def _send_bytes(stage: StageGraph, graphs: SplitGraphs, text: bool = False) -> int:
