@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -68,9 +68,19 @@ class Event:
         return self.step + (self.carry and self.kind == "send")
 
 
+TIMELINE_EVENTS = 65536  # about 16 MiB of events: a long-lived service's record stays bounded
+
+
 @dataclass
 class Timeline:
-    events: list[Event] = field(default_factory=list)
+    """What a program ran when: its latest `capacity` events (older ones are dropped, so
+    that a process making image after image keeps a bounded record)."""
+
+    capacity: int | None = None  # None: TIMELINE_EVENTS
+    events: deque[Event] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.events = deque(maxlen=self.capacity or TIMELINE_EVENTS)
 
     def record(self, kind: str, rank: int, action: Action, start: float,
                units: int | None = None, step_base: int = 0, whole: bool = False) -> None:

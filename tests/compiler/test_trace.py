@@ -19,6 +19,7 @@ from tokpipe_compiler.inspection.timeline import (
     steady_steps,
     write_chrome_trace,
 )
+from tokpipe_compiler.runtime import executor
 from tokpipe_compiler.runtime.executor import Event
 
 RATES = DeviceRates(matmul_flops=1e10, mem_bandwidth=1e10, attention_flops=1e10,
@@ -53,6 +54,17 @@ def test_chrome_trace_follows_the_format(tmp_path):
     assert sorted({e["args"]["units"] for e in complete}) == [1, 4]
     starts = [e["ts"] for e in complete]
     assert starts == sorted(starts)
+
+
+def test_the_timeline_keeps_its_latest_events_only(monkeypatch):
+    """A process making image after image keeps a bounded record: the latest events."""
+    monkeypatch.setattr(executor, "TIMELINE_EVENTS", 8)
+    program = ran_program(calls=3)
+    events = list(program.timeline.events)
+    assert len(events) == 8
+    # the last call's: its last chunk, stage 1's compute the very last
+    assert events[-1].step == 2 and events[-1].stage == 1 and events[-1].chunk == 3
+    assert program.timeline.events.maxlen == 8
 
 
 def test_measured_against_predicted_per_stage():
