@@ -5,6 +5,7 @@ transformer, called in any order, and equals its serial twin within 1e-5 (float3
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -66,7 +67,8 @@ def test_a_pipeline_made_from_a_parallelized_one_runs_per_call_unless_paralleliz
 def test_a_shared_transformer_takes_only_the_options_it_was_parallelized_with():
     *_, text, _, _ = _image_to_image_and_text_to_image()
     with pytest.raises(tp.TokpipeError, match=r"parallelized already, for a pipeline that "
-                                              r"shares it .*with chunks=2, mode='sync'"):
+                                              r"shares it .*with chunks=2 \(asked: 4\), "
+                                              r"mode='sync' \(asked: 'stale'\)"):
         tp.pipelines.parallelize(text, **{**OPTIONS, "chunks": 4, "mode": "stale"})
 
 
@@ -75,10 +77,32 @@ def test_a_pipeline_parallelized_again_with_other_options_is_told_how(ring):
     pipe, _ = flux()
     tp.pipelines.parallelize(pipe, **OPTIONS, ring=ring)
     tp.pipelines.parallelize(pipe, **OPTIONS, ring=ring)  # the same options: nothing to do
-    with pytest.raises(tp.TokpipeError, match=r"is parallelized already, with chunks=2; a "
-                                              r"transformer keeps the options .* load the "
-                                              r"pipeline again"):
+    with pytest.raises(tp.TokpipeError, match=r"is parallelized already, with chunks=2 "
+                                              r"\(asked: 4\); a transformer keeps the options "
+                                              r".* load the pipeline again"):
         tp.pipelines.parallelize(pipe, **{**OPTIONS, "chunks": 4}, ring=ring)
+
+
+@pytest.mark.parametrize(("first", "then", "named"), [
+    ({"ring": False}, {"ring": True}, r"ring=False \(asked: True\)"),
+    ({"ring": True}, {"ring": False}, r"ring=True \(asked: False\)"),
+    ({}, {"cfg": 2}, r"cfg=1 \(asked: 2\)"),
+])
+def test_a_pipeline_keeps_how_its_loop_runs(first, then, named):
+    """Parallelized again with another `ring` or `cfg`, a pipeline says so: routed a second
+    time, ring=False then True lost the ring to a scheduler error, and True then False was
+    ignored; the ring runs as before after the refusal."""
+    pipe, kwargs = flux()
+    serial = copy.deepcopy(pipe)
+    tp.pipelines.parallelize(pipe, **OPTIONS, **first)
+    with pytest.raises(tp.TokpipeError, match=rf"parallelized already, with {named}; a "
+                                              r"pipeline keeps how its loop runs"):
+        tp.pipelines.parallelize(pipe, **OPTIONS, **then)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback from the ring: it runs as it did
+        out = generate(pipe, kwargs, steps=3)
+    assert _relative(out, generate(serial, kwargs, steps=3)) <= 1e-5
+    assert bool(first.get("ring", True)) == bool(getattr(pipe, "_tokpipe_ring", None))
 
 
 @pytest.mark.parametrize("ring", [True, False])

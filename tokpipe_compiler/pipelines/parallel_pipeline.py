@@ -82,6 +82,7 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
     both branches batched (stages > 1).
     """
     config = checked_options(ring=ring, cfg=cfg, **options)
+    _check_loop_options(pipe, ring, cfg)
     denoisers = find_denoisers(pipe)
     for name, denoiser in denoisers.items():
         _check_denoiser(pipe, name, denoiser, config)
@@ -136,23 +137,41 @@ class Parallelized:
     graphs: GraphTally  # the per-call path's graphs (several where Dynamo split the model)
 
 
+def _check_loop_options(pipe: Any, ring: bool, cfg: int) -> None:
+    """A pipeline parallelized already keeps how its loop runs (`ring`, `cfg`): its call is
+    routed once, and a second routing over the first would lose the ring."""
+    calls = getattr(pipe, RING, None)
+    if calls is None and getattr(pipe, FRESH, None) is None:
+        return
+    had = {"ring": calls is not None, "cfg": 1 if calls is None else calls.cfg}
+    asked = {"ring": ring, "cfg": cfg}
+    differ = [name for name in had if had[name] != asked[name]]
+    if differ:
+        raise TokpipeError(f"{type(pipe).__name__} is parallelized already, with "
+                           f"{_changes(differ, had, asked)}; a pipeline keeps how its loop "
+                           "runs: load the pipeline again for others")
+
+
+def _changes(names: list[str], had: dict[str, Any], asked: dict[str, Any]) -> str:
+    return ", ".join(f"{name}={had[name]!r} (asked: {asked[name]!r})" for name in names)
+
+
 def _check_denoiser(pipe: Any, name: str, denoiser: torch.nn.Module, config: Config) -> None:
     """A transformer parallelize can take: not compiled otherwise; one parallelized for a
     pipeline that shares it (diffusers' `from_pipe`) with the same options."""
     shared = getattr(denoiser, PARALLELIZED, None)
     if shared is not None:
-        differ = [f"{f.name}={getattr(shared.config, f.name)!r}"
-                  for f in dataclasses.fields(config)
-                  if getattr(shared.config, f.name) != getattr(config, f.name)]
-        if differ and any(getattr(pipe, mark, None) is not None for mark in (RING, FRESH)):
+        names = [f.name for f in dataclasses.fields(config)
+                 if getattr(shared.config, f.name) != getattr(config, f.name)]
+        differ = _changes(names, vars(shared.config), vars(config))
+        if names and any(getattr(pipe, mark, None) is not None for mark in (RING, FRESH)):
             raise TokpipeError(f"{type(pipe).__name__} is parallelized already, with "
-                               f"{', '.join(differ)}; a transformer keeps the options it was "
+                               f"{differ}; a transformer keeps the options it was "
                                "parallelized with: load the pipeline again for others")
-        if differ:
+        if names:
             raise TokpipeError(f"{type(pipe).__name__}.{name} is parallelized already, for "
                                f"a pipeline that shares it (as from_pipe shares components), "
-                               f"with {', '.join(differ)}; parallelize this one with the "
-                               "same options")
+                               f"with {differ}; parallelize this one with the same options")
         return
     if getattr(denoiser, "_compiled_call_impl", None) is not None:
         raise TokpipeError(f"{type(pipe).__name__}.{name} is compiled already; "
