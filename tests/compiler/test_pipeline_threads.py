@@ -11,9 +11,12 @@ import threading
 from typing import Any
 
 import pytest
+import torch
 
 import tokpipe_compiler as tp
+from tests.fixtures.models import TinyDiT, dit_inputs
 from tests.fixtures.pipelines import FAMILIES, generate
+from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram
 
 pytest.importorskip("diffusers")
 
@@ -46,3 +49,49 @@ def test_a_second_thread_calling_a_running_pipeline_is_refused(ring):
     assert (out - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
     after = generate(pipe, kwargs, steps=3)  # the pipeline is free again
     assert (after - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+def test_a_compiled_model_called_from_a_second_thread_mid_call_is_refused(monkeypatch):
+    """Two threads stepping one compiled model in stale mode mixed their generations'
+    caches: 9-27% off each one's own run, silently. The second call now raises, and the
+    running one and the next ones compute what a lone run does."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, grid=8).eval()
+    latents, _, labels = dit_inputs(model, 8)
+    options = {"stages": 2, "chunks": 4, "mode": "stale", "warmup_steps": 1,
+               "compiler": "eager"}
+    timesteps = [torch.tensor([t]) for t in (900, 800, 700)]
+
+    def steps(compiled) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [compiled(latents, t, labels) for t in timesteps]
+
+    alone = steps(torch.compile(model, backend="tokpipe", dynamic=False, options=options))
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=options)
+    run, errors, spawned = PipelinedProgram._run, [], []
+
+    def second_call_mid_run(self, *args, **kwargs):
+        if self.calls == 1 and not spawned:  # the second step, while it runs
+            spawned.append(True)
+            other = threading.Thread(target=lambda: errors.append(_raised(
+                lambda: steps(compiled))))
+            other.start()
+            other.join(timeout=120)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(PipelinedProgram, "_run", second_call_mid_run)
+    outputs = steps(compiled)
+    assert isinstance(errors[0], tp.TokpipeError)
+    assert "running a call already, in another thread" in str(errors[0])
+    assert all(torch.equal(a, b) for a, b in zip(outputs, alone, strict=True))
+    tp.reset(compiled)
+    assert all(torch.equal(a, b) for a, b in zip(steps(compiled), alone, strict=True))
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call()
+    except BaseException as err:
+        return err
+    return None

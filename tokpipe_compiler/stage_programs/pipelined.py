@@ -11,8 +11,10 @@ another program of the same model with other shapes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -87,6 +89,7 @@ class PipelinedProgram:
         self._stop_next: BaseException | None = None  # see stop_next_run
         self.interrupts: DeferredInterrupts | None = None  # a Ctrl-C held during a call
         self.timeline = Timeline()
+        self._running = threading.RLock()  # held by the thread whose call runs
         self.whole = chunk_table(plan.units, 1)
         self.prelude = Prelude(plan.graphs.prelude, plan.graphs.prelude_outputs,
                                plan.config.compiler)
@@ -145,6 +148,26 @@ class PipelinedProgram:
 
     def __call__(self, *args: torch.Tensor) -> Any:
         """One step: warmup (whole sequence) or chunked, by the mode and the step."""
+        with self._one_call_at_a_time():
+            return self._call(*args)
+
+    @contextlib.contextmanager
+    def _one_call_at_a_time(self) -> Iterator[None]:
+        """A call (or ring run) while another thread's runs raises: the generation's state
+        (its step clock, the stale K/V caches, the executor's values) is the program's, and
+        two calls at once each run with the other's, silently wrong in stale mode."""
+        if not self._running.acquire(blocking=False):
+            raise TokpipeError(
+                "tokpipe: this pipelined program is running a call already, in another "
+                "thread: a program runs one call at a time, since a generation's state (its "
+                "step clock, stale K/V caches) is the program's. Run one generation at a "
+                "time (a lock around all of its steps), or give each thread its own model")
+        try:
+            yield
+        finally:
+            self._running.release()
+
+    def _call(self, *args: torch.Tensor) -> Any:
         if self.session is not None:
             if self.token_shape is None:
                 position = self.plan.graphs.input_names.index(self.plan.token_input)
@@ -216,7 +239,7 @@ class PipelinedProgram:
 
         steps = len(step_args)
         pieces = None if watch is None else self._step_pieces(watch, first)
-        with torch.no_grad():
+        with self._one_call_at_a_time(), torch.no_grad():
             report = None if progress is None else (lambda k: progress(first + k))
             values = self._run(env_for, self.plan.chunks, steps, carried, report, pieces)
             outputs = self._assemble(values, self.plan.chunks, env_for, steps - 1)
