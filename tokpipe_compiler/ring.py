@@ -15,6 +15,7 @@ freshness in both.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -299,6 +300,14 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
                        for k, v in values.items()})
         raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
                            f"it: {_graph_break(err)}") from err
+    except torch._dynamo.exc.UserError as err:
+        if "data-dependent" not in str(err):
+            raise
+        # a Python branch on a tensor's value (`if t.item() > 0:`): the graph cannot hold it
+        raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
+                           f"branches in Python on a tensor's value{_data_dependent(err)}; "
+                           "keep the value a tensor (torch.where(cond, a, b) instead of "
+                           "`a if cond else b`)") from err
     for node in traced.gm.graph.nodes:
         if node.op == "call_method" and node.target in ("item", "tolist"):
             raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
@@ -306,6 +315,16 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
                                f"{user_line(node)}; keep the value a tensor (a 0-d tensor "
                                "works in the arithmetic)")
     return traced.without_arguments()
+
+
+def _data_dependent(err: BaseException) -> str:
+    """Where Dynamo could not guard on a tensor's value, and on what: ' (x > 0) at File
+    ...', or '' where its message says neither."""
+    text = str(err)
+    found = re.search(r"data-dependent expression (.+?) \(unhinted", text)
+    where = [line.strip() for line in text.splitlines() if line.strip().startswith("File ")]
+    what = f" ({found[1]})" if found else ""
+    return what + (f" at {where[-1]}" if where else "")
 
 
 def _graph_break(err: BaseException) -> str:

@@ -118,6 +118,8 @@ def test_a_step_that_writes_python_state_is_warned_of():
     ("item", r"reads a Python number off a tensor \(\.item\(\)\) at File .*test_ring_steps"),
     ("extra output", "returns 2 values but carry names 1"),
     ("quantile", "an update that mixes tokens"),
+    ("item in an if", r"branches in Python on a tensor's value \(.+ < 1000000\.0\) at File "
+                      r".*test_ring_steps.*torch\.where"),
 ])
 def test_steps_a_ring_cannot_run_say_why(spelling, says):
     def step(latents, timestep, c, labels):
@@ -126,6 +128,8 @@ def test_steps_a_ring_cannot_run_say_why(spelling, says):
             return (latents - c.item() * eps,)
         if spelling == "extra output":
             return latents - c * eps, eps
+        if spelling == "item in an if":
+            return (latents - c * eps if c.item() < 10**6 else latents,)
         scale = torch.quantile(eps.abs().flatten(1), 0.9, dim=1)[:, None, None, None]
         return (latents - c * eps / scale,)
 
