@@ -356,9 +356,11 @@ def _new_nodes(stop: torch.fx.Node, node: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
-def raise_unsupported(annotation: Annotation) -> None:
+def raise_unsupported(annotation: Annotation, mode: str = "stale") -> None:
     """The error a user sees for a graph that mixes tokens in a way that cannot be chunked:
-    each op and source line once (a model's blocks repeat them), the first five."""
+    each op and source line once (a model's blocks repeat them), the first five. In
+    `mode` 'sync' (what raised it: an op that cannot run on one stage's rank either, such
+    as a write to the model's state) the error does not advise sync."""
     places: dict[tuple[str, str], int] = {}
     for node in annotation.unsupported:
         key = (describe(node), node.meta[META_KEY].reason)
@@ -381,8 +383,9 @@ def raise_unsupported(annotation: Annotation) -> None:
         + "\n".join(lines),
         f"\nWhat you can do: {_FAST_PATH_HINT if fast_path else ''}"
         "compute that part outside the compiled model, rewrite it "
-        f"token-wise ({how}), use mode='sync' (stage after stage, no chunks: exact), "
-        "pass options={'fallback': True} to run this graph unpipelined, or name another "
+        f"token-wise ({how}), "
+        + ("" if mode == "sync" else "use mode='sync' (stage after stage, no chunks: exact), ")
+        + "pass options={'fallback': True} to run this graph unpipelined, or name another "
         "input with options={'token_input': ...}.",
         tuple(node.name for node in annotation.unsupported),
     )

@@ -266,7 +266,7 @@ def _imbalance(order: list[torch.fx.Node], weights: list[float], cuts: list[int]
     """The slowest stage's compute over an even share, and why it is past the warning
     threshold ('' when it is not)."""
     total = sum(weights)
-    if total <= 0:
+    if not total > 0:  # nothing to balance (an empty batch: every weight 0, or NaN)
         return 1.0, ""
     bounds = [0, *cuts, len(weights)]
     share = total / stages

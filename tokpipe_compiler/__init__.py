@@ -4,15 +4,16 @@ token chunks."""
 from tokpipe_compiler import pipelines
 from tokpipe_compiler.api import backend, capture_graphs, explain, programs, reset
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.errors import PeerStopped, TokpipeError
 from tokpipe_compiler.core.logs import set_logs
 from tokpipe_compiler.dynamo_backend import tokpipe
 from tokpipe_compiler.pipelines import parallelize
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.ring import Ring
 
-__all__ = ["Config", "Plan", "Ring", "TokpipeError", "backend", "capture_graphs", "explain",
-           "parallelize", "pipelines", "programs", "reset", "set_logs", "simulate", "tokpipe"]
+__all__ = ["Config", "PeerStopped", "Plan", "Ring", "TokpipeError", "backend", "capture_graphs",
+           "explain", "parallelize", "pipelines", "programs", "reset", "set_logs", "simulate",
+           "tokpipe"]
 __version__ = "0.1.0"
 
 

@@ -142,8 +142,10 @@ class WritesTokens(TinyDiT):
 def test_a_write_of_token_values_into_an_input_is_refused(mode, how, written):
     model = WritesTokens(how).eval()
     with pytest.raises(TokpipeError, match=rf"writes a value computed from the tokens in "
-                                           rf"place into 'l_\w*{written}_'"):
+                                           rf"place into 'l_\w*{written}_'") as refused:
         _runs(model, [dit_inputs(model, 8)], mode=mode)
+    # sync raised it: advising sync would send the user in a circle
+    assert ("use mode='sync'" in str(refused.value)) == (mode != "sync")
 
 
 class WritesTokensIntoItsOwn(TinyDiT):

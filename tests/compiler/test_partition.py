@@ -167,3 +167,21 @@ def test_the_imbalance_warning_names_the_heaviest_piece_by_its_module():
         tp.explain(model, dit_inputs(model, 8), stages=6, chunks=1, compiler="eager")
     said = [str(w.message) for w in caught if issubclass(w.category, ImbalanceWarning)]
     assert any("the heaviest piece, one node, linear in blocks.0." in s for s in said), said
+
+
+def test_an_empty_batch_warns_of_no_imbalance():
+    """Batch 0: every node's FLOPs are 0 (or NaN), nothing to balance; the warning said the
+    slowest stage carried 'nan%' more than its share. The output is eager's (empty)."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, grid=8).eval()
+    latents, t, labels = dit_inputs(model, 8)
+    latents, t, labels = latents[:0], t[:0], labels[:0]
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={"stages": 2, "chunks": 2, "mode": "sync",
+                                      "compiler": "eager"})
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = compiled(latents, t, labels)
+    assert out.shape == model(latents, t, labels).shape and out.numel() == 0
+    assert not [w for w in seen if issubclass(w.category, ImbalanceWarning)], \
+        [str(w.message) for w in seen]

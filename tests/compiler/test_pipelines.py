@@ -117,6 +117,8 @@ def test_parallelize_errors_name_the_problem():
         tp.pipelines.parallelize(dit_pipeline(), cfg=3)
     with pytest.raises(ValueError, match="chunks"):
         tp.pipelines.parallelize(dit_pipeline(), chunks=0)
+    with pytest.raises(ValueError, match="option 'ring' must be True or False, got 'no'"):
+        tp.pipelines.parallelize(dit_pipeline(), ring="no")  # truthy: it ran a ring
     unet_like = diffusers.DDIMPipeline(unet=torch.nn.Identity(),
                                        scheduler=diffusers.DDIMScheduler())
     with pytest.raises(tp.TokpipeError, match="no denoising transformer"):

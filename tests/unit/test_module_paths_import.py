@@ -38,3 +38,10 @@ def test_a_module_path_imports_as_itself():
     assert pipelined_module.__name__ == "tokpipe_compiler.stage_programs.pipelined"
     assert backend_module.__name__ == "tokpipe_compiler.dynamo_backend"
     assert pipeline_module.parallelize is tokpipe_compiler.parallelize
+
+
+def test_the_errors_the_readme_names_are_public():
+    import tokpipe_compiler as tp
+    from tokpipe_compiler.core.errors import PeerStopped
+
+    assert tp.PeerStopped is PeerStopped and issubclass(tp.PeerStopped, tp.TokpipeError)

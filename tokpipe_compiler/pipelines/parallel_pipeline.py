@@ -115,6 +115,8 @@ def checked_options(*, ring: bool = True, cfg: int = 1, **options: Any) -> Confi
     """`parallelize`'s options checked without a pipeline: bad ones fail here, before a
     first step (or a serial run a caller makes first) costs anything."""
     config = Config.from_options(options)
+    if not isinstance(ring, bool):  # "no" would be truthy: a ring the user turned off
+        raise ValueError(f"option 'ring' must be True or False, got {ring!r}")
     check_world(cfg, config.stages)
     if cfg == 2 and not ring:
         raise TokpipeError("cfg=2 runs the denoising loop itself; it cannot be combined with "

@@ -166,7 +166,7 @@ def annotate_or_raise(gm: torch.fx.GraphModule, token_input: str | int | None,
             "axis cannot be told from a whole segment's; run it whole (mode='sync', or "
             "unpipelined), or give it two units or more")
     if annotation.unsupported:
-        raise_unsupported(annotation)
+        raise_unsupported(annotation, mode)
     return annotation
 
 

@@ -221,7 +221,10 @@ def check_agreement(every: list[dict[str, Any]], when: str,
         warn("inputs differ between ranks (each stage reads its own rank's copy, and "
              "every rank gets the one output they make: another rank's request where only "
              "its stages read them, a mix of requests where several do): "
-             + ", ".join(map(_user_name, differing)))
+             + ", ".join(map(_user_name, differing)) + ". Pass the same inputs on every "
+             "rank (one request for all, drawn with the same seed or broadcast from rank "
+             "0); to stop on this, warnings.filterwarnings('error', 'inputs differ "
+             "between ranks') on every rank")
 
 
 def _check_parameter_values(digests: list[str], parameters: Sequence[str]) -> None:
