@@ -139,6 +139,24 @@ def test_steps_a_ring_cannot_run_say_why(spelling, says):
             {"latents": latents, "labels": labels}, per_step=PER_STEP)
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["unchanged first", "unchanged last"])
+def test_a_step_returning_an_input_unchanged_is_refused(first):
+    """Dynamo leaves an input returned unchanged out of the graph's outputs: the ring's
+    values stopped lining up with carry (one value returned for two carried, or the step's
+    input mistaken for its token input), silently or with an unrelated error."""
+    def step(latents, history, timestep, c, labels):
+        new = latents - c * MODEL(latents, timestep[None], labels)
+        return (history, new) if first else (new, history)
+
+    latents, _, labels = dit_inputs(MODEL, 8)
+    carry = ["history", "latents"] if first else ["latents", "history"]
+    with pytest.raises(tp.TokpipeError, match=r"returns its input 'history' unchanged \(value "
+                                              rf"{1 if first else 2} of 2\)"):
+        tp.Ring(step, carry=carry, **OPTIONS).run(
+            {"latents": latents, "history": latents.clone(), "labels": labels},
+            per_step=PER_STEP)
+
+
 def test_fallback_is_refused_by_a_ring():
     with pytest.raises(tp.TokpipeError, match="fallback=True does not apply to a ring"):
         tp.Ring(guided, carry=["latents"], fallback=True, **OPTIONS)
