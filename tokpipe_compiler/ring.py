@@ -98,6 +98,7 @@ class Ring:
         value (the token input) after step k, whole, on every rank: as the step's last
         chunk is computed on the rank that computes it, after the run on the others."""
         per_step = per_step or {}
+        _check_per_step(per_step, self.carry)
         steps = _check_steps(steps, per_step)
         missing = [name for name in self.carry if name not in inputs]
         if missing:
@@ -328,18 +329,21 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
     except torch._dynamo.exc.UserError as err:
         if "data-dependent" not in str(err):
             raise
-        # a Python branch on a tensor's value (`if t.item() > 0:`): the graph cannot hold it
+        # a Python branch on a tensor's value (`if t.item() > 0:`), or a table indexed by
+        # one (`acp[t.long()]`): the graph cannot hold either
         raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
-                           f"branches in Python on a tensor's value{_data_dependent(err)}; "
-                           "keep the value a tensor (torch.where(cond, a, b) instead of "
-                           "`a if cond else b`)") from err
+                           f"needs a tensor's value as a Python number{_data_dependent(err)}: "
+                           "a branch on it or an index by it; keep the value a tensor: "
+                           "torch.where(cond, a, b) for `a if cond else b`, and for a table "
+                           "indexed by a step's value, pass the looked-up values per step "
+                           "(per_step={'alpha': table[timesteps]})") from err
     for node in traced.gm.graph.nodes:
         if node.op == "call_method" and node.target in ("item", "tolist"):
             raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
                                f"reads a Python number off a tensor (.{node.target}()) at "
                                f"{user_line(node)}; keep the value a tensor (a 0-d tensor "
                                "works in the arithmetic)")
-    return traced.without_arguments()
+    return traced.without_arguments(values)
 
 
 def _data_dependent(err: BaseException) -> str:
@@ -386,6 +390,24 @@ def _carry_names(carry: Sequence[str]) -> list[str]:
     if bad or len(set(names)) != len(names):
         raise TokpipeError(f"Ring's carry must name distinct inputs by name, got {names!r}")
     return names
+
+
+def _check_per_step(per_step: dict[str, Any], carry: Sequence[str]) -> None:
+    """Per-step inputs are tensors indexed by step, none of them carried. A list of floats
+    would be traced as its first value, a constant, at every step."""
+    for name, value in per_step.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            raise TokpipeError(
+                f"Ring.run: per-step input {name!r} must be a tensor with one entry per step "
+                f"(dim 0), got {type(value).__name__}"
+                f"{'' if not isinstance(value, torch.Tensor) else ' of 0 dimensions'}; pass "
+                f"torch.tensor(...) of it (a step traced with a Python number holds its "
+                "first value as a constant)")
+    carried = [name for name in carry if name in per_step]
+    if carried:
+        raise TokpipeError(f"Ring.run: {carried} are carried (each step's value is the last "
+                           "step's output) and given per step too; give their first value "
+                           "in `inputs` only")
 
 
 def _check_steps(steps: int | None, per_step: dict[str, torch.Tensor]) -> int:

@@ -114,12 +114,18 @@ def test_a_step_that_writes_python_state_is_warned_of():
         ring.run({"latents": latents, "labels": labels}, per_step=PER_STEP)
 
 
+TABLE = torch.linspace(0.1, 1.0, 10)  # a schedule's table, looked up by a step's value
+
+
 @pytest.mark.parametrize(("spelling", "says"), [
     ("item", r"reads a Python number off a tensor \(\.item\(\)\) at File .*test_ring_steps"),
     ("extra output", "returns 2 values but carry names 1"),
+    ("dict", r"returns a dict \(keys \['latents'\]\); return a tuple"),
     ("quantile", "an update that mixes tokens"),
-    ("item in an if", r"branches in Python on a tensor's value \(.+ < 1000000\.0\) at File "
-                      r".*test_ring_steps.*torch\.where"),
+    ("item in an if", r"needs a tensor's value as a Python number \(.+ < 1000000\.0\) at "
+                      r"File .*test_ring_steps.*torch\.where"),
+    ("index by a value", r"needs a tensor's value as a Python number .* at File "
+                         r".*test_ring_steps.*per_step=\{'alpha': table\[timesteps\]\}"),
 ])
 def test_steps_a_ring_cannot_run_say_why(spelling, says):
     def step(latents, timestep, c, labels):
@@ -128,8 +134,12 @@ def test_steps_a_ring_cannot_run_say_why(spelling, says):
             return (latents - c.item() * eps,)
         if spelling == "extra output":
             return latents - c * eps, eps
+        if spelling == "dict":
+            return {"latents": latents - c * eps}
         if spelling == "item in an if":
             return (latents - c * eps if c.item() < 10**6 else latents,)
+        if spelling == "index by a value":
+            return (latents - TABLE[(c * 10).long()] * eps,)
         scale = torch.quantile(eps.abs().flatten(1), 0.9, dim=1)[:, None, None, None]
         return (latents - c * eps / scale,)
 
@@ -155,6 +165,45 @@ def test_a_step_returning_an_input_unchanged_is_refused(first):
         tp.Ring(step, carry=carry, **OPTIONS).run(
             {"latents": latents, "history": latents.clone(), "labels": labels},
             per_step=PER_STEP)
+
+
+@pytest.mark.parametrize(("per_step", "says"), [
+    ({"timestep": [900, 600, 300], "c": PER_STEP["c"]},
+     r"per-step input 'timestep' must be a tensor with one entry per step .*got list"),
+    ({**PER_STEP, "latents": torch.zeros(3, 1, 4, 8, 8)},
+     r"\['latents'\] are carried .* and given per step too"),
+])
+def test_per_step_inputs_a_ring_cannot_take_are_named(per_step, says):
+    """A list of floats was traced as its first value, every step alike, and a carried
+    input given per step too ran, matching no reading of it: both silently."""
+    def step(latents, timestep, c, labels):
+        return (latents - c * MODEL(latents, timestep[None], labels),)
+
+    latents, _, labels = dit_inputs(MODEL, 8)
+    with pytest.raises(tp.TokpipeError, match=says):
+        tp.Ring(step, carry=["latents"], **OPTIONS).run(
+            {"latents": latents, "labels": labels}, per_step=per_step)
+
+
+def test_a_tensor_the_step_closes_over_keeps_its_value():
+    """A closure's tensor (guidance's null label) is read like an argument ("L['null']"):
+    a kept trace held it as a meta tensor, and the ring gave NaN or raised."""
+    null = torch.tensor([9])
+
+    def guided(latents, timestep, c, labels):
+        both = MODEL(torch.cat([latents, latents]), timestep[None].expand(2),
+                     torch.cat([labels, null]))
+        cond, uncond = both.chunk(2)
+        return (latents - c * (uncond + 3.0 * (cond - uncond)),)
+
+    latents, _, labels = dit_inputs(MODEL, 8)
+    got = tp.Ring(guided, carry=["latents"], **OPTIONS).run(
+        {"latents": latents, "labels": labels}, per_step=PER_STEP)[0]
+    expected = latents
+    with torch.no_grad():
+        for k in range(len(PER_STEP["c"])):
+            expected = guided(expected, PER_STEP["timestep"][k], PER_STEP["c"][k], labels)[0]
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_fallback_is_refused_by_a_ring():

@@ -12,7 +12,7 @@ import logging
 import re
 import types
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,11 +49,13 @@ class Captured:
         arguments = self.arguments
         return self.names[arguments.index(argument)] if argument in arguments else None
 
-    def without_arguments(self) -> Captured:
-        """This capture with the user arguments' example inputs as meta tensors of their
-        shapes and dtypes: a trace kept for later calls, which pass their own, would keep
-        its first call's tensors (a server's first request at each size) alive."""
-        inputs = [_stand_in(x) if argument is not None else x
+    def without_arguments(self, passed: Collection[str | int]) -> Captured:
+        """This capture with the example inputs of the arguments `passed` as meta tensors of
+        their shapes and dtypes: a trace kept for later calls, which pass their own, would
+        keep its first call's tensors (a server's first request at each size) alive. What
+        else the graph reads keeps its value: a closure's tensor is named like an argument
+        ("L['null']") but no call passes it."""
+        inputs = [_stand_in(x) if argument is not None and argument in passed else x
                   for x, argument in zip(self.inputs, self.arguments, strict=True)]
         return Captured(self.gm, inputs, self.names, self.mutations)
 

@@ -15,11 +15,13 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tokpipe_compiler.core.errors import TokpipeError
+
 
 def returned_inputs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> list[str | None] | None:
     """Per value `fn(**kwargs)` returns (a tuple's or list's, else the one), the name of
     the input it is, unchanged, or None where it is computed; None where `fn` cannot run on
-    fake tensors (a Python number read off a tensor, say)."""
+    fake tensors (a Python number read off a tensor, say). A dict returned raises."""
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
             fakes = {name: mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
@@ -27,6 +29,9 @@ def returned_inputs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> list[str 
             returned = fn(**fakes)
     except Exception:
         return None
+    if isinstance(returned, dict):  # its values would be taken in no order carry names
+        raise TokpipeError(f"the step function returns a dict (keys {list(returned)}); "
+                           "return a tuple of the values, in carry order")
     values = list(returned) if isinstance(returned, tuple | list) else [returned]
     names = {id(value): name for name, value in fakes.items() if isinstance(value, torch.Tensor)}
     return [names.get(id(value)) if isinstance(value, torch.Tensor) else None
