@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: the ranks are stopped by then
+        print("tokpipe: interrupted", file=sys.stderr)
+        return 130
     except (SpecError, TokpipeError, ValueError) as err:
         print(f"tokpipe: error: {err}", file=sys.stderr)
     except SyntaxError as err:
@@ -65,6 +69,32 @@ def _count(minimum: int):
         return value
 
     return parse
+
+
+def _folder(text: str) -> Path:
+    """An output folder, made now (with its parents) so that a bad one fails before a run
+    whose results it would lose."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot make folder {text!r}: "
+                                         f"{err.strerror or err}") from err
+    if not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"folder {text!r} is not writable")
+    return path
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -122,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--cuda-graphs", action="store_true",
                          help="the cuda_graphs option: with --for, plan and predict a chunk's "
                               "host time as a graph's replay, not kernel launches")
-    inspect.add_argument("--out", type=Path, help="folder for the dump (default: none)")
+    inspect.add_argument("--out", type=_folder,
+                         help="folder for the dump, made with its parents (default: none)")
     inspect.add_argument("--run", type=_count(0), default=0, metavar="K",
                          help="run K calls in-process, print each stage's measured time "
                               "against the predicted one (over steady steps: K >= warmup "
@@ -169,7 +200,7 @@ def _add_generate(commands) -> None:
                           "max_sequence_length (default: the pipeline's, 512 for Wan)")
     gen.add_argument("--class-label", type=int,
                      help="DiT pipelines: the class label drawn (default 1)")
-    gen.add_argument("--guidance-scale", type=float,
+    gen.add_argument("--guidance-scale", type=_finite,
                      help="the pipeline's guidance_scale (default: the pipeline's)")
     gen.add_argument("--true-cfg-scale", type=float, metavar="SCALE",
                      help="pipelines with true_cfg_scale (Flux): guidance over "
@@ -217,11 +248,12 @@ def _add_generate(commands) -> None:
                      help="first time the serial pipeline, eager (and with compiled stages "
                           "compiled alike), on rank 0 while the other ranks wait: the "
                           "speedups and the largest difference")
-    gen.add_argument("--profile", nargs="?", const="", metavar="DIR",
+    gen.add_argument("--profile", nargs="?", const="", metavar="DIR", type=_folder,
                      help="write a torch.profiler trace per rank, profile_rank<R>.json, to "
                           "DIR (default: --out, else the current folder) and print each "
                           "rank's path")
-    gen.add_argument("--out", type=Path, help="folder for the images (default: none)")
+    gen.add_argument("--out", type=_folder,
+                     help="folder for the images, made with its parents (default: none)")
     gen.set_defaults(func=generate)
 
 

@@ -134,7 +134,7 @@ def _diffusers(name: str, config_path: str | None) -> Loaded:
     cls = getattr(diffusers, name, None)
     if not (inspect.isclass(cls) and issubclass(cls, torch.nn.Module)):
         raise SpecError(f"diffusers has no model class {name!r}")
-    config = json.loads(Path(config_path).read_text()) if config_path else {}
+    config = _json(Path(config_path)) if config_path else {}
     model = (cls.from_config(config) if config else cls()).eval()
     args, kwargs = diffusers_inputs(model)
     return model, args, kwargs
@@ -195,3 +195,11 @@ _INPUTS: dict[str, Callable[[dict], Any]] = {
     "pooled_projections": _pooled,
     "added_cond_kwargs": lambda cfg: {"resolution": None, "aspect_ratio": None},
 }
+
+
+def _json(path: Path) -> dict:
+    """A --config file's JSON; not JSON: an error naming the file and the place."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise SpecError(f"--config {path}: not valid JSON ({err})") from err

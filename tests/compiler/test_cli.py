@@ -150,9 +150,43 @@ def test_an_unwritable_out_folder_is_named(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert main(["inspect", "my_models:tiny_dit", "--out", str(blocker / "dump")]) == 2
+    for out in (blocker / "dump", blocker):  # under a file; a file itself
+        with pytest.raises(SystemExit) as exit_info:  # at once: before a run it would lose
+            main(["inspect", "my_models:tiny_dit", "--out", str(out)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --out: " in err and str(out.name) in err and "Traceback" not in err
+    assert "is a file, not a folder" in err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "x"])
+def test_a_guidance_scale_that_is_no_finite_number_is_a_usage_error(value, capsys):
+    """nan ran the pipeline unguided (nan > 1 is False), silently."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--tiny", "dit", "--guidance-scale", value])
+    assert exit_info.value.code == 2
+    assert f"argument --guidance-scale: must be a finite number, got '{value}'" in \
+        capsys.readouterr().err
+
+
+def test_a_config_file_that_is_not_json_is_named(tmp_path, capsys):
+    (tmp_path / "broken.json").write_text('{"num_layers": 2,')
+    assert main(["inspect", "diffusers:DiTTransformer2DModel", "--config",
+                 str(tmp_path / "broken.json")]) == 2
     err = capsys.readouterr().err
-    assert "tokpipe: error:" in err and "dump" in err and "Traceback" not in err
+    assert f"--config {tmp_path / 'broken.json'}: not valid JSON" in err
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_ends_the_command_in_a_line(monkeypatch, capsys):
+    import tokpipe_compiler.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_inspect", interrupted)
+    assert main(["inspect", "my_models:tiny_dit"]) == 130
+    assert capsys.readouterr().err == "tokpipe: interrupted\n"
 
 
 def test_inspect_a_released_model_at_full_size_on_meta(capsys):

@@ -124,6 +124,15 @@ def test_the_command_writes_the_merged_trace(tmp_path, capsys):
     check_merged(json.loads((tmp_path / "merged.json").read_text()), world=2)
 
 
+def test_the_command_will_not_write_over_a_trace_it_merges(tmp_path, capsys):
+    paths = [write_chrome_trace(events, tmp_path / f"rank{rank}.json")
+             for rank, events in enumerate(two_ranks())]
+    before = paths[1].read_text()
+    assert main([str(paths[1]), *map(str, paths)]) == 2
+    assert "is one of the traces to merge" in capsys.readouterr().err
+    assert paths[1].read_text() == before
+
+
 def test_one_process_trace_has_no_empty_rows_and_counts_steps():
     model = TinyDiT(depth=2, width=16, heads=2, grid=8).eval()
     traced = trace(model, *dit_inputs(model, 8))

@@ -326,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("traces", type=Path, nargs="+",
                         help="each rank's trace (write_chrome_trace's file), once")
     args = parser.parse_args(argv)
+    if any(args.out.resolve() == trace.resolve() for trace in args.traces):
+        print(f"{parser.prog}: error: the merged trace {args.out} is one of the traces to "
+              "merge; name another file", file=sys.stderr)
+        return 2
     try:
         args.out.write_text(json.dumps(merge_traces(args.traces)))
     except ValueError as err:
