@@ -277,6 +277,9 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.target is not None and not _on_meta(model):
         raise SpecError(_FOR_META)
     run = None if args.target is None else target_run(_config_name(args), args.steps)
+    print(f"tokpipe: tracing {args.spec} with Dynamo and planning {args.stages} stage(s)"
+          + (" on the meta device (at full depth: a minute or so on a CPU)"
+             if _on_meta(model) else "") + " ...", file=sys.stderr, flush=True)
     with planned_for(args.target, args.cuda_graphs, build.dtype):
         plan = explain(model, call_args, call_kwargs, **options) if run is None else \
             plan_for_ring(model, call_args, call_kwargs, options, run.steps - args.warmup_steps)

@@ -189,6 +189,15 @@ def test_ctrl_c_ends_the_command_in_a_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "tokpipe: interrupted\n"
 
 
+def test_inspect_says_what_it_does_before_planning(capsys):
+    """Planning a released model at full size takes a minute on a CPU, silently before."""
+    assert main(["inspect", "released:dit-xl-2-256", "--layers", "1", "--stages", "1",
+                 "--chunks", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "tokpipe: tracing released:dit-xl-2-256 with Dynamo and planning 1 stage(s) on " \
+        "the meta device" in err
+
+
 def test_inspect_a_released_model_at_full_size_on_meta(capsys):
     """released:NAME plans the whole released model (24 blocks of SD3-medium, 4096 image
     tokens, guidance batch) without memory, in the dtype asked for."""
