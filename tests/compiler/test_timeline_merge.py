@@ -124,6 +124,18 @@ def test_the_command_writes_the_merged_trace(tmp_path, capsys):
     check_merged(json.loads((tmp_path / "merged.json").read_text()), world=2)
 
 
+def test_a_message_arrow_runs_forward_from_an_early_posted_receive(tmp_path):
+    """A receive posted long before its send: the arrow from the middle of one to the
+    middle of the other pointed back in time."""
+    action = Event("send", 0, 0, 0, 1, 0.030, 0.001, 2, 1)
+    posted = Event("recv", 1, 0, 0, 1, 0.0, 0.050, 2, 0)
+    flows = [e for e in merge_traces([chrome_trace([action]), chrome_trace([posted])])[
+        "traceEvents"] if e["ph"] in "sf"]
+    start, finish = (next(e["ts"] for e in flows if e["ph"] == ph) for ph in "sf")
+    assert start < finish
+    assert 30_000 <= start <= 31_000 and 49_000 <= finish <= 50_000
+
+
 def test_the_command_will_not_write_over_a_trace_it_merges(tmp_path, capsys):
     paths = [write_chrome_trace(events, tmp_path / f"rank{rank}.json")
              for rank, events in enumerate(two_ranks())]

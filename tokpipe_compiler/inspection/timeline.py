@@ -154,8 +154,9 @@ def _message(e: Event) -> tuple:
 
 
 def _flows(events: list[Event], origin: float) -> list[dict[str, Any]]:
-    """A flow from the middle of each send to the middle of its receive (both ends bound to
-    the slices around them), for the pairs whose two ends are in `events`."""
+    """A flow from the start of each send to the end of its receive, when the values had
+    come (a receive is posted ahead: its middle may lie before the send), both ends just
+    inside the slices they bind to, for the pairs whose two ends are in `events`."""
     receives = {_message(e): e for e in events if e.kind == RECV}
     flows = []
     for e in events:
@@ -163,10 +164,10 @@ def _flows(events: list[Event], origin: float) -> list[dict[str, Any]]:
         if recv is None:
             continue
         flow_id = len(flows) // 2 + 1
-        for end, phase in ((e, "s"), (recv, "f")):
+        for end, phase, at in ((e, "s", 0.01), (recv, "f", 0.99)):
             flows.append({"name": "message", "cat": "message", "ph": phase, "id": flow_id,
                           "pid": end.rank, "tid": _tid(end), "bp": "e",
-                          "ts": (end.start + end.duration / 2 - origin) * 1e6})
+                          "ts": (end.start + end.duration * at - origin) * 1e6})
     return flows
 
 
