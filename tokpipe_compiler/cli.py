@@ -248,7 +248,8 @@ def _add_generate(commands) -> None:
                      help="first time the serial pipeline, eager (and with compiled stages "
                           "compiled alike), on rank 0 while the other ranks wait: the "
                           "speedups and the largest difference")
-    gen.add_argument("--profile", nargs="?", const="", metavar="DIR", type=_folder,
+    # const is no string: argparse would pass a string const through `type`
+    gen.add_argument("--profile", nargs="?", const=True, metavar="DIR", type=_folder,
                      help="write a torch.profiler trace per rank, profile_rank<R>.json, to "
                           "DIR (default: --out, else the current folder) and print each "
                           "rank's path")

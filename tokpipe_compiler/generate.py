@@ -297,7 +297,8 @@ def _profiled(pipe: Any, kwargs: dict, args: argparse.Namespace, rank: int) -> s
 
 def profile_folder(args: argparse.Namespace) -> Path:
     """Where --profile writes: its DIR, else --out, else the current folder."""
-    return Path(args.profile or args.out or ".")
+    given = args.profile if isinstance(args.profile, Path) else None  # True: no DIR
+    return Path(given or args.out or ".")
 
 
 def _relative(a: list, b: list) -> float:

@@ -32,7 +32,6 @@ from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.free_values import free_values
 from tokpipe_compiler.planning.plan import Plan
-from tokpipe_compiler.planning.returned_values import returned_inputs
 from tokpipe_compiler.planning.traced_modules import TracedModules
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.stage_programs.distributed import make_program, planned_alike
@@ -81,10 +80,6 @@ class Ring:
         self._chosen: dict[tuple, tuple[Chunk, ...]] = {}  # (signature, steps) -> chunk table
         self._programs: dict[tuple, Any] = {}  # (signature, chunk table) -> program
         self._modules: dict[tuple, TracedModules] = {}  # signature -> what its trace read
-        # signature -> per value the step returns, the input it is unchanged (None: unknown),
-        # which its graph's outputs leave out
-        self._returns: dict[tuple, list[str | None] | None] = {}
-        self._returned: list[str | None] | None = None  # the latest run's
 
     def run(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor] | None = None,
             steps: int | None = None, progress: Callable[[int], None] | None = None,
@@ -166,16 +161,10 @@ class Ring:
             self._forget_the_oldest()
             self._traces[signature] = trace_step(self.step_fn, values)
             self._warn_of_writes(self._traces[signature])
-            # a user's step (parallelize's own returns what it computes) called on fake
-            # tensors, unless that call would write Python state
-            user_step = self.follow_modules and not self._traces[signature].mutations
-            self._returns[signature] = returned_inputs(self.step_fn, values) if user_step \
-                else None
             if self.follow_modules:
                 self._modules[signature] = TracedModules(self.step_fn,
                                                          self._traces[signature].gm, values)
-        self._traced, self._returned = self._traces[signature], self._returns[signature]
-        self._check_nothing_returned_unchanged()
+        self._traced = self._traces[signature]
         steps = max(ring_steps, 1) if self.config.chunks == "auto" else None
         if (signature, steps) not in self._chosen:
             with planned_alike(self.group, self.config.timeout):
@@ -199,7 +188,6 @@ class Ring:
                  KEPT_SIGNATURES)
         del self._traces[oldest]
         self._modules.pop(oldest, None)
-        self._returns.pop(oldest, None)
         self._chosen = {k: v for k, v in self._chosen.items() if k[0] != oldest}
         self._programs = {k: v for k, v in self._programs.items() if k[0] != oldest}
 
@@ -229,24 +217,11 @@ class Ring:
         current = {**values, **{name: v[k] for name, v in per_step.items()}}
         return tuple(self._traced.with_arguments(current, strict=False))
 
-    def _check_nothing_returned_unchanged(self) -> None:
-        """An input the step returns as it came is left out of its graph's outputs (the
-        ring's values would not line up with `carry`): refused by name, before planning."""
-        unchanged = [(i, name) for i, name in enumerate(self._returned or []) if name]
-        if unchanged:
-            i, name = unchanged[0]
-            raise TokpipeError(f"the step function returns its input {name!r} unchanged (value "
-                               f"{i + 1} of {len(self._returned)}): a ring feeds back and "
-                               "returns the values a step computes; leave an input that does "
-                               "not change out of the return and of carry (pass it in "
-                               "`inputs`)")
-
     def _carried_outputs(self, program) -> dict[str, str]:
         """Placeholder name of each carried input -> name of the output value it becomes."""
         outputs = program.plan.graphs.outputs
-        returned = len(outputs) if self._returned is None else len(self._returned)
-        if returned != len(self.carry) or len(outputs) != returned:
-            raise TokpipeError(f"the step function returns {returned} values but "
+        if len(outputs) != len(self.carry):
+            raise TokpipeError(f"the step function returns {len(outputs)} values but "
                                f"carry names {len(self.carry)}: the ring feeds each output "
                                "back as the carried input of its place and returns those; "
                                "name every output in carry (a multistep solver's history "
