@@ -87,11 +87,16 @@ def _folder(text: str) -> Path:
     return path
 
 
-def _finite(text: str) -> float:
+def _number(text: str) -> float:
+    """`text` as a float; NaN where it is none (NaN fails every range check)."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = math.nan
+        return math.nan
+
+
+def _finite(text: str) -> float:
+    value = _number(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
@@ -99,10 +104,7 @@ def _finite(text: str) -> float:
 
 def _seconds(text: str) -> float:
     """A positive, finite number of seconds, at most the longest wait tokpipe allows."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not 0 < value <= MAX_TIMEOUT:  # NaN fails every comparison
         raise argparse.ArgumentTypeError(f"must be seconds in (0, {MAX_TIMEOUT:.0f}], got "
                                          f"{text!r}")

@@ -17,7 +17,7 @@ from tokpipe_compiler.inspection.timeline import (
     merge_traces,
     write_chrome_trace,
 )
-from tokpipe_compiler.runtime.executor import Event
+from tokpipe_compiler.runtime.timeline_events import Event
 
 # The Trace Event Format's phases used here, and the keys each must carry.
 REQUIRED = {"X": {"name", "ph", "ts", "dur", "pid", "tid"},

@@ -19,8 +19,8 @@ from tokpipe_compiler.inspection.timeline import (
     steady_steps,
     write_chrome_trace,
 )
-from tokpipe_compiler.runtime import executor
-from tokpipe_compiler.runtime.executor import Event
+from tokpipe_compiler.runtime import timeline_events
+from tokpipe_compiler.runtime.timeline_events import Event
 
 RATES = DeviceRates(matmul_flops=1e10, mem_bandwidth=1e10, attention_flops=1e10,
                     per_op_overhead=1e-6)
@@ -58,7 +58,7 @@ def test_chrome_trace_follows_the_format(tmp_path):
 
 def test_the_timeline_keeps_its_latest_events_only(monkeypatch):
     """A process making image after image keeps a bounded record: the latest events."""
-    monkeypatch.setattr(executor, "TIMELINE_EVENTS", 8)
+    monkeypatch.setattr(timeline_events, "TIMELINE_EVENTS", 8)
     program = ran_program(calls=3)
     events = list(program.timeline.events)
     assert len(events) == 8

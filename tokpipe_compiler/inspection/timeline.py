@@ -41,7 +41,7 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokpipe_compiler.runtime.executor import Event, Timeline
+from tokpipe_compiler.runtime.timeline_events import Event, Timeline
 
 if TYPE_CHECKING:
     from tokpipe_compiler.costmodel.calibrate import DeviceRates

@@ -25,9 +25,10 @@ from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.runtime.caches import KVCaches, Released, held_bytes
 from tokpipe_compiler.runtime.chunking import Chunk, chunk_table
-from tokpipe_compiler.runtime.executor import Executor, Timeline
+from tokpipe_compiler.runtime.executor import Executor
 from tokpipe_compiler.runtime.run_stops import DeferredInterrupts
 from tokpipe_compiler.runtime.stage_feeds import StageFeeds
+from tokpipe_compiler.runtime.timeline_events import Timeline
 from tokpipe_compiler.stage_programs.generations import StepClock, Tick, timestep_index
 from tokpipe_compiler.stage_programs.outputs import (
     assemble_output,
