@@ -27,12 +27,20 @@ from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.logs import LOG as log
 from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.core.warn import warn
+from tokpipe_compiler.planning.argument_reads import argument_reads, read_arguments
 from tokpipe_compiler.planning.capture import Captured, capture
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.free_values import free_values
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.traced_modules import TracedModules
-from tokpipe_compiler.ring_inputs import carry_names, check_per_step, check_steps, input_signature
+from tokpipe_compiler.ring_inputs import (
+    ONE_PER_CARRY,
+    carry_names,
+    check_per_step,
+    check_steps,
+    feeds_of,
+    input_signature,
+)
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.stage_programs.distributed import make_program, planned_alike
 from tokpipe_compiler.stage_programs.step_watch import Watch
@@ -109,7 +117,7 @@ class Ring:
                 outputs = self._steps(program, values, per_step, steps, progress, each_step)
         finally:  # the generation is over: its K/V caches are of no further use
             program.end_generation()
-        return tuple(outputs[: len(self.carry)])
+        return tuple(self._carried_values(outputs, values).values())
 
     def _steps(self, program, values: dict[str, Any], per_step: dict[str, torch.Tensor],
                steps: int, progress: Callable[[int], None] | None,
@@ -120,14 +128,15 @@ class Ring:
         outputs: tuple = ()
         for k in range(warmup):
             outputs = program(*self._args(values, per_step, k))
-            values.update(self._carried_values(outputs))
+            values.update(self._carried_values(outputs, values))
             if progress is not None:
                 progress(k)
             if each_step is not None:
                 _see_warmup_step(program, each_step, k, values[self.carry[0]], k + 1 == steps)
         if steps > warmup:
             step_args = [self._args(values, per_step, k) for k in range(warmup, steps)]
-            first_output = program.plan.graphs.outputs[0].source  # carry[0]'s next value
+            feeds = self._feeds(program)  # carry[0]'s next value is this output
+            first_output = program.plan.graphs.outputs[feeds[0]].source
             watch = None if each_step is None else Watch(first_output, each_step)
             outputs = program.run_ring(step_args, carried, progress=progress, first=warmup,
                                        watch=watch)
@@ -215,24 +224,37 @@ class Ring:
 
     def _args(self, values: dict[str, Any], per_step: dict[str, torch.Tensor], k: int) -> tuple:
         current = {**values, **{name: v[k] for name, v in per_step.items()}}
-        return tuple(self._traced.with_arguments(current, strict=False))
+        args = self._traced.with_arguments(current, strict=False)
+        for index, value in read_arguments(self._traced.reads, self.step_fn, current):
+            args[index] = value  # a tensor inside an input (a dict's, an object's)
+        return tuple(args)
+
+    def _feeds(self, program) -> list[int | None]:
+        """For each carried input, the position among the program's outputs of the value
+        that feeds it; None where the step returns the input unchanged (Dynamo's graph
+        outputs only what it computes: `planning.returned_values`)."""
+        outputs = program.plan.graphs.outputs
+        returned = self._traced.returned
+        if returned is None:  # Dynamo did not say: the graph's outputs, in order
+            if len(outputs) != len(self.carry):
+                raise TokpipeError(f"the step function returns {len(outputs)} tensors but "
+                                   f"carry names {len(self.carry)}. {ONE_PER_CARRY}")
+            return list(range(len(self.carry)))
+        return feeds_of(returned, self.carry)
 
     def _carried_outputs(self, program) -> dict[str, str]:
         """Placeholder name of each carried input -> name of the output value it becomes."""
         outputs = program.plan.graphs.outputs
-        if len(outputs) != len(self.carry):
-            raise TokpipeError(f"the step function returns {len(outputs)} values but "
-                               f"carry names {len(self.carry)}: the ring feeds each output "
-                               "back as the carried input of its place and returns those; "
-                               "name every output in carry (a multistep solver's history "
-                               "too), in output order")
         carried = {}
-        for name, spec in zip(self.carry, outputs, strict=False):
+        for name, feed in zip(self.carry, self._feeds(program), strict=True):
+            if feed is None:  # returned unchanged: nothing to carry
+                continue
+            spec = outputs[feed]
             placeholder = self._traced.placeholder(name)
             if placeholder is None:
                 raise TokpipeError(f"carried input {name!r} is not an input the step "
                                    f"function reads; it reads {self._traced.arguments}")
-            if spec.source != placeholder:  # returned unchanged: nothing to carry
+            if spec.source != placeholder:
                 self._check_carry(name, placeholder, spec, program.plan)
                 carried[placeholder] = spec.source
         return carried
@@ -271,8 +293,11 @@ class Ring:
                 f"ring step would read its first value; carry only inputs shaped like "
                 f"{self.carry[0]!r}")
 
-    def _carried_values(self, outputs: tuple) -> dict[str, Any]:
-        return dict(zip(self.carry, outputs, strict=False))
+    def _carried_values(self, outputs: tuple, values: dict[str, Any]) -> dict[str, Any]:
+        """Each carried input's value after a step whose program returned `outputs`, from
+        `values` where the step returns it unchanged."""
+        return {name: values[name] if feed is None else outputs[feed]
+                for name, feed in zip(self.carry, self._feeds(self.program), strict=True)}
 
 
 def _see_warmup_step(program, each_step: Callable[[int, torch.Tensor], None], k: int,
@@ -318,7 +343,7 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
                                f"reads a Python number off a tensor (.{node.target}()) at "
                                f"{user_line(node)}; keep the value a tensor (a 0-d tensor "
                                "works in the arithmetic)")
-    return traced.without_arguments(values)
+    return traced.without_arguments(values, argument_reads(step_fn, traced.gm, values))
 
 
 def _data_dependent(err: BaseException) -> str:

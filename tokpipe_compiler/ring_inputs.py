@@ -1,5 +1,6 @@
-"""What a Ring run is given: the carried names and per-step inputs checked, and the input
-signature a traced step is specialised to (another signature traces the step anew)."""
+"""What a Ring run is given: the carried names and per-step inputs checked, the step's
+returned values matched to the carried names, and the input signature a traced step is
+specialised to (another signature traces the step anew)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import torch
 
 from tokpipe_compiler.core.autocast import autocast_state
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.planning.returned_values import COMPUTED, CONTAINER, INPUT, Returned
+
+ONE_PER_CARRY = ("A ring feeds each returned tensor back as the carried input of its place "
+                 "and returns those: return a tuple of tensors, one per name in carry, in "
+                 "carry order (a multistep solver's history too)")
 
 
 def carry_names(carry: Sequence[str]) -> list[str]:
@@ -23,6 +29,29 @@ def carry_names(carry: Sequence[str]) -> list[str]:
     if bad or len(set(names)) != len(names):
         raise TokpipeError(f"Ring's carry must name distinct inputs by name, got {names!r}")
     return names
+
+
+def feeds_of(returned: tuple[Returned, ...], carry: Sequence[str]) -> list[int | None]:
+    """For each carried name, the graph output its next value is, or None where the step
+    returns that input unchanged; raises where the return does not match `carry`."""
+    tensors = [r for r in returned if r.kind in (COMPUTED, INPUT)]
+    if len(tensors) != len(carry) or any(r.kind == CONTAINER for r in returned):
+        said = ", ".join(r.describe() for r in returned)
+        raise TokpipeError(f"the step function returns {len(returned)} value(s): {said}; "
+                           f"carry names {len(carry)}: {list(carry)}. {ONE_PER_CARRY}")
+    feeds: list[int | None] = []
+    for name, value in zip(carry, tensors, strict=True):
+        if value.kind == INPUT and value.source != name:
+            raise TokpipeError(f"the step function returns its input {value.source!r} "
+                               f"unchanged as the next {name!r}: a ring carries each value "
+                               f"chunk by chunk from the step that computes it; return "
+                               f"{value.source}.clone() there")
+        feeds.append(None if value.kind == INPUT else value.output)
+    if feeds[0] is None:
+        raise TokpipeError(f"the step function returns {carry[0]!r}, the token input a ring "
+                           "chunks (carry's first name), unchanged: a ring needs a step that "
+                           "computes its next value")
+    return feeds
 
 
 def check_per_step(per_step: dict[str, Any], carry: Sequence[str]) -> None:

@@ -7,6 +7,7 @@ example inputs and placeholder names) and runs it as is.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import re
@@ -24,6 +25,7 @@ from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import argument_of, record_sources
 from tokpipe_compiler.core.wrapped_bodies import inline_wrapped_bodies
 from tokpipe_compiler.planning.compile_calls import own_recompiles
+from tokpipe_compiler.planning.returned_values import Returned, returned_values
 
 log = logging.getLogger("tokpipe_compiler")
 
@@ -38,6 +40,11 @@ class Captured:
     # Python state the traced call writes (`m.k`, a global), which Dynamo replays after
     # running the graph and a program running the graph alone does not
     mutations: tuple[str, ...] = ()
+    # (placeholder index, source) of the inputs read from the call's arguments, where a
+    # trace kept for later calls reads them again (`planning.argument_reads`)
+    reads: tuple[tuple[int, str], ...] = ()
+    # each value the call returns, where Dynamo says (`planning.returned_values`)
+    returned: tuple[Returned, ...] | None = None
 
     @property
     def arguments(self) -> list[str | int | None]:
@@ -49,15 +56,19 @@ class Captured:
         arguments = self.arguments
         return self.names[arguments.index(argument)] if argument in arguments else None
 
-    def without_arguments(self, passed: Collection[str | int]) -> Captured:
-        """This capture with the example inputs of the arguments `passed` as meta tensors of
-        their shapes and dtypes: a trace kept for later calls, which pass their own, would
-        keep its first call's tensors (a server's first request at each size) alive. What
-        else the graph reads keeps its value: a closure's tensor is named like an argument
-        ("L['null']") but no call passes it."""
-        inputs = [_stand_in(x) if argument is not None and argument in passed else x
-                  for x, argument in zip(self.inputs, self.arguments, strict=True)]
-        return Captured(self.gm, inputs, self.names, self.mutations)
+    def without_arguments(self, passed: Collection[str | int],
+                          reads: tuple[tuple[int, str], ...] = ()) -> Captured:
+        """This capture with the example inputs of the arguments `passed`, and of the
+        inputs `reads` found in them, as meta tensors of their shapes and dtypes: a trace
+        kept for later calls, which pass their own, would keep its first call's tensors (a
+        server's first request at each size) alive. What else the graph reads keeps its
+        value: a closure's tensor is named like an argument ("L['null']") but no call
+        passes it."""
+        read = {index for index, _ in reads}
+        inputs = [_stand_in(x) if (argument is not None and argument in passed) or i in read
+                  else x for i, (x, argument) in
+                  enumerate(zip(self.inputs, self.arguments, strict=True))]
+        return dataclasses.replace(self, inputs=inputs, reads=reads)
 
     def with_arguments(self, values: Mapping[str | int, Any], strict: bool = True) -> list[Any]:
         """The example inputs with user arguments replaced by `values` (keyed by argument
@@ -119,8 +130,9 @@ def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict, fullgraph: b
         codes.append(_traced_code())
         modes.append(torch._guards.detect_fake_mode(example_inputs))
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        returned = returned_values(gm)
         graphs.append(Captured(record_sources(inline_wrapped_bodies(gm)), list(example_inputs),
-                               names, _mutated_state()))
+                               names, _mutated_state(), returned=returned))
         return gm.forward if run else _stop_here
 
     compiled = torch.compile(fn, backend=record, dynamic=False, fullgraph=fullgraph,

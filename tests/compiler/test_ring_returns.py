@@ -1,0 +1,127 @@
+"""A Ring maps what its step returns onto `carry` value by value, inputs returned unchanged
+included. Dynamo's graph outputs only the tensors the graph computes, once each: a step
+returning its `history` unchanged was refused with a count that named the wrong fix, and
+one returning an input where another name is carried could be fed the wrong value. Each
+runs as the eager loop does (sync, float32, 1e-5), or is refused naming what it returns."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.models import TinyDiT, dit_inputs
+
+OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
+TIMESTEPS = torch.tensor([900, 500, 300])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch.compiler.reset()  # the steps below share code objects between tests
+    yield
+    torch.compiler.reset()
+
+
+def _model() -> TinyDiT:
+    torch.manual_seed(0)
+    return TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+
+
+MODEL = _model()
+
+
+def _eps(latents, timestep, labels):
+    return MODEL(latents, timestep[None], labels)
+
+
+def history_passed_through(latents, history, timestep, labels):
+    return latents - 0.1 * _eps(latents, timestep, labels) + 0.01 * history, history
+
+
+def previous_as_a_copy(latents, prev, timestep, labels):
+    return latents - 0.1 * _eps(latents, timestep, labels) + 0.01 * prev, latents.clone()
+
+
+def one_value_twice(latents, prev, timestep, labels):
+    x = latents - 0.1 * _eps(latents, timestep, labels) + 0.01 * prev
+    return x, x
+
+
+def diagnostics_beside(latents, timestep, labels):
+    return latents - 0.1 * _eps(latents, timestep, labels), None, 3.0
+
+
+def _inputs(step) -> dict:
+    latents, _, labels = dit_inputs(MODEL, 8)
+    given = {"latents": latents, "labels": labels, "history": latents * 0.5,
+             "prev": latents * 0.3}
+    return {k: v for k, v in given.items() if k in inspect.signature(step).parameters}
+
+
+def _eager(step, inputs: dict, carry: list[str]) -> dict:
+    values = dict(inputs)
+    with torch.no_grad():
+        for t in TIMESTEPS:
+            returned = step(**values, timestep=t)
+            tensors = [r for r in returned if isinstance(r, torch.Tensor)]
+            values.update(zip(carry, tensors, strict=True))
+    return values
+
+
+@pytest.mark.parametrize(("step", "carry"), [
+    (history_passed_through, ["latents", "history"]),
+    (previous_as_a_copy, ["latents", "prev"]),
+    (one_value_twice, ["latents", "prev"]),
+    (diagnostics_beside, ["latents"]),
+])
+def test_each_carried_value_is_what_the_step_returns_in_its_place(step, carry):
+    inputs = _inputs(step)
+    ring = tp.Ring(step, carry=carry, **OPTIONS)
+    returned = ring.run(inputs, per_step={"timestep": TIMESTEPS})
+    expected = _eager(step, inputs, carry)
+    assert len(returned) == len(carry)
+    for name, value in zip(carry, returned, strict=True):
+        error = ((value - expected[name]).norm() / expected[name].norm()).item()
+        assert error <= 1e-5, (name, error)
+
+
+def test_an_input_returned_unchanged_comes_back_as_it_went_in():
+    inputs = _inputs(history_passed_through)
+    _, history = tp.Ring(history_passed_through, carry=["latents", "history"],
+                         **OPTIONS).run(inputs, per_step={"timestep": TIMESTEPS})
+    assert torch.equal(history, inputs["history"])
+
+
+def previous_unchanged(latents, prev, timestep, labels):
+    return latents - 0.1 * _eps(latents, timestep, labels) + 0.01 * prev, latents
+
+
+def an_input_beside(latents, timestep, labels):
+    return latents - 0.1 * _eps(latents, timestep, labels), latents
+
+
+def a_dict(latents, timestep, labels):
+    return {"latents": latents - 0.1 * _eps(latents, timestep, labels)}
+
+
+def the_token_input_unchanged(latents, prev, timestep, labels):
+    return latents, prev + _eps(latents, timestep, labels)
+
+
+@pytest.mark.parametrize(("step", "carry", "says"), [
+    (previous_unchanged, ["latents", "prev"],
+     r"returns its input 'latents' unchanged as the next 'prev'.*return latents\.clone\(\)"),
+    (an_input_beside, ["latents"],
+     r"returns 2 value\(s\): a tensor it computes, its input 'latents' unchanged; carry "
+     r"names 1: \['latents'\]"),
+    (a_dict, ["latents"], r"returns 1 value\(s\): a dict holding tensors.*return a tuple"),
+    (the_token_input_unchanged, ["latents", "prev"],
+     r"returns 'latents', the token input a ring chunks .*, unchanged"),
+])
+def test_returns_that_do_not_match_carry_are_named(step, carry, says):
+    with pytest.raises(tp.TokpipeError, match=says):
+        tp.Ring(step, carry=carry, **OPTIONS).run(_inputs(step),
+                                                  per_step={"timestep": TIMESTEPS})
