@@ -15,20 +15,19 @@ freshness in both.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.core.errors import OneUnitGrid, TokpipeError, user_line
+from tokpipe_compiler.core.errors import OneUnitGrid, TokpipeError
 from tokpipe_compiler.core.fx import example_value
 from tokpipe_compiler.core.logs import LOG as log
 from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.core.warn import warn
-from tokpipe_compiler.planning.argument_reads import argument_reads, read_arguments
-from tokpipe_compiler.planning.capture import Captured, capture
+from tokpipe_compiler.planning.argument_reads import read_arguments
+from tokpipe_compiler.planning.capture import Captured
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.free_values import free_values
 from tokpipe_compiler.planning.plan import Plan
@@ -37,10 +36,12 @@ from tokpipe_compiler.ring_inputs import (
     ONE_PER_CARRY,
     carry_names,
     check_per_step,
+    check_returns,
     check_steps,
     feeds_of,
     input_signature,
 )
+from tokpipe_compiler.ring_trace import trace_step
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.stage_programs.distributed import make_program, planned_alike
 from tokpipe_compiler.stage_programs.step_watch import Watch
@@ -168,7 +169,9 @@ class Ring:
             self._traces[signature] = self._traces.pop(signature)
         else:
             self._forget_the_oldest()
-            self._traces[signature] = trace_step(self.step_fn, values)
+            traced = trace_step(self.step_fn, values)
+            check_returns(traced, self.carry, values)  # before planning: in every mode alike
+            self._traces[signature] = traced
             self._warn_of_writes(self._traces[signature])
             if self.follow_modules:
                 self._modules[signature] = TracedModules(self.step_fn,
@@ -252,8 +255,12 @@ class Ring:
             spec = outputs[feed]
             placeholder = self._traced.placeholder(name)
             if placeholder is None:
+                read = [a for a in dict.fromkeys(self._traced.arguments) if a is not None]
                 raise TokpipeError(f"carried input {name!r} is not an input the step "
-                                   f"function reads; it reads {self._traced.arguments}")
+                                   f"function reads (it reads {read}): carry names inputs "
+                                   "that each step reads and returns the next value of; to "
+                                   "look at the latents after each step, pass each_step= "
+                                   "to run")
             if spec.source != placeholder:
                 self._check_carry(name, placeholder, spec, program.plan)
                 carried[placeholder] = spec.source
@@ -265,7 +272,9 @@ class Ring:
         for it), that the stages read as a token input cut per chunk."""
         if spec.kind != OutputKind.TOKEN:
             raise TokpipeError(f"carried input {name!r} is fed by an output that is not "
-                               "token-wise (ring mode needs a token-wise scheduler update)")
+                               f"laid out like {self.carry[0]!r}, token by token: carry only "
+                               f"tensors shaped like {self.carry[0]!r} and updated token-wise "
+                               "(pass step counters and other per-step values in per_step)")
         stage = plan.graphs.stages[spec.producer]
         given = self._traced.inputs[self._traced.names.index(placeholder)]
         made = example_value(next((n for n in stage.gm.graph.nodes if n.name == spec.source),
@@ -310,61 +319,6 @@ def _see_warmup_step(program, each_step: Callable[[int, torch.Tensor], None], k:
     except BaseException as error:
         if last or not program.stop_next_run(error):
             raise
-
-
-def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
-    """The graph of one call of the step function, its example inputs and placeholders.
-    Where the step itself raises (the model fails on these inputs), that error, as an
-    eager call raises it, rather than Dynamo's account of it ("Observed exception")."""
-    try:
-        traced = capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1]
-    except torch._dynamo.exc.Unsupported as err:
-        # The step's own error (an exception it raises, a name it lacks) as Python gives it:
-        # an eager call raises it, with its traceback; a step that runs has a graph break.
-        with torch.no_grad():  # on copies: a step writing its inputs leaves the caller's
-            step_fn(**{k: v.clone() if isinstance(v, torch.Tensor) else v
-                       for k, v in values.items()})
-        raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
-                           f"it: {_graph_break(err)}") from err
-    except torch._dynamo.exc.UserError as err:
-        if "data-dependent" not in str(err):
-            raise
-        # a Python branch on a tensor's value (`if t.item() > 0:`), or a table indexed by
-        # one (`acp[t.long()]`): the graph cannot hold either
-        raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
-                           f"needs a tensor's value as a Python number{_data_dependent(err)}: "
-                           "a branch on it or an index by it; keep the value a tensor: "
-                           "torch.where(cond, a, b) for `a if cond else b`, and for a table "
-                           "indexed by a step's value, pass the looked-up values per step "
-                           "(per_step={'alpha': table[timesteps]})") from err
-    for node in traced.gm.graph.nodes:
-        if node.op == "call_method" and node.target in ("item", "tolist"):
-            raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
-                               f"reads a Python number off a tensor (.{node.target}()) at "
-                               f"{user_line(node)}; keep the value a tensor (a 0-d tensor "
-                               "works in the arithmetic)")
-    return traced.without_arguments(values, argument_reads(step_fn, traced.gm, values))
-
-
-def _data_dependent(err: BaseException) -> str:
-    """Where Dynamo could not guard on a tensor's value, and on what: ' (x > 0) at File
-    ...', or '' where its message says neither."""
-    text = str(err)
-    found = re.search(r"data-dependent expression (.+?) \(unhinted", text)
-    where = [line.strip() for line in text.splitlines() if line.strip().startswith("File ")]
-    what = f" ({found[1]})" if found else ""
-    return what + (f" at {where[-1]}" if where else "")
-
-
-def _graph_break(err: BaseException) -> str:
-    """Dynamo's account of a graph break in a line: what, its explanation, and where in
-    the user's code."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    said = [lines[0]] if lines else [type(err).__name__]
-    said += [line.removeprefix("Explanation:").strip() for line in lines
-             if line.startswith("Explanation:")]
-    where = [line for line in lines if line.startswith("File ")]
-    return "; ".join(said) + (f" ({where[-1]})" if where else "")
 
 
 def _read_per_chunk(graphs: SplitGraphs, placeholder: str) -> bool:

@@ -11,11 +11,14 @@ import torch
 
 from tokpipe_compiler.core.autocast import autocast_state
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.planning.capture import Captured
 from tokpipe_compiler.planning.returned_values import COMPUTED, CONTAINER, INPUT, Returned
 
 ONE_PER_CARRY = ("A ring feeds each returned tensor back as the carried input of its place "
                  "and returns those: return a tuple of tensors, one per name in carry, in "
-                 "carry order (a multistep solver's history too)")
+                 "carry order (a multistep solver's history too), or a dict of them by name; "
+                 "to look at the latents after each step, pass each_step= to run")
 
 
 def carry_names(carry: Sequence[str]) -> list[str]:
@@ -31,14 +34,28 @@ def carry_names(carry: Sequence[str]) -> list[str]:
     return names
 
 
+def check_returns(traced: Captured, carry: Sequence[str], values: dict[str, Any]) -> None:
+    """Raises where the traced step's return does not feed `carry`: by place (or key), and
+    each carried value in the shape it came in (the stages are planned for that shape)."""
+    if traced.returned is None:  # Dynamo did not say: the program's outputs are counted
+        return
+    outputs = next(n for n in traced.gm.graph.nodes if n.op == "output").args[0]
+    for name, feed in zip(carry, feeds_of(traced.returned, carry), strict=True):
+        given, made = values.get(name), None if feed is None else example_value(outputs[feed])
+        if isinstance(given, torch.Tensor) and isinstance(made, torch.Tensor) and \
+                tuple(given.shape) != tuple(made.shape):
+            raise TokpipeError(f"carried input {name!r} is passed in shape "
+                               f"{tuple(given.shape)} but the step returns it in shape "
+                               f"{tuple(made.shape)}: a ring feeds each step's value to the "
+                               "next in place, chunk by chunk, so a carried value keeps its "
+                               "shape (change resolution between rings, not inside one)")
+
+
 def feeds_of(returned: tuple[Returned, ...], carry: Sequence[str]) -> list[int | None]:
     """For each carried name, the graph output its next value is, or None where the step
-    returns that input unchanged; raises where the return does not match `carry`."""
-    tensors = [r for r in returned if r.kind in (COMPUTED, INPUT)]
-    if len(tensors) != len(carry) or any(r.kind == CONTAINER for r in returned):
-        said = ", ".join(r.describe() for r in returned)
-        raise TokpipeError(f"the step function returns {len(returned)} value(s): {said}; "
-                           f"carry names {len(carry)}: {list(carry)}. {ONE_PER_CARRY}")
+    returns that input unchanged; raises where the return does not match `carry`. A dict
+    returned is matched by key, anything else by place."""
+    tensors = _carried_returns(returned, carry)
     feeds: list[int | None] = []
     for name, value in zip(carry, tensors, strict=True):
         if value.kind == INPUT and value.source != name:
@@ -52,6 +69,26 @@ def feeds_of(returned: tuple[Returned, ...], carry: Sequence[str]) -> list[int |
                            "chunks (carry's first name), unchanged: a ring needs a step that "
                            "computes its next value")
     return feeds
+
+
+def _carried_returns(returned: tuple[Returned, ...], carry: Sequence[str]) -> list[Returned]:
+    """The returned tensor of each carried name, in carry order."""
+    said = ", ".join(r.describe() for r in returned)
+    tensors = [r for r in returned if r.kind in (COMPUTED, INPUT)]
+    if any(r.kind == CONTAINER for r in returned):
+        raise TokpipeError(f"the step function returns {said}: a ring takes tensors at the "
+                           f"top of the return only. {ONE_PER_CARRY}")
+    if returned and returned[0].key is not None:  # a dict
+        keys = {r.key for r in tensors}
+        if keys != set(carry):
+            raise TokpipeError(f"the step function returns a dict of {said}; carry names "
+                               f"{list(carry)}: return a tensor under each carried name and "
+                               f"no other tensors (the ring returns the carried ones)")
+        return [next(r for r in tensors if r.key == name) for name in carry]
+    if len(tensors) != len(carry):
+        raise TokpipeError(f"the step function returns {len(returned)} value(s): {said}; "
+                           f"carry names {len(carry)}: {list(carry)}. {ONE_PER_CARRY}")
+    return tensors
 
 
 def check_per_step(per_step: dict[str, Any], carry: Sequence[str]) -> None:

@@ -54,6 +54,11 @@ def diagnostics_beside(latents, timestep, labels):
     return latents - 0.1 * _eps(latents, timestep, labels), None, 3.0
 
 
+def a_dict_by_name(latents, prev, timestep, labels):
+    x = latents - 0.1 * _eps(latents, timestep, labels) + 0.01 * prev
+    return {"prev": latents.clone(), "latents": x, "note": "not a tensor"}
+
+
 def _inputs(step) -> dict:
     latents, _, labels = dit_inputs(MODEL, 8)
     given = {"latents": latents, "labels": labels, "history": latents * 0.5,
@@ -66,6 +71,8 @@ def _eager(step, inputs: dict, carry: list[str]) -> dict:
     with torch.no_grad():
         for t in TIMESTEPS:
             returned = step(**values, timestep=t)
+            if isinstance(returned, dict):
+                returned = [returned[name] for name in carry]
             tensors = [r for r in returned if isinstance(r, torch.Tensor)]
             values.update(zip(carry, tensors, strict=True))
     return values
@@ -76,6 +83,7 @@ def _eager(step, inputs: dict, carry: list[str]) -> dict:
     (previous_as_a_copy, ["latents", "prev"]),
     (one_value_twice, ["latents", "prev"]),
     (diagnostics_beside, ["latents"]),
+    (a_dict_by_name, ["latents", "prev"]),
 ])
 def test_each_carried_value_is_what_the_step_returns_in_its_place(step, carry):
     inputs = _inputs(step)
@@ -103,8 +111,26 @@ def an_input_beside(latents, timestep, labels):
     return latents - 0.1 * _eps(latents, timestep, labels), latents
 
 
-def a_dict(latents, timestep, labels):
-    return {"latents": latents - 0.1 * _eps(latents, timestep, labels)}
+def a_dict_without_a_carried_name(latents, timestep, labels):
+    return {"x": latents - 0.1 * _eps(latents, timestep, labels)}
+
+
+def a_nested_tuple(latents, timestep, labels):
+    return (latents - 0.1 * _eps(latents, timestep, labels),), 1
+
+
+def a_tensor_diagnostic(latents, timestep, labels):
+    eps = _eps(latents, timestep, labels)
+    return latents - 0.1 * eps, eps.norm()
+
+
+def upsampled(latents, timestep, labels):
+    x = latents - 0.1 * _eps(latents, timestep, labels)
+    return torch.nn.functional.interpolate(x, scale_factor=2)
+
+
+def cropped(latents, timestep, labels):
+    return (latents - 0.1 * _eps(latents, timestep, labels))[:, :, :4]
 
 
 def the_token_input_unchanged(latents, prev, timestep, labels):
@@ -117,11 +143,22 @@ def the_token_input_unchanged(latents, prev, timestep, labels):
     (an_input_beside, ["latents"],
      r"returns 2 value\(s\): a tensor it computes, its input 'latents' unchanged; carry "
      r"names 1: \['latents'\]"),
-    (a_dict, ["latents"], r"returns 1 value\(s\): a dict holding tensors.*return a tuple"),
+    (a_dict_without_a_carried_name, ["latents"],
+     r"returns a dict of 'x': a tensor it computes; carry names \['latents'\]"),
+    (a_nested_tuple, ["latents"], r"returns a tuple holding tensors, a int: a ring takes "
+                                  r"tensors at the top of the return only"),
+    (a_tensor_diagnostic, ["latents"],
+     r"returns 2 value\(s\).*pass each_step= to run"),
+    (upsampled, ["latents"], r"'latents' is passed in shape \(1, 4, 8, 8\) but the step "
+                             r"returns it in shape \(1, 4, 16, 16\)"),
+    (cropped, ["latents"], r"returns it in shape \(1, 4, 4, 8\)"),
     (the_token_input_unchanged, ["latents", "prev"],
      r"returns 'latents', the token input a ring chunks .*, unchanged"),
 ])
-def test_returns_that_do_not_match_carry_are_named(step, carry, says):
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_returns_that_do_not_match_carry_are_named(step, carry, says, mode):
+    """In both modes alike, before planning (stale planning refused a diagnostic's norm
+    as unchunkable and advised fallback=True, which a ring refuses)."""
     with pytest.raises(tp.TokpipeError, match=says):
-        tp.Ring(step, carry=carry, **OPTIONS).run(_inputs(step),
-                                                  per_step={"timestep": TIMESTEPS})
+        tp.Ring(step, carry=carry, **{**OPTIONS, "mode": mode}).run(
+            _inputs(step), per_step={"timestep": TIMESTEPS})

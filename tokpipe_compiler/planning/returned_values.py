@@ -9,6 +9,7 @@ from the return value Dynamo holds as it compiles the graph.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -20,21 +21,24 @@ COMPUTED, INPUT, CONTAINER, OTHER = "computed", "input", "container", "other"
 
 @dataclass(frozen=True)
 class Returned:
-    """One value of a function's return (of each entry where it returns a tuple or list)."""
+    """One value of a function's return (of each entry where it returns a tuple, a list or
+    a dict)."""
 
     kind: str  # COMPUTED (a graph output), INPUT (an input unchanged), CONTAINER, OTHER
     output: int | None = None  # COMPUTED: the graph output's position
     source: str = ""  # INPUT: where it came from ("latents", "conds['labels']")
     type_name: str = ""  # CONTAINER and OTHER: its Python type
+    key: str | None = None  # its key, where the function returns a dict
 
     def describe(self) -> str:
+        at = "" if self.key is None else f"{self.key!r}: "
         if self.kind == COMPUTED:
-            return "a tensor it computes"
+            return f"{at}a tensor it computes"
         if self.kind == INPUT:
-            return f"its input {self.source!r} unchanged"
+            return f"{at}its input {self.source!r} unchanged"
         if self.kind == CONTAINER:
-            return f"a {self.type_name} holding tensors"
-        return f"a {self.type_name}"
+            return f"{at}a {self.type_name} holding tensors"
+        return f"{at}a {self.type_name}"
 
 
 def returned_values(gm: torch.fx.GraphModule) -> tuple[Returned, ...] | None:
@@ -47,9 +51,13 @@ def returned_values(gm: torch.fx.GraphModule) -> tuple[Returned, ...] | None:
         if len(stack) != 1:
             return None
         value = stack[0]
+        outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+        if type(value).__name__ == "ConstDictVariable":  # a dict: each entry by its key
+            return tuple(dataclasses.replace(_returned(item, outputs),
+                                             key=str(key.vt.as_python_constant()))
+                         for key, item in value.items.items())
         items = value.items if type(value).__name__ in ("TupleVariable", "ListVariable") \
             else [value]
-        outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
         return tuple(_returned(item, outputs) for item in items)
     except Exception:  # a Dynamo internal: without it, nothing is known
         return None
@@ -70,12 +78,15 @@ def _returned(item: Any, outputs: list) -> Returned:
     return Returned(OTHER, type_name=python_type)
 
 
+_CONTAINERS = ("TupleVariable", "ListVariable", "ConstDictVariable", "NamedTupleVariable")
+
+
 def _holds_tensors(item: Any, depth: int = 0) -> bool:
     if type(item).__name__ == "TensorVariable":
         return True
-    inner = getattr(item, "items", None)
-    if depth > 4 or inner is None:
+    if depth > 4 or type(item).__name__ not in _CONTAINERS:
         return False
+    inner = item.items
     values = inner.values() if isinstance(inner, dict) else inner
     return any(_holds_tensors(v, depth + 1) for v in values)
 
