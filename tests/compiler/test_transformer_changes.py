@@ -67,6 +67,26 @@ def test_a_changed_transformer_is_traced_anew(family, change, before):
     assert traced and all(r() is None for r in traced)  # the old rings (and weights) freed
 
 
+def test_a_swap_undone_with_new_processors_of_the_first_kind_takes_the_rings_back():
+    """Processors made anew with the settings of those traced (a swap undone with fresh
+    defaults, as users undo one) are the same transformer: they were told apart by
+    identity, and every undo traced and compiled again."""
+    pipe, serial, kwargs = _pair("pixart_alpha")
+    first = generate(pipe, kwargs, steps=3)
+    rings = dict(pipe._tokpipe_ring.denoisers["transformer"].rings)
+    kinds = {name: type(p) for name, p in pipe.transformer.attn_processors.items()}
+    CHANGES["swap_processors"](pipe.transformer)
+    with pytest.warns(UserWarning, match=TRACED_ANEW):
+        generate(pipe, kwargs, steps=3)
+    pipe.transformer.set_attn_processor({name: kind() for name, kind in kinds.items()})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=f".*{TRACED_ANEW}")
+        again = generate(pipe, kwargs, steps=3)
+    assert pipe._tokpipe_ring.denoisers["transformer"].rings == rings
+    assert _relative(again, first) <= 1e-5
+    assert _relative(again, generate(serial, kwargs, steps=3)) <= 1e-5
+
+
 # Those whose pipelines create diffusers' (empty) hook registry on the transformer at the
 # end of the first call, and a PAG pipeline (the rest: in the exhaustive set).
 QUICK = ("chroma", "flux_fill", "latte", "wan", "sd3_pag")

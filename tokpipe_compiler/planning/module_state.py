@@ -124,8 +124,21 @@ def _token(value: Any, depth: int, held: list) -> Any:
                             for k, v in value.items()))
     held.append(value)
     if depth < _DEPTH and _has_plain_state(value):  # an attention processor's own settings
-        return (type(value), id(value), _token(vars(value), depth + 1, held))
+        # by value where its attributes are all its state: a processor made anew with the
+        # settings of the one traced (a swap undone with a fresh default) is the same
+        same = () if _state_is_its_attributes(value) else (id(value),)
+        return (type(value), *same, _token(vars(value), depth + 1, held))
     return (type(value), id(value))
+
+
+def _state_is_its_attributes(value: Any) -> bool:
+    """Whether an object is a processor-like callable whose `__dict__` is all its state: a
+    `__call__` written in Python, no `__slots__` (`functools.partial`, say, keeps its
+    function and arguments in C, out of its `__dict__`)."""
+    cls = type(value)
+    call = next((vars(c)["__call__"] for c in cls.__mro__ if "__call__" in vars(c)), None)
+    return isinstance(call, types.FunctionType) and \
+        not any("__slots__" in vars(c) for c in cls.__mro__[:-1])
 
 
 def _has_plain_state(value: Any) -> bool:
