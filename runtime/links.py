@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.runtime.backends import group_backend
 from tokpipe_compiler.runtime.run_stops import RunStops
 from tokpipe_compiler.runtime.transport_errors import GroupClosed
 
@@ -80,7 +81,7 @@ class TorchLinks:
         base = self._base()
         self.rank = dist.get_rank(base)
         self.world_size = dist.get_world_size(base)
-        self.backend = str(dist.get_backend(base))
+        self.backend = group_backend(base)
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if self.backend == "nccl" else torch.device("cpu"))
         self._pair = _groups(base, timeout)
@@ -174,7 +175,7 @@ def collective_failed(group: Any, said: str) -> str | None:
     made = None if base is None else _made.get(base)
     if made is None:
         return None
-    if dist.get_backend(base) == "gloo":
+    if group_backend(base) == "gloo":
         made.broken = made.broken or said
     return None if made.stops is None else made.stops.first_failure(said)
 
@@ -194,7 +195,7 @@ def _groups(base: Any, timeout: float | None = None) -> _Groups:
     ranks = dist.get_process_group_ranks(base)
     wait = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     try:  # named after its ranks: only they take part in making it
-        back = dist.new_group(ranks, backend=dist.get_backend(base),
+        back = dist.new_group(ranks, backend=group_backend(base),
                               use_local_synchronization=True, **wait)
     except ValueError as err:  # a group of these ranks was made so already
         raise TokpipeError(f"cannot make the second process group of ranks {ranks} that "

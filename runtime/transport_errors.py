@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.runtime.backends import group_backend
 
 if TYPE_CHECKING:
     from tokpipe_compiler.runtime.transport import MessageKey
@@ -41,7 +42,7 @@ def wait_collective(work: dist.Work, timeout: float, what: str,
         said = f"rank {dist.get_rank()} waiting for {what}: {reason_of(err, timeout)}"
         earlier = collective_failed(group, said)
         cause = f". {EARLIER}{earlier}" if earlier else ""
-        gloo = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        gloo = dist.is_initialized() and group_backend(group) == "gloo"
         raise TransportError(f"{said}{cause}. One rank of the group has likely failed or "
                              "died (its own error or exit says why); "
                              f"{GLOO_CLOSED if gloo else 'restart the ranks'}") from err

@@ -80,10 +80,11 @@ def timed_out(rank: int, pipe) -> str:
     return "no error"
 
 
-def start_anew(rank: int, marker: Path, new_port: bool) -> None:
-    """Destroys the process group and starts another, on a new port (agreed in the old
-    group) or the same. The other ranks start theirs once rank 0 has destroyed its own:
-    rank 0 serves the port's store, and a rank that comes before joins the old one."""
+def start_anew(rank: int, marker: Path, new_port: bool, backend: str | None = "gloo") -> None:
+    """Destroys the process group and starts another with `backend`, on a new port (agreed
+    in the old group) or the same. The other ranks start theirs once rank 0 has destroyed
+    its own: rank 0 serves the port's store, and a rank that comes before joins the old
+    one."""
     if new_port:
         port = [_free_port()]
         dist.broadcast_object_list(port)
@@ -94,7 +95,7 @@ def start_anew(rank: int, marker: Path, new_port: bool) -> None:
     deadline = time.monotonic() + 30
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    dist.init_process_group(backend, timeout=timedelta(seconds=30))
 
 
 def started_anew(rank: int, world: int, folder: Path) -> tuple[list[torch.Tensor], str]:
@@ -120,6 +121,26 @@ def test_a_group_started_anew_runs_the_next_generation(tmp_path):
     new group, on that port, took over."""
     for outputs, error in launch(started_anew, 2, args=(tmp_path,), timeout=180):
         assert "closes a connection for good" in error, error
+        for output in outputs[1:]:
+            assert torch.equal(output, outputs[0])
+
+
+def in_groups_without_gloo_named(rank: int, world: int, folder: Path) -> list[torch.Tensor]:
+    """A generation in launch's gloo group, then one of a pipeline parallelized in a group
+    started with no backend named, then in one with gloo named per device."""
+    outputs = [generation(parallelized())]
+    for step, backend in enumerate([None, "cpu:gloo"]):
+        start_anew(rank, folder / f"destroyed_{step}", True, backend)
+        outputs.append(generation(parallelized()))
+    return outputs
+
+
+def test_a_group_started_without_naming_gloo_runs_the_generation(tmp_path):
+    """`init_process_group()` with no backend (torchrun's usual call; its backend is
+    "undefined": gloo for CPU tensors) or "cpu:gloo": every call waited out the timeout
+    for its first message ("check that rank 1 is alive"), the transport taking the group
+    for one that is not gloo and polling sends gloo completes only in wait()."""
+    for outputs in launch(in_groups_without_gloo_named, 2, args=(tmp_path,), timeout=120):
         for output in outputs[1:]:
             assert torch.equal(output, outputs[0])
 
