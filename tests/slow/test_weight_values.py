@@ -67,6 +67,35 @@ def test_ranks_with_the_same_weights_run_on():
         assert outcomes == ["same as eager"] * 2, outcomes
 
 
+def models_called_in_another_order(rank: int, world: int) -> str:
+    """Two models of one architecture, seeded alike on every rank (0 and 1), compiled; rank
+    1 calls the second first: the error of the first call."""
+    torch.set_num_threads(1)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(TinyDiT(depth=world, width=32, heads=2, grid=8).eval())
+    compiled = [torch.compile(m, backend="tokpipe", dynamic=False,
+                              options={**OPTIONS, "stages": world}) for m in models]
+    first = compiled[rank]
+    try:
+        with torch.no_grad():
+            first(*dit_inputs(models[0], 8))
+    except tp.TokpipeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_calling_other_models_are_told_so():
+    """Their weights are alike on every rank: the error sent users to their checkpoints and
+    seeds only."""
+    for error in launch(models_called_in_another_order, 2, timeout=120):
+        assert error.startswith("the ranks hold other values in the model's parameters"), error
+        assert error.endswith("the ranks called different models of one architecture: call "
+                              "the pipelined models (or pipelines) in the same order on every "
+                              "rank."), error
+
+
 def test_a_digest_of_many_parameters_names_none():
     """Past NAMED_UP_TO parameters the ranks compare one digest of them all: it names no
     parameter (it named the first one, whichever differed)."""

@@ -238,7 +238,9 @@ def _check_parameter_values(digests: list[str], parameters: Sequence[str]) -> No
         "its stages with its own, and every rank would get one mixed model's output. Load "
         "the same weights on every rank: the same checkpoint, or a random initialisation "
         "seeded alike (torch.manual_seed(seed) before building the model), and the same "
-        "LoRA adapters, fused or set on every rank.")
+        "LoRA adapters, fused or set on every rank. Where the weights are alike, the ranks "
+        "called different models of one architecture: call the pipelined models (or "
+        "pipelines) in the same order on every rank.")
 
 
 # The step's inputs from the schedule: a ring's timestep, input scale, update coefficients
