@@ -6,6 +6,7 @@ runs as the eager loop does (sync, float32, 1e-5), or is refused naming what it 
 
 from __future__ import annotations
 
+import collections
 import inspect
 
 import pytest
@@ -54,6 +55,14 @@ def diagnostics_beside(latents, timestep, labels):
     return latents - 0.1 * _eps(latents, timestep, labels), None, 3.0
 
 
+Carried = collections.namedtuple("Carried", ["latents", "prev"])
+
+
+def a_named_tuple(latents, prev, timestep, labels):
+    """Dynamo does not say what a named tuple holds: read by the graph's outputs."""
+    return Carried(latents - 0.1 * _eps(latents, timestep, labels) + 0.01 * prev, 0.5 * prev)
+
+
 def a_dict_by_name(latents, prev, timestep, labels):
     x = latents - 0.1 * _eps(latents, timestep, labels) + 0.01 * prev
     return {"prev": latents.clone(), "latents": x, "note": "not a tensor"}
@@ -84,6 +93,7 @@ def _eager(step, inputs: dict, carry: list[str]) -> dict:
     (one_value_twice, ["latents", "prev"]),
     (diagnostics_beside, ["latents"]),
     (a_dict_by_name, ["latents", "prev"]),
+    (a_named_tuple, ["latents", "prev"]),
 ])
 def test_each_carried_value_is_what_the_step_returns_in_its_place(step, carry):
     inputs = _inputs(step)

@@ -50,15 +50,17 @@ def returned_values(gm: torch.fx.GraphModule) -> tuple[Returned, ...] | None:
         stack = InstructionTranslator.current_tx().stack
         if len(stack) != 1:
             return None
-        value = stack[0]
+        value, kind = stack[0], type(stack[0]).__name__
         outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        if type(value).__name__ == "ConstDictVariable":  # a dict: each entry by its key
+        if kind == "ConstDictVariable":  # a plain dict: each entry by its key
             return tuple(dataclasses.replace(_returned(item, outputs),
                                              key=str(key.vt.as_python_constant()))
                          for key, item in value.items.items())
-        items = value.items if type(value).__name__ in ("TupleVariable", "ListVariable") \
-            else [value]
-        return tuple(_returned(item, outputs) for item in items)
+        if kind in ("TupleVariable", "ListVariable"):
+            return tuple(_returned(item, outputs) for item in value.items)
+        if kind == "TensorVariable":
+            return (_returned(value, outputs),)
+        return None  # another kind of object (a named tuple, a model's output class)
     except Exception:  # a Dynamo internal: without it, nothing is known
         return None
 
