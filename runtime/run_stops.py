@@ -56,17 +56,33 @@ class RunStops:
         scope = _SHARED.get(group)
         self._prefix = _PREFIX if scope is None else f"{_PREFIX}{scope}/"
         self._in_world = scope is not None  # keys in the world's store, not the group's
+        # the group whose store lost its connection (its host, rank 0, gone): each further
+        # call would fail alike, and c10d logs every failure with a C++ backtrace
+        self._lost: weakref.ref | None = None
+
+    def _holder(self) -> Any:
+        """The group whose store holds the keys (None: the group is gone)."""
+        return dist.GroupMember.WORLD if self._in_world and self._group() is not None \
+            else self._group()
 
     def _store(self) -> Any:
-        """The group's store (None: the group is gone, or torch does not expose it)."""
+        """The group's store (None: the group is gone, its store out of reach, or torch
+        does not expose it)."""
         store_of = getattr(dist.distributed_c10d, "_get_process_group_store", None)
-        group = self._group()
-        if store_of is None or group is None:
+        holder = self._holder()
+        if store_of is None or holder is None or \
+                (self._lost is not None and self._lost() is holder):
             return None
         try:
-            return store_of(dist.GroupMember.WORLD if self._in_world else group)
+            return store_of(holder)
         except (RuntimeError, ValueError, KeyError):
             return None
+
+    def _failed(self, error: BaseException) -> None:
+        """A store call failed: where its connection is gone, no more calls to it."""
+        holder = self._holder()
+        if isinstance(error, dist.DistNetworkError) and holder is not None:
+            self._lost = weakref.ref(holder)
 
     def named(self, rank: int) -> int:
         """The process's rank in the world, for messages, of `rank` in the group (they
@@ -88,8 +104,10 @@ class RunStops:
         to their transport's errors."""
         store = self._store()
         if store is not None:
-            with contextlib.suppress(RuntimeError, dist.DistError):
+            try:
                 store.set(f"{self._prefix}{run}", f"rank {self.named(rank)}: {_said(error)}")
+            except RuntimeError as failure:  # dist.DistError among them
+                self._failed(failure)
         told(error)
 
     def say_call(self, run: int, rank: int, what: str) -> None:
@@ -99,10 +117,12 @@ class RunStops:
         store = self._store()
         if store is None:
             return
-        with contextlib.suppress(RuntimeError, dist.DistError):
+        try:
             store.set(self._call_key(run, rank), what)
             if run > 2:
                 store.delete_key(self._call_key(run - 2, rank))
+        except RuntimeError as failure:
+            self._failed(failure)
 
     def calls_said(self, run: int, world: int, timeout: float) -> list[str] | None:
         """What each rank said run `run` is (`say_call`), in rank order, waiting at most
@@ -116,7 +136,8 @@ class RunStops:
             values = store.multi_get(keys) if hasattr(store, "multi_get") else \
                 [store.get(key) for key in keys]  # one round trip where the store can
             return [value.decode(errors="replace") for value in values]
-        except (RuntimeError, dist.DistError):
+        except RuntimeError as failure:
+            self._failed(failure)
             return None
 
     def first_failure(self, said: str) -> str | None:
@@ -129,7 +150,8 @@ class RunStops:
             return None
         try:
             first = store.compare_set(f"{self._prefix}failed/{self.runs}", "", said)
-        except (RuntimeError, dist.DistError):
+        except RuntimeError as failure:
+            self._failed(failure)
             return None
         first = first.decode(errors="replace") if isinstance(first, bytes) else str(first)
         return None if first == said else first
@@ -146,7 +168,8 @@ class RunStops:
             if not store.check([key]):
                 return None
             return store.get(key).decode(errors="replace")
-        except (RuntimeError, dist.DistError):
+        except RuntimeError as failure:
+            self._failed(failure)
             return None
 
 
