@@ -33,14 +33,13 @@ from tokpipe_compiler.planning.free_values import free_values
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.traced_modules import TracedModules
 from tokpipe_compiler.ring_inputs import (
-    ONE_PER_CARRY,
     carry_names,
+    check_carried_inputs,
     check_per_step,
-    check_returns,
     check_steps,
-    feeds_of,
     input_signature,
 )
+from tokpipe_compiler.ring_returns import ONE_PER_CARRY, Feeds, check_returns
 from tokpipe_compiler.ring_trace import trace_step
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.stage_programs.distributed import make_program, planned_alike
@@ -89,6 +88,8 @@ class Ring:
         self._chosen: dict[tuple, tuple[Chunk, ...]] = {}  # (signature, steps) -> chunk table
         self._programs: dict[tuple, Any] = {}  # (signature, chunk table) -> program
         self._modules: dict[tuple, TracedModules] = {}  # signature -> what its trace read
+        self._feeds_by_signature: dict[tuple, Feeds | None] = {}  # `ring_returns`
+        self._carry_feeds: Feeds | None = None  # of the latest run's signature
 
     def run(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor] | None = None,
             steps: int | None = None, progress: Callable[[int], None] | None = None,
@@ -104,9 +105,7 @@ class Ring:
         per_step = per_step or {}
         check_per_step(per_step, self.carry)
         steps = check_steps(steps, per_step)
-        missing = [name for name in self.carry if name not in inputs]
-        if missing:
-            raise TokpipeError(f"Ring.run needs a first value for carried input(s) {missing}")
+        check_carried_inputs(inputs, self.carry)
         if steps == 0:  # no step taken: the carried values stay as they came
             return tuple(inputs[name] for name in self.carry)
         values = {**inputs, **{k: v[0] for k, v in per_step.items()}}
@@ -170,13 +169,16 @@ class Ring:
         else:
             self._forget_the_oldest()
             traced = trace_step(self.step_fn, values)
-            check_returns(traced, self.carry, values)  # before planning: in every mode alike
+            # before planning: in every mode alike
+            self._feeds_by_signature[signature] = check_returns(traced, self.carry,
+                                                               self.step_fn, values)
             self._traces[signature] = traced
             self._warn_of_writes(self._traces[signature])
             if self.follow_modules:
                 self._modules[signature] = TracedModules(self.step_fn,
                                                          self._traces[signature].gm, values)
         self._traced = self._traces[signature]
+        self._carry_feeds = self._feeds_by_signature[signature]
         steps = max(ring_steps, 1) if self.config.chunks == "auto" else None
         if (signature, steps) not in self._chosen:
             with planned_alike(self.group, self.config.timeout):
@@ -200,6 +202,7 @@ class Ring:
                  KEPT_SIGNATURES)
         del self._traces[oldest]
         self._modules.pop(oldest, None)
+        self._feeds_by_signature.pop(oldest, None)
         self._chosen = {k: v for k, v in self._chosen.items() if k[0] != oldest}
         self._programs = {k: v for k, v in self._programs.items() if k[0] != oldest}
 
@@ -211,7 +214,8 @@ class Ring:
         if change is not None:
             warn(f"tokpipe: Ring: the step function's weights changed since it was traced "
                  f"({change}): tracing and planning it anew, so this run compiles again")
-            for table in (self._traces, self._chosen, self._programs, self._modules):
+            for table in (self._traces, self._chosen, self._programs, self._modules,
+                          self._feeds_by_signature):
                 table.clear()
 
     def _warn_of_writes(self, traced: Captured) -> None:
@@ -232,18 +236,17 @@ class Ring:
             args[index] = value  # a tensor inside an input (a dict's, an object's)
         return tuple(args)
 
-    def _feeds(self, program) -> list[int | None]:
+    def _feeds(self, program) -> Feeds:
         """For each carried input, the position among the program's outputs of the value
         that feeds it; None where the step returns the input unchanged (Dynamo's graph
-        outputs only what it computes: `planning.returned_values`)."""
-        outputs = program.plan.graphs.outputs
-        returned = self._traced.returned
-        if returned is None:  # Dynamo did not say: the graph's outputs, in order
-            if len(outputs) != len(self.carry):
-                raise TokpipeError(f"the step function returns {len(outputs)} tensors but "
-                                   f"carry names {len(self.carry)}. {ONE_PER_CARRY}")
-            return list(range(len(self.carry)))
-        return feeds_of(returned, self.carry)
+        outputs only what it computes: `ring_returns`)."""
+        if self._carry_feeds is not None:
+            return self._carry_feeds
+        outputs = program.plan.graphs.outputs  # Dynamo did not say: the outputs, in order
+        if len(outputs) != len(self.carry):
+            raise TokpipeError(f"the step function returns {len(outputs)} tensors but "
+                               f"carry names {len(self.carry)}. {ONE_PER_CARRY}")
+        return list(range(len(self.carry)))
 
     def _carried_outputs(self, program) -> dict[str, str]:
         """Placeholder name of each carried input -> name of the output value it becomes."""

@@ -1,6 +1,5 @@
-"""What a Ring run is given: the carried names and per-step inputs checked, the step's
-returned values matched to the carried names, and the input signature a traced step is
-specialised to (another signature traces the step anew)."""
+"""What a Ring run is given: the carried names and per-step inputs checked, and the input
+signature a traced step is specialised to (another signature traces the step anew)."""
 
 from __future__ import annotations
 
@@ -11,14 +10,6 @@ import torch
 
 from tokpipe_compiler.core.autocast import autocast_state
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.core.fx import example_value
-from tokpipe_compiler.planning.capture import Captured
-from tokpipe_compiler.planning.returned_values import COMPUTED, CONTAINER, INPUT, Returned
-
-ONE_PER_CARRY = ("A ring feeds each returned tensor back as the carried input of its place "
-                 "and returns those: return a tuple of tensors, one per name in carry, in "
-                 "carry order (a multistep solver's history too), or a dict of them by name; "
-                 "to look at the latents after each step, pass each_step= to run")
 
 
 def carry_names(carry: Sequence[str]) -> list[str]:
@@ -34,61 +25,20 @@ def carry_names(carry: Sequence[str]) -> list[str]:
     return names
 
 
-def check_returns(traced: Captured, carry: Sequence[str], values: dict[str, Any]) -> None:
-    """Raises where the traced step's return does not feed `carry`: by place (or key), and
-    each carried value in the shape it came in (the stages are planned for that shape)."""
-    if traced.returned is None:  # Dynamo did not say: the program's outputs are counted
-        return
-    outputs = next(n for n in traced.gm.graph.nodes if n.op == "output").args[0]
-    for name, feed in zip(carry, feeds_of(traced.returned, carry), strict=True):
-        given, made = values.get(name), None if feed is None else example_value(outputs[feed])
-        if isinstance(given, torch.Tensor) and isinstance(made, torch.Tensor) and \
-                tuple(given.shape) != tuple(made.shape):
-            raise TokpipeError(f"carried input {name!r} is passed in shape "
-                               f"{tuple(given.shape)} but the step returns it in shape "
-                               f"{tuple(made.shape)}: a ring feeds each step's value to the "
-                               "next in place, chunk by chunk, so a carried value keeps its "
-                               "shape (change resolution between rings, not inside one)")
-
-
-def feeds_of(returned: tuple[Returned, ...], carry: Sequence[str]) -> list[int | None]:
-    """For each carried name, the graph output its next value is, or None where the step
-    returns that input unchanged; raises where the return does not match `carry`. A dict
-    returned is matched by key, anything else by place."""
-    tensors = _carried_returns(returned, carry)
-    feeds: list[int | None] = []
-    for name, value in zip(carry, tensors, strict=True):
-        if value.kind == INPUT and value.source != name:
-            raise TokpipeError(f"the step function returns its input {value.source!r} "
-                               f"unchanged as the next {name!r}: a ring carries each value "
-                               f"chunk by chunk from the step that computes it; return "
-                               f"{value.source}.clone() there")
-        feeds.append(None if value.kind == INPUT else value.output)
-    if feeds[0] is None:
-        raise TokpipeError(f"the step function returns {carry[0]!r}, the token input a ring "
-                           "chunks (carry's first name), unchanged: a ring needs a step that "
-                           "computes its next value")
-    return feeds
-
-
-def _carried_returns(returned: tuple[Returned, ...], carry: Sequence[str]) -> list[Returned]:
-    """The returned tensor of each carried name, in carry order."""
-    said = ", ".join(r.describe() for r in returned)
-    tensors = [r for r in returned if r.kind in (COMPUTED, INPUT)]
-    if any(r.kind == CONTAINER for r in returned):
-        raise TokpipeError(f"the step function returns {said}: a ring takes tensors at the "
-                           f"top of the return only. {ONE_PER_CARRY}")
-    if returned and returned[0].key is not None:  # a dict
-        keys = {r.key for r in tensors}
-        if keys != set(carry):
-            raise TokpipeError(f"the step function returns a dict of {said}; carry names "
-                               f"{list(carry)}: return a tensor under each carried name and "
-                               f"no other tensors (the ring returns the carried ones)")
-        return [next(r for r in tensors if r.key == name) for name in carry]
-    if len(tensors) != len(carry):
-        raise TokpipeError(f"the step function returns {len(returned)} value(s): {said}; "
-                           f"carry names {len(carry)}: {list(carry)}. {ONE_PER_CARRY}")
-    return tensors
+def check_carried_inputs(inputs: dict[str, Any], carry: Sequence[str]) -> None:
+    """A first value for each carried name, each its own tensor: a ring carries each
+    chunk by chunk into its own buffer, and a trace of one tensor passed under two names
+    reads it as one input."""
+    missing = [name for name in carry if name not in inputs]
+    if missing:
+        raise TokpipeError(f"Ring.run needs a first value for carried input(s) {missing}")
+    for name, value in inputs.items():
+        same = [c for c in carry if c != name and inputs[c] is value
+                and (name not in carry or carry.index(c) < carry.index(name))]
+        if same:
+            what = "carried inputs" if name in carry else "the carried input and input"
+            raise TokpipeError(f"Ring.run: {what} {same[0]!r} and {name!r} are one tensor; "
+                               f"pass a copy as {name!r} ({name}={same[0]}.clone())")
 
 
 def check_per_step(per_step: dict[str, Any], carry: Sequence[str]) -> None:
@@ -129,7 +79,16 @@ def input_signature(values: dict[str, Any]) -> tuple:
     value of anything else (the trace holds those as constants: a settings object's by its
     attributes), and the autocast state (it sets the dtypes of the values, caches and
     messages a plan allocates)."""
-    return (*sorted((name, _value_key(v)) for name, v in values.items()), autocast_state())
+    return (*sorted((name, _value_key(v)) for name, v in values.items()), autocast_state(),
+            _aliases(values))
+
+
+def _aliases(values: dict[str, Any]) -> tuple:
+    """Which inputs are one tensor passed under several names: the trace reads it as one
+    input, so another run passing them apart traces anew."""
+    names = sorted(n for n, v in values.items() if isinstance(v, torch.Tensor))
+    return tuple((name, next(o for o in names if values[o] is values[name]))
+                 for name in names if any(values[o] is values[name] for o in names if o < name))
 
 
 def _value_key(value: Any, depth: int = 0) -> Any:
@@ -140,9 +99,8 @@ def _value_key(value: Any, depth: int = 0) -> Any:
         return (tuple(value.shape), value.dtype, value.device)
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_value_key(v, depth + 1) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple(sorted((repr(k), _value_key(v, depth + 1))
-                                     for k, v in value.items())))
+    if isinstance(value, dict):  # in order: a trace reads some entries by their place
+        return ("dict", tuple((repr(k), _value_key(v, depth + 1)) for k, v in value.items()))
     if isinstance(value, torch.nn.Module) or callable(value) or depth >= 3 or \
             not hasattr(value, "__dict__"):  # a function (a class) by identity, not its attributes
         return repr(value)

@@ -5,6 +5,9 @@ second run with other values of the same shapes computed with the first run's, s
 
 from __future__ import annotations
 
+import enum
+import functools
+
 import pytest
 import torch
 
@@ -49,6 +52,22 @@ def _forms(model: torch.nn.Module) -> dict:
     def in_kwargs(latents, timestep, **kwargs):
         return update(latents, timestep, kwargs["conds"]["labels"], kwargs["weight"])
 
+    @functools.wraps(in_dict)
+    def decorated(*args, **kwargs):  # Dynamo traces this frame, not in_dict's
+        return in_dict(*args, **kwargs)
+
+    defaults = {"labels": None, "weight": None}
+
+    def by_default(latents, timestep, labels, conds=defaults):
+        return update(latents, timestep, conds["labels"], conds["weight"])
+
+    def by_place(latents, timestep, conds):
+        return update(latents, timestep, conds[Key.LABELS], conds[Key.WEIGHT])
+
+    def given_defaults(y, w):  # the default dict's entries, and a top-level input beside
+        defaults.update(labels=y, weight=w)
+        return {"labels": 1 - y}
+
     return {
         "dict": (in_dict, lambda y, w: {"conds": {"labels": y, "weight": w}}),
         # a top-level input named like the dict's key must not stand in for it
@@ -58,7 +77,16 @@ def _forms(model: torch.nn.Module) -> dict:
         "list": (in_list, lambda y, w: {"conds": [y, w]}),
         "object": (in_object, lambda y, w: {"labels": y, "settings": Settings(w)}),
         "kwargs": (in_kwargs, lambda y, w: {"conds": {"labels": y}, "weight": w}),
+        "decorated": (decorated, lambda y, w: {"conds": {"labels": y, "weight": w}}),
+        "a default's": (by_default, given_defaults),
+        # keys Dynamo names by their place in the dict
+        "enum keys": (by_place, lambda y, w: {"conds": {Key.WEIGHT: w, Key.LABELS: y}}),
     }
+
+
+class Key(enum.Enum):
+    LABELS = 1
+    WEIGHT = 2
 
 
 def _eager(step, inputs: dict) -> torch.Tensor:
@@ -71,6 +99,9 @@ def _eager(step, inputs: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("form", list(_forms(torch.nn.Identity())))
 def test_tensors_inside_inputs_are_read_anew_each_run(form):
+    """A decorated step read nothing anew (its wrapper's frame is traced), a default
+    dict's entry took a top-level input of its key's name, and keys Dynamo names by
+    place failed every run."""
     model = _model()
     step, inputs_of = _forms(model)[form]
     latents, _, labels = dit_inputs(model, 8)
@@ -95,3 +126,41 @@ def test_a_trace_keeps_no_tensor_of_its_first_inputs():
     read = {index for index, _ in traced.reads}
     assert len(read) == 4  # latents, timestep, conds['labels'], conds['weight']
     assert all(traced.inputs[i].device.type == "meta" for i in read)
+
+
+def test_one_tensor_passed_under_two_names_is_traced_apart_from_two():
+    """Dynamo reads a tensor passed twice as one input: a later run passing two tensors
+    would have used the first for both."""
+    model = _model()
+    latents, _, labels = dit_inputs(model, 8)
+
+    def step(latents, timestep, labels, a, b):
+        return (latents - 0.1 * model(latents * a + b, timestep[None], labels),)
+
+    ring = tp.Ring(step, carry=["latents"], **OPTIONS)
+    scale = torch.rand_like(latents)
+    for a, b in ((scale, scale), (scale, 0.5 * scale)):
+        inputs = {"latents": latents, "labels": labels, "a": a, "b": b}
+        (out,) = ring.run(inputs, per_step={"timestep": TIMESTEPS})
+        expected = _eager(step, inputs)
+        assert ((out - expected).norm() / expected.norm()).item() <= 1e-5
+    assert len(ring.programs()) == 2
+
+
+@pytest.mark.parametrize(("carry", "says"), [
+    (["latents", "prev"], "carried inputs 'latents' and 'prev' are one tensor"),
+    (["latents"], "the carried input and input 'latents' and 'prev' are one tensor"),
+])
+def test_a_carried_input_passed_as_another_input_too_is_refused(carry, says):
+    """Traced as one input, the other would have followed the carried one step by step."""
+    model = _model()
+    latents, _, labels = dit_inputs(model, 8)
+
+    def step(latents, prev, timestep, labels):
+        x = latents - 0.1 * model(latents, timestep[None], labels) + 0.01 * prev
+        return (x, latents.clone())[: len(carry)]
+
+    with pytest.raises(tp.TokpipeError, match=f"{says}; pass a copy as 'prev'"):
+        tp.Ring(step, carry=carry, **OPTIONS).run(
+            {"latents": latents, "prev": latents, "labels": labels},
+            per_step={"timestep": TIMESTEPS})

@@ -7,6 +7,7 @@ runs as the eager loop does (sync, float32, 1e-5), or is refused naming what it 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 
 import pytest
@@ -63,6 +64,12 @@ def a_named_tuple(latents, prev, timestep, labels):
     return Carried(latents - 0.1 * _eps(latents, timestep, labels) + 0.01 * prev, 0.5 * prev)
 
 
+def history_through_other_kwargs(latents, timestep, **extra):
+    """An input passed through a `**kwargs` of another name, unchanged."""
+    x = latents - 0.1 * _eps(latents, timestep, extra["labels"]) + 0.01 * extra["history"]
+    return x, extra["history"]
+
+
 def a_dict_by_name(latents, prev, timestep, labels):
     x = latents - 0.1 * _eps(latents, timestep, labels) + 0.01 * prev
     return {"prev": latents.clone(), "latents": x, "note": "not a tensor"}
@@ -72,7 +79,10 @@ def _inputs(step) -> dict:
     latents, _, labels = dit_inputs(MODEL, 8)
     given = {"latents": latents, "labels": labels, "history": latents * 0.5,
              "prev": latents * 0.3}
-    return {k: v for k, v in given.items() if k in inspect.signature(step).parameters}
+    parameters = inspect.signature(step).parameters.values()
+    if any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return given
+    return {k: v for k, v in given.items() if k in {p.name for p in parameters}}
 
 
 def _eager(step, inputs: dict, carry: list[str]) -> dict:
@@ -94,6 +104,7 @@ def _eager(step, inputs: dict, carry: list[str]) -> dict:
     (diagnostics_beside, ["latents"]),
     (a_dict_by_name, ["latents", "prev"]),
     (a_named_tuple, ["latents", "prev"]),
+    (history_through_other_kwargs, ["latents", "history"]),
 ])
 def test_each_carried_value_is_what_the_step_returns_in_its_place(step, carry):
     inputs = _inputs(step)
@@ -134,6 +145,23 @@ def a_tensor_diagnostic(latents, timestep, labels):
     return latents - 0.1 * eps, eps.norm()
 
 
+@dataclasses.dataclass
+class Out:
+    latents: torch.Tensor
+    prev: torch.Tensor
+
+
+def an_object(latents, prev, timestep, labels):
+    """Its tensors came out in the graph's order (prev first), silently."""
+    p = 0.5 * prev
+    return Out(latents - 0.1 * _eps(latents, timestep, labels) + p, p)
+
+
+def upsampled_named(latents, prev, timestep, labels):
+    x = latents - 0.1 * _eps(latents, timestep, labels)
+    return Carried(torch.nn.functional.interpolate(x, scale_factor=2), prev * 0.5)
+
+
 def upsampled(latents, timestep, labels):
     x = latents - 0.1 * _eps(latents, timestep, labels)
     return torch.nn.functional.interpolate(x, scale_factor=2)
@@ -151,17 +179,19 @@ def the_token_input_unchanged(latents, prev, timestep, labels):
     (previous_unchanged, ["latents", "prev"],
      r"returns its input 'latents' unchanged as the next 'prev'.*return latents\.clone\(\)"),
     (an_input_beside, ["latents"],
-     r"returns 2 value\(s\): a tensor it computes, its input 'latents' unchanged; carry "
-     r"names 1: \['latents'\]"),
+     r"returns 2 tensor\(s\) \(a tensor it computes, its input 'latents' unchanged\); "
+     r"carry names 1: \['latents'\]"),
     (a_dict_without_a_carried_name, ["latents"],
      r"returns a dict of 'x': a tensor it computes; carry names \['latents'\]"),
     (a_nested_tuple, ["latents"], r"returns a tuple holding tensors, a int: a ring takes "
                                   r"tensors at the top of the return only"),
     (a_tensor_diagnostic, ["latents"],
-     r"returns 2 value\(s\).*pass each_step= to run"),
+     r"returns 2 tensor\(s\).*pass each_step= to run"),
     (upsampled, ["latents"], r"'latents' is passed in shape \(1, 4, 8, 8\) but the step "
                              r"returns it in shape \(1, 4, 16, 16\)"),
     (cropped, ["latents"], r"returns it in shape \(1, 4, 4, 8\)"),
+    (an_object, ["latents", "prev"], r"returns 0 tensor\(s\) \(a Out\); carry names 2"),
+    (upsampled_named, ["latents", "prev"], r"returns it in shape \(1, 4, 16, 16\)"),
     (the_token_input_unchanged, ["latents", "prev"],
      r"returns 'latents', the token input a ring chunks .*, unchanged"),
 ])

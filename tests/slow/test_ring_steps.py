@@ -119,8 +119,8 @@ TABLE = torch.linspace(0.1, 1.0, 10)  # a schedule's table, looked up by a step'
 
 @pytest.mark.parametrize(("spelling", "says"), [
     ("item", r"reads a Python number off a tensor \(\.item\(\)\) at File .*test_ring_steps"),
-    ("extra output", r"returns 2 value\(s\): a tensor it computes, a tensor it computes; "
-                     r"carry names 1: \['latents'\]\. A ring feeds each returned tensor"),
+    ("extra output", r"returns 2 tensor\(s\) \(a tensor it computes, a tensor it "
+                     r"computes\); carry names 1: \['latents'\]\. A ring feeds each"),
     ("quantile", "an update that mixes tokens"),
     ("item in an if", r"needs a tensor's value as a Python number \(.+ < 1000000\.0\) at "
                       r"File .*test_ring_steps.*torch\.where"),

@@ -19,6 +19,7 @@ import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import is_user_input, source_name
+from tokpipe_compiler.planning.returned_values import readable
 
 _ROOT = re.compile(r"L\['(\w+)'\]")
 
@@ -26,7 +27,8 @@ _ROOT = re.compile(r"L\['(\w+)'\]")
 def argument_reads(fn: Callable[..., Any], gm: torch.fx.GraphModule,
                    values: dict[str, Any]) -> tuple[tuple[int, str], ...]:
     """(placeholder index, source) of each graph input read from the arguments of the call
-    `fn(**values)`: the call's own arguments and what they hold."""
+    `fn(**values)`: the call's own arguments and what they hold. Raises where one cannot
+    be found again from its source (a dict's key that is no str or number)."""
     frame = call_frame(fn, values)
     reads = []
     for index, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
@@ -34,6 +36,13 @@ def argument_reads(fn: Callable[..., Any], gm: torch.fx.GraphModule,
         root = _ROOT.match(source)
         if root is not None and root[1] in frame and is_user_input(node):
             reads.append((index, source))
+    for _, source in reads:
+        try:
+            _evaluate(source, frame)
+        except Exception as err:
+            raise TokpipeError(f"the step reads {readable(source)} from inside its inputs, "
+                               "where a later run could not find it again: pass that tensor as an "
+                               "input of its own") from err
     return tuple(reads)
 
 
@@ -44,9 +53,9 @@ def read_arguments(reads: tuple[tuple[int, str], ...], fn: Callable[..., Any],
     found = []
     for index, source in reads:
         try:
-            found.append((index, eval(source, {"__builtins__": {}}, {"L": frame})))
+            found.append((index, _evaluate(source, frame)))
         except Exception as err:
-            raise TokpipeError(f"the step read {_readable(source)} from its inputs when it "
+            raise TokpipeError(f"the step read {readable(source)} from its inputs when it "
                                f"was traced, and this call's inputs lack it ({err!r}); pass "
                                "inputs of the same structure each call") from err
     return found
@@ -54,14 +63,21 @@ def read_arguments(reads: tuple[tuple[int, str], ...], fn: Callable[..., Any],
 
 def call_frame(fn: Callable[..., Any], values: dict[str, Any]) -> dict[str, Any]:
     """The arguments of the frame `fn(**values)` runs, by parameter name, as Dynamo's
-    `L[...]` names them: the keywords a `**kwargs` gathers as one dict under its name."""
+    `L[...]` names them: the keywords a `**kwargs` gathers as one dict under its name,
+    defaults included; a decorated function's own frame (a `functools.wraps` wrapper's
+    `*args, **kwargs`, which Dynamo traces), not the signature it shows."""
     try:
-        bound = inspect.signature(fn).bind_partial(**values)
+        bound = inspect.signature(fn, follow_wrapped=False).bind_partial(**values)
     except (TypeError, ValueError):  # no signature, or one the values do not fit: by name
         return dict(values)
+    bound.apply_defaults()
     return dict(bound.arguments)
 
 
-def _readable(source: str) -> str:
-    """`L['conds']['labels']` -> `conds['labels']`."""
-    return _ROOT.sub(r"\1", source, count=1)
+def _evaluate(source: str, frame: dict[str, Any]) -> Any:
+    # Dynamo names a dict's entry under a key it cannot write by the key's place:
+    # L['conds'][list(dict.keys(L['conds']))[1]] (the signature keeps the keys' order)
+    return eval(source, {"__builtins__": _BUILTINS}, {"L": frame})
+
+
+_BUILTINS = {"list": list, "dict": dict, "tuple": tuple}

@@ -59,12 +59,14 @@ def compile_named(what: str, gm: torch.fx.GraphModule, example_inputs: list,
         _explained = True
         with _between_progress_bars():
             log.warning(
-                "tokpipe: Inductor took %.0f s to compile %s. Each stage is compiled once "
-                "per chunk length and input shape, at the first call that needs it, so a "
-                "first call at a new shape is slow (the compiles after this one say "
-                "nothing); later calls reuse the code, and Inductor's cache shortens later "
-                "processes' compiles. TOKPIPE_LOGS=tokpipe logs each compile; "
-                "compiler='eager' skips them (slower steps)", seconds, what)
+                "tokpipe: compiling with Inductor: %s took %.0f s (a process's first Inductor "
+                "compile includes Inductor's own start-up, about 10 s on a small CPU). Each "
+                "stage is compiled once per chunk length and input shape, at the first call "
+                "that needs it, so this call goes on compiling the stages, and a first call "
+                "at a new shape is slow too, without a word (this is said once a process); "
+                "later calls reuse the code, and Inductor's cache shortens later processes' "
+                "compiles. TOKPIPE_LOGS=tokpipe logs each compile; compiler='eager' skips "
+                "them (slower steps)", what, seconds)
     return fn
 
 
