@@ -11,7 +11,7 @@ import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import example_value
-from tokpipe_compiler.planning.argument_reads import call_frame
+from tokpipe_compiler.planning.argument_reads import call_frame, evaluate_source
 from tokpipe_compiler.planning.capture import Captured
 from tokpipe_compiler.planning.returned_values import Kind, Returned, readable
 
@@ -34,7 +34,7 @@ def check_returns(traced: Captured, carry: Sequence[str], step_fn: Callable[...,
 
     def is_input(value: Returned, name: str) -> bool:  # the very object passed as `name`
         try:
-            return eval(value.source, {"__builtins__": {}}, {"L": frame}) is values.get(name)
+            return evaluate_source(value.source, frame) is values.get(name)
         except Exception:  # a source this cannot evaluate: not shown to be that input
             return False
 

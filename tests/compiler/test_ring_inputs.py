@@ -18,13 +18,6 @@ OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
 TIMESTEPS = torch.tensor([900, 500])
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch.compiler.reset()  # the steps below share code objects between tests
-    yield
-    torch.compiler.reset()
-
-
 class Settings:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight

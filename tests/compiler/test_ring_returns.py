@@ -20,13 +20,6 @@ OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
 TIMESTEPS = torch.tensor([900, 500, 300])
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch.compiler.reset()  # the steps below share code objects between tests
-    yield
-    torch.compiler.reset()
-
-
 def _model() -> TinyDiT:
     torch.manual_seed(0)
     return TinyDiT(depth=2, width=32, heads=2, grid=8).eval()

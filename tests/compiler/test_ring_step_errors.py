@@ -17,13 +17,6 @@ OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
 TIMESTEPS = torch.tensor([900, 500])
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch.compiler.reset()  # the steps below share code objects between tests
-    yield
-    torch.compiler.reset()
-
-
 torch.manual_seed(0)
 MODEL = TinyDiT(depth=1, width=16, heads=2, grid=8).eval()
 

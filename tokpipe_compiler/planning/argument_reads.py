@@ -38,7 +38,7 @@ def argument_reads(fn: Callable[..., Any], gm: torch.fx.GraphModule,
             reads.append((index, source))
     for _, source in reads:
         try:
-            _evaluate(source, frame)
+            evaluate_source(source, frame)
         except Exception as err:
             raise TokpipeError(f"the step reads {readable(source)} from inside its inputs, "
                                "where a later run could not find it again: pass that tensor as an "
@@ -53,7 +53,7 @@ def read_arguments(reads: tuple[tuple[int, str], ...], fn: Callable[..., Any],
     found = []
     for index, source in reads:
         try:
-            found.append((index, _evaluate(source, frame)))
+            found.append((index, evaluate_source(source, frame)))
         except Exception as err:
             raise TokpipeError(f"the step read {readable(source)} from its inputs when it "
                                f"was traced, and this call's inputs lack it ({err!r}); pass "
@@ -74,7 +74,8 @@ def call_frame(fn: Callable[..., Any], values: dict[str, Any]) -> dict[str, Any]
     return dict(bound.arguments)
 
 
-def _evaluate(source: str, frame: dict[str, Any]) -> Any:
+def evaluate_source(source: str, frame: dict[str, Any]) -> Any:
+    """The value a Dynamo source names in the frame `call_frame` gives."""
     # Dynamo names a dict's entry under a key it cannot write by the key's place:
     # L['conds'][list(dict.keys(L['conds']))[1]] (the signature keeps the keys' order)
     return eval(source, {"__builtins__": _BUILTINS}, {"L": frame})
