@@ -29,6 +29,7 @@ destroyed group that was given raise.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -194,6 +195,7 @@ def _groups(base: Any, timeout: float | None = None) -> _Groups:
         return known
     ranks = dist.get_process_group_ranks(base)
     wait = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    _say_arrived(base)
     try:  # named after its ranks: only they take part in making it
         back = dist.new_group(ranks, backend=group_backend(base),
                               use_local_synchronization=True, **wait)
@@ -205,11 +207,46 @@ def _groups(base: Any, timeout: float | None = None) -> _Groups:
         waited = "the process group's timeout" if timeout is None else f"{timeout:g} s"
         raise TokpipeError(
             f"rank {dist.get_rank()} waited {waited} for ranks {ranks} to start the pipeline "
-            "(their first call of it) and not all came: every rank must call the pipelined "
-            f"model or pipeline, with the same arguments ({str(err).splitlines()[0][:200]})"
-        ) from err
+            f"(their first call of it) and {_who_did_not_come(base, ranks)}: every rank must "
+            "call the pipelined model or pipeline, with the same arguments "
+            f"({str(err).splitlines()[0][:200]})") from err
     if dist.get_rank(back) != dist.get_rank(base):  # both number their ranks in one order
         raise RuntimeError("the back group numbers the ranks otherwise than its group")
     made = _Groups(weakref.ref(base), weakref.ref(back), stops=RunStops(base))
     _made[base] = made
     return made
+
+
+_ARRIVED = "tokpipe/arrived/"  # + the rank in the group: it has begun making the back group
+
+
+def _say_arrived(base: Any) -> None:
+    """Say in `base`'s store that this rank has come to make its back group, so that ranks
+    left waiting can name those that did not (`_who_did_not_come`)."""
+    store = _store(base)
+    if store is not None:  # a store whose host is gone: the wait fails and says so
+        with contextlib.suppress(RuntimeError):
+            store.set(f"{_ARRIVED}{dist.get_rank(base)}", "1")
+
+
+def _who_did_not_come(base: Any, ranks: list[int]) -> str:
+    """The ranks of `ranks` (world numbering, in `base`'s order) that never said they came;
+    a rank named is certainly missing, where the store can tell at all."""
+    store = _store(base)
+    try:
+        absent = [rank for place, rank in enumerate(ranks)
+                  if store is not None and not store.check([f"{_ARRIVED}{place}"])]
+    except RuntimeError:
+        absent = []
+    if store is None or not absent:
+        return "not all came"
+    return f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} never came"
+
+
+def _store(base: Any) -> Any:
+    """`base`'s store (None where torch does not expose it)."""
+    store_of = getattr(dist.distributed_c10d, "_get_process_group_store", None)
+    try:
+        return None if store_of is None else store_of(base)
+    except (RuntimeError, ValueError, KeyError):
+        return None

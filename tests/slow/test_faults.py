@@ -237,7 +237,8 @@ def absent_rank(rank: int, world: int) -> tuple[str, float] | None:
 def test_a_rank_that_never_calls_makes_the_others_raise_within_the_timeout():
     """Before the first call's links exist, too: not the process group's 30 minutes."""
     (text, seconds), _ = launch(absent_rank, 2, timeout=120)
-    assert f"rank 0 waited {FAULT_TIMEOUT:g} s for ranks [0, 1] to start the pipeline" in text
+    assert f"rank 0 waited {FAULT_TIMEOUT:g} s for ranks [0, 1] to start the pipeline " \
+        "(their first call of it) and rank 1 never came" in text, text
     assert seconds < 60  # planning, then the timeout
 
 
