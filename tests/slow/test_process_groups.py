@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
+from tests.fixtures.rings import per_step, step_ring
 from tests.slow.test_faults import FAULT_TIMEOUT, OPTIONS
 from tokpipe_compiler.runtime.launch import _free_port, launch
 
@@ -148,20 +149,11 @@ def test_a_group_started_without_naming_gloo_runs_the_generation(tmp_path):
 def ring_in_a_group_started_anew(rank: int, world: int, folder: Path) -> str:
     """A Ring given a group, run, then run again once every group is started anew: the
     error (which said to run as many steps on every rank)."""
-    torch.manual_seed(0)
-    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
-
-    def step(latents, timestep, c, labels):
-        return (latents - c * model(latents, timestep[None], labels),)
-
-    latents, _, labels = dit_inputs(model, 8)
-    first = {"latents": latents, "labels": labels}
-    per_step = {"timestep": torch.linspace(900, 100, 3).long(), "c": torch.linspace(0.3, 0.1, 3)}
-    ring = tp.Ring(step, carry=["latents"], stages=2, group=dist.new_group([0, 1]), **OPTIONS)
-    ring.run(first, per_step=per_step)
+    ring, first = step_ring(2, **OPTIONS, group=dist.new_group([0, 1]))
+    ring.run(first, per_step=per_step(3))
     start_anew(rank, folder / "destroyed", new_port=True)
     try:
-        ring.run(first, per_step=per_step)
+        ring.run(first, per_step=per_step(3))
     except tp.TokpipeError as err:
         return str(err)
     return "no error"
@@ -171,3 +163,20 @@ def test_a_ring_given_a_destroyed_group_says_to_make_it_anew(tmp_path):
     for error in launch(ring_in_a_group_started_anew, 2, args=(tmp_path,), timeout=120):
         assert error == ("the process group this pipeline was made for has been destroyed: "
                          "make the pipeline (or Ring) anew over the group started after it")
+
+
+def ring_in_a_group_of_one(rank: int, world: int) -> tuple[list[str], torch.Tensor]:
+    """A two-stage ring given the group of this rank alone: its warnings and its result."""
+    mine = [dist.new_group([peer]) for peer in range(world)][rank]  # collective: both made
+    ring, first = step_ring(2, **OPTIONS, group=mine)
+    with pytest.warns(UserWarning) as caught:
+        out = ring.run(first, per_step=per_step(3))
+    return [str(w.message) for w in caught], out[0] if isinstance(out, tuple) else out
+
+
+def test_a_ring_given_a_group_of_one_rank_says_its_stages_run_in_this_process():
+    """Not silently: the group was meant to spread the stages over ranks."""
+    (said, mine), (_, other) = launch(ring_in_a_group_of_one, 2, timeout=120)
+    assert any("the process group given has one rank, so all stages=2 run in this process"
+               in text for text in said), said
+    torch.testing.assert_close(mine, other, rtol=0, atol=0)  # each rank ran the whole ring

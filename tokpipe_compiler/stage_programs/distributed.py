@@ -374,6 +374,10 @@ def make_program(plan: Plan, session: Session | None, owner: int | None = None,
     program runs."""
     if distributed_world(group, plan.config.timeout) is not None:
         return DistributedProgram(plan, session, owner, group)
+    if group is not None and len(plan.stages) > 1:  # a group given of one rank
+        warn(f"the process group given has one rank, so all stages={len(plan.stages)} run "
+             "in this process, one after the other; give a group of one rank per stage "
+             "to run them on several")
     return PipelinedProgram(plan, session, owner)
 
 
