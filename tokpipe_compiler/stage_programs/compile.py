@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,10 +27,21 @@ log = logging.getLogger("tokpipe_compiler")
 
 StageFn = Callable[..., Sequence[torch.Tensor]]
 
-# A compile this long makes a first call's latency worth explaining, once per process.
+# A compile this long makes a call's latency worth explaining: at length once a process,
+# then in a line for each later run of compiles (a new shape), which starts after a pause
+# of this long without compiling.
 SLOW_COMPILE_S = 10.0
-_explained = False
+PAUSE_S = 5.0
 
+
+@dataclass
+class _Notes:
+    explained: bool = False  # the long note has been given (once a process)
+    run_noted: bool = False  # the current run of compiles has had its line
+    last_end: float = -math.inf  # when the last compile ended (perf_counter)
+
+
+_notes = _Notes()
 
 def compile_stage(gm: torch.fx.GraphModule, example_inputs: list, compiler: str) -> StageFn:
     if compiler == "eager":
@@ -44,31 +57,42 @@ def compile_stage(gm: torch.fx.GraphModule, example_inputs: list, compiler: str)
 
 def compile_named(what: str, gm: torch.fx.GraphModule, example_inputs: list,
                   compiler: str) -> StageFn:
-    """`compile_stage`, logged with its time (INFO); the first slow compile of a process
-    says, once, why a first call at a new shape takes long: a pipeline compiles each
-    stage at each chunk length on its first call, and nothing else would say so."""
-    global _explained
+    """`compile_stage`, logged with its time (INFO); a slow compile says why a call takes
+    long (a pipeline compiles each stage at each chunk length at the first call that
+    needs it, and nothing else would say so): at length the first time in a process, then
+    in a line at the first slow compile of each later run of compiles."""
     if compiler == "eager":
         return gm
     log.info("compiling %s with Inductor (%s)", what, compiler)
     start = time.perf_counter()
+    if start - _notes.last_end > PAUSE_S:  # a new run of compiles: a new shape, say
+        _notes.run_noted = False
     fn = compile_stage(gm, example_inputs, compiler)
-    seconds = time.perf_counter() - start
+    _notes.last_end = time.perf_counter()
+    seconds = _notes.last_end - start
     log.info("compiled %s in %.1f s", what, seconds)
-    if seconds >= SLOW_COMPILE_S and not _explained:
-        _explained = True
+    if seconds >= SLOW_COMPILE_S and not _notes.run_noted:
+        _notes.run_noted = True
         with _between_progress_bars():
-            log.warning(
-                "tokpipe: compiling with Inductor: %s took %.0f s (a process's first Inductor "
-                "compile includes Inductor's own start-up, about 10 s on a small CPU). Each "
-                "stage is compiled once per chunk length and input shape, at the first call "
-                "that needs it, so this call goes on compiling the stages, and a first call "
-                "at a new shape is slow too, without a word (this is said once a process); "
-                "later calls reuse the code, and Inductor's cache shortens later processes' "
-                "compiles. TOKPIPE_LOGS=tokpipe logs each compile; compiler='eager' skips "
-                "them (slower steps)", what, seconds)
+            log.warning(_slow_note(what, seconds, first=not _notes.explained))
+        _notes.explained = True
     return fn
 
+
+def _slow_note(what: str, seconds: float, first: bool) -> str:
+    """What a slow compile says: why at length the first time, in a line later."""
+    if not first:
+        return (f"tokpipe: compiling with Inductor: {what} took {seconds:.0f} s (a first "
+                "call at a new input shape or chunk length); this call goes on compiling "
+                "the stages it needs")
+    return (f"tokpipe: compiling with Inductor: {what} took {seconds:.0f} s (a process's "
+            "first Inductor compile includes Inductor's own start-up, about 10 s on a small "
+            "CPU). Each stage is compiled once per chunk length and input shape, at the "
+            "first call that needs it, so this call goes on compiling the stages, and a "
+            "first call at a new shape compiles too (said in a line); later calls reuse "
+            "the code, and Inductor's cache shortens later processes' compiles. "
+            "TOKPIPE_LOGS=tokpipe logs each compile; compiler='eager' skips them (slower "
+            "steps)")
 
 def _between_progress_bars() -> contextlib.AbstractContextManager:
     """Output on a line of its own while a progress bar (the ring's, the pipeline's) is
