@@ -11,6 +11,7 @@ import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.argument_reads import call_frame, evaluate_source
 from tokpipe_compiler.planning.capture import Captured
 from tokpipe_compiler.planning.returned_values import Kind, Returned, readable
@@ -29,6 +30,11 @@ def check_returns(traced: Captured, carry: Sequence[str], step_fn: Callable[...,
     what it returns); raises where the return cannot feed `carry`: by place (or key), each
     carried value in the shape it came in (the stages are planned for that shape)."""
     if traced.returned is None:
+        warn("tokpipe: Dynamo did not say what the step function returns (this torch "
+             f"{torch.__version__} keeps it otherwise than tokpipe reads it), so each "
+             "tensor the step computes feeds the carried name of its place in the traced "
+             "graph's outputs: return one computed tensor per name in carry, in carry "
+             "order, or check the ring against the eager loop")
         return None
     frame = call_frame(step_fn, values)
 
