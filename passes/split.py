@@ -198,6 +198,9 @@ _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.
                        operator.iand, operator.ior, operator.ixor, operator.ilshift,
                        operator.irshift}
 
+# Python's operators whose names end in "_" and write nothing (`a & b`, `a | b`, `not a`).
+_NAMED_LIKE_IN_PLACE = {operator.and_, operator.or_, operator.not_, operator.is_}
+
 
 def _writes_into(node: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor an op writes in place: `x.add_(y)`, `torch.relu_(x)`, `x += y`,
@@ -209,7 +212,8 @@ def _writes_into(node: torch.fx.Node) -> torch.fx.Node | None:
         return out
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     in_place = (node.target in _IN_PLACE_OPERATORS or node.kwargs.get("inplace") is True
-                or (name.endswith("_") and not name.startswith("_")))
+                or (name.endswith("_") and not name.startswith("_")
+                    and node.target not in _NAMED_LIKE_IN_PLACE))
     target = node.args[0] if in_place and node.args else None
     return target if isinstance(target, torch.fx.Node) else None
 

@@ -265,3 +265,29 @@ def test_in_place_writes_survive_in_chunks_without_the_joined_tokens(how):
                        chunks=4)
     for got, expected in outputs[:2]:  # the warmup call, then the repeated input
         _assert_close(got, expected)
+
+
+class MasksWithOperators(nn.Module):
+    """`keep = keep & ...`, `keep | ...`: Python's operators named `and_`, `or_`, which write
+    nothing (they were taken for in-place writes of token values and refused)."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.ones((), dtype=torch.bool)
+        keep = (keep & (x.sum(-1) > -1e9)) | (x.sum(-1) > 1e9)
+        x = x * keep[..., None]
+        q, k, v = self.qkv(x).chunk(3, -1)
+        h = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None],
+                                           is_causal=True)[:, 0]
+        return x + self.out(h)
+
+
+@pytest.mark.parametrize("mode", ["sync", "causal"])
+def test_python_operators_named_like_in_place_ops_write_nothing(mode):
+    torch.manual_seed(0)
+    model = MasksWithOperators().eval()
+    (got, expected), = _runs(model, [(torch.randn(1, 16, 32),)], mode=mode)[0]
+    _assert_close(got, expected)
