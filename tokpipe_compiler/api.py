@@ -56,6 +56,10 @@ def programs(compiled: Any) -> list[PipelinedProgram]:
     first planned first), each with its `plan` and the `timeline` of its calls."""
     if isinstance(compiled, PipelinedProgram):
         return [compiled]
+    from tokpipe_compiler.pipelines import marks  # which imports this module
+
+    if hasattr(compiled, marks.RING) or hasattr(compiled, marks.FRESH):
+        return marks.programs(compiled)  # a parallelized pipeline's
     if isinstance(compiled, (TokpipeBackend, LazyProgram)):
         return sorted(compiled.session.programs, key=made_order)
     module = getattr(compiled, "_orig_mod", compiled)

@@ -34,8 +34,7 @@ def programs(pipe: Any) -> list:
     calls = getattr(pipe, RING, None)
     if (calls is not None or hasattr(pipe, FRESH)) and not hasattr(pipe, CALLED):
         return []  # parallelized, not called yet: nothing traced
-    found = [] if calls is None else [p for rings in calls.denoisers.values()
-                                      for ring in rings.rings.values() for p in ring.programs()]
+    found = [] if calls is None else ring_programs(calls)
     for denoiser in find_denoisers(pipe).values():
         with contextlib.suppress(TokpipeError):  # none: never called per call
             found += call_programs(denoiser)
@@ -70,7 +69,17 @@ def reset_parallelized(obj: Any) -> bool:
              "again mid-call; the next call starts afresh")
     for denoiser in denoisers:
         reset_programs(denoiser)
+    rings = getattr(obj, RING, None)
+    if rings is not None and generation is None:  # what a ring's last call left (an error)
+        for program in ring_programs(rings):
+            program.reset()
     return True
+
+
+def ring_programs(calls: RingCalls) -> list:
+    """The programs of a ring pipeline's rings (one per form of step and input shapes)."""
+    return [p for rings in calls.denoisers.values() for ring in rings.rings.values()
+            for p in ring.programs()]
 
 
 # The ring pipeline whose call runs now (`reset_parallelized` tells a reset during it).
