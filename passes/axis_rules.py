@@ -282,8 +282,10 @@ def reduction(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 
 @register(torch.cat, torch.concat, torch.concatenate)
 def cat(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
-    tensors = arg(node, 0, "tensors")
-    dim = arg(node, 1, "dim", 0) % len(node_shape(node))
+    rank = len(node_shape(node))
+    # torch.cat skips 1-d empty tensors of any rank's joins (a K/V cache's first update)
+    tensors = [t for t in arg(node, 0, "tensors") if rank == 1 or node_shape(t) != (0,)]
+    dim = arg(node, 1, "dim", 0) % rank
     infos = [ctx.infos[t] for t in tensors if ctx.infos[t].carries_tokens]
     if len({i.axis for i in infos}) != 1:
         return unsupported("concatenated tensors carry tokens on different axes")

@@ -45,6 +45,22 @@ def linear(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     return info
 
 
+@register(torch.addmm, "method:addmm")
+def addmm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
+    """bias + x @ w (GPT-2's Conv1D): a linear layer over the rows of x."""
+    bias, rows, weight = source(node), arg(node, 1, "mat1"), arg(node, 2, "mat2")
+    info = ctx.info(rows)
+    if any(ctx.info(t) is not None and ctx.info(t).carries_tokens
+           for t in (bias, weight) if isinstance(t, torch.fx.Node)):
+        return unsupported("addmm whose bias or weight depends on the tokens")
+    if info is None or not info.carries_tokens or info.axis != 0:
+        return unsupported("addmm contracts over the token axis")
+    if isinstance(bias, torch.fx.Node) and len(node_shape(bias)) == 2 and \
+            node_shape(bias)[0] != 1:
+        return unsupported("addmm with a bias of one row per token")
+    return info
+
+
 @register(operator.matmul, torch.matmul, "method:matmul", torch.bmm, "method:bmm")
 @mixes_tokens
 def matmul(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:

@@ -4,7 +4,8 @@ Named (`token_input`): the placeholder whose user argument (`core.fx.argument_of
 name, however it was passed (by name, by keyword into **kwargs); a number is a position in
 *args, else a position among the graph's user inputs.
 
-Found: among the user float inputs of rank >= 3, the one the graph's output is made from,
+Found: among the user float inputs of rank >= 3 (else token ids: an integer [batch, tokens]
+input looked up in an embedding, a language model's), the one the graph's output is made from,
 told by the graph's structure rather than by size (at released sizes the text embedding
 is the largest input: PixArt's T5 120 x 4096 against latents 4 x 128 x 128). A diffusion
 transformer's output is the latent it was given, in its layout (same shape; other channels
@@ -35,9 +36,16 @@ import torch.nn.functional as F
 
 from tokpipe_compiler.core.args import SDPA, bound_args
 from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
-from tokpipe_compiler.core.fx import argument_of, example_value, is_user_input, node_shape
+from tokpipe_compiler.core.fx import (
+    argument_of,
+    example_value,
+    is_user_input,
+    node_shape,
+    position_of,
+)
 
 ATTENTION_OPS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+EMBEDDING_OPS = (F.embedding, torch.embedding)
 # Argument names of conditioning streams (text, image embeddings) in diffusers' models.
 CONDITIONING = ("encoder_hidden_states", "cap_feats", "text_", "prompt_embeds")
 _RESUMED = re.compile(r"^l_(stack\d+(_\d+)*_)?")  # Dynamo's prefixes of a placeholder name
@@ -87,13 +95,38 @@ def _user_inputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 def _candidates(inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
-    candidates = [n for n in inputs if _is_float(n) and len(node_shape(n)) >= 3]
+    """Float inputs of rank >= 3; where there are none, token ids (a language model's)."""
+    candidates = [n for n in inputs if _is_float(n) and len(node_shape(n)) >= 3] or \
+        [n for n in inputs if _are_token_ids(n)]
     if not candidates:
         raise NoTokenInput(
-            "no input looks like a token sequence (a float tensor of rank >= 3); pass "
+            "no input looks like a token sequence (a float tensor of rank >= 3, or token "
+            "ids [batch, tokens] looked up in an embedding); pass "
             "options={'token_input': NAME} to name it"
         )
     return candidates
+
+
+def _are_token_ids(node: torch.fx.Node) -> bool:
+    """An integer [batch, tokens] input looked up in an embedding table (input_ids)."""
+    value = example_value(node)
+    return isinstance(value, torch.Tensor) and value.dim() == 2 and \
+        not value.is_floating_point() and value.dtype != torch.bool and _looked_up(node)
+
+
+def _looked_up(node: torch.fx.Node, depth: int = 3) -> bool:
+    """Whether `node`, or a view of it (GPT-2's `input_ids.view(-1, L)`), indexes an
+    embedding table."""
+    for user in node.users:
+        if user.target in EMBEDDING_OPS and user.args[:1] == (node,):
+            return True
+        if depth and user.target in _ID_VIEWS and user.args[:1] == (node,) and \
+                _looked_up(user, depth - 1):
+            return True
+    return False
+
+
+_ID_VIEWS = ("view", "reshape", "contiguous", torch.reshape)
 
 
 def _named(inputs: list[torch.fx.Node], choice: str) -> torch.fx.Node:
@@ -120,7 +153,7 @@ def _tokens_shaped(node: torch.fx.Node, choice: str | int) -> torch.fx.Node:
 
 def _positional(inputs: list[torch.fx.Node], choice: int) -> torch.fx.Node:
     for node in inputs:
-        if argument_of(node) == choice:  # a position in *args
+        if position_of(node) == choice:  # a position in *args
             return node
     if not 0 <= choice < len(inputs):
         raise TokpipeError(f"token_input={choice} is out of range: {len(inputs)} inputs "

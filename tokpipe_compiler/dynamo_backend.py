@@ -8,6 +8,7 @@ BackendCompilerFailed, and lets the plan see the real inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -18,7 +19,13 @@ import torch.fx
 
 from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import NothingToPipeline, NoTokenInput, TokpipeError
-from tokpipe_compiler.core.fx import argument_of, is_parameter, record_sources, source_name
+from tokpipe_compiler.core.fx import (
+    argument_of,
+    is_parameter,
+    position_of,
+    record_sources,
+    source_name,
+)
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.core.wrapped_bodies import inline_wrapped_bodies
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
@@ -43,6 +50,7 @@ from tokpipe_compiler.planning.timestep_checks import (
 )
 from tokpipe_compiler.planning.traced_frame import (
     frame_parameters,
+    name_positions,
     number_arguments,
     traced_function,
 )
@@ -116,7 +124,7 @@ class LazyProgram:
         # branches apart, one that hooks break out of the blocks' loop runs per call.
         self.block = None if self.origin.piece and session.outside_call is not None \
             else repeated_block(self.origin.piece)
-        self.gm = record_sources(gm)
+        self.gm = name_positions(record_sources(gm))
         self.config_fn = config_fn
         self.session = session
         self.parameters = _traced_parameters(session)  # of this graph's frame and others
@@ -210,7 +218,7 @@ class LazyProgram:
     def _plan(self, args: tuple) -> tuple[Plan | None, Any, GraphTail | None]:
         """The plan for these input shapes (None where the graph runs unpipelined), how a
         symbolic graph's arguments reach it, and the graph's tail that runs after it."""
-        config = self.config_fn()
+        config = self._timestep_named(self.config_fn())
         if self.block is not None and not self._block_runs(config):
             return self._whole_model_only(config)  # before the options naming the inputs
         check_timestep_input(config.timestep_input, self.parameters,
@@ -227,9 +235,11 @@ class LazyProgram:
                 plan, tail = plan_with_tail(gm, planner)
                 return plan, select, tail
         except UnknownTokenInput as err:
-            # Misspelt, unless the name is a parameter of a function Dynamo traced for this
-            # model: then this graph is a piece (graph breaks) that does not read it.
-            if not self._may_read(err.choice) and not config.fallback:
+            # Misspelt, unless this graph is one piece of several (graph breaks) and the
+            # name a parameter of a function Dynamo traced for the model: another may read
+            # it. A whole model's graph is the only one (even with a forward's **kwargs).
+            if not config.fallback and (not self.origin.piece or
+                                        not self._may_read(err.choice)):
                 raise
             warn(f"tokpipe: running this graph unpipelined: {err}")
         except (NoTokenInput, NothingToPipeline) as err:
@@ -239,6 +249,17 @@ class LazyProgram:
                 raise
             warn(f"tokpipe: running this graph unpipelined (fallback=True): {err.found}")
         return None, None, None
+
+    def _timestep_named(self, config: Config) -> Config:
+        """`config` with a timestep_input given as a position naming the argument there,
+        where the backend named the call's positional arguments (a decorated forward's
+        *args: `traced_frame.name_positions`)."""
+        choice = config.timestep_input
+        if isinstance(choice, int):
+            for node in placeholders(self.gm):
+                if position_of(node) == choice and isinstance(argument_of(node), str):
+                    return dataclasses.replace(config, timestep_input=argument_of(node))
+        return config
 
     def _block_runs(self, config: Config) -> bool:
         """Whether a block traced on its own runs as a pipeline of its own (saying what that

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from tokpipe_compiler.core.logs import LOG
-from tokpipe_compiler.core.meta import SOURCE_KEY
+from tokpipe_compiler.core.meta import POSITION_KEY, SOURCE_KEY
 
 
 def example_value(node: Any) -> Any:
@@ -80,11 +80,14 @@ def argument_of(node: torch.fx.Node) -> str | int | None:
     """The argument of the call a placeholder holds, as the user passed it, from its Dynamo
     source: a parameter ("L['latents']" -> "latents"), a keyword gathered by **kwargs
     ("L['kwargs']['hidden_states']" -> "hidden_states"), a position gathered by *args
-    ("L['args'][0]" -> 0). An entry of a dict or list argument is named the same way, by
-    its key or index, and so is a keyword held on a resumed frame's stack. None for module
-    parameters and buffers, closures, globals, and anything nested deeper."""
+    ("L['args'][0]" -> 0), by the forward's parameter name where the backend found it
+    (`planning.traced_frame.name_positions`). An entry of a dict or list argument is named
+    the same way, by its key or index, and so is a keyword held on a resumed frame's stack.
+    None for module parameters and buffers, closures, globals, and anything nested deeper."""
     if node.op != "placeholder":
         return None
+    if POSITION_KEY in node.meta:  # through a decorated forward's *args, named
+        return node.meta[POSITION_KEY][0]
     match = _ARGUMENT.fullmatch(source_name(node))
     if match is None or match["name"] == "self":
         return None
@@ -95,6 +98,15 @@ def argument_of(node: torch.fx.Node) -> str | int | None:
     if match["index"] is not None:
         return int(match["index"])
     return match["name"]
+
+
+def position_of(node: torch.fx.Node) -> int | None:
+    """The place in the call's positional arguments of an argument passed by position
+    (None for one passed by keyword, and for anything not an argument)."""
+    if POSITION_KEY in node.meta:
+        return node.meta[POSITION_KEY][1]
+    argument = argument_of(node)
+    return argument if isinstance(argument, int) else None
 
 
 def is_user_input(node: torch.fx.Node) -> bool:

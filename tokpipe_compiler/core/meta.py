@@ -4,6 +4,7 @@ they record.
 | key                   | written by                         | read by                          |
 |-----------------------|------------------------------------|----------------------------------|
 | SOURCE_KEY            | backend (`core.fx.record_sources`) | annotate (token input), fx       |
+| POSITION_KEY          | backend (`traced_frame`)           | fx (`argument_of`)               |
 | META_KEY (TokenInfo)  | annotate (chunk_attention: its op) | every later pass, cost model     |
 | SLICES_KEY            | annotate's rules (transient)       | annotate; popped before it ends  |
 | STAGE_KEY             | partition (via the driver)         | split                            |
@@ -15,6 +16,8 @@ import enum
 from dataclasses import dataclass, replace
 
 SOURCE_KEY = "tokpipe_source"  # where Dynamo got a placeholder: "L['latents']"
+# (parameter name, place in the call) of an argument passed by position through *args
+POSITION_KEY = "tokpipe_position"
 META_KEY = "tokpipe"  # TokenInfo of the node's value
 SLICES_KEY = "tokpipe_slices"  # operands to cut to the chunk, recorded by a rule
 STAGE_KEY = "tokpipe_stage"  # pipeline stage of a token-carrying node

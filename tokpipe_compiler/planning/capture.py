@@ -26,6 +26,7 @@ from tokpipe_compiler.core.fx import argument_of, record_sources
 from tokpipe_compiler.core.wrapped_bodies import inline_wrapped_bodies
 from tokpipe_compiler.planning.compile_calls import own_recompiles
 from tokpipe_compiler.planning.returned_values import Returned, returned_values
+from tokpipe_compiler.planning.traced_frame import name_positions
 
 log = logging.getLogger("tokpipe_compiler")
 
@@ -131,8 +132,9 @@ def _record_once(fn: Callable[..., Any], args: tuple, kwargs: dict, fullgraph: b
         modes.append(torch._guards.detect_fake_mode(example_inputs))
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         returned = returned_values(gm)
-        graphs.append(Captured(record_sources(inline_wrapped_bodies(gm)), list(example_inputs),
-                               names, _mutated_state(), returned=returned))
+        gm = name_positions(record_sources(inline_wrapped_bodies(gm)))
+        graphs.append(Captured(gm, list(example_inputs), names, _mutated_state(),
+                               returned=returned))
         return gm.forward if run else _stop_here
 
     compiled = torch.compile(fn, backend=record, dynamic=False, fullgraph=fullgraph,

@@ -143,13 +143,15 @@ def token_batch(gm: torch.fx.GraphModule, annotation: Annotation) -> int:
     shaped like the token input but for its leading axis. Guidance makes it 2, batched by
     the pipeline (the token input's own leading axis) or inside a traced denoising step,
     where the token input is the one latent and the step batches `torch.cat([latents] * 2)`.
-    A video folding frames into the batch axis changes the value's rank: not counted."""
+    A video folding frames into the batch axis changes the value's rank, and a sequence
+    flattened to [batch * tokens, width] its token axis: neither is counted."""
     value = example_value(annotation.token_input)
     if not (isinstance(value, torch.Tensor) and value.dim() > 1):
         return 1
+    axis = annotation.token_input.meta[META_KEY].axis  # a flattened [B*L, D] is no match
     rows = [int(other.shape[0]) for node in gm.graph.nodes
             if (info := node.meta.get(META_KEY)) is not None and info.carries_tokens
-            and isinstance(other := example_value(node), torch.Tensor)
+            and info.axis == axis and isinstance(other := example_value(node), torch.Tensor)
             and other.shape[1:] == value.shape[1:]]
     return max([int(value.shape[0]), *rows])
 

@@ -15,7 +15,7 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from tokpipe_compiler.core.fx import argument_of, example_value
-from tokpipe_compiler.core.meta import SOURCE_KEY
+from tokpipe_compiler.core.meta import POSITION_KEY, SOURCE_KEY
 from tokpipe_compiler.planning.capture import capture
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -73,8 +73,9 @@ class StaticGraph:
             # The new graph's inputs are the old graph's placeholders, by name.
             target = position[argument_of(node)]
             self.order.append(target)
-            if SOURCE_KEY in old[target].meta:
-                node.meta[SOURCE_KEY] = old[target].meta[SOURCE_KEY]
+            for key in (SOURCE_KEY, POSITION_KEY):
+                if key in old[target].meta:
+                    node.meta[key] = old[target].meta[key]
 
     def select(self, args: tuple) -> tuple:
         return tuple(args[i] for i in self.order)

@@ -1,5 +1,6 @@
 """What the backend reads from the frame Dynamo is tracing while it calls the backend: the
-forward's parameter names, and the arguments the call passed as Python numbers.
+forward's parameter names, the names of arguments passed by position through a decorated
+forward's *args, and the arguments the call passed as Python numbers.
 
 Both are read from Dynamo's current instruction translator (its frame's code and locals at
 entry); where that internal is missing, nothing is known and the callers say so.
@@ -9,10 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx
+
+from tokpipe_compiler.core.fx import source_name
+from tokpipe_compiler.core.meta import POSITION_KEY
 
 
 def frame_parameters() -> frozenset[str] | None:
@@ -37,7 +44,53 @@ def frame_parameters() -> frozenset[str] | None:
         # (functools.wraps) names the real parameters.
         names -= {"*", "**"}
         names |= signature_names(module.forward)
+    elif code.co_name.startswith(_RESUME) and isinstance(local.get("self"), torch.nn.Module):
+        # a resume function after a graph break inside a module's method: its parameters
+        # are the live locals, among them `self`; the forward's are the model's
+        names |= signature_names(local["self"].forward)
     return frozenset(names)
+
+
+def name_positions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Name the graph's inputs passed by position through a decorated forward's `*args`
+    (`wrapper(self, *args, **kwargs)`, or transformers' `wrapped(*args, **kwargs)` whose
+    args[0] is the module) by the forward's own parameters: `L['args'][1]` is `input_ids`
+    (recorded as `POSITION_KEY`, read by `core.fx.argument_of`)."""
+    found = _positional_parameters()
+    if found is None:
+        return gm
+    varargs, names = found
+    for node in gm.graph.nodes:
+        match = re.fullmatch(rf"L\['{varargs}'\]\[(\d+)\]", source_name(node))
+        if node.op == "placeholder" and match and int(match[1]) in names:
+            node.meta[POSITION_KEY] = names[int(match[1])]
+    return gm
+
+
+def _positional_parameters() -> tuple[str, dict[int, tuple[str, int]]] | None:
+    """The traced frame's *args name, and for each place in it the forward parameter it
+    stands for and that argument's place in the user's call; None where the frame takes
+    no *args or is no module's (decorated) forward."""
+    frame = _frame()
+    if frame is None or not frame[0].co_flags & inspect.CO_VARARGS:
+        return None
+    code, local = frame
+    varargs = code.co_varnames[code.co_argcount + code.co_kwonlyargcount]
+    args, module = local.get(varargs), _module_self(code, local)
+    skip = code.co_argcount - 1  # the frame's own positional parameters after self
+    if module is None and not code.co_argcount and isinstance(args, tuple) and args and \
+            isinstance(args[0], torch.nn.Module):
+        module, skip = args[0], -1  # self is args[0]
+    if module is None or not isinstance(args, tuple):
+        return None
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in itertools.takewhile(
+        lambda p: p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD), parameters)]
+    return varargs, {i: (positional[skip + i], skip + i) for i in range(len(args))
+                     if 0 <= skip + i < len(positional)}
 
 
 def number_arguments() -> dict[str, int | float]:
@@ -103,4 +156,5 @@ def signature_names(fn: Callable[..., Any]) -> set[str]:
     return {_MARKS.get(p.kind, p.name) for p in parameters}
 
 
+_RESUME = "torch_dynamo_resume_in_"  # Dynamo's name for a frame resumed after a break
 _MARKS = {inspect.Parameter.VAR_KEYWORD: "**", inspect.Parameter.VAR_POSITIONAL: "*"}

@@ -1,0 +1,139 @@
+"""Causal language models from transformers, called as their users call them, in causal mode
+(TeraPipe's prefill): token ids found as the token input by keyword or position (through
+transformers' decorated forwards), the default K/V cache (whose first update concatenates
+an empty 1-d tensor), GPT-2's Conv1D (addmm over [batch * tokens, width]), and a graph break
+before the output head. Each equals eager within 1e-5 relative (float32), or is refused by
+name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+
+transformers = pytest.importorskip("transformers")
+
+OPTIONS = {"stages": 2, "chunks": 4, "mode": "causal", "compiler": "eager"}
+
+
+def _llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=128, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+                                     n_positions=256, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2}
+
+
+def _ids(batch: int = 1, tokens: int = 48) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, tokens), generator=torch.Generator().manual_seed(1))
+
+
+def _assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert error <= 1e-5, error
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("by", ["keyword", "position"])
+def test_token_ids_are_found_and_the_prefill_equals_eager(name, by):
+    """No token_input: ids were taken for no token sequence (run unpipelined with a
+    warning); the default use_cache=True crashed the cat rule on the cache's empty start;
+    GPT-2 was refused for its addmm."""
+    model, ids = MODELS[name](), _ids(batch=2)
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+    with torch.no_grad():
+        got = compiled(input_ids=ids) if by == "keyword" else compiled(ids)
+        expected = model(input_ids=ids)
+    assert len(tp.programs(compiled)) == 1  # pipelined, not run as traced
+    _assert_close(got.logits, expected.logits)
+    got_cache, expected_cache = _cache_tensors(got), _cache_tensors(expected)
+    assert len(got_cache) == len(expected_cache) == 2 * 2  # K and V of each layer
+    for got_kv, expected_kv in zip(got_cache, expected_cache, strict=True):
+        _assert_close(got_kv, expected_kv)
+
+
+def _cache_tensors(output) -> list[torch.Tensor]:
+    """The K and V tensors of each layer in the returned cache, in whichever form this
+    transformers keeps them (a `DynamicCache`'s layers, its lists, or legacy tuples)."""
+    cache = output.past_key_values
+    if hasattr(cache, "layers"):
+        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    if hasattr(cache, "key_cache"):
+        return [t for kv in zip(cache.key_cache, cache.value_cache, strict=True) for t in kv]
+    return [t for layer in cache for t in layer]
+
+
+def test_a_named_token_input_passed_by_position_is_found():
+    """`token_input="input_ids"` with `model(ids)`: transformers' forward is decorated as
+    `wrapped(*args, **kwargs)`, so the ids came as args[1], and the name matched nothing."""
+    model, ids = _llama(), _ids()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "token_input": "input_ids"})
+    with torch.no_grad():
+        got = compiled(ids, use_cache=False)
+        _assert_close(got.logits, model(ids, use_cache=False).logits)
+    (program,) = tp.programs(compiled)
+    assert program.plan.token_input == "l_args_1_"
+
+
+def test_a_misspelt_token_input_raises_though_the_forward_takes_kwargs():
+    """A name the whole model's graph does not read, where no graph break leaves another
+    graph to read it, is misspelt: it only warned, as any name may pass through **kwargs."""
+    model = _llama()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "token_input": "inputs_ids"})
+    with torch.no_grad(), pytest.raises(tp.TokpipeError,
+                                        match=r"token_input='inputs_ids' names no input of "
+                                              r"the graph; its inputs are \['input_ids'\]"):
+        compiled(input_ids=_ids(), use_cache=False)
+
+
+def test_a_graph_after_a_break_that_does_not_read_the_named_input_runs_as_traced():
+    """A fresh model's first call with output_hidden_states installs transformers' output
+    hooks under a lock: Dynamo breaks the graph there, and the resumed graph (the output
+    head, reading the hidden states) raised UnknownTokenInput at every call."""
+    model, ids = _llama(), _ids()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "token_input": "input_ids"})
+    with torch.no_grad():
+        for _ in range(2):
+            got = compiled(input_ids=ids, use_cache=False, output_hidden_states=True)
+            expected = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+            _assert_close(got.logits, expected.logits)
+            assert len(got.hidden_states) == len(expected.hidden_states)
+
+
+def test_a_padding_mask_built_inside_the_model_is_exact_in_sync_mode():
+    """transformers combines its mask functions with `&`, taken for an in-place write."""
+    model, ids = _llama(), _ids(batch=2)
+    mask = torch.ones(2, ids.shape[1], dtype=torch.long)
+    mask[1, :10] = 0  # left padding
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "mode": "sync"})
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=mask, use_cache=False)
+        _assert_close(got.logits, model(input_ids=ids, attention_mask=mask,
+                                        use_cache=False).logits)
+
+
+def test_gpt2s_flattened_rows_are_not_taken_for_a_batch():
+    """GPT-2 flattens [batch, tokens, width] to [batch * tokens, width] for its addmm: at
+    width = tokens that looked like a batch of 64 one-token samples, and the plan counted
+    one token and no FLOPs (a warning said its stages had nothing to compute)."""
+    model, ids = _gpt2(), _ids(tokens=64)
+    with torch.no_grad():
+        plan = tp.explain(model, (ids,), **OPTIONS)
+    assert plan.tokens == 64 and not plan.imbalance_warning
+    assert all(flops > 0 for stage in plan.chunk_flops() for flops in stage)
