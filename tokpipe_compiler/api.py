@@ -73,9 +73,10 @@ def programs(compiled: Any) -> list[PipelinedProgram]:
         return sorted(mine, key=made_order)
     if found is None:
         raise TokpipeError(
-            f"found no tokpipe program behind {type(compiled).__name__}; pass what "
-            "torch.compile(..., backend='tokpipe') returned (after its first call), a "
-            "module compiled in place, or the backend object")
+            f"found no tokpipe program behind {type(compiled).__name__}: pass what "
+            "torch.compile(..., backend='tokpipe') returned, a module compiled in place, "
+            "or the backend object, after its first call (one whose every graph ran "
+            "unpipelined has none: a warning at that call said why)")
     sessions = [found.own] if found.own is not None else found.alike
     every = {p for session in sessions for p in session.programs}
     if isinstance(module, torch.nn.Module):  # not another model's (compiles without options

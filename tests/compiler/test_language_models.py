@@ -137,3 +137,20 @@ def test_gpt2s_flattened_rows_are_not_taken_for_a_batch():
         plan = tp.explain(model, (ids,), **OPTIONS)
     assert plan.tokens == 64 and not plan.imbalance_warning
     assert all(flops > 0 for stage in plan.chunk_flops() for flops in stage)
+
+
+def test_a_plan_names_the_decoder_layers_each_stage_holds():
+    """transformers' decorated forward reaches the model as args[0] (the layers read '0'),
+    and its kernelized rotary function is a module reached through a global (it read
+    'apply_rotary_pos_emb' between the layers)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=128, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        plan = tp.explain(model, (_ids(),), **OPTIONS)
+    paths = [path for stage in plan.stages for path in stage.modules]
+    assert all(path.startswith(("model", "lm_head")) for path in paths), paths
+    assert "model.layers.0.self_attn" in plan.stages[0].modules
+    assert "model.layers.3.self_attn" in plan.stages[1].modules

@@ -138,8 +138,9 @@ def target_name(node: torch.fx.Node) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-# The local (or global) a traced frame reached its root module through.
-_ROOT = re.compile(r"^[LG]\['[^']*'\](\.__self__)?\.?")
+# The local (or global) a traced frame reached its root module through: `self`, a bound
+# method's __self__, or args[0] of a decorated forward's `wrapped(*args, **kwargs)`.
+_ROOT = re.compile(r"^[LG]\['[^']*'\](\[0\])?(\.__self__)?\.?")
 # diffusers' hooks call a module's forward through the hook's fn_ref.
 _HOOKED = re.compile(r"fn_ref\.original_forward\.__self__\.?")
 
@@ -149,8 +150,11 @@ def module_path(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
-    return _clean_module_path(path)
+    paths = [entry[0] for entry in stack.values()]
+    # a module reached through a global (transformers' kernelized `apply_rotary_pos_emb`)
+    # belongs to the model's module that called it
+    inside = [path for path in paths if not path.startswith("G[")]
+    return _clean_module_path((inside or paths)[-1])
 
 
 def _clean_module_path(path: str) -> str:

@@ -164,9 +164,9 @@ def annotate_or_raise(gm: torch.fx.GraphModule, token_input: str | int | None,
     if annotation.unsupported and annotation.units == 1:
         raise OneUnitGrid(
             "the token grid of this input is one unit (an image's row of patches, a "
-            "video's latent frame), where nothing is left to cut into chunks and the token "
-            "axis cannot be told from a whole segment's; run it whole (mode='sync', or "
-            "unpipelined), or give it two units or more")
+            "video's latent frame, a sequence's one token), where nothing is left to cut "
+            "into chunks and the token axis cannot be told from a whole segment's; run it "
+            "whole (mode='sync', or unpipelined), or give it two units or more")
     if annotation.unsupported:
         raise_unsupported(annotation, mode)
     return annotation
