@@ -257,11 +257,13 @@ def _passed_through(node: torch.fx.Node, rule: Rule, info: TokenInfo, ctx: RuleC
 
 def _aligned_with(node: torch.fx.Node, seed: torch.fx.Node) -> bool:
     """User inputs shaped exactly like the token input (a scheduler's history, a second
-    latent) carry tokens on the same axis. Of another dtype only when both are floating:
-    a float32 history of bfloat16 latents is aligned; integer ids and a boolean mask of
-    their shape are not (the mask covers every key). A conditioning stream by its name is
-    not, whatever its shape: in a block of a joint-attention model the text stream has the
-    image stream's width, and as many tokens where the lengths tie."""
+    latent) carry tokens on the same axis, where both are floating (a float32 history of
+    bfloat16 latents is aligned). Integer and boolean ones come whole, and their readers
+    take the chunk's part: a mask of the tokens' shape covers every key, and a language
+    model's `attention_mask` and `position_ids` beside its token ids build the mask over
+    all of them (with the ids' dtype they were cut to the chunk). A conditioning stream by
+    its name is not, whatever its shape: in a block of a joint-attention model the text
+    stream has the image stream's width, and as many tokens where the lengths tie."""
     if node.op != "placeholder" or not is_user_input(node):
         return False
     if is_conditioning(node) and not is_conditioning(seed):
@@ -269,7 +271,7 @@ def _aligned_with(node: torch.fx.Node, seed: torch.fx.Node) -> bool:
     value, ref = example_value(node), example_value(seed)
     if not isinstance(value, torch.Tensor) or value.shape != ref.shape:
         return False
-    return value.dtype == ref.dtype or (value.is_floating_point() and ref.is_floating_point())
+    return value.is_floating_point() and ref.is_floating_point()
 
 
 _NEW_TENSORS = ("method:new_empty", "method:new_zeros", "method:new_ones", "method:new_full")

@@ -115,17 +115,26 @@ def test_a_graph_after_a_break_that_does_not_read_the_named_input_runs_as_traced
             assert len(got.hidden_states) == len(expected.hidden_states)
 
 
-def test_a_padding_mask_built_inside_the_model_is_exact_in_sync_mode():
-    """transformers combines its mask functions with `&`, taken for an in-place write."""
-    model, ids = _llama(), _ids(batch=2)
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("mode", ["causal", "sync"])
+def test_a_padding_mask_and_positions_equal_eager(name, mode):
+    """A tokenizer's 2-d attention_mask (left padding) and position_ids, from which
+    transformers builds its mask inside the model: with the ids' dtype they were cut to
+    the chunk, and the mask's key axis indexed them whole (refused in causal mode); its
+    mask functions are joined with `&`, which was taken for an in-place write (sync)."""
+    model, ids = MODELS[name](), _ids(batch=2)
     mask = torch.ones(2, ids.shape[1], dtype=torch.long)
-    mask[1, :10] = 0  # left padding
+    mask[1, :10] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     compiled = torch.compile(model, backend="tokpipe", dynamic=False,
-                             options={**OPTIONS, "mode": "sync"})
+                             options={**OPTIONS, "mode": mode})
+    inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions,
+              "use_cache": False}
     with torch.no_grad():
-        got = compiled(input_ids=ids, attention_mask=mask, use_cache=False)
-        _assert_close(got.logits, model(input_ids=ids, attention_mask=mask,
-                                        use_cache=False).logits)
+        got, expected = compiled(**inputs).logits, model(**inputs).logits
+    assert len(tp.programs(compiled)) == 1
+    _assert_close(got[1, 10:], expected[1, 10:])  # the padded sample's real tokens
+    _assert_close(got, expected)
 
 
 def test_gpt2s_flattened_rows_are_not_taken_for_a_batch():
