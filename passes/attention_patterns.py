@@ -66,6 +66,9 @@ class Scores:
     nodes: list[torch.fx.Node]  # each before the nodes it reads
     transposed: bool = True
     excluded: bool = False  # the mask is boolean and marks what may not be attended
+    # The finite score the excluded places get (the dtype's lowest, transformers' fill),
+    # where not -inf: folded as an additive mask of it (`_hides`).
+    fill: float | None = None
     layout: attention_einsums.ScoresLayout = _SDPA_LAYOUT  # an einsum's may differ
     # A tensor that scales each head's scores alike (a learned temperature), and whether it
     # divides them: folded into the queries, as sdpa's scale is a number.
@@ -162,10 +165,23 @@ def _scores(node: torch.fx.Node) -> Scores | None:
     if op_key(node) in MASKED_FILLS and len(node.args) == 3 and not node.kwargs:
         product, excluded, value = node.args
         found = _scaled_product(product)
-        if found is None or not isinstance(excluded, torch.fx.Node) or value != -math.inf:
+        if found is None or not isinstance(excluded, torch.fx.Node) or \
+                not _hides(value, example_value(product)):
             return None
-        return replace(found, mask=excluded, excluded=True, nodes=[node, *found.nodes])
+        return replace(found, mask=excluded, excluded=True, nodes=[node, *found.nodes],
+                       fill=None if value == -math.inf else float(value))
     return _scaled_product(node)
+
+
+def _hides(value: Any, scores: Any) -> bool:
+    """Whether filling `scores` with `value` folds into sdpa exactly: -inf (a boolean mask),
+    or the dtype's lowest value (transformers' `torch.finfo(dtype).min`, an additive mask:
+    a score plus it rounds to it, so a row with every key filled stays even, as eager's).
+    Another finite value is left as written: such a row would not stay even."""
+    if not _number(value) or not isinstance(scores, torch.Tensor) or \
+            not scores.is_floating_point():
+        return False
+    return value == -math.inf or value == torch.finfo(scores.dtype).min
 
 
 def _baddbmm(node: torch.fx.Node) -> Scores | None:
@@ -267,8 +283,7 @@ def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
         value = _permuted(graph, attention.value, attention.value_perm)
         kwargs = {"scale": scores.scale}
         if scores.mask is not None:
-            kwargs["attn_mask"] = (add_node(graph, "function", torch.logical_not, (scores.mask,))
-                                   if scores.excluded else scores.mask)
+            kwargs["attn_mask"] = _sdpa_mask(graph, scores, example_value(value).dtype)
         sdpa = graph.call_function(F.scaled_dot_product_attention, (query, key, value), kwargs)
         sdpa.meta.update(out.meta)
         result = _back_to(graph, sdpa, out, attention.output_perm)
@@ -279,6 +294,17 @@ def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
     for node in leftovers:  # the transpose of the keys, the empty bias of baddbmm
         if not node.users and _pure(node):
             graph.erase_node(node)
+
+
+def _sdpa_mask(graph: torch.fx.Graph, scores: Scores, dtype: torch.dtype) -> torch.fx.Node:
+    """sdpa's attn_mask for the scores' mask: True where attended (a boolean mask of what
+    is excluded, inverted), or added to the scores (`fill` where excluded, else 0)."""
+    if not scores.excluded:
+        return scores.mask
+    if scores.fill is None:
+        return add_node(graph, "function", torch.logical_not, (scores.mask,))
+    zero = add_node(graph, "function", torch.zeros_like, (scores.mask,), {"dtype": dtype})
+    return add_node(graph, "function", torch.masked_fill, (zero, scores.mask, scores.fill))
 
 
 def _permuted(graph: torch.fx.Graph, node: torch.fx.Node, perm: Perm) -> torch.fx.Node:

@@ -49,15 +49,20 @@ def linear(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
 def addmm(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:
     """bias + x @ w (GPT-2's Conv1D): a linear layer over the rows of x."""
     bias, rows, weight = source(node), arg(node, 1, "mat1"), arg(node, 2, "mat2")
-    info = ctx.info(rows)
-    if any(ctx.info(t) is not None and ctx.info(t).carries_tokens
-           for t in (bias, weight) if isinstance(t, torch.fx.Node)):
-        return unsupported("addmm whose bias or weight depends on the tokens")
+    info, bias_info = ctx.info(rows), ctx.info(bias) if isinstance(bias, torch.fx.Node) else None
+    if isinstance(weight, torch.fx.Node) and ctx.info(weight) is not None and \
+            ctx.info(weight).carries_tokens:
+        return unsupported("addmm whose weight depends on the tokens")
     if info is None or not info.carries_tokens or info.axis != 0:
         return unsupported("addmm contracts over the token axis")
+    if bias_info is not None and bias_info.carries_tokens:  # a residual, row by row
+        return info if bias_info == info else \
+            unsupported("addmm whose bias carries the tokens otherwise than its rows")
     if isinstance(bias, torch.fx.Node) and len(node_shape(bias)) == 2 and \
-            node_shape(bias)[0] != 1:
-        return unsupported("addmm with a bias of one row per token")
+            node_shape(bias)[0] != 1:  # a per-row table: each chunk takes its rows
+        why = slice_operand(node, bias, 0, info)
+        if why:
+            return unsupported(f"addmm: {why}")
     return info
 
 

@@ -1,8 +1,9 @@
 """Which graph input carries the tokens, and its candidate token axes (annotate's seed).
 
 Named (`token_input`): the placeholder whose user argument (`core.fx.argument_of`) is that
-name, however it was passed (by name, by keyword into **kwargs); a number is a position in
-*args, else a position among the graph's user inputs.
+name, however it was passed (by name, by keyword into **kwargs, by position into a decorated
+forward's *args); a number is a position in the call's *args, else a position among the
+graph's user inputs.
 
 Found: among the user float inputs of rank >= 3 (else token ids: an integer [batch, tokens]
 input looked up in an embedding, a language model's), the one the graph's output is made from,
@@ -97,7 +98,7 @@ def _user_inputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 def _candidates(inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
     """Float inputs of rank >= 3; where there are none, token ids (a language model's)."""
     candidates = [n for n in inputs if _is_float(n) and len(node_shape(n)) >= 3] or \
-        [n for n in inputs if _are_token_ids(n)]
+        _token_ids(inputs)
     if not candidates:
         raise NoTokenInput(
             "no input looks like a token sequence (a float tensor of rank >= 3, or token "
@@ -107,23 +108,33 @@ def _candidates(inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
     return candidates
 
 
-def _are_token_ids(node: torch.fx.Node) -> bool:
-    """An integer [batch, tokens] input looked up in an embedding table (input_ids)."""
-    value = example_value(node)
-    return isinstance(value, torch.Tensor) and value.dim() == 2 and \
-        not value.is_floating_point() and value.dtype != torch.bool and _looked_up(node)
+def _token_ids(inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Integer [batch, tokens] inputs looked up in an embedding table, best first (ties in
+    the ranking go to the earlier): `input_ids` by name, then the larger table (GPT-2's
+    positions and token types index tables of their own, smaller than the vocabulary
+    where the config is a released one)."""
+    found = []
+    for node in inputs:
+        value = example_value(node)
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and \
+                not value.is_floating_point() and value.dtype != torch.bool:
+            table = _looked_up(node)
+            if table is not None:
+                found.append((argument_of(node) != "input_ids", -node_shape(table)[0], node))
+    return [node for *_, node in sorted(found, key=lambda f: f[:2])]
 
 
-def _looked_up(node: torch.fx.Node, depth: int = 3) -> bool:
-    """Whether `node`, or a view of it (GPT-2's `input_ids.view(-1, L)`), indexes an
-    embedding table."""
+def _looked_up(node: torch.fx.Node, depth: int = 3) -> torch.fx.Node | None:
+    """The embedding table `node`, or a view of it (GPT-2's `input_ids.view(-1, L)`),
+    indexes (None: none)."""
     for user in node.users:
         if user.target in EMBEDDING_OPS and user.args[:1] == (node,):
-            return True
-        if depth and user.target in _ID_VIEWS and user.args[:1] == (node,) and \
-                _looked_up(user, depth - 1):
-            return True
-    return False
+            return user.args[1]
+        if depth and user.target in _ID_VIEWS and user.args[:1] == (node,):
+            table = _looked_up(user, depth - 1)
+            if table is not None:
+                return table
+    return None
 
 
 _ID_VIEWS = ("view", "reshape", "contiguous", torch.reshape)

@@ -231,7 +231,8 @@ def _say_arrived(base: Any) -> None:
 
 def _who_did_not_come(base: Any, ranks: list[int]) -> str:
     """The ranks of `ranks` (world numbering, in `base`'s order) that never said they came;
-    a rank named is certainly missing, where the store can tell at all."""
+    a rank named is certainly missing, where the store can tell at all (keys left by a group
+    started before over the same store may hide a missing rank, never name one that came)."""
     store = _store(base)
     try:
         absent = [rank for place, rank in enumerate(ranks)

@@ -92,6 +92,15 @@ def masked_fill_causal(q, k, v, bias):
     return F.softmax(scores.masked_fill(table == 0, float("-inf")), dim=-1) @ v
 
 
+def masked_fill_lowest(q, k, v, bias):
+    """transformers' eager spelling (MPT, BLOOM): the dtype's lowest value, not -inf; the
+    last query row has every key filled, and stays even as in eager."""
+    hidden = (torch.arange(N)[None, :] > torch.arange(N)[:, None]) | \
+        (torch.arange(N)[:, None] == N - 1)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))
+    return F.softmax(scores.masked_fill(hidden, torch.finfo(q.dtype).min), dim=-1) @ v
+
+
 def chained(q, k, v, bias):
     """Two attentions, the first's output the second's queries: each folded in turn."""
     first = torch.bmm(torch.bmm(q, k.transpose(-1, -2)).softmax(-1), v)
@@ -181,7 +190,8 @@ def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
 @pytest.mark.parametrize("fn", [classic, classic_masked_upcast, scaled_matmul_masked, divided,
                                 keys_given_transposed, einsum_scaled, einsum_heads_masked,
                                 einsum_heads_after_tokens, einsum_keys_first_masked, keys_by_mT,
-                                masked_fill_causal, chained, per_head_temperature,
+                                masked_fill_causal, masked_fill_lowest, chained,
+                                per_head_temperature,
                                 divided_by_a_tensor])
 def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
     args = inputs()
@@ -189,8 +199,8 @@ def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
     assert fold_hand_written_attention(traced.gm) == (2 if fn is chained else 1)
     ops = graph_ops(traced.gm)
     assert "scaled_dot_product_attention" in ops
-    assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum", "masked_fill",
-                      "getattr"}, ops
+    assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum", "getattr"}, ops
+    assert "masked_fill" not in ops or fn is masked_fill_lowest, ops  # builds its mask
     assert_rel_close(traced.gm(*traced.args())[0], fn(*args))
 
 
@@ -276,9 +286,10 @@ class CausalBlocks(nn.Module):
     """nanoGPT's blocks: causal attention written by hand, a lower-triangular buffer masking
     the scores with -inf."""
 
-    def __init__(self, width: int = 32, heads: int = 4, context: int = 64, depth: int = 2):
+    def __init__(self, width: int = 32, heads: int = 4, context: int = 64, depth: int = 2,
+                 fill: float = float("-inf")):
         super().__init__()
-        self.heads = heads
+        self.heads, self.fill = heads, fill
         self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(depth))
         self.mlp = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
         self.register_buffer("tril", torch.tril(torch.ones(context, context)).view(
@@ -290,7 +301,7 @@ class CausalBlocks(nn.Module):
             q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2)
                        for t in qkv(x).split(c, dim=2))
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-            scores = scores.masked_fill(self.tril[:, :, :n, :n] == 0, float("-inf"))
+            scores = scores.masked_fill(self.tril[:, :, :n, :n] == 0, self.fill)
             out = F.softmax(scores, dim=-1) @ v
             x = x + out.transpose(1, 2).contiguous().view(b, n, c)
             x = x + mlp(x)
@@ -298,11 +309,13 @@ class CausalBlocks(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["sync", "stale", "causal"])
-def test_hand_written_causal_attention_pipelines_in_every_mode(mode):
-    """The mask goes to sdpa as a boolean mask: causal mode runs it chunked and exact on
-    the first call (a chunk's keys after its own are masked), stale on a repeated input."""
+@pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min])
+def test_hand_written_causal_attention_pipelines_in_every_mode(mode, fill):
+    """The mask goes to sdpa as a boolean mask (or, filled with the dtype's lowest value as
+    transformers fills, an additive one): causal mode runs it chunked and exact on the
+    first call (a chunk's keys after its own are masked), stale on a repeated input."""
     torch.manual_seed(0)
-    model = CausalBlocks().eval()
+    model = CausalBlocks(fill=fill).eval()
     x = torch.randn(2, 32, 32)
     traced = trace(model, x)
     program = quiet_program(traced, mode=mode, chunks=4, warmup_steps=0)

@@ -85,29 +85,46 @@ class ArgsDiT(TinyDiT):
     forward = _takes_args(TinyDiT.forward)
 
 
-@pytest.mark.parametrize("option", [None, 1])
-def test_a_timestep_passed_by_position_to_a_forward_of_args(option):
+class LevelArgsDiT(TinyDiT):
+    """Its timestep parameter has a name tokpipe does not look for."""
+
+    @_takes_args
+    def forward(self, latents, level, labels):
+        return TinyDiT.forward(self, latents, level, labels)
+
+
+@pytest.mark.parametrize(("model_class", "option"), [
+    (ArgsDiT, None), (LevelArgsDiT, None), (LevelArgsDiT, 1)])
+def test_a_timestep_passed_by_position_to_a_forward_of_args(model_class, option):
     """Dynamo names the arguments of `wrapper(self, *args, **kwargs)` by position, and the
     two branches of a step read each other's K/V (SD3 5.4e-3 from eager where keywords gave
     5.7e-4). They are named by the forward's own parameters now: the timestep is found by
-    its name, and a position (timestep_input=1) names the argument there."""
+    its name, and a position (timestep_input=1) names the argument there, where its name
+    is none tokpipe looks for (without it, a warning says so)."""
     torch.manual_seed(0)
-    model = ArgsDiT(depth=2, width=32, heads=2, grid=8).eval()
+    model = model_class(depth=2, width=32, heads=2, grid=8).eval()
     latents, _, labels = dit_inputs(model, 8)
     null = torch.full_like(labels, 9)
-    keywords = torch.compile(model, backend="tokpipe", options=OPTIONS, dynamic=False)
+    step = "timestep" if model_class is ArgsDiT else "level"
+    keywords = torch.compile(model, backend="tokpipe", dynamic=False,
+                             options={**OPTIONS, "timestep_input": step})
     given = {} if option is None else {"timestep_input": option}
     positions = torch.compile(model, backend="tokpipe", options={**OPTIONS, **given},
                               dynamic=False)
     with torch.no_grad():
-        expected = denoise(lambda x, t, y: keywords(latents=x, timestep=t, labels=y) +
-                           keywords(latents=x, timestep=t, labels=null), latents, labels)
+        expected = denoise(lambda x, t, y: keywords(latents=x, **{step: t}, labels=y) +
+                           keywords(latents=x, **{step: t}, labels=null), latents, labels)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             got = denoise(lambda x, t, y: positions(x, t, y) + positions(x, t, null), latents,
                           labels)
-    assert not [str(w.message) for w in said if "found no timestep" in str(w.message)]
-    assert torch.equal(got, expected)
+    missing = [str(w.message) for w in said if "found no timestep" in str(w.message)]
+    if model_class is LevelArgsDiT and option is None:
+        assert "inputs ['latents', 'level', 'labels']" in missing[0], missing
+        assert not torch.equal(got, expected)  # the branches shared their K/V
+    else:
+        assert missing == []
+        assert torch.equal(got, expected)
 
 
 def test_two_models_of_one_class_stay_independent():

@@ -163,3 +163,51 @@ def test_a_plan_names_the_decoder_layers_each_stage_holds():
     assert all(path.startswith(("model", "lm_head")) for path in paths), paths
     assert "model.layers.0.self_attn" in plan.stages[0].modules
     assert "model.layers.3.self_attn" in plan.stages[1].modules
+
+
+def test_gpt2s_ids_are_told_from_its_positions_and_token_types():
+    """All three index embedding tables and tie in the ranking: the earlier input won, so
+    position_ids passed before token ids were taken for the tokens (and refused)."""
+    model = _gpt2()
+    ids = _ids(batch=2)
+    positions = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
+    inputs = {"position_ids": positions, "token_type_ids": torch.zeros_like(ids),
+              "input_ids": ids, "use_cache": False}
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+    with torch.no_grad():
+        _assert_close(compiled(**inputs).logits, model(**inputs).logits)
+    (program,) = tp.programs(compiled)
+    assert program.plan.token_input == "l_kwargs_input_ids_"
+
+
+class FlatRows(torch.nn.Module):
+    """GPT-2's Conv1D shape: addmm over [batch * tokens, width], with a bias vector, scaled
+    (beta, alpha), or a residual of the rows themselves as its bias (refused before)."""
+
+    def __init__(self, how: str, width: int = 32):
+        super().__init__()
+        self.how = how
+        self.qkv = torch.nn.Parameter(torch.randn(width, 3 * width) * 0.1)
+        self.bias = torch.nn.Parameter(torch.randn(3 * width) * 0.1)
+        self.out = torch.nn.Parameter(torch.randn(width, width) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        scale = {"beta": 0.5, "alpha": 2.0} if self.how == "scaled" else {}
+        q, k, v = torch.addmm(self.bias, x.reshape(-1, width), self.qkv, **scale) \
+            .view(batch, tokens, 3, width).unbind(2)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.how == "residual":
+            return torch.addmm(x.reshape(-1, width), attended.reshape(-1, width),
+                               self.out).view(batch, tokens, width)
+        return x + attended
+
+
+@pytest.mark.parametrize("how", ["bias", "scaled", "residual"])
+def test_addmm_over_flattened_rows_equals_eager(how):
+    torch.manual_seed(0)
+    model, x = FlatRows(how).eval(), torch.randn(2, 16, 32)
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+    with torch.no_grad():
+        _assert_close(compiled(x), model(x))
+    assert len(tp.programs(compiled)) == 1

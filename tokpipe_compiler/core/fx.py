@@ -140,7 +140,7 @@ def target_name(node: torch.fx.Node) -> str:
 
 # The local (or global) a traced frame reached its root module through: `self`, a bound
 # method's __self__, or args[0] of a decorated forward's `wrapped(*args, **kwargs)`.
-_ROOT = re.compile(r"^[LG]\['[^']*'\](\[0\])?(\.__self__)?\.?")
+_ROOT = re.compile(r"^(?:L\['args'\]\[0\]|[LG]\['[^']*'\](\.__self__)?)\.?")
 # diffusers' hooks call a module's forward through the hook's fn_ref.
 _HOOKED = re.compile(r"fn_ref\.original_forward\.__self__\.?")
 

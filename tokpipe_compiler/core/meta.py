@@ -4,7 +4,8 @@ they record.
 | key                   | written by                         | read by                          |
 |-----------------------|------------------------------------|----------------------------------|
 | SOURCE_KEY            | backend (`core.fx.record_sources`) | annotate (token input), fx       |
-| POSITION_KEY          | backend (`traced_frame`)           | fx (`argument_of`)               |
+| POSITION_KEY          | backend, capture (`traced_frame`)  | fx (`argument_of`, `position_of`)|
+|                       |                                    | static (copied to a static graph)|
 | META_KEY (TokenInfo)  | annotate (chunk_attention: its op) | every later pass, cost model     |
 | SLICES_KEY            | annotate's rules (transient)       | annotate; popped before it ends  |
 | STAGE_KEY             | partition (via the driver)         | split                            |

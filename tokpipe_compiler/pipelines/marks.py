@@ -70,7 +70,8 @@ def reset_parallelized(obj: Any) -> bool:
     for denoiser in denoisers:
         reset_programs(denoiser)
     rings = getattr(obj, RING, None)
-    if rings is not None and generation is None:  # what a ring's last call left (an error)
+    # what a ring's last call left (an error), where no call runs now, in any thread
+    if rings is not None and rings.generation is None:
         for program in ring_programs(rings):
             program.reset()
     return True

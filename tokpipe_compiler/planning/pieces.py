@@ -44,9 +44,9 @@ from tokpipe_compiler.passes.token_input import (
 )
 from tokpipe_compiler.planning.driver import build_plan, copy_graph_module
 from tokpipe_compiler.planning.plan import Plan
+from tokpipe_compiler.planning.traced_frame import RESUME
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_RESUME = "torch_dynamo_resume_in_"
 _MODULE_CALL = ("_call_impl", "inner")  # torch's module call, and its closure with hooks
 
 
@@ -73,7 +73,7 @@ def origin(gm: torch.fx.GraphModule) -> Origin:
     if code is None:
         return Origin(bool(broke), "", broke)
     where = f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
-    piece = bool(broke) or code.co_name.startswith(_RESUME) or _called_from_user_code(code)
+    piece = bool(broke) or code.co_name.startswith(RESUME) or _called_from_user_code(code)
     return Origin(piece, where, broke)
 
 

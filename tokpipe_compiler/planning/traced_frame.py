@@ -21,6 +21,8 @@ import torch.fx
 from tokpipe_compiler.core.fx import source_name
 from tokpipe_compiler.core.meta import POSITION_KEY
 
+RESUME = "torch_dynamo_resume_in_"  # Dynamo's name for a frame resumed after a break
+
 
 def frame_parameters() -> frozenset[str] | None:
     """The parameter names of the function whose frame Dynamo traces, and of
@@ -44,7 +46,7 @@ def frame_parameters() -> frozenset[str] | None:
         # (functools.wraps) names the real parameters.
         names -= {"*", "**"}
         names |= signature_names(module.forward)
-    elif code.co_name.startswith(_RESUME) and isinstance(local.get("self"), torch.nn.Module):
+    elif code.co_name.startswith(RESUME) and isinstance(local.get("self"), torch.nn.Module):
         # a resume function after a graph break inside a module's method: its parameters
         # are the live locals, among them `self`; the forward's are the model's
         names |= signature_names(local["self"].forward)
@@ -81,7 +83,7 @@ def _positional_parameters() -> tuple[str, dict[int, tuple[str, int]]] | None:
     if module is None and not code.co_argcount and isinstance(args, tuple) and args and \
             isinstance(args[0], torch.nn.Module):
         module, skip = args[0], -1  # self is args[0]
-    if module is None or not isinstance(args, tuple):
+    if module is None or not isinstance(args, tuple) or not _wraps_forward(module, code):
         return None
     try:
         parameters = list(inspect.signature(module.forward).parameters.values())
@@ -91,6 +93,17 @@ def _positional_parameters() -> tuple[str, dict[int, tuple[str, int]]] | None:
         lambda p: p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD), parameters)]
     return varargs, {i: (positional[skip + i], skip + i) for i in range(len(args))
                      if 0 <= skip + i < len(positional)}
+
+
+def _wraps_forward(module: torch.nn.Module, code: Any) -> bool:
+    """Whether `code` is the module's forward, or a decorator's wrapper of it (followed by
+    `__wrapped__`): only there do the frame's *args stand for the forward's parameters."""
+    fn = getattr(module.forward, "__func__", module.forward)
+    while fn is not None:
+        if getattr(fn, "__code__", None) is code:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 def number_arguments() -> dict[str, int | float]:
@@ -156,5 +169,4 @@ def signature_names(fn: Callable[..., Any]) -> set[str]:
     return {_MARKS.get(p.kind, p.name) for p in parameters}
 
 
-_RESUME = "torch_dynamo_resume_in_"  # Dynamo's name for a frame resumed after a break
 _MARKS = {inspect.Parameter.VAR_KEYWORD: "**", inspect.Parameter.VAR_POSITIONAL: "*"}

@@ -43,6 +43,7 @@ class _Notes:
 
 _notes = _Notes()
 
+
 def compile_stage(gm: torch.fx.GraphModule, example_inputs: list, compiler: str) -> StageFn:
     if compiler == "eager":
         return gm
