@@ -218,3 +218,29 @@ def test_addmm_over_flattened_rows_equals_eager(how):
     with torch.no_grad():
         _assert_close(compiled(x), model(x))
     assert len(tp.programs(compiled)) == 1
+
+
+class KeysInNewEmpty(torch.nn.Module):
+    """DeepSeek's spelling: keys built as `k.new_empty(..., d)`, a literal token length."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(64, 192)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(1, -1, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        keys = k.new_empty(*k.shape[:-1], 16)
+        keys[..., :8].copy_(k[..., :8])
+        keys[..., 8:].copy_(k[..., 8:] * 2)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, keys, v, is_causal=True)
+        return x + attended.transpose(1, 2).reshape(x.shape)
+
+
+def test_a_literal_token_length_is_refused_as_tokpipes_own_error():
+    """It was told as Inductor's failure, advising compiler='eager', which was set."""
+    model = KeysInNewEmpty().eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+    with torch.no_grad(), pytest.raises(tp.TokpipeError) as info:
+        compiled(torch.randn(1, 48, 64))
+    assert str(info.value).startswith("new_empty((1, 4, 48, 16))"), str(info.value)
+    assert "Inductor" not in str(info.value)

@@ -64,8 +64,9 @@ class StageProgram:
         key = self.form(chunk.units, chunk.segments)
         if key not in self.compiled:
             what = f"stage {self.graph.index}'s graph for chunks of {key[0]} token rows"
+            graph = self.graph_for(*key)  # its refusals are tokpipe's, not Inductor's
             try:
-                fn = compile_named(what, self.graph_for(*key), inputs, self.compiler)
+                fn = compile_named(what, graph, inputs, self.compiler)
             except Exception as err:  # Inductor's own failure: name what it compiled
                 raise compile_failed(what, self.compiler, err) from err
             self.compiled[key] = self._graphed(fn, inputs) if self.cuda_graphs else fn
