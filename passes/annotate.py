@@ -259,14 +259,11 @@ def _aligned_with(node: torch.fx.Node, seed: torch.fx.Node) -> bool:
     """User inputs shaped exactly like the token input (a scheduler's history, a second
     latent) carry tokens on the same axis, where both are floating (a float32 history of
     bfloat16 latents is aligned). Integer and boolean ones come whole, and their readers
-    take the chunk's part: a mask of the tokens' shape covers every key, and a language
-    model's `attention_mask` and `position_ids` beside its token ids build the mask over
-    all of them (with the ids' dtype they were cut to the chunk). A conditioning stream by
-    its name is not, whatever its shape: in a block of a joint-attention model the text
-    stream has the image stream's width, and as many tokens where the lengths tie."""
-    if node.op != "placeholder" or not is_user_input(node):
-        return False
-    if is_conditioning(node) and not is_conditioning(seed):
+    take the chunk's part: a mask covers every key (a language model's `attention_mask`
+    and `position_ids` build one). A conditioning stream by its name is not, whatever its
+    shape: a joint-attention block's text stream may tie the image stream's shape."""
+    if node.op != "placeholder" or not is_user_input(node) or \
+            (is_conditioning(node) and not is_conditioning(seed)):
         return False
     value, ref = example_value(node), example_value(seed)
     if not isinstance(value, torch.Tensor) or value.shape != ref.shape:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.runtime.backends import group_backend
-from tokpipe_compiler.runtime.run_stops import RunStops
+from tokpipe_compiler.runtime.run_stops import RunStops, group_store
 from tokpipe_compiler.runtime.transport_errors import GroupClosed
 
 FORWARD, BACK = 0, 1  # a message to a higher rank, to a lower one
@@ -223,7 +223,7 @@ _ARRIVED = "tokpipe/arrived/"  # + the rank in the group: it has begun making th
 def _say_arrived(base: Any) -> None:
     """Say in `base`'s store that this rank has come to make its back group, so that ranks
     left waiting can name those that did not (`_who_did_not_come`)."""
-    store = _store(base)
+    store = group_store(base)
     if store is not None:  # a store whose host is gone: the wait fails and says so
         with contextlib.suppress(RuntimeError):
             store.set(f"{_ARRIVED}{dist.get_rank(base)}", "1")
@@ -233,7 +233,7 @@ def _who_did_not_come(base: Any, ranks: list[int]) -> str:
     """The ranks of `ranks` (world numbering, in `base`'s order) that never said they came;
     a rank named is certainly missing, where the store can tell at all (keys left by a group
     started before over the same store may hide a missing rank, never name one that came)."""
-    store = _store(base)
+    store = group_store(base)
     try:
         absent = [rank for place, rank in enumerate(ranks)
                   if store is not None and not store.check([f"{_ARRIVED}{place}"])]
@@ -242,12 +242,3 @@ def _who_did_not_come(base: Any, ranks: list[int]) -> str:
     if store is None or not absent:
         return "not all came"
     return f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} never came"
-
-
-def _store(base: Any) -> Any:
-    """`base`'s store (None where torch does not expose it)."""
-    store_of = getattr(dist.distributed_c10d, "_get_process_group_store", None)
-    try:
-        return None if store_of is None else store_of(base)
-    except (RuntimeError, ValueError, KeyError):
-        return None

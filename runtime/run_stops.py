@@ -45,6 +45,15 @@ def share_stops(groups: list[Any]) -> None:
             _SHARED[group] = scope
 
 
+def group_store(group: Any) -> Any:
+    """`group`'s store (None where torch does not expose it, or it is out of reach)."""
+    store_of = getattr(dist.distributed_c10d, "_get_process_group_store", None)
+    try:
+        return None if store_of is None else store_of(group)
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
 class RunStops:
     """The stop keys of one process group's runs, in its store. The group is held weakly
     and its store looked up at each use: a store held past `destroy_process_group` would
@@ -68,15 +77,10 @@ class RunStops:
     def _store(self) -> Any:
         """The group's store (None: the group is gone, its store out of reach, or torch
         does not expose it)."""
-        store_of = getattr(dist.distributed_c10d, "_get_process_group_store", None)
         holder = self._holder()
-        if store_of is None or holder is None or \
-                (self._lost is not None and self._lost() is holder):
+        if holder is None or (self._lost is not None and self._lost() is holder):
             return None
-        try:
-            return store_of(holder)
-        except (RuntimeError, ValueError, KeyError):
-            return None
+        return group_store(holder)
 
     def _failed(self, error: BaseException) -> None:
         """A store call failed: where its connection is gone, no more calls to it."""
