@@ -19,6 +19,7 @@ import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
 from tests.fixtures.rings import per_step, step_ring
 from tokpipe_compiler.runtime.launch import launch
+from tokpipe_compiler.runtime.run_stops import group_store
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
@@ -240,6 +241,24 @@ def test_a_rank_that_never_calls_makes_the_others_raise_within_the_timeout():
     assert f"rank 0 waited {FAULT_TIMEOUT:g} s for ranks [0, 1] to start the pipeline " \
         "(their first call of it) and rank 1 never came" in text, text
     assert seconds < 60  # planning, then the timeout
+
+
+def arrival_keys_left(rank: int, world: int) -> list[int]:
+    """Both ranks run the model once; the ranks whose arrival key is still in the store."""
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    compiled = torch.compile(model, backend=tp.backend(**OPTIONS, stages=world), dynamic=False)
+    with torch.no_grad():
+        compiled(*dit_inputs(model, 8))
+    dist.barrier()
+    store = group_store(dist.group.WORLD)
+    return [place for place in range(world) if store.check([f"tokpipe/arrived/{place}"])]
+
+
+def test_ranks_that_all_came_take_back_their_arrival():
+    """Else a group of the same name made later over the store would not name a missing
+    rank: its key, left from before, says it came."""
+    assert launch(arrival_keys_left, 2, timeout=120) == [[], []]
 
 
 def ring_of_steps(rank: int, world: int) -> None:
