@@ -56,7 +56,7 @@ def chunk_attention(gm: torch.fx.GraphModule, mode: str, kernel: str = "sdpa"
                 sdpa_layers.append(f"{describe(node)}: {unfused}")
         spec = CacheSpec(layer, f"kv_cache_{layer}_k", f"kv_cache_{layer}_v", tuple(k.shape),
                          tuple(v.shape), k.dtype, node.meta[META_KEY].per_unit, info.lead,
-                         info.trail)
+                         info.trail, causal)
         k_cache = add_input(gm, spec.k_name, k)
         v_cache = add_input(gm, spec.v_name, v)
         with gm.graph.inserting_before(node):

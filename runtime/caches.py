@@ -24,6 +24,7 @@ class CacheSpec:
     per_unit: int
     lead: int = 0  # tokens before the chunked ones (joint attention's text, a start token)
     trail: int = 0  # tokens after them
+    causal: bool = False  # is_causal: a chunk reads keys of its own and earlier chunks only
 
     @property
     def bytes(self) -> int:

@@ -47,6 +47,7 @@ from tokpipe_compiler.planning.timestep_checks import (
     check_timestep_input,
     missing_timestep,
     number_timestep,
+    reads_last_call,
 )
 from tokpipe_compiler.planning.traced_frame import (
     frame_parameters,
@@ -199,7 +200,8 @@ class LazyProgram:
             return
         if self.retraced is not None:
             self._warn_once(*self.retraced)
-        elif config.mode == "stale" and clock.timestep_index is None and clock.source is None:
+        elif config.mode == "stale" and clock.timestep_index is None and \
+                clock.source is None and reads_last_call(program.plan.caches):
             inputs = [a for a in self._arguments() if a is not None]
             self._warn_once("no timestep", missing_timestep(inputs, config.timestep_input))
 

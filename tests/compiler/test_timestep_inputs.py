@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tokpipe_compiler as tp
-from tests.fixtures.models import TinyDiT, dit_inputs
+from tests.fixtures.models import TinyCausalLM, TinyDiT, dit_inputs
 from tests.fixtures.tracing import assert_rel_close, rel_error
 from tokpipe_compiler import TokpipeError
 
@@ -214,3 +214,19 @@ def test_the_missing_timestep_warning_says_when_input_names_are_unknown():
 
     assert "among the model's inputs ['x', 'labels']" in missing_timestep(["x", "labels"], None)
     assert "carry no parameter names" in missing_timestep([], None)
+
+
+def test_stale_causal_attention_needs_no_timestep_to_stay_exact():
+    """With is_causal attention a stale chunk reads only keys this call wrote, so a call
+    with no timestep cannot read another call's K/V: each equals eager, and the warning that
+    a second input attends to the first's would be wrong."""
+    torch.manual_seed(0)
+    model = TinyCausalLM(depth=2, width=32, heads=2).eval()
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options={
+        "stages": 2, "chunks": 4, "mode": "stale", "compiler": "eager"})
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        for seed in (1, 2, 3):
+            x = torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(seed))
+            assert_rel_close(compiled(x), model(x), 1e-5)
+    assert len(tp.programs(compiled)) == 1

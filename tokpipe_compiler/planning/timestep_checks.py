@@ -12,6 +12,7 @@ raises, and the two ways a stale pipeline would quietly lose its steps warn.
 from __future__ import annotations
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.runtime.caches import AnyCacheSpec, CacheSpec
 from tokpipe_compiler.stage_programs.generations import timestep_names
 
 
@@ -68,6 +69,13 @@ def number_timestep(numbers: dict[str, int | float], choice: str | None) -> str 
             f"eagerly. Pass it as a tensor: {name}=torch.tensor({numbers[name]!r})")
 
 
+def reads_last_call(caches: list[AnyCacheSpec]) -> bool:
+    """Whether a stale plan's chunks read what an earlier call left: K/V of later chunks'
+    tokens, or a sum's partials. Where all attention is causal, a chunk reads only what
+    this call wrote, and calls need no timestep to be told apart (stale is then exact)."""
+    return any(not isinstance(cache, CacheSpec) or not cache.causal for cache in caches)
+
+
 def missing_timestep(inputs: list[str | int], choice: str | int | None) -> str:
     """The warning for a stale pipeline whose calls carry no timestep it knows."""
     looked = f"timestep_input={choice!r}" if choice is not None else \
@@ -81,5 +89,7 @@ def missing_timestep(inputs: list[str | int], choice: str | int | None) -> str:
     return (f"tokpipe: mode='stale' found no timestep {among} "
             f"({looked}): every call counts as the next step of one generation and one "
             "guidance branch, so a second image, or a second branch of a step, attends to "
-            f"the first's K/V. {name}, or call tp.reset(compiled) between generations and run "
-            "one branch per call")
+            "the first's K/V (not where a mask hides every later token, as a causal language "
+            "model's does: there stale is exact and this can be ignored). "
+            f"{name}, or call tp.reset(compiled) between generations and run one branch per "
+            "call")
