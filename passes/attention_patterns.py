@@ -13,23 +13,22 @@ diffusion's ("b i d, b j d -> b i j", then "b i j, b j d -> b i d") or with the 
 between tokens and features ("bnhd,bmhd->bhnm", then "bhnm,bmhd->bnhd": permuted to sdpa's
 layout and back, `attention_einsums.py`), scaled by a number (`* s`, `/ s`) or by a
 tensor the same for every query and key of a head (a learned temperature such as Swin v2's
-`logit_scale.exp()`, which scales the queries instead), plus a mask or filled with -inf
-where a boolean table says so (nanoGPT's causal `masked_fill`; sdpa gets the table's
-negation as its mask), casts of the scores or probabilities (an upcast softmax), and a
+`logit_scale.exp()`, which scales the queries instead: `attention_scores.py`), masked
+(an added mask, nanoGPT's causal `masked_fill`, GPT-Neo's `torch.where`:
+`attention_masks.py`), casts of the scores or probabilities (an upcast softmax), and a
 dropout that is off. A causal table reaches sdpa as a mask, not as `is_causal`: causal
 mode runs it exactly, but attends over the masked keys after the chunk too.
 
 The fold is exact in value and approximate in rounding: the scores are no longer
 materialised, so float32 results move by about 1e-7 relative. It applies only where
 nothing else reads the scores or the probabilities, the operands share a dtype and a rank,
-and a mask has the operands' dtype (and is added to scores laid out as sdpa's [..., L, S]).
+and an added mask has the operands' dtype (and scores laid out as sdpa's [..., L, S]).
 """
 
 from __future__ import annotations
 
-import math
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,38 +40,18 @@ from tokpipe_compiler.core.fx import add_node, example_value, rewritten
 from tokpipe_compiler.core.ops import op_key
 from tokpipe_compiler.passes import attention_einsums
 from tokpipe_compiler.passes.attention_einsums import Perm, permuted_shape
+from tokpipe_compiler.passes.attention_masks import (
+    SCALAR_TENSORS,
+    masked_scores,
+    masks_fit,
+    sdpa_mask,
+)
+from tokpipe_compiler.passes.attention_scores import MATMULS, Scores
 from tokpipe_compiler.passes.view_rules import swapped_axes
 
-MATMULS = {torch.matmul, torch.bmm, operator.matmul, "method:matmul", "method:bmm"}
 SOFTMAXES = {torch.softmax, F.softmax, "method:softmax"}
-BADDBMMS = {torch.baddbmm, "method:baddbmm"}
 CASTS = {"method:float", "method:half", "method:bfloat16"}
 DROPOUTS = {F.dropout, torch.dropout}
-ADDS = {operator.add, torch.add, "method:add"}
-MULS = {operator.mul, torch.mul, "method:mul"}
-DIVS = {operator.truediv, torch.div, "method:div"}
-MASKED_FILLS = {torch.masked_fill, "method:masked_fill"}
-_SDPA_LAYOUT = attention_einsums.ScoresLayout(None, None, None)  # matmuls' and baddbmm's
-
-
-@dataclass
-class Scores:
-    """softmax's input: scale * query @ keys^T (+ mask), computed by `nodes`."""
-
-    query: torch.fx.Node
-    keys: Any  # [..., E, S] when `transposed` (what q @ kT reads), else [..., S, E]
-    mask: torch.fx.Node | None
-    scale: float
-    nodes: list[torch.fx.Node]  # each before the nodes it reads
-    transposed: bool = True
-    excluded: bool = False  # the mask is boolean and marks what may not be attended
-    # The finite score the excluded places get (the dtype's lowest, transformers' fill),
-    # where not -inf: folded as an additive mask of it (`_hides`).
-    fill: float | None = None
-    layout: attention_einsums.ScoresLayout = _SDPA_LAYOUT  # an einsum's may differ
-    # A tensor that scales each head's scores alike (a learned temperature), and whether it
-    # divides them: folded into the queries, as sdpa's scale is a number.
-    factor: tuple[torch.fx.Node, bool] | None = None
 
 
 @dataclass
@@ -114,7 +93,7 @@ def match(node: torch.fx.Node) -> HandWritten | None:
         return None
     replaced.append(softmax)
     scores_node = _through(softmax.args[0], _is_cast, replaced)
-    scores = _scores(scores_node) if scores_node is not None else None
+    scores = masked_scores(scores_node) if scores_node is not None else None
     if scores is None:
         return None
     layouts = attention_einsums.output_layout(node, probs, scores.layout.order)
@@ -152,97 +131,6 @@ def _last_axis(softmax: torch.fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and dim in (-1, value.dim() - 1)
 
 
-def _scores(node: torch.fx.Node) -> Scores | None:
-    """How `node` computes attention scores, or None."""
-    if op_key(node) in BADDBMMS:
-        return _baddbmm(node)
-    if op_key(node) in ADDS and len(node.args) == 2 and not node.kwargs:
-        for product, mask in (node.args, node.args[::-1]):
-            found = _scaled_product(product)
-            if found is not None and isinstance(mask, torch.fx.Node):
-                return replace(found, mask=mask, nodes=[node, *found.nodes])
-        return None
-    if op_key(node) in MASKED_FILLS and len(node.args) == 3 and not node.kwargs:
-        product, excluded, value = node.args
-        found = _scaled_product(product)
-        if found is None or not isinstance(excluded, torch.fx.Node) or \
-                not _hides(value, example_value(product)):
-            return None
-        return replace(found, mask=excluded, excluded=True, nodes=[node, *found.nodes],
-                       fill=None if value == -math.inf else float(value))
-    return _scaled_product(node)
-
-
-def _hides(value: Any, scores: Any) -> bool:
-    """Whether filling `scores` with `value` folds into sdpa exactly: -inf (a boolean mask),
-    or the dtype's lowest value (transformers' `torch.finfo(dtype).min`, an additive mask:
-    a score plus it rounds to it, so a row with every key filled stays even, as eager's).
-    Another finite value is left as written: such a row would not stay even."""
-    if not _number(value) or not isinstance(scores, torch.Tensor) or \
-            not scores.is_floating_point():
-        return False
-    return value == -math.inf or value == torch.finfo(scores.dtype).min
-
-
-def _baddbmm(node: torch.fx.Node) -> Scores | None:
-    """baddbmm(bias, q, kT, beta=0 or 1, alpha=scale): with beta 1 the bias is a mask."""
-    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
-    if len(node.args) != 3 or not _number(alpha) or beta not in (0, 1):
-        return None
-    bias, query, keys_t = node.args
-    if beta == 1 and not isinstance(bias, torch.fx.Node):
-        return None
-    return Scores(query, keys_t, bias if beta == 1 else None, float(alpha), [node])
-
-
-def _scaled_product(node: Any) -> Scores | None:
-    """`q @ kT`, `(q @ kT) * s` or `(q @ kT) / s` read by one node, or None."""
-    if not isinstance(node, torch.fx.Node) or len(node.users) != 1:
-        return None
-    key, einsum = op_key(node), attention_einsums.scores_einsum(node)
-    if einsum is not None:
-        query, keys, layout = einsum
-        return Scores(query, keys, None, 1.0, [node], transposed=False, layout=layout)
-    if len(node.args) != 2 or node.kwargs:
-        return None
-    if key in MATMULS:
-        return Scores(node.args[0], node.args[1], None, 1.0, [node])
-    if key not in MULS and key not in DIVS:
-        return None
-    for product, factor in (node.args, node.args[::-1]) if key in MULS else (node.args,):
-        found = _scaled_product(product)
-        if found is None or found.scale != 1.0 or found.mask is not None or found.factor:
-            continue
-        if _number(factor) and factor != 0:
-            scale = float(factor) if key in MULS else 1.0 / float(factor)
-            return replace(found, scale=scale, nodes=[node, *found.nodes])
-        if _per_head(factor, found):
-            return replace(found, factor=(factor, key in DIVS), nodes=[node, *found.nodes])
-    return None
-
-
-def _per_head(factor: Any, scores: Scores) -> bool:
-    """A tensor of size 1 along the queries and keys (per head, or one number), in the
-    queries' dtype where it has dims (so that scaling them keeps their dtype and shape)."""
-    if not isinstance(factor, torch.fx.Node) or scores.layout is not _SDPA_LAYOUT:
-        return False
-    value, query = example_value(factor), example_value(scores.query)
-    if not (isinstance(value, torch.Tensor) and isinstance(query, torch.Tensor)):
-        return False
-    if not value.is_floating_point() or (value.dim() and value.dtype != query.dtype):
-        return False
-    if any(size != 1 for size in value.shape[-2:]) or value.dim() > query.dim():
-        return False
-    try:
-        return torch.broadcast_shapes(value.shape, query.shape) == query.shape
-    except RuntimeError:
-        return False
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _operands_fit(attention: HandWritten) -> bool:
     """Operands sdpa takes once permuted: one floating dtype, one rank (at least 3), keys
     and values of one length, a mask of the same dtype that broadcasts to the scores (an
@@ -261,12 +149,7 @@ def _operands_fit(attention: HandWritten) -> bool:
         return False
     if q[-1] != k[-1] or k[-2] != v[-2]:
         return False
-    if scores.mask is None:
-        return True
-    mask, shape = example_value(scores.mask), torch.Size((*q[:-1], k[-2]))
-    dtype = torch.bool if scores.excluded else values[0].dtype
-    return (layout.order is None and isinstance(mask, torch.Tensor) and mask.dtype == dtype
-            and mask.dim() <= len(shape) and torch.broadcast_shapes(mask.shape, shape) == shape)
+    return masks_fit(scores, torch.Size((*q[:-1], k[-2])), values[0].dtype)
 
 
 def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
@@ -283,7 +166,7 @@ def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
         value = _permuted(graph, attention.value, attention.value_perm)
         kwargs = {"scale": scores.scale}
         if scores.mask is not None:
-            kwargs["attn_mask"] = _sdpa_mask(graph, scores, example_value(value).dtype)
+            kwargs["attn_mask"] = sdpa_mask(graph, scores, example_value(value).dtype)
         sdpa = graph.call_function(F.scaled_dot_product_attention, (query, key, value), kwargs)
         sdpa.meta.update(out.meta)
         result = _back_to(graph, sdpa, out, attention.output_perm)
@@ -294,17 +177,6 @@ def _fold(gm: torch.fx.GraphModule, attention: HandWritten) -> None:
     for node in leftovers:  # the transpose of the keys, the empty bias of baddbmm
         if not node.users and _pure(node):
             graph.erase_node(node)
-
-
-def _sdpa_mask(graph: torch.fx.Graph, scores: Scores, dtype: torch.dtype) -> torch.fx.Node:
-    """sdpa's attn_mask for the scores' mask: True where attended (a boolean mask of what
-    is excluded, inverted), or added to the scores (`fill` where excluded, else 0)."""
-    if not scores.excluded:
-        return scores.mask
-    if scores.fill is None:
-        return add_node(graph, "function", torch.logical_not, (scores.mask,))
-    zero = add_node(graph, "function", torch.zeros_like, (scores.mask,), {"dtype": dtype})
-    return add_node(graph, "function", torch.masked_fill, (zero, scores.mask, scores.fill))
 
 
 def _permuted(graph: torch.fx.Graph, node: torch.fx.Node, perm: Perm) -> torch.fx.Node:
@@ -345,4 +217,4 @@ def _swaps_last_two(node: torch.fx.Node) -> bool:
 def _pure(node: torch.fx.Node) -> bool:
     """A transpose, or a factory of a new tensor (nothing else can observe its removal)."""
     return swapped_axes(node) is not None or op_key(node) in {
-        torch.empty, torch.zeros, torch.ones, torch.full}
+        torch.empty, torch.zeros, torch.ones, torch.full, *SCALAR_TENSORS}

@@ -101,6 +101,28 @@ def masked_fill_lowest(q, k, v, bias):
     return F.softmax(scores.masked_fill(hidden, torch.finfo(q.dtype).min), dim=-1) @ v
 
 
+def where_seen_lowest_plus_mask(q, k, v, bias):
+    """GPT-Neo's spelling: torch.where(seen, scores, torch.tensor(lowest)) plus an added
+    padding mask; the last query row sees no key, and stays even as in eager."""
+    seen = (torch.arange(N)[None, :] <= torch.arange(N)[:, None]) & \
+        (torch.arange(N)[:, None] != N - 1)
+    lowest = torch.tensor(torch.finfo(q.dtype).min, dtype=q.dtype)
+    return F.softmax(torch.where(seen, q @ k.transpose(-2, -1), lowest) + bias, dim=-1) @ v
+
+
+def where_hidden_inf(q, k, v, bias):
+    """torch.where(hidden, -inf, scores): the table marks what may not be attended."""
+    hidden = torch.arange(N)[None, :] > torch.arange(N)[:, None]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    return F.softmax(torch.where(hidden, float("-inf"), scores), dim=-1) @ v
+
+
+def where_method_inf(q, k, v, bias):
+    """scores.where(seen, -inf): sdpa gets the table itself as its boolean mask."""
+    seen = torch.arange(N)[None, :] <= torch.arange(N)[:, None]
+    return F.softmax((q @ k.transpose(-2, -1)).where(seen, float("-inf")), dim=-1) @ v
+
+
 def chained(q, k, v, bias):
     """Two attentions, the first's output the second's queries: each folded in turn."""
     first = torch.bmm(torch.bmm(q, k.transpose(-1, -2)).softmax(-1), v)
@@ -135,6 +157,12 @@ def masked_fill_finite(q, k, v, bias):
     evenly, where sdpa's mask would give NaN."""
     scores = (q @ k.transpose(-2, -1)).masked_fill(bias < -1, -1e9)
     return scores.softmax(-1) @ v
+
+
+def where_finite(q, k, v, bias):
+    """torch.where with a finite fill other than the dtype's lowest: left as written."""
+    seen = torch.arange(N)[None, :] <= torch.arange(N)[:, None]
+    return torch.where(seen, q @ k.transpose(-2, -1), torch.tensor(-1e9)).softmax(-1) @ v
 
 
 def einsum_heads_last_masked(q, k, v, bias):
@@ -191,6 +219,8 @@ def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
                                 keys_given_transposed, einsum_scaled, einsum_heads_masked,
                                 einsum_heads_after_tokens, einsum_keys_first_masked, keys_by_mT,
                                 masked_fill_causal, masked_fill_lowest, chained,
+                                where_seen_lowest_plus_mask, where_hidden_inf,
+                                where_method_inf,
                                 per_head_temperature,
                                 divided_by_a_tensor])
 def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
@@ -199,13 +229,15 @@ def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
     assert fold_hand_written_attention(traced.gm) == (2 if fn is chained else 1)
     ops = graph_ops(traced.gm)
     assert "scaled_dot_product_attention" in ops
-    assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum", "getattr"}, ops
-    assert "masked_fill" not in ops or fn is masked_fill_lowest, ops  # builds its mask
+    assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum", "getattr", "where",
+                      "tensor"}, ops
+    assert "masked_fill" not in ops or fn in (masked_fill_lowest, where_seen_lowest_plus_mask
+                                              ), ops  # builds its mask
     assert_rel_close(traced.gm(*traced.args())[0], fn(*args))
 
 
 @pytest.mark.parametrize("fn", [scores_returned, softmax_over_queries, half_beta, double_mask,
-                                einsum_over_queries, masked_fill_finite,
+                                einsum_over_queries, masked_fill_finite, where_finite,
                                 einsum_heads_last_masked, probabilities_read_twice,
                                 per_query_factor])
 def test_what_is_not_exactly_attention_is_left_as_written(fn):

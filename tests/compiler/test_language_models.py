@@ -244,3 +244,26 @@ def test_a_literal_token_length_is_refused_as_tokpipes_own_error():
         compiled(torch.randn(1, 48, 64))
     assert str(info.value).startswith("new_empty((1, 4, 48, 16))"), str(info.value)
     assert "Inductor" not in str(info.value)
+
+
+def test_gpt_neo_s_attention_written_with_torch_where_pipelines_in_causal_mode():
+    """GPT-Neo fills the scores with torch.where(causal, scores, torch.tensor(lowest)) and
+    adds the padding mask (a global layer and a sliding-window one): it was left as
+    written, a score matrix mixing every token, and causal mode refused the model."""
+    torch.manual_seed(0)
+    config = transformers.GPTNeoConfig(
+        num_layers=2, hidden_size=64, num_heads=4, vocab_size=128, max_position_embeddings=256,
+        attention_types=[[["global", "local"], 1]], window_size=16, bos_token_id=0,
+        eos_token_id=0)
+    model = transformers.GPTNeoForCausalLM(config).eval()
+    ids = _ids(batch=2)
+    mask = torch.ones(2, ids.shape[1], dtype=torch.long)
+    mask[1, :10] = 0
+    compiled = torch.compile(model, backend="tokpipe", dynamic=False, options=OPTIONS)
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert len(tp.programs(compiled)) == 1
+    assert len(tp.programs(compiled)[0].plan.caches) == 2
+    _assert_close(got[1, 10:], expected[1, 10:])  # the padded sample's real tokens
+    _assert_close(got[0], expected[0])

@@ -1,0 +1,153 @@
+"""How hand-written attention masks its scores, and the one mask sdpa gets for it.
+
+    s + mask                               an additive mask          -> attn_mask=mask
+    s.masked_fill(hidden, -inf)            a boolean table of what    -> attn_mask=~hidden
+                                           may not be attended
+    torch.where(seen, s, -inf)             a boolean table of what    -> attn_mask=seen
+                                           may (or where(hidden, -inf, s))
+    baddbmm(mask, q, kT, beta=1)           an additive mask          -> attn_mask=mask
+
+A table filled with the dtype's lowest value (transformers' `torch.finfo(dtype).min`)
+instead of -inf becomes an additive mask of it, and an additive mask may come on top of a
+table (GPT-Neo's `torch.where(causal, s, min) + attention_mask`): sdpa adds their sum.
+Both are exact: a score plus the lowest value rounds to it, so a row with every key
+hidden stays even, as eager's does.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx
+
+from tokpipe_compiler.core.fx import add_node, example_value
+from tokpipe_compiler.core.ops import op_key
+from tokpipe_compiler.passes.attention_scores import Scores, is_number, scaled_product
+
+BADDBMMS = {torch.baddbmm, "method:baddbmm"}
+ADDS = {operator.add, torch.add, "method:add"}
+MASKED_FILLS = {torch.masked_fill, "method:masked_fill"}
+WHERES = {torch.where, "method:where"}
+# Factories of the fill value as a 0-d tensor (GPT-Neo's torch.tensor(finfo.min)).
+SCALAR_TENSORS = {torch.tensor, torch.scalar_tensor}
+
+
+def masked_scores(node: torch.fx.Node) -> Scores | None:
+    """How `node` computes masked (or plain) attention scores, or None."""
+    if op_key(node) in BADDBMMS:
+        return _baddbmm(node)
+    if op_key(node) in ADDS and len(node.args) == 2 and not node.kwargs:
+        for product, mask in (node.args, node.args[::-1]):
+            if not isinstance(mask, torch.fx.Node):
+                continue
+            found = scaled_product(product)
+            if found is not None:
+                return replace(found, mask=mask, nodes=[node, *found.nodes])
+            found = _table_masked(product) if _read_once(product) else None
+            if found is not None and found.added is None:
+                return replace(found, added=mask, nodes=[node, *found.nodes])
+        return None
+    return _table_masked(node) or scaled_product(node)
+
+
+def _read_once(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and len(node.users) == 1
+
+
+def _table_masked(node: torch.fx.Node) -> Scores | None:
+    """Scores filled where a boolean table says: masked_fill or torch.where."""
+    if op_key(node) in MASKED_FILLS and len(node.args) == 3 and not node.kwargs:
+        product, table, value = node.args
+        return _filled(node, product, table, value, kept=False)
+    if op_key(node) not in WHERES or len(node.args) != 3 or node.kwargs:
+        return None
+    if op_key(node) == "method:where":  # scores.where(seen, fill)
+        product, seen, fill = node.args
+        return _filled(node, product, seen, fill, kept=True)
+    table, chosen, other = node.args  # where(seen, scores, fill) or (hidden, fill, scores)
+    return _filled(node, chosen, table, other, kept=True) or \
+        _filled(node, other, table, chosen, kept=False)
+
+
+def _filled(node: torch.fx.Node, product: Any, table: Any, value: Any,
+            kept: bool) -> Scores | None:
+    found = scaled_product(product)
+    if found is None or not isinstance(table, torch.fx.Node):
+        return None
+    fill = _fill_value(value)
+    if fill is None or not hides(fill, example_value(product)):
+        return None
+    return replace(found, mask=table, boolean=True, kept=kept, nodes=[node, *found.nodes],
+                   fill=None if fill == -math.inf else fill)
+
+
+def _fill_value(value: Any) -> float | None:
+    """A number, or a 0-d tensor made of one in the graph (whose node is then dropped
+    with the scores: `attention_patterns._pure`)."""
+    if is_number(value):
+        return float(value)
+    if isinstance(value, torch.fx.Node) and op_key(value) in SCALAR_TENSORS and \
+            len(value.users) == 1 and len(value.args) == 1 and is_number(value.args[0]):
+        made = example_value(value)
+        return float(value.args[0]) if isinstance(made, torch.Tensor) and \
+            made.dim() == 0 else None
+    return None
+
+
+def hides(value: float, scores: Any) -> bool:
+    """Whether filling `scores` with `value` folds into sdpa exactly: -inf (a boolean mask),
+    or the dtype's lowest value (an additive mask: a score plus it rounds to it). Another
+    finite value is left as written: a row with every key filled would not stay even."""
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
+        return False
+    return value == -math.inf or value == torch.finfo(scores.dtype).min
+
+
+def _baddbmm(node: torch.fx.Node) -> Scores | None:
+    """baddbmm(bias, q, kT, beta=0 or 1, alpha=scale): with beta 1 the bias is a mask."""
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    if len(node.args) != 3 or not is_number(alpha) or beta not in (0, 1):
+        return None
+    bias, query, keys_t = node.args
+    if beta == 1 and not isinstance(bias, torch.fx.Node):
+        return None
+    return Scores(query, keys_t, bias if beta == 1 else None, float(alpha), [node])
+
+
+def masks_fit(scores: Scores, shape: torch.Size, dtype: torch.dtype) -> bool:
+    """The scores' masks broadcast to sdpa's scores `shape` (laid out as sdpa's), a table
+    boolean, an additive mask of the operands' `dtype`."""
+    if scores.mask is None:
+        return True
+    wanted = [(scores.mask, torch.bool if scores.boolean else dtype)]
+    if scores.added is not None:
+        wanted.append((scores.added, dtype))
+    return scores.layout.order is None and all(
+        _broadcasts(example_value(mask), shape, kind) for mask, kind in wanted)
+
+
+def _broadcasts(mask: Any, shape: torch.Size, dtype: torch.dtype) -> bool:
+    return (isinstance(mask, torch.Tensor) and mask.dtype == dtype
+            and mask.dim() <= len(shape) and torch.broadcast_shapes(mask.shape, shape) == shape)
+
+
+def sdpa_mask(graph: torch.fx.Graph, scores: Scores, dtype: torch.dtype) -> torch.fx.Node:
+    """sdpa's attn_mask for the scores' masks: True where attended (a table filled with
+    -inf alone), or added to the scores (the fill where hidden, else 0, plus any added)."""
+    if not scores.boolean:
+        return scores.mask
+    if scores.fill is None and scores.added is None:
+        return scores.mask if scores.kept else \
+            add_node(graph, "function", torch.logical_not, (scores.mask,))
+    hidden = add_node(graph, "function", torch.logical_not, (scores.mask,)) \
+        if scores.kept else scores.mask
+    zero = add_node(graph, "function", torch.zeros_like, (scores.mask,), {"dtype": dtype})
+    fill = -math.inf if scores.fill is None else scores.fill
+    mask = add_node(graph, "function", torch.masked_fill, (zero, hidden, fill))
+    if scores.added is None:
+        return mask
+    return add_node(graph, "function", operator.add, (mask, scores.added))
