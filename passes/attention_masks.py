@@ -9,7 +9,8 @@
 
 A table filled with the dtype's lowest value (transformers' `torch.finfo(dtype).min`)
 instead of -inf becomes an additive mask of it, and an additive mask may come on top of a
-table (GPT-Neo's `torch.where(causal, s, min) + attention_mask`): sdpa adds their sum.
+table (GPT-Neo's `torch.where(causal, s, min) + attention_mask`) or under it (MPT's ALiBi
+bias, `(s + bias).masked_fill(hidden, min)`): sdpa adds their sum.
 Both are exact: a score plus the lowest value rounds to it, so a row with every key
 hidden stays even, as eager's does.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -38,20 +40,36 @@ SCALAR_TENSORS = {torch.tensor, torch.scalar_tensor}
 
 def masked_scores(node: torch.fx.Node) -> Scores | None:
     """How `node` computes masked (or plain) attention scores, or None."""
+    if op_key(node) in ADDS:
+        return _plus_mask(node, lambda product: _table_masked(product) or
+                          scaled_product(product))
+    return _table_masked(node) or _unfilled(node)
+
+
+def _unfilled(node: Any) -> Scores | None:
+    """Scores read by one node, with an additive mask or none: what a table fills."""
+    if not _read_once(node):
+        return None
     if op_key(node) in BADDBMMS:
         return _baddbmm(node)
-    if op_key(node) in ADDS and len(node.args) == 2 and not node.kwargs:
-        for product, mask in (node.args, node.args[::-1]):
-            if not isinstance(mask, torch.fx.Node):
-                continue
-            found = scaled_product(product)
-            if found is not None:
-                return replace(found, mask=mask, nodes=[node, *found.nodes])
-            found = _table_masked(product) if _read_once(product) else None
-            if found is not None and found.added is None:
-                return replace(found, added=mask, nodes=[node, *found.nodes])
+    return _plus_mask(node, scaled_product) or scaled_product(node)
+
+
+def _plus_mask(node: torch.fx.Node, under: Callable[[Any], Scores | None]) -> Scores | None:
+    """`scores + mask`, the scores found by `under`: the mask is added to them, or on top
+    of a table's (MPT's ALiBi bias under its fill, GPT-Neo's padding mask over its)."""
+    if op_key(node) not in ADDS or len(node.args) != 2 or node.kwargs:
         return None
-    return _table_masked(node) or scaled_product(node)
+    for product, mask in (node.args, node.args[::-1]):
+        if not isinstance(mask, torch.fx.Node) or not _read_once(product):
+            continue
+        found = under(product)
+        if found is None or found.added is not None or \
+                (found.mask is not None and not found.boolean):
+            continue
+        masks = {"added": mask} if found.boolean else {"mask": mask}
+        return replace(found, **masks, nodes=[node, *found.nodes])
+    return None
 
 
 def _read_once(node: Any) -> bool:
@@ -75,14 +93,14 @@ def _table_masked(node: torch.fx.Node) -> Scores | None:
 
 def _filled(node: torch.fx.Node, product: Any, table: Any, value: Any,
             kept: bool) -> Scores | None:
-    found = scaled_product(product)
+    found = _unfilled(product)
     if found is None or not isinstance(table, torch.fx.Node):
         return None
     fill = _fill_value(value)
     if fill is None or not hides(fill, example_value(product)):
         return None
-    return replace(found, mask=table, boolean=True, kept=kept, nodes=[node, *found.nodes],
-                   fill=None if fill == -math.inf else fill)
+    return replace(found, mask=table, boolean=True, kept=kept, added=found.mask,
+                   nodes=[node, *found.nodes], fill=None if fill == -math.inf else fill)
 
 
 def _fill_value(value: Any) -> float | None:

@@ -110,6 +110,14 @@ def where_seen_lowest_plus_mask(q, k, v, bias):
     return F.softmax(torch.where(seen, q @ k.transpose(-2, -1), lowest) + bias, dim=-1) @ v
 
 
+def alibi_under_lowest(q, k, v, bias):
+    """MPT's spelling: a per-key position bias added to the scores, then the dtype's
+    lowest value filled where a causal table hides the key."""
+    hidden = torch.arange(N)[None, :] > torch.arange(N)[:, None]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D)) + bias * 0.01
+    return F.softmax(scores.masked_fill(hidden, torch.finfo(q.dtype).min), dim=-1) @ v
+
+
 def where_hidden_inf(q, k, v, bias):
     """torch.where(hidden, -inf, scores): the table marks what may not be attended."""
     hidden = torch.arange(N)[None, :] > torch.arange(N)[:, None]
@@ -219,7 +227,8 @@ def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
                                 keys_given_transposed, einsum_scaled, einsum_heads_masked,
                                 einsum_heads_after_tokens, einsum_keys_first_masked, keys_by_mT,
                                 masked_fill_causal, masked_fill_lowest, chained,
-                                where_seen_lowest_plus_mask, where_hidden_inf,
+                                where_seen_lowest_plus_mask, alibi_under_lowest,
+                                where_hidden_inf,
                                 where_method_inf,
                                 per_head_temperature,
                                 divided_by_a_tensor])
@@ -231,8 +240,8 @@ def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
     assert "scaled_dot_product_attention" in ops
     assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum", "getattr", "where",
                       "tensor"}, ops
-    assert "masked_fill" not in ops or fn in (masked_fill_lowest, where_seen_lowest_plus_mask
-                                              ), ops  # builds its mask
+    assert "masked_fill" not in ops or fn in (
+        masked_fill_lowest, where_seen_lowest_plus_mask, alibi_under_lowest), ops  # its mask
     assert_rel_close(traced.gm(*traced.args())[0], fn(*args))
 
 

@@ -246,16 +246,29 @@ def test_a_literal_token_length_is_refused_as_tokpipes_own_error():
     assert "Inductor" not in str(info.value)
 
 
-def test_gpt_neo_s_attention_written_with_torch_where_pipelines_in_causal_mode():
-    """GPT-Neo fills the scores with torch.where(causal, scores, torch.tensor(lowest)) and
-    adds the padding mask (a global layer and a sliding-window one): it was left as
-    written, a score matrix mixing every token, and causal mode refused the model."""
+def _gpt_neo() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPTNeoConfig(
         num_layers=2, hidden_size=64, num_heads=4, vocab_size=128, max_position_embeddings=256,
         attention_types=[[["global", "local"], 1]], window_size=16, bos_token_id=0,
         eos_token_id=0)
-    model = transformers.GPTNeoForCausalLM(config).eval()
+    return transformers.GPTNeoForCausalLM(config).eval()
+
+
+def _mpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.MptConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=128,
+                                    max_seq_len=256, attn_config={"alibi": True})
+    return transformers.MptForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("make", [_gpt_neo, _mpt])
+def test_attention_filled_by_a_table_pipelines_in_causal_mode(make):
+    """GPT-Neo fills the scores with torch.where(causal, scores, torch.tensor(lowest)) and
+    adds the padding mask on top (a global layer and a sliding-window one); MPT adds its
+    ALiBi bias, then fills with masked_fill(lowest). Both were left as written, a score
+    matrix mixing every token, and causal mode refused the model."""
+    model = make()
     ids = _ids(batch=2)
     mask = torch.ones(2, ids.shape[1], dtype=torch.long)
     mask[1, :10] = 0
