@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from tokpipe_compiler.core.fx import argument_of, is_user_input
+from tokpipe_compiler.core.fx import argument_of, input_label, is_user_input
 from tokpipe_compiler.planning.capture import capture
 
 
@@ -53,6 +53,32 @@ def test_arguments_passed_by_name_or_position_are_named_by_the_parameter():
 def test_star_args_are_positions_and_star_kwargs_are_keywords():
     found = user_arguments(Gathering(), (x(2, 4), x(4)), {"hidden_states": x(4)})
     assert found == {0: "l_args_0_", 1: "l_args_1_", "hidden_states": "l_kwargs_hidden_states_"}
+
+
+class Listing(torch.nn.Module):
+    """A list parameter and a list gathered by **kwargs, as HunyuanDiT's rotary table and
+    SD3's ControlNet residuals come."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, latents, rotary, **kwargs):
+        return self.proj(latents) * rotary[0] + rotary[1] + sum(kwargs["residuals"])
+
+
+def test_every_input_the_call_passes_has_a_label_of_its_own():
+    """argument_of names a list entry by its index alone (rotary[0] and residuals[0] both
+    0), and an entry nested deeper not at all (a weight, to the ranks' checks)."""
+    (captured,) = capture(Listing(), (x(2, 4), [x(4), x(4)]), {"residuals": [x(4), x(4)]},
+                          fresh=True)
+    placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    labels = [input_label(n) for n in placeholders]
+    assert sorted(label for label in labels if label) == [
+        "latents", "residuals[0]", "residuals[1]", "rotary[0]", "rotary[1]"]
+    assert [n for n, label in zip(placeholders, labels, strict=True) if label is None] == \
+        [n for n in placeholders if not is_user_input(n)]  # the weights alone
+    assert {argument_of(n) for n in placeholders if "rotary" in (input_label(n) or "")} == {0, 1}
 
 
 def test_module_parameters_have_no_argument():

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 import tokpipe_compiler as tp
-from tests.fixtures.models import TinyDiT, dit_inputs
+from tests.fixtures.models import TinyDiT, dit_inputs, timestep_features
 from tests.fixtures.rings import per_step, step_ring
 from tokpipe_compiler.runtime.launch import launch
 from tokpipe_compiler.runtime.run_stops import group_store
+from tokpipe_compiler.stage_programs.plan_reads import persistent_inputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 
@@ -185,6 +186,47 @@ def disagreeing_rank(rank: int, world: int, what: str) -> list[str]:
         warnings.simplefilter("always")
         compiled(latents, t, labels)
     return [str(w.message) for w in caught]
+
+
+class ResidualDiT(TinyDiT):
+    """Takes a ControlNet's residuals as SD3 does: a list passed through **kwargs, each
+    added to a block's output."""
+
+    def forward(self, latents, timestep, labels, **kwargs):
+        b, c, h, w = latents.shape
+        x = self.embed(latents).flatten(2).transpose(1, 2) + self.pos
+        cond = self.t_mlp(timestep_features(timestep, 16)) + self.label(labels)
+        for block, residual in zip(self.blocks, kwargs["residuals"], strict=True):
+            x = block(x, cond) + residual
+        p = self.patch
+        x = self.out(x).reshape(b, h // p, w // p, p, p, c)
+        return torch.einsum("nhwpqc->nchpwq", x).reshape(b, c, h, w)
+
+
+def residuals_rank(rank: int, world: int) -> tuple[list[str], list[str]]:
+    """Rank 1's second residual differs from rank 0's; the warnings of the call, and the
+    inputs its program keeps in place from call to call."""
+    torch.manual_seed(0)
+    model = ResidualDiT(depth=2, width=32, heads=2, grid=8).eval()
+    latents, t, labels = dit_inputs(model, 8)
+    residuals = [torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(seed))
+                 for seed in (0, 1 + rank)]
+    compiled = torch.compile(model, backend=tp.backend(**OPTIONS, stages=world), dynamic=False)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(latents, t, labels, residuals=residuals)
+    persistent = persistent_inputs(tp.programs(compiled)[0].plan)
+    return [str(w.message) for w in caught], sorted(persistent)
+
+
+def test_list_entries_passed_through_kwargs_are_compared_between_ranks():
+    """A ControlNet's residuals (SD3, Flux) were taken for weights: never compared, so
+    ranks with other residuals returned one rank's image without a word, and kept in
+    place between calls (CUDA graphs keyed on them)."""
+    for caught, persistent in launch(residuals_rank, 2, timeout=120):
+        assert any("inputs differ between ranks" in w and "'residuals[1]'" in w
+                   and "'residuals[0]'" not in w for w in caught), caught
+        assert not [name for name in persistent if "residuals" in name], persistent
 
 
 @functools.cache

@@ -100,6 +100,33 @@ def argument_of(node: torch.fx.Node) -> str | int | None:
     return match["name"]
 
 
+# L['name'] and any chain of subscripts: L['kwargs']['controlnet_block_samples'][0]
+_NESTED = re.compile(r"L\['(?P<name>\w+)'\](?P<path>(?:\['[^']+'\]|\[\d+\])*)")
+_SUBSCRIPT = re.compile(r"\['([^']+)'\]|\[(\d+)\]")
+VARARGS = ("args", "kwargs")  # what a forward's *args and **kwargs are usually called
+
+
+def input_label(node: torch.fx.Node) -> str | None:
+    """A name for each tensor the call passes, however deep in its arguments (None for
+    weights, buffers and what is read off a module): `argument_of`'s, but an entry of a
+    list is named with its list ("image_rotary_emb[0]", not 0), and an entry nested deeper
+    by its path ("block_controlnet_hidden_states[0]" of a list passed through **kwargs),
+    so that no two inputs share a label."""
+    argument, source = argument_of(node), source_name(node)
+    simple = _ARGUMENT.fullmatch(source)
+    if POSITION_KEY in node.meta or (simple and (simple["index"] is None or
+                                                 simple["name"] in VARARGS)):
+        return None if argument is None else str(argument)  # argument_of's own name
+    match = _NESTED.fullmatch(source)
+    if match is None or match["name"] == "self":
+        return None
+    name, path = match["name"], _SUBSCRIPT.findall(match["path"])
+    if name in VARARGS:  # gathered by *args or **kwargs: the first subscript is its name
+        (key, index), path = path[0], path[1:]
+        name = key or index
+    return name + "".join(f"['{key}']" if key else f"[{index}]" for key, index in path)
+
+
 def position_of(node: torch.fx.Node) -> int | None:
     """The place in the call's positional arguments of an argument passed by position
     (None for one passed by keyword, and for anything not an argument)."""

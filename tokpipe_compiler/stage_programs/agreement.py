@@ -20,7 +20,7 @@ from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as_bytes
 from tokpipe_compiler.stage_programs.generations import TIMESTEP_NAMES
-from tokpipe_compiler.stage_programs.plan_reads import input_arguments
+from tokpipe_compiler.stage_programs.plan_reads import input_arguments, input_labels
 from tokpipe_compiler.stage_programs.weight_values import first_differing
 
 FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
@@ -56,9 +56,9 @@ def fingerprint(plan: Plan, calls: Sequence[tuple]) -> dict[str, Any]:
     layout and graphs, the shapes and dtypes of the inputs of the first of `calls` and
     checksums of the user's over every call (a ring's steps)."""
     args = calls[0]
-    names = input_arguments(plan)
+    names = input_labels(plan)
     token = plan.graphs.input_names.index(plan.token_input)
-    user = {str(names[i]): arg for i, arg in enumerate(args) if names[i] is not None}
+    user = {names[i]: arg for i, arg in enumerate(args) if names[i] is not None}
     weights = [_describe(arg) for i, arg in enumerate(args) if names[i] is None]
     graphs = [plan.graphs.prelude.code, *(stage.gm.code for stage in plan.graphs.stages)]
     return {
@@ -68,7 +68,7 @@ def fingerprint(plan: Plan, calls: Sequence[tuple]) -> dict[str, Any]:
                  "graphs": _crc("\n".join(graphs))},
         "inputs": {name: _describe(arg) for name, arg in user.items()},
         "weights": _crc(json.dumps(weights)),
-        "token": str(names[token]),
+        "token": str(input_arguments(plan)[token]),
         "checksums": _checksums(names, calls),
     }
 
@@ -293,7 +293,7 @@ def _describe(value: Any) -> str:
     return repr(value)
 
 
-def _checksums(names: list[str | int | None], calls: list[tuple]) -> dict[str, str]:
+def _checksums(names: list[str | None], calls: list[tuple]) -> dict[str, str]:
     """Each user input's checksum over `calls`: one value's where every call passes the
     same, else a digest of each call's. A value passed to several calls is read once."""
     seen: dict[int, str] = {}
@@ -308,7 +308,7 @@ def _checksums(names: list[str | int | None], calls: list[tuple]) -> dict[str, s
     for i, name in enumerate(names):
         if name is not None:
             each = [checksum(call[i]) for call in calls]
-            sums[str(name)] = each[0] if len(set(each)) == 1 else _crc(",".join(each))
+            sums[name] = each[0] if len(set(each)) == 1 else _crc(",".join(each))
     return sums
 
 

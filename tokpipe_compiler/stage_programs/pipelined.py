@@ -40,6 +40,7 @@ from tokpipe_compiler.stage_programs.outputs import (
 from tokpipe_compiler.stage_programs.plan_reads import (
     carry_edges,
     input_arguments,
+    input_labels,
     persistent_inputs,
 )
 from tokpipe_compiler.stage_programs.prelude import Prelude
@@ -79,7 +80,7 @@ class PipelinedProgram:
         token = arguments[plan.graphs.input_names.index(plan.token_input)]
         self.token_argument = plan.token_input if token is None else token
         self.clock = StepClock(timestep_index(arguments, plan.config.timestep_input),
-                               [i for i, name in enumerate(arguments) if name is not None])
+                               [i for i, name in enumerate(input_labels(plan)) if name])
         self.calls = 0  # steps run by this program, for the timeline
         self.token_shape: tuple | None = None  # its token input's shape, once called
         self.ring_steps: int | None = None  # the steps of the ring run being run, if any

@@ -3,7 +3,7 @@ which its weights, what stays in place between calls, and a ring's carry edges."
 
 from __future__ import annotations
 
-from tokpipe_compiler.core.fx import argument_of, weight_path
+from tokpipe_compiler.core.fx import argument_of, input_label, weight_path
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.planning.plan import Plan
 
@@ -20,19 +20,29 @@ def carry_edges(plan: Plan, carried: dict[str, str]) -> dict[int, set[int]]:
 
 
 def persistent_inputs(plan: Plan) -> frozenset[str]:
-    """Stage inputs that stay in place from call to call: the weights (graph inputs that
-    are no forward argument) and the caches."""
-    weights = {n.name for n in plan.graphs.prelude.graph.nodes
-               if n.op == "placeholder" and argument_of(n) is None}
+    """Stage inputs that stay in place from call to call: the weights (graph inputs the
+    call does not pass) and the caches."""
+    weights = {n.name for n in _placeholders(plan) if input_label(n) is None}
     return frozenset(weights | {name for spec in plan.caches for name in spec.names})
 
 
 def input_arguments(plan: Plan) -> list[str | int | None]:
-    """The forward's argument each graph input holds, in call order (None for weights)."""
-    return [argument_of(n) for n in plan.graphs.prelude.graph.nodes if n.op == "placeholder"]
+    """The forward's argument each graph input holds, in call order (None for weights, and
+    for entries of arguments nested deeper than one subscript: see `input_labels`)."""
+    return [argument_of(n) for n in _placeholders(plan)]
+
+
+def input_labels(plan: Plan) -> list[str | None]:
+    """A distinct name for each graph input the call passes, however deep in its
+    arguments (a ControlNet's residuals in a list), in call order; None for weights."""
+    return [input_label(n) for n in _placeholders(plan)]
 
 
 def weight_inputs(plan: Plan) -> list[tuple[int, str]]:
     """Each weight's position among the graph inputs and its path in the model."""
-    placeholders = [n for n in plan.graphs.prelude.graph.nodes if n.op == "placeholder"]
-    return [(i, weight_path(n)) for i, n in enumerate(placeholders) if argument_of(n) is None]
+    return [(i, weight_path(n)) for i, n in enumerate(_placeholders(plan))
+            if input_label(n) is None]
+
+
+def _placeholders(plan: Plan) -> list:
+    return [n for n in plan.graphs.prelude.graph.nodes if n.op == "placeholder"]
