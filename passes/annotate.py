@@ -15,7 +15,6 @@ cut to the chunk by a `chunk_slice` node inserted in front of the use.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -33,13 +32,13 @@ from tokpipe_compiler.core.fx import (
 )
 from tokpipe_compiler.core.meta import (
     ATTENTION,
-    INVARIANT,
     INVARIANT_INFO,
     META_KEY,
     SLICES_KEY,
     TOKEN,
     TOKEN_SUM,
     UNSUPPORTED,
+    WHOLE_REASON_KEY,
     TokenInfo,
 )
 from tokpipe_compiler.core.ops import call_rule, op_key
@@ -50,8 +49,12 @@ from tokpipe_compiler.passes.piecewise_maps import join_piecewise_maps
 from tokpipe_compiler.passes.rule_base import Rule, RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
 from tokpipe_compiler.passes.slice_updates import functional_slice_adds
-from tokpipe_compiler.passes.split import written_base
 from tokpipe_compiler.passes.token_input import find_token_input, is_conditioning, seed_axes
+from tokpipe_compiler.passes.token_writes import (
+    tokens_written_into,
+    writes_into_invariant,
+    written_reason,
+)
 from tokpipe_compiler.passes.torch_attention import write_out_torch_attention
 from tokpipe_compiler.runtime.chunking import chunk_slice
 
@@ -168,6 +171,7 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, seeded: TokenInfo,
     mixed: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         node.meta.pop(SLICES_KEY, None)  # left by an earlier candidate axis
+        node.meta.pop(WHOLE_REASON_KEY, None)
         if node.op == "output":
             continue
         if node is seed or _aligned_with(node, seed):
@@ -176,57 +180,21 @@ def _propagate(gm: torch.fx.GraphModule, seed: torch.fx.Node, seeded: TokenInfo,
             infos[node] = INVARIANT_INFO
         elif mixed.isdisjoint(node.all_input_nodes):
             infos[node] = _apply_rule(node, ctx)
-        written = _tokens_written_into(node, infos)
+        written = tokens_written_into(node, infos)
         if written is not None:
-            infos[node] = unsupported(_written_reason(written))
+            infos[node] = unsupported(written_reason(written))
             continue
         if whole_mixing and (node not in infos or infos[node].kind == UNSUPPORTED):
-            if _writes_into_invariant(node, infos):
+            if writes_into_invariant(node, infos):
                 infos.setdefault(node, unsupported("a value that mixes tokens is written "
                                                    "into a tensor without tokens"))
                 continue
+            if node in infos:  # the op that mixes tokens, not a value computed from it
+                node.meta[WHOLE_REASON_KEY] = infos[node].reason
             infos[node] = segments.whole(example_value(node))
             node.meta.pop(SLICES_KEY, None)  # the whole node reads its tables whole
             mixed.add(node)
     return ctx
-
-
-def _written_reason(written: torch.fx.Node) -> str:
-    """Why a write of token values into `written` (see _tokens_written_into) is refused."""
-    name = written.name
-    if written.op == "placeholder":
-        return (f"it writes a value computed from the tokens in place into '{name}', a graph "
-                "input (a buffer, parameter or argument) that outlives the call: pipelined, "
-                "each chunk would write its own part, and only on its stage's rank; update it "
-                "outside the compiled model")
-    return (f"it writes a value computed from the tokens in place into '{name}', a tensor "
-            "computed without them, which its readers would take for the same in every "
-            f"chunk; write it out of place ({name} = {name} + ...)")
-
-
-def _tokens_written_into(node: torch.fx.Node,
-                         infos: dict[torch.fx.Node, TokenInfo]) -> torch.fx.Node | None:
-    """The tensor without tokens that `node` writes a value read from the tokens into, in
-    place: an input (or a view of it), or a value computed without tokens (its readers
-    would read it as invariant). None for a write of invariant values, which runs once per
-    call in the prelude. An item assignment into a computed value has its own rule
-    (`x[:, :n] = h` fills a buffer of the tokens' length)."""
-    base = written_base(node)
-    if base is None or (node in infos and infos[node].kind == INVARIANT):
-        return None
-    if base.op == "placeholder":
-        return base
-    if node.target is operator.setitem or base not in infos:
-        return None
-    return base if not infos[base].carries_tokens else None
-
-
-def _writes_into_invariant(node: torch.fx.Node, infos: dict[torch.fx.Node, TokenInfo]) -> bool:
-    """An in-place write into a tensor without tokens."""
-    if node.target not in IN_PLACE or not isinstance(node.args[0], torch.fx.Node):
-        return False
-    target = infos.get(node.args[0])
-    return target is None or not target.carries_tokens
 
 
 def _apply_rule(node: torch.fx.Node, ctx: RuleContext) -> TokenInfo:

@@ -21,17 +21,15 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.config import Config
-from tokpipe_compiler.core.errors import OneUnitGrid, TokpipeError
-from tokpipe_compiler.core.fx import example_value
+from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.logs import LOG as log
-from tokpipe_compiler.core.stage_graph import SLICED, OutputKind, SplitGraphs
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.planning.argument_reads import read_arguments
 from tokpipe_compiler.planning.capture import Captured
 from tokpipe_compiler.planning.driver import build_plan
 from tokpipe_compiler.planning.free_values import free_values
-from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.planning.traced_modules import TracedModules
+from tokpipe_compiler.ring_carry import check_carry
 from tokpipe_compiler.ring_inputs import (
     carry_names,
     check_carried_inputs,
@@ -265,45 +263,10 @@ class Ring:
                                    "look at the latents after each step, pass each_step= "
                                    "to run")
             if spec.source != placeholder:
-                self._check_carry(name, placeholder, spec, program.plan)
+                check_carry(name, self._traced, self.carry[0], placeholder, spec,
+                            program.plan)
                 carried[placeholder] = spec.source
         return carried
-
-    def _check_carry(self, name: str, placeholder: str, spec: Any, plan: Plan) -> None:
-        """Raises unless output `spec` can feed carried input `name` chunk by chunk: a
-        token-wise value of the image tokens, in the input's dtype (the stages are compiled
-        for it), that the stages read as a token input cut per chunk."""
-        if spec.kind != OutputKind.TOKEN:
-            raise TokpipeError(f"carried input {name!r} is fed by an output that is not "
-                               f"laid out like {self.carry[0]!r}, token by token: carry only "
-                               f"tensors shaped like {self.carry[0]!r} and updated token-wise "
-                               "(pass step counters and other per-step values in per_step)")
-        stage = plan.graphs.stages[spec.producer]
-        given = self._traced.inputs[self._traced.names.index(placeholder)]
-        made = example_value(next((n for n in stage.gm.graph.nodes if n.name == spec.source),
-                                  None))
-        if isinstance(given, torch.Tensor) and isinstance(made, torch.Tensor) and \
-                given.dtype != made.dtype:
-            raise TokpipeError(f"carried input {name!r} is passed as {given.dtype} but the step "
-                               f"returns it as {made.dtype}; pass its first value as "
-                               f"{made.dtype} (e.g. torch.zeros_like(x, dtype={made.dtype}))")
-        info = stage.output_infos[spec.source]
-        if info.segmented or not info.per_unit:
-            said = (f"carried input {name!r} is fed by an output that every chunk computes "
-                    "whole: text tokens joined to the image's (carry only the image tokens), "
-                    "or an update that mixes tokens (a quantile, norm or mean over the whole "
-                    "latent: ring mode needs a token-wise update)")
-            if plan.units == 1:  # a layout of one unit: the image's cannot be told from text's
-                raise OneUnitGrid(f"{said} (the token grid is one unit here, where the image "
-                                  "tokens' layout cannot be told from text's: a ring needs "
-                                  "two units or more)")
-            raise TokpipeError(said)
-        if not _read_per_chunk(plan.graphs, placeholder):
-            raise TokpipeError(
-                f"carried input {name!r} is not read as a token input laid out like "
-                f"{self.carry[0]!r} (it has another shape, or a non-float dtype), so every "
-                f"ring step would read its first value; carry only inputs shaped like "
-                f"{self.carry[0]!r}")
 
     def _carried_values(self, outputs: tuple, values: dict[str, Any]) -> dict[str, Any]:
         """Each carried input's value after a step whose program returned `outputs`, from
@@ -322,15 +285,3 @@ def _see_warmup_step(program, each_step: Callable[[int, torch.Tensor], None], k:
     except BaseException as error:
         if last or not program.stop_next_run(error):
             raise
-
-
-def _read_per_chunk(graphs: SplitGraphs, placeholder: str) -> bool:
-    """Whether the stages read input `placeholder` as a token input, each chunk's rows of it
-    (what a carried chunk replaces), and nothing computes with it whole in the per-call
-    prelude or reads it as a table: a ring step would see its first value there."""
-    node = next((n for n in graphs.prelude.graph.nodes
-                 if n.op == "placeholder" and n.name == placeholder), None)
-    if node is not None and any(user.op != "output" for user in node.users):
-        return False
-    return all(i.kind == SLICED and i.name == placeholder
-               for stage in graphs.stages for i in stage.inputs if i.source == placeholder)

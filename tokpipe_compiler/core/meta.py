@@ -21,6 +21,9 @@ SOURCE_KEY = "tokpipe_source"  # where Dynamo got a placeholder: "L['latents']"
 POSITION_KEY = "tokpipe_position"
 META_KEY = "tokpipe"  # TokenInfo of the node's value
 SLICES_KEY = "tokpipe_slices"  # operands to cut to the chunk, recorded by a rule
+# On a node sync mode computes whole for want of a token rule: the rule's reason (a ring
+# that cannot carry a whole output names the op, `ring_carry.py`).
+WHOLE_REASON_KEY = "tokpipe_whole_reason"
 STAGE_KEY = "tokpipe_stage"  # pipeline stage of a token-carrying node
 
 

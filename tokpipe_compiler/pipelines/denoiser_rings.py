@@ -42,6 +42,7 @@ from tokpipe_compiler.pipelines.ring_step import (
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.planning.module_state import ModuleState, changed_parts, module_state
 from tokpipe_compiler.ring import KEPT_SIGNATURES, Ring
+from tokpipe_compiler.ring_carry import WholeCarry
 from tokpipe_compiler.runtime.branch_exchange import exchanging
 
 ONE_UNIT = ("the latents' token grid is one unit (an image one row of patches high), which "
@@ -137,6 +138,8 @@ class DenoiserRings:
             ring.prepare(inputs, per_step(glue, len(table.timesteps)))
         except OneUnitGrid as err:
             raise UnpipelinedStep(ONE_UNIT) from err
+        except WholeCarry as err:  # sync mode planned an op whole: per call runs it
+            raise UnpipelinedStep(str(err)) from err
         except TokpipeError as err:  # the compiler cannot pipeline this step
             if not self.options.get("fallback"):
                 raise
