@@ -79,8 +79,7 @@ def per_call_reasons(pipe: Any, kwargs: dict[str, Any]) -> list[str]:
     if getattr(pipe, "controlnet", None) is not None:
         return [f"{name} runs its ControlNet (pipe.controlnet) before the transformer at "
                 "every step, on the step's latents: a second model a ring's step does not "
-                "hold (per call, the transformer is pipelined and the ControlNet runs whole "
-                "on every rank)"]
+                "hold (the ControlNet runs whole on every rank)"]
     if name not in RING_PIPELINES:
         return [f"{name} is not in the ring table ({len(RING_PIPELINES)} pipelines are: "
                 "tokpipe_compiler.pipelines.table.RING_PIPELINES lists them)"]
