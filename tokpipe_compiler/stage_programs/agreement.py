@@ -182,8 +182,10 @@ def check_agreement(every: list[dict[str, Any]], when: str,
     if any(fp["weights"] != every[0]["weights"] for fp in every) and not inputs_differ:
         # with other input shapes, buffers sized by the inputs (a positional table) differ
         # as a consequence: named, they would send the reader to the checkpoint
-        differences.append("weights: the shapes or dtypes of the parameters or buffers differ "
-                           "between ranks")
+        differences.append("weights: the parameters or buffers the graphs read differ "
+                           "between ranks in number, shape or dtype (another checkpoint, or "
+                           "adapters loaded, enabled or disabled on one rank only: LoRA's "
+                           "disable_lora, set_adapters)")
     if any(line.startswith("plan 'graphs'") for line in differences):
         differences.append("(the traced graphs differ: a constant they hold, a Python "
                            "number the model or step reads, a global or closure value such "
