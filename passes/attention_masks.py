@@ -9,10 +9,11 @@
 
 A table filled with the dtype's lowest value (transformers' `torch.finfo(dtype).min`)
 instead of -inf becomes an additive mask of it, and an additive mask may come on top of a
-table (GPT-Neo's `torch.where(causal, s, min) + attention_mask`) or under it (MPT's ALiBi
-bias, `(s + bias).masked_fill(hidden, min)`): sdpa adds their sum.
-Both are exact: a score plus the lowest value rounds to it, so a row with every key
-hidden stays even, as eager's does.
+table (GPT-Neo's `torch.where(causal, s, min) + attention_mask`: sdpa adds their sum) or
+under it (MPT's ALiBi bias, `(s + bias).masked_fill(hidden, min)`: the fill where hidden,
+else the bias). Each gives eager's value: a score plus the lowest value rounds to it, so a
+row with every key hidden stays even, as eager's does (in float32 and bfloat16; in
+float16 sdpa adds in float32, where such a row is not absorbed).
 """
 
 from __future__ import annotations
@@ -97,29 +98,33 @@ def _filled(node: torch.fx.Node, product: Any, table: Any, value: Any,
     if found is None or not isinstance(table, torch.fx.Node):
         return None
     fill = _fill_value(value)
-    if fill is None or not hides(fill, example_value(product)):
+    if fill is None or not _hides(fill, example_value(product)):
         return None
     return replace(found, mask=table, boolean=True, kept=kept, added=found.mask,
-                   nodes=[node, *found.nodes], fill=None if fill == -math.inf else fill)
+                   under=found.mask is not None, nodes=[node, *found.nodes],
+                   fill=None if fill == -math.inf else fill)
 
 
 def _fill_value(value: Any) -> float | None:
     """A number, or a 0-d tensor made of one in the graph (whose node is then dropped
-    with the scores: `attention_patterns._pure`)."""
+    with the scores: `attention_patterns._pure`), as its own dtype holds it (the float32
+    lowest value made a bfloat16 tensor is -inf)."""
     if is_number(value):
         return float(value)
     if isinstance(value, torch.fx.Node) and op_key(value) in SCALAR_TENSORS and \
             len(value.users) == 1 and len(value.args) == 1 and is_number(value.args[0]):
         made = example_value(value)
-        return float(value.args[0]) if isinstance(made, torch.Tensor) and \
-            made.dim() == 0 else None
+        if isinstance(made, torch.Tensor) and made.dim() == 0 and made.is_floating_point():
+            return float(torch.tensor(value.args[0], dtype=made.dtype))
     return None
 
 
-def hides(value: float, scores: Any) -> bool:
-    """Whether filling `scores` with `value` folds into sdpa exactly: -inf (a boolean mask),
-    or the dtype's lowest value (an additive mask: a score plus it rounds to it). Another
-    finite value is left as written: a row with every key filled would not stay even."""
+def _hides(value: float, scores: Any) -> bool:
+    """Whether filling `scores` with `value` folds into sdpa: -inf (a boolean mask), or the
+    dtype's lowest value (an additive mask: a score plus it rounds to it, in the
+    precision sdpa adds it in; a half-precision row with every key filled is the
+    exception, which README's padded rows name). Another finite value is left as written:
+    a row with every key filled would not stay even."""
     if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
         return False
     return value == -math.inf or value == torch.finfo(scores.dtype).min
@@ -163,8 +168,10 @@ def sdpa_mask(graph: torch.fx.Graph, scores: Scores, dtype: torch.dtype) -> torc
             add_node(graph, "function", torch.logical_not, (scores.mask,))
     hidden = add_node(graph, "function", torch.logical_not, (scores.mask,)) \
         if scores.kept else scores.mask
-    zero = add_node(graph, "function", torch.zeros_like, (scores.mask,), {"dtype": dtype})
     fill = -math.inf if scores.fill is None else scores.fill
+    if scores.under:  # the fill replaces the added mask where hidden, as it did the sum
+        return add_node(graph, "function", torch.masked_fill, (scores.added, hidden, fill))
+    zero = add_node(graph, "function", torch.zeros_like, (scores.mask,), {"dtype": dtype})
     mask = add_node(graph, "function", torch.masked_fill, (zero, hidden, fill))
     if scores.added is None:
         return mask

@@ -42,8 +42,10 @@ class Scores:
     # The finite score the places a boolean table hides get (the dtype's lowest,
     # transformers' fill), where not -inf: folded as an additive mask of it.
     fill: float | None = None
-    # A mask added on top of a boolean table's (transformers' padding mask in GPT-Neo).
+    # An additive mask with a boolean table: added on top of the filled scores (GPT-Neo's
+    # padding mask), or, `under`, to the scores the table then fills (MPT's ALiBi bias).
     added: torch.fx.Node | None = None
+    under: bool = False
     layout: attention_einsums.ScoresLayout = SDPA_LAYOUT  # an einsum's may differ
     # A tensor that scales each head's scores alike (a learned temperature), and whether it
     # divides them: folded into the queries, as sdpa's scale is a number.

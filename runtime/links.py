@@ -237,8 +237,8 @@ def _say_arrived(base: Any, arrived: bool = True) -> None:
 
 
 def _who_did_not_come(base: Any, ranks: list[int]) -> str:
-    """The ranks of `ranks` (world numbering, in `base`'s order) that never said they came;
-    a rank named is certainly missing, where the store can tell at all."""
+    """The ranks of `ranks` (world numbering, in `base`'s order) that had not said they
+    came when this rank's wait ended, where the store can tell at all."""
     store = group_store(base)
     try:
         absent = [rank for place, rank in enumerate(ranks)

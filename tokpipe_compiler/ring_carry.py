@@ -58,22 +58,23 @@ def check_carry(name: str, traced: Captured, first: str, placeholder: str, spec:
 def _refuse_whole(name: str, plan: Plan) -> None:
     """The error for carried input `name` fed by an output every chunk computes whole."""
     said = f"carried input {name!r} is fed by an output that every chunk computes whole"
+    reasons = (": text tokens joined to the image's (carry only the image tokens), or an "
+               "update that mixes tokens (a quantile, norm or mean over the whole latent: "
+               "ring mode needs a token-wise update)")
+    if plan.units == 1:  # a layout of one unit: the image's cannot be told from text's
+        raise OneUnitGrid(f"{said}{reasons} (the token grid is one unit here, where the image "
+                          "tokens' layout cannot be told from text's: a ring needs two units "
+                          "or more)")
     op = _first_whole_op(plan.graphs)
     if op is not None:
         raise WholeCarry(
-            f"{said}: {describe(op)} has no token rule ({op.meta[WHOLE_REASON_KEY]}), so "
-            "mode='sync' computes it, and all that follows from it, whole; a ring carries "
-            "its latents chunk by chunk, so this step runs per call (in a parallelized "
-            "pipeline, or with parallelize(pipe, ring=False)). Where the op is an attention "
+            f"{said}: no token rule chunks {describe(op)} ({op.meta[WHOLE_REASON_KEY]}), so "
+            "mode='sync' computes it, and all that follows from it, whole, and a ring, "
+            "which carries its latents chunk by chunk, cannot run the step: run it per call "
+            "(a parallelized pipeline does so by itself). Where the op is an attention "
             "backend (transformer.set_attention_backend(...)), the default one is chunked "
             "in every mode")
-    said += (": text tokens joined to the image's (carry only the image tokens), or an "
-             "update that mixes tokens (a quantile, norm or mean over the whole latent: ring "
-             "mode needs a token-wise update)")
-    if plan.units == 1:  # a layout of one unit: the image's cannot be told from text's
-        raise OneUnitGrid(f"{said} (the token grid is one unit here, where the image tokens' "
-                          "layout cannot be told from text's: a ring needs two units or more)")
-    raise TokpipeError(said)
+    raise TokpipeError(said + reasons)
 
 
 def _first_whole_op(graphs: SplitGraphs) -> Any:

@@ -118,6 +118,25 @@ def alibi_under_lowest(q, k, v, bias):
     return F.softmax(scores.masked_fill(hidden, torch.finfo(q.dtype).min), dim=-1) @ v
 
 
+def alibi_under_lowest_padded(q, k, v, bias):
+    """An added mask that holds the lowest value itself (padded keys) under a fill of it:
+    the last row, every key hidden, stays even only if the fill replaces the mask there
+    (their sum would overflow to -inf at the padded keys)."""
+    hidden = (torch.arange(N)[None, :] > torch.arange(N)[:, None]) | \
+        (torch.arange(N)[:, None] == N - 1)
+    lowest = torch.finfo(q.dtype).min
+    scores = (q @ k.transpose(-2, -1)) + bias.masked_fill(bias < -1, lowest)
+    return F.softmax(scores.masked_fill(hidden, lowest), dim=-1) @ v
+
+
+def where_hidden_bfloat16_fill(q, k, v, bias):
+    """torch.where(hidden, fill, scores) with the float32 lowest value made a bfloat16
+    tensor: -inf there, so the last row, every key hidden, is NaN in eager as in sdpa."""
+    hidden = torch.arange(N)[None, :] > torch.arange(N)[:, None]
+    fill = torch.tensor(torch.finfo(torch.float32).min, dtype=torch.bfloat16)
+    return F.softmax(torch.where(hidden, fill, q @ k.transpose(-2, -1)), dim=-1) @ v
+
+
 def where_hidden_inf(q, k, v, bias):
     """torch.where(hidden, -inf, scores): the table marks what may not be attended."""
     hidden = torch.arange(N)[None, :] > torch.arange(N)[:, None]
@@ -228,6 +247,7 @@ def graph_ops(gm: torch.fx.GraphModule) -> set[str]:
                                 einsum_heads_after_tokens, einsum_keys_first_masked, keys_by_mT,
                                 masked_fill_causal, masked_fill_lowest, chained,
                                 where_seen_lowest_plus_mask, alibi_under_lowest,
+                                alibi_under_lowest_padded, where_hidden_bfloat16_fill,
                                 where_hidden_inf,
                                 where_method_inf,
                                 per_head_temperature,
@@ -241,7 +261,8 @@ def test_hand_written_attention_becomes_sdpa_of_the_same_value(fn):
     assert not ops & {"softmax", "baddbmm", "bmm", "empty", "einsum", "getattr", "where",
                       "tensor"}, ops
     assert "masked_fill" not in ops or fn in (
-        masked_fill_lowest, where_seen_lowest_plus_mask, alibi_under_lowest), ops  # its mask
+        masked_fill_lowest, where_seen_lowest_plus_mask, alibi_under_lowest,
+        alibi_under_lowest_padded), ops  # builds its mask
     assert_rel_close(traced.gm(*traced.args())[0], fn(*args))
 
 

@@ -71,9 +71,12 @@ def number_timestep(numbers: dict[str, int | float], choice: str | None) -> str 
 
 def reads_last_call(caches: list[AnyCacheSpec]) -> bool:
     """Whether a stale plan's chunks read what an earlier call left: K/V of later chunks'
-    tokens, or a sum's partials. Where all attention is causal, a chunk reads only what
-    this call wrote, and calls need no timestep to be told apart (stale is then exact)."""
-    return any(not isinstance(cache, CacheSpec) or not cache.causal for cache in caches)
+    tokens, or a sum's partials. Where all attention is causal over no tokens after the
+    chunked ones, a chunk reads only what this call wrote, and calls need no timestep to
+    be told apart (stale is then exact). Tokens after the chunked ones (the first chunk
+    computes them) attend to every chunk's, the later ones' from the last call."""
+    return any(not isinstance(cache, CacheSpec) or not cache.causal or cache.trail
+               for cache in caches)
 
 
 def missing_timestep(inputs: list[str | int], choice: str | int | None) -> str:

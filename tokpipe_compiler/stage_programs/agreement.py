@@ -20,7 +20,7 @@ from tokpipe_compiler.costmodel.calibrate import DeviceRates
 from tokpipe_compiler.planning.plan import Plan
 from tokpipe_compiler.runtime.transport import WHOLE, MessageKey, TensorSpec, as_bytes
 from tokpipe_compiler.stage_programs.generations import TIMESTEP_NAMES
-from tokpipe_compiler.stage_programs.plan_reads import input_arguments, input_labels
+from tokpipe_compiler.stage_programs.plan_reads import input_labels
 from tokpipe_compiler.stage_programs.weight_values import first_differing
 
 FINGERPRINT_BYTES = 16 * 1024  # fixed, so that ranks that disagree still exchange it
@@ -68,7 +68,7 @@ def fingerprint(plan: Plan, calls: Sequence[tuple]) -> dict[str, Any]:
                  "graphs": _crc("\n".join(graphs))},
         "inputs": {name: _describe(arg) for name, arg in user.items()},
         "weights": _crc(json.dumps(weights)),
-        "token": str(input_arguments(plan)[token]),
+        "token": str(names[token]),
         "checksums": _checksums(names, calls),
     }
 
