@@ -4,7 +4,11 @@ Dynamo graphs are traced with static shapes, so views carry literal sizes:
     view = x.view(1, 256, 6, 64)        # full sequence
 becomes, for a chunk of 4 of 16 units,
     view = x.view(1, 64, 6, 64)
-Every token value's expected chunk shape is known from its TokenInfo; a fake-tensor run
+A token value's `view` becomes a `reshape` (the same values, a copy where the strides
+do not allow a view): a chunk's attention may lay out its output otherwise than the
+whole sequence's did (sdpa picks its kernel by shape; SD3's IP-Adapter processor views
+the transposed output). Every token value's expected chunk shape is known from its
+TokenInfo; a fake-tensor run
 then checks that each node really produces it, so an op with a literal size that no rule
 rewrites fails here, by name, instead of computing a wrong answer. A chunk that leaves the
 text segments to the step's first chunk gets a graph without them (`text_once.py`).
@@ -67,6 +71,8 @@ def _rewrite_sizes(node: torch.fx.Node, shape: tuple[int, ...]) -> None:
     if key in _SHAPE_ARG_OPS:
         node.args = (arg(node, 0, "input"), shape)
         node.kwargs = {}
+        if key == "method:view":  # see below
+            node.target = "reshape"
     elif key in _UNFLATTEN_OPS:
         src, dim, sizes = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "sizes")
         at = dim % (len(shape) - len(sizes) + 1)

@@ -39,8 +39,9 @@ def test_flex_attention_runs_per_call_and_names_the_op(active_backend_kept):
     pipe, _ = wan()
     pipe.transformer.set_attention_backend("flex")
     tp.pipelines.parallelize(pipe, stages=2, chunks=2, mode="sync", compiler="eager")
-    with pytest.warns(UserWarning, match=r"runs per call.*every chunk computes whole: "
-                                         r"no token rule chunks flex_attention\(.*no token rule for 'flex_attention'"):
+    with pytest.warns(UserWarning, match=r"runs per call.*every chunk computes whole: no "
+                                         r"token rule chunks flex_attention\(.*no token "
+                                         r"rule for 'flex_attention'"):
         out = generate(pipe, kwargs, steps=3)
     assert rel_error(out, expected) <= 1e-5
     assert torch.isfinite(out).all()
