@@ -63,19 +63,22 @@ class Listing(torch.nn.Module):
         super().__init__()
         self.proj = torch.nn.Linear(4, 4)
 
-    def forward(self, latents, rotary, **kwargs):
-        return self.proj(latents) * rotary[0] + rotary[1] + sum(kwargs["residuals"])
+    def forward(self, latents, rotary, cond, uncond, **kwargs):
+        return (self.proj(latents) * rotary[0] + rotary[1] + sum(kwargs["residuals"])
+                + cond["scale"] * uncond["scale"])
 
 
 def test_every_input_the_call_passes_has_a_label_of_its_own():
     """argument_of names a list entry by its index alone (rotary[0] and residuals[0] both
-    0), and an entry nested deeper not at all (a weight, to the ranks' checks)."""
-    (captured,) = capture(Listing(), (x(2, 4), [x(4), x(4)]), {"residuals": [x(4), x(4)]},
-                          fresh=True)
+    0), a dict entry by its key alone (both 'scale'), and an entry nested deeper not at all
+    (a weight, to the ranks' checks)."""
+    (captured,) = capture(Listing(), (x(2, 4), [x(4), x(4)], {"scale": x(4)}, {"scale": x(4)}),
+                          {"residuals": [x(4), x(4)]}, fresh=True)
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
     labels = [input_label(n) for n in placeholders]
     assert sorted(label for label in labels if label) == [
-        "latents", "residuals[0]", "residuals[1]", "rotary[0]", "rotary[1]"]
+        "cond['scale']", "latents", "residuals[0]", "residuals[1]", "rotary[0]", "rotary[1]",
+        "uncond['scale']"]
     assert [n for n, label in zip(placeholders, labels, strict=True) if label is None] == \
         [n for n in placeholders if not is_user_input(n)]  # the weights alone
     assert {argument_of(n) for n in placeholders if "rotary" in (input_label(n) or "")} == {0, 1}

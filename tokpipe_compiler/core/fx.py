@@ -109,13 +109,13 @@ VARARGS = ("args", "kwargs")  # what a forward's *args and **kwargs are usually 
 def input_label(node: torch.fx.Node) -> str | None:
     """A name for each tensor the call passes, however deep in its arguments (None for
     weights, buffers and what is read off a module): `argument_of`'s, but an entry of a
-    list is named with its list ("image_rotary_emb[0]", not 0), and an entry nested deeper
-    by its path ("block_controlnet_hidden_states[0]" of a list passed through **kwargs),
-    so that no two inputs share a label."""
+    list or dict is named with it ("image_rotary_emb[0]", not 0; "cond['scale']", not
+    "scale"), and an entry nested deeper by its path ("block_controlnet_hidden_states[0]"
+    of a list passed through **kwargs), so that no two inputs share a label."""
     argument, source = argument_of(node), source_name(node)
     simple = _ARGUMENT.fullmatch(source)
-    if POSITION_KEY in node.meta or (simple and (simple["index"] is None or
-                                                 simple["name"] in VARARGS)):
+    if POSITION_KEY in node.meta or (simple and (simple["name"] in VARARGS or (
+            simple["index"] is None and simple["key"] is None))):
         return None if argument is None else str(argument)  # argument_of's own name
     match = _NESTED.fullmatch(source)
     if match is None or match["name"] == "self":

@@ -189,7 +189,9 @@ def check_agreement(every: list[dict[str, Any]], when: str,
     if any(line.startswith("plan 'graphs'") for line in differences):
         differences.append("(the traced graphs differ: a constant they hold, a Python "
                            "number the model or step reads, a global or closure value such "
-                           "as a guidance scale, a module's attribute, or the code itself)")
+                           "as a guidance scale, a module's attribute or an attention "
+                           "processor's setting such as set_ip_adapter_scale's, or the code "
+                           "itself)")
     if differences:
         raise TokpipeError(
             f"the ranks disagree at {when} of a pipelined program, so they cannot run "
