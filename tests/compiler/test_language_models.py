@@ -19,6 +19,13 @@ transformers = pytest.importorskip("transformers")
 OPTIONS = {"stages": 2, "chunks": 4, "mode": "causal", "compiler": "eager"}
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """transformers' decorators share their code objects between model classes: past
+    Dynamo's recompile limit for them, a later test's model would run eagerly."""
+    torch._dynamo.reset()
+
+
 def _llama() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
