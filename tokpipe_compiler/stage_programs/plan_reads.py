@@ -3,6 +3,9 @@ which its weights, what stays in place between calls, and a ring's carry edges."
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 from tokpipe_compiler.core.fx import argument_of, input_label, weight_path
 from tokpipe_compiler.core.stage_graph import OutputKind
 from tokpipe_compiler.planning.plan import Plan
@@ -34,8 +37,21 @@ def input_arguments(plan: Plan) -> list[str | int | None]:
 
 def input_labels(plan: Plan) -> list[str | None]:
     """A distinct name for each graph input the call passes, however deep in its
-    arguments (a ControlNet's residuals in a list), in call order; None for weights."""
-    return [input_label(n) for n in _placeholders(plan)]
+    arguments (a ControlNet's residuals in a list), in call order; None for weights. An
+    entry of a dict goes by its key where no other input does (a ring step's
+    `**tensors`), else by its path (`cond['scale']`, `uncond['scale']`)."""
+    nodes = _placeholders(plan)
+    full = [input_label(n) for n in nodes]
+    short = [_key_name(n, label) for n, label in zip(nodes, full, strict=True)]
+    counts = Counter(short)
+    return [name if name is not None and counts[name] == 1 else label
+            for name, label in zip(short, full, strict=True)]
+
+
+def _key_name(node: Any, label: str | None) -> str | None:
+    """The argument's name or dict key alone (`argument_of`), where it is one."""
+    argument = argument_of(node)
+    return argument if label is not None and isinstance(argument, str) else label
 
 
 def weight_inputs(plan: Plan) -> list[tuple[int, str]]:
