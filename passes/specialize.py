@@ -71,7 +71,7 @@ def _rewrite_sizes(node: torch.fx.Node, shape: tuple[int, ...]) -> None:
     if key in _SHAPE_ARG_OPS:
         node.args = (arg(node, 0, "input"), shape)
         node.kwargs = {}
-        if key == "method:view":  # see below
+        if key == "method:view":  # a reshape: see the module docstring
             node.target = "reshape"
     elif key in _UNFLATTEN_OPS:
         src, dim, sizes = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "sizes")

@@ -212,7 +212,7 @@ def _groups(base: Any, timeout: float | None = None) -> _Groups:
             f"({str(err).splitlines()[0][:200]})") from err
     if dist.get_rank(back) != dist.get_rank(base):  # both number their ranks in one order
         raise RuntimeError("the back group numbers the ranks otherwise than its group")
-    _say_arrived(base, arrived=False)  # all came: a group made again here starts afresh
+    _take_back_arrival(base)  # all came: a group made again here starts afresh
     made = _Groups(weakref.ref(base), weakref.ref(back), stops=RunStops(base))
     _made[base] = made
     return made
@@ -221,19 +221,26 @@ def _groups(base: Any, timeout: float | None = None) -> _Groups:
 _ARRIVED = "tokpipe/arrived/"  # + the rank in the group: it has begun making the back group
 
 
-def _say_arrived(base: Any, arrived: bool = True) -> None:
+def _say_arrived(base: Any) -> None:
     """Say in `base`'s store that this rank has come to make its back group, so that ranks
-    left waiting can name those that did not (`_who_did_not_come`); or, once all came,
-    take it back, so that a group of the same name made later over the store (the world
-    started anew on a store that outlived it) names a rank that does not come then."""
+    left waiting can name those that did not (`_who_did_not_come`)."""
     store = group_store(base)
     if store is not None:  # a store whose host is gone: the wait fails and says so
-        key = f"{_ARRIVED}{dist.get_rank(base)}"
         with contextlib.suppress(RuntimeError):
-            if arrived:
-                store.set(key, "1")
-            else:
-                store.delete_key(key)
+            store.set(_arrival_key(base), "1")
+
+
+def _take_back_arrival(base: Any) -> None:
+    """Once all came: so that a group of the same name made later over the store (the
+    world started anew on a store that outlived it) names a rank that does not come then."""
+    store = group_store(base)
+    if store is not None:
+        with contextlib.suppress(RuntimeError):
+            store.delete_key(_arrival_key(base))
+
+
+def _arrival_key(base: Any) -> str:
+    return f"{_ARRIVED}{dist.get_rank(base)}"
 
 
 def _who_did_not_come(base: Any, ranks: list[int]) -> str:
