@@ -65,22 +65,34 @@ class Listing(torch.nn.Module):
 
     def forward(self, latents, rotary, cond, uncond, **kwargs):
         return (self.proj(latents) * rotary[0] + rotary[1] + sum(kwargs["residuals"])
-                + cond["scale"] * uncond["scale"])
+                + cond["scale"] * uncond["scale"] + kwargs["extra"].emb
+                + kwargs["adapter"](latents))
+
+
+class Extra:
+    """An object the call passes, holding a tensor (read as `L['kwargs']['extra'].emb`)."""
+
+    def __init__(self, emb: torch.Tensor):
+        self.emb = emb
 
 
 def test_every_input_the_call_passes_has_a_label_of_its_own():
     """argument_of names a list entry by its index alone (rotary[0] and residuals[0] both
-    0), a dict entry by its key alone (both 'scale'), and an entry nested deeper not at all
-    (a weight, to the ranks' checks)."""
+    0), a dict entry by its key alone (both 'scale'), and an entry nested deeper or an
+    object's attribute not at all (a weight, to the ranks' checks). A module passed as an
+    argument holds weights."""
+    adapter = torch.nn.Linear(4, 4)
     (captured,) = capture(Listing(), (x(2, 4), [x(4), x(4)], {"scale": x(4)}, {"scale": x(4)}),
-                          {"residuals": [x(4), x(4)]}, fresh=True)
+                          {"residuals": [x(4), x(4)], "extra": Extra(x(4)),
+                           "adapter": adapter}, fresh=True)
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
     labels = [input_label(n) for n in placeholders]
     assert sorted(label for label in labels if label) == [
-        "cond['scale']", "latents", "residuals[0]", "residuals[1]", "rotary[0]", "rotary[1]",
-        "uncond['scale']"]
-    assert [n for n, label in zip(placeholders, labels, strict=True) if label is None] == \
-        [n for n in placeholders if not is_user_input(n)]  # the weights alone
+        "cond['scale']", "extra.emb", "latents", "residuals[0]", "residuals[1]", "rotary[0]",
+        "rotary[1]", "uncond['scale']"]
+    weights = [n for n, label in zip(placeholders, labels, strict=True) if label is None]
+    assert len(weights) == 4  # proj's and the adapter's weight and bias
+    assert weights == [n for n in placeholders if not is_user_input(n)]
     assert {argument_of(n) for n in placeholders if "rotary" in (input_label(n) or "")} == {0, 1}
 
 

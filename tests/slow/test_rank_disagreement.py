@@ -45,24 +45,31 @@ def disagreeing_rank(rank: int, world: int, what: str) -> list[str]:
     return [str(w.message) for w in caught]
 
 
+class Control:
+    """An object the call passes, holding a tensor."""
+
+    def __init__(self, scale: torch.Tensor):
+        self.scale = scale
+
+
 class ResidualDiT(TinyDiT):
     """Takes a ControlNet's residuals as SD3 does: a list passed through **kwargs, each
-    added to a block's output."""
+    added to a block's output, scaled by a tensor an object holds."""
 
     def forward(self, latents, timestep, labels, **kwargs):
         b, c, h, w = latents.shape
         x = self.embed(latents).flatten(2).transpose(1, 2) + self.pos
         cond = self.t_mlp(timestep_features(timestep, 16)) + self.label(labels)
         for block, residual in zip(self.blocks, kwargs["residuals"], strict=True):
-            x = block(x, cond) + residual
+            x = block(x, cond) + residual * kwargs["control"].scale
         p = self.patch
         x = self.out(x).reshape(b, h // p, w // p, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(b, c, h, w)
 
 
 def residuals_rank(rank: int, world: int) -> tuple[list[str], list[str]]:
-    """Rank 1's second residual differs from rank 0's; the warnings of the call, and the
-    inputs its program keeps in place from call to call."""
+    """Rank 1's second residual and its control's scale differ from rank 0's; the warnings
+    of the call, and the inputs its program keeps in place from call to call."""
     torch.manual_seed(0)
     model = ResidualDiT(depth=2, width=32, heads=2, grid=8).eval()
     latents, t, labels = dit_inputs(model, 8)
@@ -71,7 +78,8 @@ def residuals_rank(rank: int, world: int) -> tuple[list[str], list[str]]:
     compiled = torch.compile(model, backend=tp.backend(**OPTIONS, stages=world), dynamic=False)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled(latents, t, labels, residuals=residuals)
+        compiled(latents, t, labels, residuals=residuals,
+                 control=Control(torch.tensor([1.0 + rank])))
     persistent = persistent_inputs(tp.programs(compiled)[0].plan)
     return [str(w.message) for w in caught], sorted(persistent)
 
@@ -79,11 +87,13 @@ def residuals_rank(rank: int, world: int) -> tuple[list[str], list[str]]:
 def test_list_entries_passed_through_kwargs_are_compared_between_ranks():
     """A ControlNet's residuals (SD3, Flux) were taken for weights: never compared, so
     ranks with other residuals returned one rank's image without a word, and kept in
-    place between calls (CUDA graphs keyed on them)."""
+    place between calls (CUDA graphs keyed on them); so was a tensor an object holds."""
     for caught, persistent in launch(residuals_rank, 2, timeout=120):
         assert any("inputs differ between ranks" in w and "'residuals[1]'" in w
-                   and "'residuals[0]'" not in w for w in caught), caught
-        assert not [name for name in persistent if "residuals" in name], persistent
+                   and "'control.scale'" in w and "'residuals[0]'" not in w
+                   for w in caught), caught
+        assert not [name for name in persistent if "residuals" in name or "control" in name], \
+            persistent
 
 
 @functools.cache

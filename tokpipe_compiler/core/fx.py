@@ -100,9 +100,12 @@ def argument_of(node: torch.fx.Node) -> str | int | None:
     return match["name"]
 
 
-# L['name'] and any chain of subscripts: L['kwargs']['controlnet_block_samples'][0]
-_NESTED = re.compile(r"L\['(?P<name>\w+)'\](?P<path>(?:\['[^']+'\]|\[\d+\])*)")
-_SUBSCRIPT = re.compile(r"\['([^']+)'\]|\[(\d+)\]")
+# L['name'] and any chain of subscripts and attributes: L['kwargs']['controlnet_block_samples'][0],
+# L['cond'].emb (a tensor read off an object the call passes)
+_NESTED = re.compile(r"L\['(?P<name>\w+)'\](?P<path>(?:\['[^']+'\]|\[\d+\]|\.\w+)*)")
+_SUBSCRIPT = re.compile(r"\['([^']+)'\]|\[(\d+)\]|\.(\w+)")
+# what a module passed as an argument holds: its weights, not the call's
+_OWNED = ("_parameters", "_buffers", "_modules")
 VARARGS = ("args", "kwargs")  # what a forward's *args and **kwargs are usually called
 
 
@@ -110,8 +113,10 @@ def input_label(node: torch.fx.Node) -> str | None:
     """A name for each tensor the call passes, however deep in its arguments (None for
     weights, buffers and what is read off a module): `argument_of`'s, but an entry of a
     list or dict is named with it ("image_rotary_emb[0]", not 0; "cond['scale']", not
-    "scale"), and an entry nested deeper by its path ("block_controlnet_hidden_states[0]"
-    of a list passed through **kwargs), so that no two inputs share a label."""
+    "scale"), an entry nested deeper by its path ("block_controlnet_hidden_states[0]"
+    of a list passed through **kwargs), and a tensor an object holds by its attribute
+    ("cond.emb"), so that no two inputs share a label. A module passed as an argument
+    holds weights (its parameters and buffers: None)."""
     argument, source = argument_of(node), source_name(node)
     simple = _ARGUMENT.fullmatch(source)
     if POSITION_KEY in node.meta or (simple and (simple["name"] in VARARGS or (
@@ -121,10 +126,13 @@ def input_label(node: torch.fx.Node) -> str | None:
     if match is None or match["name"] == "self":
         return None
     name, path = match["name"], _SUBSCRIPT.findall(match["path"])
+    if any(attribute in _OWNED for _, _, attribute in path):
+        return None
     if name in VARARGS:  # gathered by *args or **kwargs: the first subscript is its name
-        (key, index), path = path[0], path[1:]
-        name = key or index
-    return name + "".join(f"['{key}']" if key else f"[{index}]" for key, index in path)
+        (key, index, attribute), path = path[0], path[1:]
+        name = key or index or attribute
+    return name + "".join(f"['{key}']" if key else f".{attribute}" if attribute else
+                          f"[{index}]" for key, index, attribute in path)
 
 
 def position_of(node: torch.fx.Node) -> int | None:
