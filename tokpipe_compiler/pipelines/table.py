@@ -32,6 +32,7 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "HunyuanDiTPipeline": {"guidance_rescale": 0.0},
     "CogVideoXPipeline": {"use_dynamic_cfg": False},
     "CogVideoXImageToVideoPipeline": {"use_dynamic_cfg": False},
+    "CogVideoXVideoToVideoPipeline": {"use_dynamic_cfg": False},
     "LattePipeline": {},
     "WanPipeline": {},
     "WanVideoToVideoPipeline": {},
