@@ -15,6 +15,12 @@ from tokpipe_compiler.planning.argument_reads import argument_reads
 from tokpipe_compiler.planning.capture import Captured, capture
 
 
+class StepGraphBreak(TokpipeError):
+    """Dynamo broke the step function into several graphs (a quantizer's tensor subclass
+    it cannot trace, say): a Ring refuses it; a parallelized pipeline runs the generation
+    per call, where Dynamo's graphs run pipelined or as traced."""
+
+
 def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
     """The graph of one call of the step function, its example inputs and placeholders.
     Where the step itself raises (the model fails on these inputs), that error, as an
@@ -28,8 +34,8 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
         # The step's own error (an exception it raises, a name it lacks) as Python gives it:
         # an eager call raises it, with its traceback; a step that runs has a graph break.
         _run_eagerly(step_fn, values)
-        raise TokpipeError(f"ring mode needs the step function as one graph; Dynamo broke "
-                           f"it: {_graph_break(err)}{_advice(err)}") from err
+        raise StepGraphBreak(f"ring mode needs the step function as one graph; Dynamo broke "
+                             f"it: {_graph_break(err)}{_advice(err)}") from err
     except torch._dynamo.exc.UserError as err:
         if "data-dependent" not in str(err):
             raise

@@ -14,6 +14,7 @@ import re
 import warnings
 
 import pytest
+import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
@@ -101,6 +102,31 @@ def test_a_step_the_compiler_cannot_chunk_raises_or_falls_back_when_asked():
         generate(*parallelized(make, mode="causal"), steps=3)
     pipe, kwargs = parallelized(make, mode="causal", fallback=True)
     with pytest.warns(UserWarning, match="runs per call .*cannot be pipelined"):
+        out = generate(pipe, kwargs, steps=3)
+    assert rel_error(out, serial) <= 1e-5
+
+
+def _with_graph_break() -> pipelines.Built:
+    """PixArt-alpha whose attention processors break Dynamo's graph, as a quantizer's
+    tensor subclass Dynamo cannot trace does (optimum-quanto's quantized activations)."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    class Breaking(AttnProcessor2_0):
+        def __call__(self, *args, **kwargs):
+            torch._dynamo.graph_break()
+            return super().__call__(*args, **kwargs)
+
+    pipe, kwargs = pixart_alpha()
+    pipe.transformer.set_attn_processor(Breaking())
+    return pipe, kwargs
+
+
+def test_a_step_dynamo_breaks_runs_per_call_and_says_why():
+    """The ring needs the step as one graph; per call, Dynamo's pieces run pipelined or as
+    traced, so the generation goes on per call with a warning that names the break."""
+    serial = generate(*_with_graph_break(), steps=3)
+    pipe, kwargs = parallelized(_with_graph_break, mode="sync")
+    with pytest.warns(UserWarning, match="runs per call .*Dynamo broke it.*graph_break"):
         out = generate(pipe, kwargs, steps=3)
     assert rel_error(out, serial) <= 1e-5
 

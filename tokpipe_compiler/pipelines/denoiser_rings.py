@@ -43,6 +43,7 @@ from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.planning.module_state import ModuleState, changed_parts, module_state
 from tokpipe_compiler.ring import KEPT_SIGNATURES, Ring
 from tokpipe_compiler.ring_carry import WholeCarry
+from tokpipe_compiler.ring_trace import StepGraphBreak
 from tokpipe_compiler.runtime.branch_exchange import exchanging
 
 ONE_UNIT = ("the latents' token grid is one unit (an image one row of patches high), which "
@@ -140,6 +141,9 @@ class DenoiserRings:
             raise UnpipelinedStep(ONE_UNIT) from err
         except WholeCarry as err:  # sync mode planned an op whole: per call runs it
             raise UnpipelinedStep(str(err)) from err
+        except StepGraphBreak as err:  # per call, Dynamo's pieces run as they can
+            raise UnpipelinedStep(f"{err}; per call, the transformer runs as the graphs "
+                                  "Dynamo splits it into") from err
         except TokpipeError as err:  # the compiler cannot pipeline this step
             if not self.options.get("fallback"):
                 raise
