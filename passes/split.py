@@ -26,6 +26,7 @@ from tokpipe_compiler.core.stage_graph import (
     StageGraph,
     StageInput,
 )
+from tokpipe_compiler.passes.weight_transforms import place_weight_transforms
 from tokpipe_compiler.runtime.chunking import chunk_slice
 
 
@@ -78,6 +79,8 @@ def split(gm: torch.fx.GraphModule, stages: int, runtime_inputs: set[str]) -> Sp
     regions = _vmap_regions(gm)
     _check_vmap_regions(regions)
     _check_written_inputs(gm, runtime_inputs)
+    writes = {n for n in gm.graph.nodes if _writes_into(n) is not None}
+    place_weight_transforms(gm, writes.union(*regions))
     graph_outputs = _output_nodes(gm)
     stage_graphs = [_stage_graph(gm, s, graph_outputs) for s in range(stages)]
     needed = {i.source for g in stage_graphs for i in g.inputs if i.kind != BOUNDARY}

@@ -1,6 +1,8 @@
 """Weight-only quantized models (tensor subclasses, as torchao makes them): pipelined like
 any other, and their weights counted at the bytes they hold, not at the float dtype they
-report (which made a plan's weights and memory four times too large for int8).
+report (which made a plan's weights and memory four times too large for int8). Weights
+unpacked in a module's forward (diffusers' GGUF linears) are unpacked in the stage that
+uses them, not all at once ahead of the stages.
 
 Tolerance: assert_equivalent's float32 default, 1e-5 relative to the eager output (eager
 runs the same quantized weights).
@@ -15,7 +17,7 @@ import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
-from tests.fixtures.quantized import Int8Weight, quantize_linears
+from tests.fixtures.quantized import Int8Weight, dequantize_in_forward, quantize_linears
 from tokpipe_compiler.core.tensor_bytes import storage_bytes
 from tokpipe_compiler.testing import assert_equivalent
 
@@ -47,3 +49,45 @@ def test_quantized_weights_pipeline(mode):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert_equivalent(*model_and_inputs(True), stages=2, chunks=2, mode=mode)
+
+
+def unpacking_model() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    return dequantize_in_forward(model), dit_inputs(model, 8)
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_weights_unpacked_in_the_forward_pipeline(mode):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_equivalent(*unpacking_model(), stages=2, chunks=2, mode=mode)
+
+
+def test_a_weight_unpacked_in_the_forward_is_unpacked_in_its_stage():
+    """Hoisted into the per-call prelude, every block's float weight was held for the whole
+    call (a GGUF model's floats, all at once): the prelude passes the int8 rows on, and each
+    stage unpacks its own linears' weights."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = tp.explain(*unpacking_model(), stages=2, chunks=2)
+    def unpacking(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        return [n for n in gm.graph.find_nodes(op="call_method", target="to")
+                if "qweight" in n.args[0].name]
+
+    # the prelude unpacks the weights of its own per-call work (the timestep's MLP) alone:
+    # no value computed from the weights alone leaves it
+    prelude = plan.graphs.prelude.graph
+    unpacked = set(prelude.find_nodes(op="placeholder"))
+    unpacked -= {n for n in unpacked if "latents" in n.name or "timestep" in n.name
+                 or "labels" in n.name}
+    for node in prelude.nodes:
+        if node.op in ("call_function", "call_method") and \
+                all(arg in unpacked for arg in node.all_input_nodes):
+            unpacked.add(node)
+    unpacked -= set(prelude.find_nodes(op="placeholder"))
+    handed = {n.name for n in unpacked} & set(plan.graphs.prelude_outputs)
+    assert not handed, handed
+    for stage in plan.graphs.stages:
+        assert unpacking(stage.gm)
+        assert any("qweight" in i.name for i in stage.inputs)  # the int8 rows come in

@@ -1,0 +1,60 @@
+"""Weight transforms computed where they are used.
+
+A value derived from weights alone (a quantized weight unpacked: GGUF's linear dequantizes
+its weight in its forward) is the same at every chunk and every call, so split would
+compute it once per call in the prelude, ahead of the stages. Every unpacked weight of
+the model would then be held for the whole call, as floats, where eager holds one at a
+time (GGUF's point is not to hold them). A weight transform that one stage reads is
+computed in that stage instead, at each chunk, and freed after it, as eager computes it at
+each call. One that several stages (or the graph's output) read stays in the prelude.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokpipe_compiler.core.fx import example_value, is_parameter
+from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, STAGE_KEY
+
+
+def place_weight_transforms(gm: torch.fx.GraphModule, keep: set[torch.fx.Node]) -> int:
+    """Puts each weight transform that one stage alone reads in that stage (STAGE_KEY);
+    `keep`: nodes that must stay in the prelude (in-place writes, traced vmaps). Returns
+    how many nodes it placed."""
+    derived = _weight_derived(gm, keep)
+    placed: set[torch.fx.Node] = set()
+    for node in reversed(gm.graph.nodes):  # users first: a chain follows its last op
+        if node not in derived or node.op in ("placeholder", "get_attr"):
+            continue
+        stages = {user.meta.get(STAGE_KEY) for user in node.users}
+        if len(stages) == 1 and None not in stages:
+            node.meta[STAGE_KEY] = stages.pop()
+            placed.add(node)
+    for node in gm.graph.nodes:  # a stage reads tensors: not the tuple of a weight's split
+        if node in placed and any(arg not in placed and arg.op.startswith("call_") and
+                                  not isinstance(example_value(arg), torch.Tensor)
+                                  for arg in node.all_input_nodes):
+            del node.meta[STAGE_KEY]
+            placed.discard(node)
+    return len(placed)
+
+
+def _weight_derived(gm: torch.fx.GraphModule, keep: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The weights (parameters, buffers, module attributes) and the values computed from
+    them alone, no token or per-call input among their inputs."""
+    derived: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        weight = node.op == "get_attr" or (node.op == "placeholder" and is_parameter(node))
+        if weight or _transforms(node, derived, keep):
+            derived.add(node)
+    return derived
+
+
+def _transforms(node: torch.fx.Node, derived: set[torch.fx.Node],
+                keep: set[torch.fx.Node]) -> bool:
+    """Whether `node` is a pure op of `derived` values alone, in no stage yet."""
+    return (node.op in ("call_function", "call_method", "call_module")
+            and node not in keep and not node.is_impure()
+            and not node.meta.get(META_KEY, INVARIANT_INFO).carries_tokens
+            and node.meta.get(STAGE_KEY) is None and bool(node.all_input_nodes)
+            and all(arg in derived for arg in node.all_input_nodes))
