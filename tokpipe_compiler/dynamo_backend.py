@@ -55,7 +55,7 @@ from tokpipe_compiler.planning.traced_frame import (
     number_arguments,
     traced_function,
 )
-from tokpipe_compiler.stage_programs.compile_sessions import session_for
+from tokpipe_compiler.stage_programs.compile_sessions import session_for, warn_if_changed
 from tokpipe_compiler.stage_programs.distributed import make_program, planned_alike
 from tokpipe_compiler.stage_programs.generations import PIPELINE_STEPS, timestep_index
 from tokpipe_compiler.stage_programs.owners import PerOwner, owner_of, register
@@ -87,7 +87,8 @@ def tokpipe(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None
     """The function registered as the "tokpipe" Dynamo backend. `mode`: torch.compile's,
     as the options it stands for (config.TORCH_MODES)."""
     session, copied = session_for(options, mode)
-    return LazyProgram(gm, lambda: Config.from_options(copied, mode), session, example_inputs)
+    return LazyProgram(gm, lambda: Config.from_options(copied, mode), session, example_inputs,
+                       lambda: warn_if_changed(options, mode))
 
 
 # Per session: the parameter names of every function Dynamo traced for it (a model's forward
@@ -118,7 +119,7 @@ class LazyProgram:
     over its tokens (`planning.pieces`)."""
 
     def __init__(self, gm: torch.fx.GraphModule, config_fn, session: Session,
-                 example_inputs: list):
+                 example_inputs: list, check_options=None):
         gm = inline_wrapped_bodies(gm)  # checkpointed blocks: their ops in line
         self.origin = origin(gm)  # while Dynamo traces: whether the model has graph breaks
         # A block traced on its own. Under parallelize, whose pipeline tells steps and
@@ -127,6 +128,7 @@ class LazyProgram:
             else repeated_block(self.origin.piece)
         self.gm = name_positions(record_sources(gm))
         self.config_fn = config_fn
+        self.check_options = check_options  # at each new model's program: a changed dict
         self.session = session
         self.parameters = _traced_parameters(session)  # of this graph's frame and others
         self.dynamic = has_symbolic_shapes(gm)
@@ -174,6 +176,8 @@ class LazyProgram:
             warn(line)
 
     def _program(self, key: Any, args: tuple, owner: torch.Tensor | None):
+        if self.check_options is not None:
+            self.check_options()
         if key not in self.plans:
             self.plans[key] = self._plan(args)
             if self.origin.piece and len(self.plans) == 1:  # not a new shape's plan

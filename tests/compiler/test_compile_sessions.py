@@ -64,3 +64,20 @@ def test_options_changed_after_a_compile_keep_its_first_options():
         out = compiled(*larger)
         assert_rel_close(out, model(*larger))
     assert {p.plan.config.mode for p in tp.programs(compiled)} == {"sync"}
+
+
+def test_a_dict_changed_for_a_model_of_the_same_class_warns():
+    """Dynamo serves a second compile given the same (changed) dict from the first's graphs,
+    for a model of the same class, without calling the backend: its model ran with the
+    first compile's options, without a word."""
+    options = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
+    first, second = _model(), _model()
+    with torch.no_grad():
+        torch.compile(first, backend="tokpipe", dynamic=False, options=options)(
+            *dit_inputs(first, 8))
+        options["chunks"] = 4
+        compiled = torch.compile(second, backend="tokpipe", dynamic=False, options=options)
+        with pytest.warns(UserWarning, match="options dict given to torch.compile changed"):
+            out = compiled(*dit_inputs(second, 8))
+    assert_rel_close(out, second(*dit_inputs(second, 8)))
+    assert {p.plan.config.chunks for p in tp.programs(compiled)} == {2}  # as the warning says

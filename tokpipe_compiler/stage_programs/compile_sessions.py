@@ -53,15 +53,24 @@ def session_for(options: Any, mode: str | None) -> tuple[Session, Any]:
     seen (made now at its first graph)."""
     for entry in _live():
         if entry.options is options and entry.mode == mode:
-            if not _equal(entry.copied, options):
-                session = entry.session()
-                if "options changed" not in session.warned:
-                    session.warned.add("options changed")
-                    warn(CHANGED)
+            warn_if_changed(options, mode)
             return entry.session(), entry.copied
     session = Session()
     _ENTRIES.append(_Entry(options, mode, weakref.ref(session), _copied(options)))
     return session, _ENTRIES[-1].copied
+
+
+def warn_if_changed(options: Any, mode: str | None) -> None:
+    """Warns (once per compile) where the options dict of a compile changed since its first
+    graph: also where Dynamo serves a later compile given the same dict from this one's
+    graphs (a model of the same class), which never reaches the backend."""
+    for entry in _live():
+        if entry.options is options and entry.mode == mode and \
+                not _equal(entry.copied, options):
+            session = entry.session()
+            if "options changed" not in session.warned:
+                session.warned.add("options changed")
+                warn(CHANGED)
 
 
 def sessions_for_options(options: Any, mode: str | None = None) -> CompileSessions:
