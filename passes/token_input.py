@@ -40,6 +40,7 @@ from tokpipe_compiler.core.errors import NoTokenInput, TokpipeError
 from tokpipe_compiler.core.fx import (
     argument_of,
     example_value,
+    input_label,
     is_user_input,
     node_shape,
     position_of,
@@ -49,6 +50,9 @@ ATTENTION_OPS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product
 EMBEDDING_OPS = (F.embedding, torch.embedding)
 # Argument names of conditioning streams (text, image embeddings) in diffusers' models.
 CONDITIONING = ("encoder_hidden_states", "cap_feats", "text_", "prompt_embeds")
+# A language model's keys and values of earlier calls (transformers' Cache objects), never
+# the call's tokens: a decode step's float inputs of rank 4, beside its one token's id.
+PAST_KEYS_VALUES = ("past_key_values", "past_key_value", "cache", "layer_past", "kv_cache")
 _RESUMED = re.compile(r"^l_(stack\d+(_\d+)*_)?")  # Dynamo's prefixes of a placeholder name
 
 
@@ -97,8 +101,8 @@ def _user_inputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def _candidates(inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
     """Float inputs of rank >= 3; where there are none, token ids (a language model's)."""
-    candidates = [n for n in inputs if _is_float(n) and len(node_shape(n)) >= 3] or \
-        _token_ids(inputs)
+    candidates = [n for n in inputs if _is_float(n) and len(node_shape(n)) >= 3
+                  and not _past_keys_values(n)] or _token_ids(inputs)
     if not candidates:
         raise NoTokenInput(
             "no input looks like a token sequence (a float tensor of rank >= 3, or token "
@@ -106,6 +110,13 @@ def _candidates(inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
             "options={'token_input': NAME} to name it"
         )
     return candidates
+
+
+def _past_keys_values(node: torch.fx.Node) -> bool:
+    """Whether the input is read off a language model's cache of earlier calls' keys and
+    values (`cache.layers[0].keys`, `past_key_values[0][0]`)."""
+    label = input_label(node) or ""
+    return re.split(r"[.\[]", label, maxsplit=1)[0] in PAST_KEYS_VALUES
 
 
 def _token_ids(inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:

@@ -287,3 +287,21 @@ def test_attention_filled_by_a_table_pipelines_in_causal_mode(make):
     assert len(tp.programs(compiled)[0].plan.caches) == 2
     _assert_close(got[1, 10:], expected[1, 10:])  # the padded sample's real tokens
     _assert_close(got[0], expected[0])
+
+
+def test_generate_decodes_unpipelined_with_fallback_or_names_the_one_token_grid():
+    """model.generate pipelines the prefill, then calls the model with one token and the
+    cache of earlier keys and values: the cache's keys (float, rank 4) were taken for the
+    token input, and the error blamed attention whose tokens differ."""
+    model = _gpt2()
+    ids = _ids(tokens=32)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=3, do_sample=False)
+    model.compile(backend="tokpipe", dynamic=False, options=OPTIONS)
+    with pytest.raises(tp.TokpipeError, match=r"one unit .*a sequence's one token"), \
+            torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+    torch._dynamo.reset()
+    model.compile(backend="tokpipe", dynamic=False, options={**OPTIONS, "fallback": True})
+    with pytest.warns(UserWarning, match="unpipelined"), torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), expected)

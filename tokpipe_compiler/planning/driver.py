@@ -166,7 +166,8 @@ def annotate_or_raise(gm: torch.fx.GraphModule, token_input: str | int | None,
             "the token grid of this input is one unit (an image's row of patches, a "
             "video's latent frame, a sequence's one token), where nothing is left to cut "
             "into chunks and the token axis cannot be told from a whole segment's; run it "
-            "whole (mode='sync', or unpipelined), or give it two units or more")
+            "whole (mode='sync', or unpipelined: options={'fallback': True}, as a language "
+            "model's decode steps, one token a call, need), or give it two units or more")
     if annotation.unsupported:
         raise_unsupported(annotation, mode)
     return annotation
