@@ -144,10 +144,13 @@ def save_grid(images: torch.Tensor, path: Path, columns: int, scale: int = 2) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--schedule", type=parse_schedule, default=parse_schedule(SCHEDULE))
-    parser.add_argument("--lr", type=float, default=6e-4)
-    parser.add_argument("--out", type=Path, default=WEIGHTS)
+    parser.add_argument("--seed", type=int, default=0, help="weights and data order")
+    parser.add_argument("--schedule", type=parse_schedule, default=parse_schedule(SCHEDULE),
+                        help=f"training phases, as SIDE:BATCH:STEPS,... (default {SCHEDULE})")
+    parser.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
+    parser.add_argument("--out", type=Path, default=WEIGHTS,
+                        help="folder for the weights and model card (default: the shipped "
+                             "weights' own folder, which it overwrites)")
     parser.add_argument("--log", type=Path, default=None, help="progress lines, appended")
     parser.add_argument("--no-card", action="store_true", help="skip loss.png / samples.png")
     args = parser.parse_args(argv)
