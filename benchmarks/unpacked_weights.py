@@ -1,0 +1,142 @@
+"""Memory of a call whose transformer unpacks its weights in its forward (diffusers' GGUF
+linears dequantize theirs): serial against parallelized.
+
+    pip install gguf
+    python benchmarks/unpacked_weights.py [--model sd3-medium] [--layers 4] [--steps 3]
+
+A released-width transformer (`--layers` blocks, a 16x16 grid) inside its diffusers
+pipeline, with guidance, its random weights written to a GGUF file (Q8_0: int8 blocks of
+32 with a scale each, the 2-d weights whose rows the blocks tile) and loaded back with
+diffusers' GGUFQuantizationConfig, as a user loads a released GGUF. In one
+process, one thread: the pipeline serial, then parallelized (2 stages x 2 chunks, eager
+stages) as a ring in sync and stale mode and per call in stale mode. Each row: the resident
+set before a call (after a first call, `gc.collect()` and `malloc_trim`) and its peak during
+the call (sampled every 2 ms; the allocator makes it vary by a few hundred MB from run to
+run), and what the per-call prelude computes and hands to the stages, held for the whole
+call (exact): a pipeline that unpacked every weight ahead of its stages holds all of them
+there, against the float weights the model unpacks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures, benchmarks._args
+
+import tokpipe_compiler as tp
+from benchmarks._args import parser_for, positive_int
+from tests.fixtures.pipelines import generate
+from tokpipe_compiler.released.pipelines import pipeline
+
+RUNS = {"serial": None, "sync ring": ("sync", True), "stale ring": ("stale", True),
+        "stale per call": ("stale", False)}
+
+
+def resident_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 1e6
+
+
+def call_peak(pipe, kwargs: dict, steps: int) -> tuple[float, float]:
+    """(resident MB before a call, MB more at its peak)."""
+    generate(pipe, kwargs, steps=steps)  # traces, plans
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = resident_mb()
+    peak, running = [base], [True]
+
+    def sample() -> None:
+        while running[0]:
+            peak[0] = max(peak[0], resident_mb())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    generate(pipe, kwargs, steps=steps)
+    running[0] = False
+    sampler.join()
+    return base, peak[0] - base
+
+
+def prelude_held_mb(pipe) -> float:
+    """MB of the values the parallelized pipeline's prelude computes for its stages."""
+    from tokpipe_compiler.core.fx import example_value
+
+    held = 0
+    for program in tp.pipelines.programs(pipe):
+        output = program.plan.graphs.prelude.graph.output_node()
+        for node in output.all_input_nodes:
+            value = example_value(node)
+            if node.op != "placeholder" and isinstance(value, torch.Tensor):
+                held += value.numel() * value.element_size()
+    return held / 1e6
+
+
+def gguf_pipeline(name: str, layers: int, folder: Path):
+    """The released pipeline with its transformer written to a Q8_0 GGUF file in `folder`
+    and loaded back from it; the float32 bytes of the weights it holds quantized."""
+    import gguf
+    from diffusers import GGUFQuantizationConfig
+
+    pipe, kwargs = pipeline(name, layers=layers, grid=(16, 16))
+    transformer = pipe.transformer
+    transformer.save_config(folder / "transformer")
+    writer = gguf.GGUFWriter(str(folder / "model.gguf"), arch="tokpipe")
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
+    unpacked = 0
+    for key, value in transformer.state_dict().items():
+        array = value.detach().float().numpy()
+        if array.ndim == 2 and array.shape[-1] % block == 0 and key.endswith(".weight"):
+            writer.add_tensor(key, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            unpacked += 4 * array.size
+        else:
+            writer.add_tensor(key, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    pipe.transformer = type(transformer).from_single_file(
+        str(folder / "model.gguf"), config=str(folder), subfolder="transformer",
+        local_files_only=True, torch_dtype=torch.float32,
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32))
+    return pipe, kwargs, unpacked
+
+
+def main() -> None:
+    parser = parser_for(__doc__)
+    parser.add_argument("--model", default="sd3-medium", help="a released name")
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--steps", type=positive_int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"{args.model}, {args.layers} blocks, 16x16 grid, {args.steps} steps, guidance")
+    print(f"{'run':>16} {'resident MB':>12} {'peak +MB':>9} {'prelude MB':>11}")
+    with tempfile.TemporaryDirectory() as folder:
+        for label, how in RUNS.items():
+            pipe, kwargs, unpacked = gguf_pipeline(args.model, args.layers, Path(folder))
+            if how is not None:
+                mode, ring = how
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # a few blocks over 2 stages are unbalanced
+                    tp.pipelines.parallelize(pipe, stages=2, chunks=2, mode=mode, ring=ring,
+                                             compiler="eager")
+            base, extra = call_peak(pipe, kwargs, args.steps)
+            prelude = "-" if how is None else f"{prelude_held_mb(pipe):.0f}"
+            print(f"{label:>16} {base:>12.0f} {extra:>9.0f} {prelude:>11}", flush=True)
+            del pipe, kwargs
+            gc.collect()
+    print(f"float32 weights the model unpacks: {unpacked / 1e6:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
