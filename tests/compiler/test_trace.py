@@ -101,6 +101,13 @@ def test_measured_time_far_beyond_the_prediction_is_op_overhead():
     assert not unmeasured.overhead_bound  # by the prediction alone
 
 
+def test_a_time_far_beyond_any_launch_cost_points_at_busy_cores():
+    """235x the prediction on cores another job held: the advice was fewer chunks, where
+    one thread on the free core measured 1.5x."""
+    assert "--threads 1" not in format_comparison([timing(11.0)])
+    assert "--threads 1" in format_comparison([timing(235.0)])
+
+
 def test_a_chunk_bound_by_op_launches_is_named():
     """With 1 ms per op launch, a tiny stage's chunk is nearly all launch cost: the table
     says so, with the chunk's token count and what to do."""

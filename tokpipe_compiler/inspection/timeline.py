@@ -264,6 +264,10 @@ def compare(plan: Plan, events: Timeline | Iterable[Event],
     return rows
 
 
+# measured over predicted beyond which op launches alone rarely account for a chunk's time
+CONTENDED_RATIO = 50
+
+
 def format_comparison(rows: list[StageTiming], compiler: str = "eager") -> str:
     """The table of `rows` and what it shows; `compiler`: the stages' (the advice for
     op-overhead-bound chunks names Inductor only for eager stages)."""
@@ -302,6 +306,12 @@ def format_comparison(rows: list[StageTiming], compiler: str = "eager") -> str:
             "too small for this device; more than half its time is the fixed cost of "
             "launching each op (beyond the predicted compute and memory time), which the "
             f"prediction holds loosely; use {', or '.join(remedies)}")
+    far = [r for r in small if not r.steps_short and r.ratio > CONTENDED_RATIO]
+    if far:
+        lines.append(
+            f"stage(s) {_stage_list(far)}: measured more than {CONTENDED_RATIO}x the "
+            "prediction, which other work on these cores, or more threads than free cores, "
+            "gives as well: run again with --threads 1 (or on idle cores) before acting on it")
     return "\n".join(lines)
 
 
