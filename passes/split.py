@@ -26,7 +26,6 @@ from tokpipe_compiler.core.stage_graph import (
     StageGraph,
     StageInput,
 )
-from tokpipe_compiler.passes.weight_transforms import place_weight_transforms
 from tokpipe_compiler.runtime.chunking import chunk_slice
 
 
@@ -41,7 +40,7 @@ _VMAP_IN = (predispatch._vmap_increment_nesting, torch._C._functorch._vmap_incre
 _VMAP_OUT = (predispatch._vmap_decrement_nesting, torch._C._functorch._vmap_decrement_nesting)
 
 
-def _vmap_regions(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
+def vmap_regions(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
     """The nodes of each outermost traced vmap, from its first nesting call to its last."""
     regions: list[list[torch.fx.Node]] = []
     depth = 0
@@ -57,7 +56,7 @@ def _vmap_regions(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
     return regions
 
 
-def _check_vmap_regions(regions: list[list[torch.fx.Node]]) -> None:
+def _checkvmap_regions(regions: list[list[torch.fx.Node]]) -> None:
     """A vmapped region runs whole in the prelude; one that touches tokens cannot."""
     for region in regions:
         staged = next((n for n in region if n.meta.get(STAGE_KEY) is not None), None)
@@ -76,11 +75,9 @@ def _is_impure(node: torch.fx.Node) -> bool:
 
 def split(gm: torch.fx.GraphModule, stages: int, runtime_inputs: set[str]) -> SplitGraphs:
     """`runtime_inputs`: placeholders the runtime provides itself (K/V caches, the chunk)."""
-    regions = _vmap_regions(gm)
-    _check_vmap_regions(regions)
+    regions = vmap_regions(gm)
+    _checkvmap_regions(regions)
     _check_written_inputs(gm, runtime_inputs)
-    writes = {n for n in gm.graph.nodes if _writes_into(n) is not None}
-    place_weight_transforms(gm, writes.union(*regions))
     graph_outputs = _output_nodes(gm)
     stage_graphs = [_stage_graph(gm, s, graph_outputs) for s in range(stages)]
     needed = {i.source for g in stage_graphs for i in g.inputs if i.kind != BOUNDARY}
@@ -205,7 +202,7 @@ _IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.
 _NAMED_LIKE_IN_PLACE = {operator.and_, operator.or_, operator.not_, operator.is_}
 
 
-def _writes_into(node: torch.fx.Node) -> torch.fx.Node | None:
+def writes_into(node: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor an op writes in place: `x.add_(y)`, `torch.relu_(x)`, `x += y`,
     `x[i] = y`, `F.relu(x, inplace=True)`, `torch.add(a, b, out=x)`."""
     if node.op not in ("call_method", "call_function"):
@@ -236,13 +233,13 @@ def _alias_of(node: torch.fx.Node) -> torch.fx.Node | None:
     if node.args and (node.target in _VIEWS
                       or (node.op == "call_method" and node.target in _VIEW_METHODS)):
         return node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
-    return _writes_into(node)
+    return writes_into(node)
 
 
 def written_base(node: torch.fx.Node) -> torch.fx.Node | None:
     """The value an in-place write changes: its target, or what that target views or was
     (through an earlier write: `x.mul_(a).add_(b)` changes `x`)."""
-    target = _writes_into(node)
+    target = writes_into(node)
     while target is not None and (alias := _alias_of(target)) is not None:
         target = alias
     return target
@@ -335,6 +332,6 @@ def prelude_part(graphs: SplitGraphs, stages: set[int]
     kept = {name: node for name, node in zip(graphs.prelude_outputs, output.args[0],
                                              strict=True) if name in needed}
     writes = _with_writes(graph, _ancestors(list(kept.values()) + input_writes(graph, set())))
-    roots = list(kept.values()) + [n for n in writes if _writes_into(n) is not None] + [
+    roots = list(kept.values()) + [n for n in writes if writes_into(n) is not None] + [
         n for n in graph.nodes if n.op not in ("placeholder", "output") and _is_impure(n)]
     return _ancestors(roots), kept

@@ -15,13 +15,15 @@ import torch
 
 from tokpipe_compiler.core.fx import example_value, is_parameter
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, STAGE_KEY
+from tokpipe_compiler.passes.split import vmap_regions, writes_into
 
 
-def place_weight_transforms(gm: torch.fx.GraphModule, keep: set[torch.fx.Node]) -> int:
-    """Puts each weight transform that one stage alone reads in that stage (STAGE_KEY);
-    `keep`: nodes that must stay in the prelude (in-place writes, traced vmaps). Returns
-    how many nodes it placed."""
-    derived = _weight_derived(gm, keep)
+def place_weight_transforms(gm: torch.fx.GraphModule) -> int:
+    """Puts each weight transform that one stage alone reads in that stage (STAGE_KEY),
+    but in-place writes and traced vmaps, which run in the prelude (`split`). Returns how
+    many nodes it placed."""
+    keep = {n for n in gm.graph.nodes if writes_into(n) is not None}
+    derived = _weight_derived(gm, keep.union(*vmap_regions(gm)))
     placed: set[torch.fx.Node] = set()
     for node in reversed(gm.graph.nodes):  # users first: a chain follows its last op
         if node not in derived or node.op in ("placeholder", "get_attr"):

@@ -1,6 +1,7 @@
 """The compiler driver: every pass, in order, in one place.
 
-    annotate -> partition -> chunk_attention -> chunk_sums -> split   (here, once per graph)
+    annotate -> partition -> chunk_attention -> chunk_sums -> weight_transforms -> split
+                                                              (here, once per graph)
     specialize -> compile                                     (later, per stage and chunk
                                                                length, on the rank that runs it)
 
@@ -9,14 +10,15 @@ Each pass runs through `run_pass`, which names it, dumps its graph when logging 
 model for the chunk table and the stage weights. The meta keys each pass reads and writes
 (their meaning: `core/meta.py`):
 
-| pass            | reads                  | writes                                  |
-|-----------------|------------------------|-----------------------------------------|
-| annotate        | SOURCE_KEY             | META_KEY on every node                  |
-| partition       | META_KEY               | STAGE_KEY on every node a stage computes|
-| chunk_attention | META_KEY               | kv_attention nodes (META_KEY copied)    |
-| chunk_sums      | META_KEY               | partial-sum op nodes (META_KEY copied)  |
-| split           | META_KEY, STAGE_KEY    | the stage graphs and the prelude        |
-| specialize      | META_KEY               | a stage graph at one chunk length       |
+| pass              | reads               | writes                                     |
+|-------------------|---------------------|--------------------------------------------|
+| annotate          | SOURCE_KEY          | META_KEY on every node                     |
+| partition         | META_KEY            | STAGE_KEY on every node a stage computes   |
+| chunk_attention   | META_KEY            | kv_attention nodes (META_KEY copied)       |
+| chunk_sums        | META_KEY            | partial-sum op nodes (META_KEY copied)     |
+| weight_transforms | META_KEY, STAGE_KEY | STAGE_KEY on what one stage's weights need |
+| split             | META_KEY, STAGE_KEY | the stage graphs and the prelude           |
+| specialize        | META_KEY            | a stage graph at one chunk length          |
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from tokpipe_compiler.passes.chunk_sums import chunk_sums
 from tokpipe_compiler.passes.partition import ImbalanceWarning, Partition, partition
 from tokpipe_compiler.passes.split import split
 from tokpipe_compiler.passes.text_once import why_kept
+from tokpipe_compiler.passes.weight_transforms import place_weight_transforms
 from tokpipe_compiler.planning.pass_runner import (
     PassSpec,
     annotated,
@@ -69,6 +72,7 @@ ANNOTATE = PassSpec("annotate", (SOURCE_KEY,), (META_KEY,), annotated)
 PARTITION = PassSpec("partition", (META_KEY,), (STAGE_KEY,), staged)
 CHUNK_ATTENTION = PassSpec("chunk_attention", (META_KEY,), (META_KEY,), attention_chunked)
 CHUNK_SUMS = PassSpec("chunk_sums", (META_KEY,), (META_KEY,), sums_chunked)
+WEIGHT_TRANSFORMS = PassSpec("weight_transforms", (META_KEY, STAGE_KEY), (STAGE_KEY,), nothing)
 SPLIT = PassSpec("split", (META_KEY, STAGE_KEY), (), nothing,
                  made=lambda graphs, gm: [(f"stage_{s.index}", s.gm) for s in graphs.stages])
 
@@ -93,6 +97,7 @@ def build_plan(gm: torch.fx.GraphModule, config: Config, ring_steps: int | None 
     caches = run_pass(CHUNK_ATTENTION, chunk_attention, gm, config.mode, config.attention)
     caches = caches + run_pass(CHUNK_SUMS, chunk_sums, gm, config.mode)
     runtime_inputs = {CHUNK_INPUT} | {n for c in caches for n in c.names}
+    run_pass(WEIGHT_TRANSFORMS, place_weight_transforms, gm)
     graphs = run_pass(SPLIT, split, gm, config.stages, runtime_inputs)
     consumers = {s: {i_stage.index for i_stage in graphs.stages for i in i_stage.inputs
                      if i.producer == s} for s in range(config.stages)}
