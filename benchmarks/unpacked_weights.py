@@ -19,6 +19,7 @@ there, against the float weights the model unpacks.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import sys
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fixtures, 
 import tokpipe_compiler as tp
 from benchmarks._args import parser_for, positive_int
 from tests.fixtures.pipelines import generate
+from tokpipe_compiler.released import NAMES
 from tokpipe_compiler.released.pipelines import pipeline
 
 RUNS = {"serial": None, "sync ring": ("sync", True), "stale ring": ("stale", True),
@@ -112,12 +114,17 @@ def gguf_pipeline(name: str, layers: int, folder: Path):
     return pipe, kwargs, unpacked
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = parser_for(__doc__)
-    parser.add_argument("--model", default="sd3-medium", help="a released name")
-    parser.add_argument("--layers", type=positive_int, default=4)
-    parser.add_argument("--steps", type=positive_int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--model", default="sd3-medium", choices=NAMES,
+                        help="the released transformer")
+    parser.add_argument("--layers", type=positive_int, default=4, help="its blocks")
+    parser.add_argument("--steps", type=positive_int, default=3, help="steps a generation")
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     torch.set_num_threads(1)
     print(f"{args.model}, {args.layers} blocks, 16x16 grid, {args.steps} steps, guidance")
     print(f"{'run':>16} {'resident MB':>12} {'peak +MB':>9} {'prelude MB':>11}")

@@ -3,7 +3,8 @@
 Every value a stage reads from outside comes in as a placeholder: a boundary value sent by
 an earlier stage, a per-call tensor sliced to the chunk, or a per-call value (the kinds of
 `core/stage_graph.py`). The prelude computes the invariant values once per call; it never
-sees a token.
+sees a token. A stage computes the nodes that carry its STAGE_KEY: partition's, and the
+weight transforms `passes/weight_transforms.py` placed with their one stage's readers.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def vmap_regions(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
     return regions
 
 
-def _checkvmap_regions(regions: list[list[torch.fx.Node]]) -> None:
+def _check_vmap_regions(regions: list[list[torch.fx.Node]]) -> None:
     """A vmapped region runs whole in the prelude; one that touches tokens cannot."""
     for region in regions:
         staged = next((n for n in region if n.meta.get(STAGE_KEY) is not None), None)
@@ -76,7 +77,7 @@ def _is_impure(node: torch.fx.Node) -> bool:
 def split(gm: torch.fx.GraphModule, stages: int, runtime_inputs: set[str]) -> SplitGraphs:
     """`runtime_inputs`: placeholders the runtime provides itself (K/V caches, the chunk)."""
     regions = vmap_regions(gm)
-    _checkvmap_regions(regions)
+    _check_vmap_regions(regions)
     _check_written_inputs(gm, runtime_inputs)
     graph_outputs = _output_nodes(gm)
     stage_graphs = [_stage_graph(gm, s, graph_outputs) for s in range(stages)]
@@ -227,7 +228,7 @@ _VIEW_METHODS = {"view", "narrow", "select", "transpose", "permute", "unsqueeze"
                  "detach", "reshape", "flatten", "expand", "view_as", "unflatten", "movedim"}
 
 
-def _alias_of(node: torch.fx.Node) -> torch.fx.Node | None:
+def alias_of(node: torch.fx.Node) -> torch.fx.Node | None:
     """What `node`'s value shares storage with: the input of a view, the target of an
     in-place write (`x.mul_(a).add_(b)` writes `x` twice); None for a value of its own."""
     if node.args and (node.target in _VIEWS
@@ -240,7 +241,7 @@ def written_base(node: torch.fx.Node) -> torch.fx.Node | None:
     """The value an in-place write changes: its target, or what that target views or was
     (through an earlier write: `x.mul_(a).add_(b)` changes `x`)."""
     target = writes_into(node)
-    while target is not None and (alias := _alias_of(target)) is not None:
+    while target is not None and (alias := alias_of(target)) is not None:
         target = alias
     return target
 
@@ -264,7 +265,7 @@ def _check_written_inputs(gm: torch.fx.GraphModule, runtime_inputs: set[str]) ->
     for base, write in last.items():
         shared = {base}
         for node in gm.graph.nodes:
-            if _alias_of(node) in shared:
+            if alias_of(node) in shared:
                 shared.add(node)
         reader = next((u for n in shared for u in n.users
                        if _info(u).carries_tokens and order[u] < order[write]), None)

@@ -15,14 +15,18 @@ import torch
 
 from tokpipe_compiler.core.fx import example_value, is_parameter
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, STAGE_KEY
-from tokpipe_compiler.passes.split import vmap_regions, writes_into
+from tokpipe_compiler.passes.split import alias_of, vmap_regions, writes_into, written_base
 
 
 def place_weight_transforms(gm: torch.fx.GraphModule) -> int:
     """Puts each weight transform that one stage alone reads in that stage (STAGE_KEY),
-    but in-place writes and traced vmaps, which run in the prelude (`split`). Returns how
-    many nodes it placed."""
+    but in-place writes and traced vmaps, which run in the prelude (`split`), and what
+    reads a value such a write changes: the prelude writes before any stage runs, so a
+    stage would read the new value where eager read the old. Returns how many nodes it
+    placed."""
     keep = {n for n in gm.graph.nodes if writes_into(n) is not None}
+    changed = _changed_values(gm, keep)
+    keep |= {n for n in gm.graph.nodes if changed.intersection(n.all_input_nodes)}
     derived = _weight_derived(gm, keep.union(*vmap_regions(gm)))
     placed: set[torch.fx.Node] = set()
     for node in reversed(gm.graph.nodes):  # users first: a chain follows its last op
@@ -39,6 +43,23 @@ def place_weight_transforms(gm: torch.fx.GraphModule) -> int:
             del node.meta[STAGE_KEY]
             placed.discard(node)
     return len(placed)
+
+
+def _changed_values(gm: torch.fx.GraphModule,
+                    writes: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The values in-place `writes` change: what each writes (and the values it views, up
+    to its base), and every view of those."""
+    changed: set[torch.fx.Node] = set()
+    for write in writes:
+        target = writes_into(write)
+        while target is not None:
+            changed.add(target)
+            target = alias_of(target)
+        changed.add(written_base(write))
+    for node in gm.graph.nodes:  # views of a changed value, in graph order
+        if node not in writes and alias_of(node) in changed:
+            changed.add(node)
+    return changed
 
 
 def _weight_derived(gm: torch.fx.GraphModule, keep: set[torch.fx.Node]) -> set[torch.fx.Node]:

@@ -291,3 +291,46 @@ def test_python_operators_named_like_in_place_ops_write_nothing(mode):
     model = MasksWithOperators().eval()
     (got, expected), = _runs(model, [(torch.randn(1, 16, 32),)], mode=mode)[0]
     _assert_close(got, expected)
+
+
+class ScalesBlocksFromABuffer(TinyDiT):
+    """A gain computed from a buffer alone (a weight transform) scales the blocks' output,
+    and the buffer is updated in place after that read; or a cloned weight is read, then
+    written."""
+
+    def __init__(self, clone: bool):
+        super().__init__()
+        self.clone = clone
+        self.register_buffer("gain", torch.ones(32))
+
+    def before_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        if self.clone:
+            gain = self.gain.clone()
+            x = x * (gain * 2.0)
+            gain.add_(1.0)
+            return x + gain.sum()
+        x = x * (self.gain * 2.0)
+        self.gain.add_(1.0)
+        return x
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, labels: torch.Tensor):
+        b, c, h, w = latents.shape
+        x = self.before_blocks(self.embed(latents).flatten(2).transpose(1, 2) + self.pos)
+        cond = self.t_mlp(timestep_features(timestep, 16)) + self.label(labels)
+        for block in self.blocks:
+            x = block(x, cond)
+        p = self.patch
+        x = self.out(x).reshape(b, h // p, w // p, p, p, c)
+        return torch.einsum("nhwpqc->nchpwq", x).reshape(b, c, h, w)
+
+
+@pytest.mark.parametrize("clone", [False, True])
+def test_a_weight_transform_read_before_a_write_reads_the_old_value(clone):
+    """A value computed from weights alone runs in the stage that reads it, after the
+    prelude's writes: one read before a write of what it reads stays in the prelude."""
+    model = ScalesBlocksFromABuffer(clone).eval()
+    outputs, reference = _runs(model, [dit_inputs(model, 8, seed) for seed in SEEDS],
+                               mode="sync")
+    for got, expected in outputs:
+        _assert_close(got, expected)
+    _assert_same_state(model, reference)

@@ -213,14 +213,14 @@ def test_pass_dumps_are_stamped_with_their_pass(caplog, tmp_path):
         logs.set_logs("")
     dumps = [r.getMessage() for r in caplog.records if r.name == "tokpipe_compiler.passes"]
     passes = [m.split("after pass ")[1].split("]")[0] for m in dumps]
-    assert passes == ["annotate", "partition", "chunk_attention", "chunk_sums", "split/stage_0",
-                      "split/stage_1"]
+    assert passes == ["annotate", "partition", "chunk_attention", "chunk_sums",
+                      "weight_transforms", "split/stage_0", "split/stage_1"]
     assert any(r.name == "tokpipe_compiler.plan" and "tokpipe plan" in r.getMessage()
                for r in caplog.records)
     files = sorted(tmp_path.glob("*.py"))
     assert [f.name.split("_", 1)[1] for f in files] == [
-        "annotate.py", "partition.py", "chunk_attention.py", "chunk_sums.py", "split_stage_0.py",
-        "split_stage_1.py"]
+        "annotate.py", "partition.py", "chunk_attention.py", "chunk_sums.py",
+        "weight_transforms.py", "split_stage_0.py", "split_stage_1.py"]
     assert files[2].read_text().startswith("# tokpipe dump")
 
 

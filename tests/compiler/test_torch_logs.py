@@ -23,8 +23,8 @@ compiled = torch.compile(model, backend=backend, dynamic=False)
 with torch.no_grad():
     compiled(*dit_inputs(model, 8))
 """
-PASSES = ["annotate", "partition", "chunk_attention", "chunk_sums", "split/stage_0",
-          "split/stage_1"]
+PASSES = ["annotate", "partition", "chunk_attention", "chunk_sums", "weight_transforms",
+          "split/stage_0", "split/stage_1"]
 
 
 def run(code: str, **env: str) -> subprocess.CompletedProcess:
