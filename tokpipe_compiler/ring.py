@@ -38,7 +38,7 @@ from tokpipe_compiler.ring_inputs import (
     input_signature,
 )
 from tokpipe_compiler.ring_returns import ONE_PER_CARRY, Feeds, check_returns
-from tokpipe_compiler.ring_trace import trace_step
+from tokpipe_compiler.ring_trace import StepGraphBreak, trace_step
 from tokpipe_compiler.runtime.chunking import Chunk
 from tokpipe_compiler.stage_programs.distributed import make_program, planned_alike
 from tokpipe_compiler.stage_programs.step_watch import Watch
@@ -87,6 +87,10 @@ class Ring:
         self._programs: dict[tuple, Any] = {}  # (signature, chunk table) -> program
         self._modules: dict[tuple, TracedModules] = {}  # signature -> what its trace read
         self._feeds_by_signature: dict[tuple, Feeds | None] = {}  # `ring_returns`
+        # signature -> Dynamo's break of its step, where the caller follows the modules (a
+        # parallelized pipeline drops its rings when the transformer changes): not traced
+        # again at every generation
+        self._broken: dict[tuple, StepGraphBreak] = {}
         self._carry_feeds: Feeds | None = None  # of the latest run's signature
 
     def run(self, inputs: dict[str, Any], per_step: dict[str, torch.Tensor] | None = None,
@@ -166,7 +170,7 @@ class Ring:
             self._traces[signature] = self._traces.pop(signature)
         else:
             self._forget_the_oldest()
-            traced = trace_step(self.step_fn, values)
+            traced = self._trace(signature, values)
             # before planning: in every mode alike
             self._feeds_by_signature[signature] = check_returns(traced, self.carry,
                                                                self.step_fn, values)
@@ -186,6 +190,18 @@ class Ring:
                 self._programs[signature, table] = make_program(plan, None, group=self.group)
         self.program = self._programs[signature, self._chosen[signature, steps]]
         return self.program
+
+    def _trace(self, signature: tuple, values: dict[str, Any]) -> Captured:
+        """The step traced for `signature`; a break Dynamo found in it before raises again
+        at once (the modules unchanged: see `_broken`)."""
+        if signature in self._broken:
+            raise StepGraphBreak(str(self._broken[signature]))
+        try:
+            return trace_step(self.step_fn, values)
+        except StepGraphBreak as err:
+            if not self.follow_modules:
+                self._broken[signature] = err
+            raise
 
     def _forget_the_oldest(self) -> None:
         """Before a new signature's trace: drop the traces, plans and programs of the one

@@ -22,7 +22,9 @@ from tests.fixtures.conditioned import CONDITIONED, flux_controlnet, wan22_5b_im
 from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import generate, hunyuan, parallelized, pixart_alpha, sd3
 from tests.fixtures.tracing import rel_error
+from tokpipe_compiler import ring
 from tokpipe_compiler.pipelines import table
+from tokpipe_compiler.ring_trace import trace_step
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -121,14 +123,20 @@ def _with_graph_break() -> pipelines.Built:
     return pipe, kwargs
 
 
-def test_a_step_dynamo_breaks_runs_per_call_and_says_why():
+def test_a_step_dynamo_breaks_runs_per_call_and_says_why(monkeypatch):
     """The ring needs the step as one graph; per call, Dynamo's pieces run pipelined or as
-    traced, so the generation goes on per call with a warning that names the break."""
+    traced, so the generation goes on per call with a warning that names the break. The
+    next generation does not trace the step again (it did at every call)."""
+    traces = []
+    monkeypatch.setattr(ring, "trace_step",
+                        lambda *a, **k: traces.append(1) or trace_step(*a, **k))
     serial = generate(*_with_graph_break(), steps=3)
     pipe, kwargs = parallelized(_with_graph_break, mode="sync")
     with pytest.warns(UserWarning, match="runs per call .*Dynamo broke it.*graph_break"):
         out = generate(pipe, kwargs, steps=3)
     assert rel_error(out, serial) <= 1e-5
+    assert rel_error(generate(pipe, kwargs, steps=3), serial) <= 1e-5
+    assert len(traces) == 1
 
 
 @pytest.mark.parametrize("family", ["flux_img2img", "wan_video2video"])
