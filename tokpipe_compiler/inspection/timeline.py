@@ -310,8 +310,9 @@ def format_comparison(rows: list[StageTiming], compiler: str = "eager") -> str:
     if far:
         lines.append(
             f"stage(s) {_stage_list(far)}: measured more than {CONTENDED_RATIO}x the "
-            "prediction, which other work on these cores, or more threads than free cores, "
-            "gives as well: run again with --threads 1 (or on idle cores) before acting on it")
+            "prediction, which, on a CPU, other work on its cores or more threads than free "
+            "cores gives as well: run again with --threads 1 (or on idle cores) before acting "
+            "on it")
     return "\n".join(lines)
 
 
