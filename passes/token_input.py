@@ -52,7 +52,10 @@ EMBEDDING_OPS = (F.embedding, torch.embedding)
 CONDITIONING = ("encoder_hidden_states", "cap_feats", "text_", "prompt_embeds")
 # A language model's keys and values of earlier calls (transformers' Cache objects), never
 # the call's tokens: a decode step's float inputs of rank 4, beside its one token's id.
-PAST_KEYS_VALUES = ("past_key_values", "past_key_value", "cache", "layer_past", "kv_cache")
+PAST_KEYS_VALUES = ("past_key_values", "past_key_value", "cache", "layer_past", "kv_cache",
+                    "kv_caches", "cache_params", "mems")
+# transformers' Cache objects, however passed: cache.layers[0].keys, cache.key_cache[0]
+_CACHE_PATH = re.compile(r"\.(layers\[\d+\]\.(keys|values)|key_cache|value_cache)\b")
 _RESUMED = re.compile(r"^l_(stack\d+(_\d+)*_)?")  # Dynamo's prefixes of a placeholder name
 
 
@@ -116,7 +119,8 @@ def _past_keys_values(node: torch.fx.Node) -> bool:
     """Whether the input is read off a language model's cache of earlier calls' keys and
     values (`cache.layers[0].keys`, `past_key_values[0][0]`)."""
     label = input_label(node) or ""
-    return re.split(r"[.\[]", label, maxsplit=1)[0] in PAST_KEYS_VALUES
+    return re.split(r"[.\[]", label, maxsplit=1)[0] in PAST_KEYS_VALUES or \
+        _CACHE_PATH.search(label) is not None
 
 
 def _token_ids(inputs: list[torch.fx.Node]) -> list[torch.fx.Node]:
