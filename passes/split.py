@@ -103,9 +103,33 @@ def _output_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return list(out.all_input_nodes)
 
 
+def autocast_regions(gm: torch.fx.GraphModule
+                     ) -> list[tuple[torch.fx.Node, torch.fx.Node, set[torch.fx.Node]]]:
+    """Each `torch.autocast` region of the forward, as Dynamo traces it: its enter and exit
+    calls and the nodes between them."""
+    order = list(gm.graph.nodes)
+    at = {node: i for i, node in enumerate(order)}
+    regions = []
+    for enter in order:
+        if enter.target is torch.amp.autocast_mode._enter_autocast:
+            exit_ = next((u for u in enter.users
+                          if u.target is torch.amp.autocast_mode._exit_autocast), None)
+            if exit_ is not None:
+                regions.append((enter, exit_, set(order[at[enter] + 1:at[exit_]])))
+    return regions
+
+
+def _with_autocast(nodes: set[torch.fx.Node], regions: list) -> set[torch.fx.Node]:
+    """`nodes` with the enter and exit calls of every autocast region one of them is in:
+    a graph that computes an op of the region computes it under the region's autocast."""
+    return nodes.union(*({enter, exit_} for enter, exit_, inside in regions
+                         if not nodes.isdisjoint(inside)))
+
+
 def _stage_graph(gm: torch.fx.GraphModule, stage: int, graph_outputs: list) -> StageGraph:
-    members = [n for n in gm.graph.nodes if n.meta.get(STAGE_KEY) == stage]
-    member_set = set(members)
+    staged = {n for n in gm.graph.nodes if n.meta.get(STAGE_KEY) == stage}
+    member_set = _with_autocast(staged, autocast_regions(gm))
+    members = [n for n in gm.graph.nodes if n in member_set]
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     inputs: list[StageInput] = []
@@ -162,6 +186,7 @@ def _prelude(
     for region in vmap_regions:
         if wanted.intersection(region):
             wanted |= _ancestors(region)
+    wanted = _with_autocast(wanted, autocast_regions(gm))
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name not in runtime_inputs:
             env[node] = graph.placeholder(node.name)
