@@ -80,10 +80,12 @@ def split(gm: torch.fx.GraphModule, stages: int, runtime_inputs: set[str]) -> Sp
     _check_vmap_regions(regions)
     _check_written_inputs(gm, runtime_inputs)
     graph_outputs = _output_nodes(gm)
-    stage_graphs = [_stage_graph(gm, s, graph_outputs) for s in range(stages)]
+    autocast = autocast_regions(gm)
+    stage_graphs = [_stage_graph(gm, s, graph_outputs, autocast) for s in range(stages)]
     needed = {i.source for g in stage_graphs for i in g.inputs if i.kind != BOUNDARY}
     needed |= {n.name for n in graph_outputs if not _info(n).carries_tokens}
-    prelude, prelude_outputs = _prelude(gm, needed - runtime_inputs, runtime_inputs, regions)
+    prelude, prelude_outputs = _prelude(gm, needed - runtime_inputs, runtime_inputs, regions,
+                                        autocast)
     return SplitGraphs(
         prelude=prelude,
         prelude_outputs=prelude_outputs,
@@ -126,9 +128,11 @@ def _with_autocast(nodes: set[torch.fx.Node], regions: list) -> set[torch.fx.Nod
                          if not nodes.isdisjoint(inside)))
 
 
-def _stage_graph(gm: torch.fx.GraphModule, stage: int, graph_outputs: list) -> StageGraph:
+def _stage_graph(gm: torch.fx.GraphModule, stage: int, graph_outputs: list,
+                 autocast: list) -> StageGraph:
+    """`autocast`: the graph's `autocast_regions`."""
     staged = {n for n in gm.graph.nodes if n.meta.get(STAGE_KEY) == stage}
-    member_set = _with_autocast(staged, autocast_regions(gm))
+    member_set = _with_autocast(staged, autocast)
     members = [n for n in gm.graph.nodes if n in member_set]
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -173,7 +177,7 @@ def _stage_input(arg: torch.fx.Node) -> StageInput:
 
 def _prelude(
     gm: torch.fx.GraphModule, needed: set[str], runtime_inputs: set[str],
-    vmap_regions: list[list[torch.fx.Node]],
+    vmap_regions: list[list[torch.fx.Node]], autocast: list,
 ) -> tuple[torch.fx.GraphModule, list[str]]:
     """A graph from the original inputs to every invariant value the stages read, and to
     every write into an input (annotate refused those of token values); a traced vmap it
@@ -186,7 +190,7 @@ def _prelude(
     for region in vmap_regions:
         if wanted.intersection(region):
             wanted |= _ancestors(region)
-    wanted = _with_autocast(wanted, autocast_regions(gm))
+    wanted = _with_autocast(wanted, autocast)
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.name not in runtime_inputs:
             env[node] = graph.placeholder(node.name)

@@ -15,15 +15,14 @@ import torch
 
 from tokpipe_compiler.core.fx import example_value, is_parameter
 from tokpipe_compiler.core.meta import INVARIANT_INFO, META_KEY, STAGE_KEY
-from tokpipe_compiler.passes.split import alias_of, vmap_regions, writes_into, written_base
+from tokpipe_compiler.passes.split import alias_of, vmap_regions, writes_into
 
 
-def place_weight_transforms(gm: torch.fx.GraphModule) -> int:
+def place_weight_transforms(gm: torch.fx.GraphModule) -> None:
     """Puts each weight transform that one stage alone reads in that stage (STAGE_KEY),
     but in-place writes and traced vmaps, which run in the prelude (`split`), and what
     reads a value such a write changes: the prelude writes before any stage runs, so a
-    stage would read the new value where eager read the old. Returns how many nodes it
-    placed."""
+    stage would read the new value where eager read the old."""
     keep = {n for n in gm.graph.nodes if writes_into(n) is not None}
     changed = _changed_values(gm, keep)
     keep |= {n for n in gm.graph.nodes if changed.intersection(n.all_input_nodes)}
@@ -42,7 +41,6 @@ def place_weight_transforms(gm: torch.fx.GraphModule) -> int:
                                   for arg in node.all_input_nodes):
             del node.meta[STAGE_KEY]
             placed.discard(node)
-    return len(placed)
 
 
 def _changed_values(gm: torch.fx.GraphModule,
@@ -52,10 +50,9 @@ def _changed_values(gm: torch.fx.GraphModule,
     changed: set[torch.fx.Node] = set()
     for write in writes:
         target = writes_into(write)
-        while target is not None:
+        while target is not None:  # up to the written base
             changed.add(target)
             target = alias_of(target)
-        changed.add(written_base(write))
     for node in gm.graph.nodes:  # views of a changed value, in graph order
         if node not in writes and alias_of(node) in changed:
             changed.add(node)

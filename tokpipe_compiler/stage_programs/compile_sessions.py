@@ -51,10 +51,10 @@ CHANGED = ("tokpipe: the options dict given to torch.compile changed after its f
 def session_for(options: Any, mode: str | None) -> tuple[Session, Any]:
     """The session of the compile whose options are `options` and its options as first
     seen (made now at its first graph)."""
-    for entry in _live():
-        if entry.options is options and entry.mode == mode:
-            warn_if_changed(options, mode)
-            return entry.session(), entry.copied
+    entry = _entry(options, mode)
+    if entry is not None:
+        _warn_if_changed(entry, options)
+        return entry.session(), entry.copied
     session = Session()
     _ENTRIES.append(_Entry(options, mode, weakref.ref(session), _copied(options)))
     return session, _ENTRIES[-1].copied
@@ -64,13 +64,21 @@ def warn_if_changed(options: Any, mode: str | None) -> None:
     """Warns (once per compile) where the options dict of a compile changed since its first
     graph: also where Dynamo serves a later compile given the same dict from this one's
     graphs (a model of the same class), which never reaches the backend."""
-    for entry in _live():
-        if entry.options is options and entry.mode == mode and \
-                not _equal(entry.copied, options):
-            session = entry.session()
-            if "options changed" not in session.warned:
-                session.warned.add("options changed")
-                warn(CHANGED)
+    entry = _entry(options, mode)
+    if entry is not None:
+        _warn_if_changed(entry, options)
+
+
+def _entry(options: Any, mode: str | None) -> _Entry | None:
+    """The live entry of the compile given `options` (the dict itself) and `mode`."""
+    return next((e for e in _live() if e.options is options and e.mode == mode), None)
+
+
+def _warn_if_changed(entry: _Entry, options: Any) -> None:
+    session = entry.session()
+    if not _equal(entry.copied, options) and "options changed" not in session.warned:
+        session.warned.add("options changed")
+        warn(CHANGED)
 
 
 def sessions_for_options(options: Any, mode: str | None = None) -> CompileSessions:
