@@ -91,3 +91,26 @@ def test_a_weight_unpacked_in_the_forward_is_unpacked_in_its_stage():
     for stage in plan.graphs.stages:
         assert unpacking(stage.gm)
         assert any("qweight" in i.name for i in stage.inputs)  # the int8 rows come in
+
+
+def test_a_stage_costs_the_weights_it_unpacks_at_every_chunk():
+    """A stage unpacks its weights once a chunk: its Cost (what chunks="auto" and the
+    timeline predict from) counts that work, the same at every chunk size, on top of what
+    the same model with float weights costs: a multiply a weight element (the int8 rows
+    times their scales) and the bytes the cast and the multiply move."""
+    torch.manual_seed(0)
+    float_model = TinyDiT(depth=2, width=32, heads=2, grid=8).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plans = [tp.explain(model, inputs, stages=2, chunks=2) for model, inputs in
+                 (unpacking_model(), (float_model, dit_inputs(float_model, 8)))]
+    tokens = plans[0].tokens
+    for unpacking, plain in zip(*(p.stages for p in plans), strict=True):
+        linears = [n for n in unpacking.graph.gm.graph.nodes if n.op == "call_method"
+                   and n.target == "to" and "qweight" in n.args[0].name]
+        elements = sum(n.meta["example_value"].numel() for n in linears)
+        extra = {n: [a - b for a, b in zip(unpacking.cost.at(n, tokens)[:2],
+                                          plain.cost.at(n, tokens)[:2], strict=True)]
+                 for n in (tokens // 4, tokens // 2, tokens)}
+        flops, moved = zip(*extra.values(), strict=True)
+        assert set(flops) == {elements} and len(set(moved)) == 1 and moved[0] > 0, extra

@@ -16,6 +16,7 @@ from tokpipe_compiler.costmodel.cost import Cost, graph_cost, node_cost
 from tokpipe_compiler.costmodel.hardware import LINKS
 from tokpipe_compiler.costmodel.host import planning_host, runtime_host
 from tokpipe_compiler.passes.partition import Partition
+from tokpipe_compiler.passes.weight_transforms import transform_stages
 
 
 def flops_weight(tokens: int, chunk_tokens: int,
@@ -26,10 +27,16 @@ def flops_weight(tokens: int, chunk_tokens: int,
 
 
 def stage_costs(cut: Partition, stages: int, tokens: int) -> list[Cost]:
-    """Each stage's Cost. Call before chunk_attention: it replaces the attention nodes."""
+    """Each stage's Cost: its token nodes and the weight transforms it computes at each
+    chunk (a GGUF weight unpacked: `passes/weight_transforms.py`). Call before
+    chunk_attention: it replaces the attention nodes."""
     members: list[list[torch.fx.Node]] = [[] for _ in range(stages)]
     for node in cut.order:
         members[cut.stage_of[node]].append(node)
+    if cut.order:
+        gm = cut.order[0].graph.owning_module
+        for node, stage in transform_stages(gm, cut.stage_of).items():
+            members[stage].append(node)
     return [graph_cost(nodes, tokens) for nodes in members]
 
 
