@@ -108,7 +108,10 @@ class DenoiserRings:
         """The ring of the step `glue` identified from `calls`, planned now; `table` holds
         the steps from the segment's first to the loop's last."""
         self._follow_the_module()
-        sample = start.sample
+        # a copy: the ring runs after the probe steps, and a loop that writes its latents
+        # in place (Kandinsky 5's `latents[..., :c] = scheduler.step(...)`) writes the
+        # probes' values into the tensor it passed to the first step
+        sample = start.sample.clone()
         fixed = self._fixed(glue, calls, sample.shape[0])
         if self.cfg == 2 and glue.combine == "none":
             raise UnpipelinedStep("the call runs no classifier-free guidance (one branch)")

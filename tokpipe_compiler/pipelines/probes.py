@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -99,9 +100,54 @@ def _fake_forward(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
     eagerly: Inductor's kernels would read fake tensors' storage, which they have none of."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with _quiet(FAKE_TENSOR_LOG), torch.compiler.set_stance("force_eager"), \
-            FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        return forward(**pytree.tree_map_only(torch.Tensor, mode.from_tensor, call))
+    attributes = _attributes(getattr(forward, "__self__", None))
+    try:
+        with _quiet(FAKE_TENSOR_LOG), torch.compiler.set_stance("force_eager"), \
+                FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            return forward(**pytree.tree_map_only(torch.Tensor, mode.from_tensor, call))
+    finally:
+        _restore_attributes(attributes)
+
+
+Attributes = list[tuple[Any, dict[str, Any]]]
+
+
+def _attributes(module: Any) -> Attributes:
+    """The plain attributes of each module (not its parameters, buffers or submodules)
+    and of the plain objects a module holds (Z-Image's `RopeEmbedder` is no module), as
+    they are before a fake run."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    owners: list[Any] = []
+    for owner in module.modules():
+        owners.append(owner)
+        owners.extend(value for value in owner.__dict__.values() if _plain_object(value))
+    return [(owner, dict(vars(owner))) for owner in owners]
+
+
+def _plain_object(value: Any) -> bool:
+    """An instance of a Python class with attributes of its own: not a module, tensor,
+    class, function or container."""
+    return hasattr(value, "__dict__") and not isinstance(
+        value, torch.nn.Module | torch.Tensor | type | types.FunctionType | types.MethodType
+        | types.ModuleType)
+
+
+def _restore_attributes(attributes: Attributes) -> None:
+    """Puts back each plain attribute a fake run left holding fake tensors: a cache the
+    model fills on its first call (Z-Image's rotary table, `rope_embedder.freqs_cis`)
+    would otherwise serve fake tensors to every later real call."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    for owner, before in attributes:
+        for name, value in list(vars(owner).items()):
+            if value is before.get(name) or not any(
+                    is_fake(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)):
+                continue
+            if name in before:
+                vars(owner)[name] = before[name]
+            else:
+                del vars(owner)[name]
 
 
 Weights = list[tuple[torch.nn.Module, str, torch.Tensor, torch.device]]

@@ -1,8 +1,8 @@
 """A pipeline's scheduler routed through ring mode, and the step's arguments and result.
 
-`route` gives one scheduler instance a subclass whose `set_timesteps`, `step` and noising
-methods call the ring's hooks; `step_arguments` reads what the pipeline passed to `step`,
-and `with_sample` hands the ring's latents back in the scheduler's own output.
+`route` sends one scheduler instance's `set_timesteps`, `step` and noising methods through
+the ring's hooks; `step_arguments` reads what the pipeline passed to `step`, and
+`with_sample` hands the ring's latents back in the scheduler's own output.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,38 +20,54 @@ import torch
 Hook = Callable[..., Any]  # hook(original bound method, *args, **kwargs)
 
 
+@dataclass
+class _Route:
+    owner: Any
+    hooks: dict[str, Hook]
+    running: set[str] = field(default_factory=set)  # hooks now running: not entered again
+
+
+# Routed scheduler instances -> their route. Keyed by the instance, not held on it: a copy
+# of the scheduler (step tables probe copies, `copy.deepcopy`) runs its own methods.
+_ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_DISPATCHER = "_tokpipe_dispatcher"
+
+
 def route(scheduler: Any, owner: Any, hooks: dict[str, Hook]) -> None:
     """Route `scheduler`'s methods named in `hooks` (those it has) through the hooks of
-    `owner` (once; one routed to another owner before is routed anew). A subclass, not
-    instance attributes: copies of the scheduler (step tables probe copies) must run their
-    own methods, and pipelines inspect the methods' signatures."""
-    routed_for = getattr(type(scheduler), "_tokpipe_instance", lambda: None)()
-    if getattr(type(scheduler), "_tokpipe_calls", None) is owner and routed_for is scheduler:
+    `owner`, replacing an earlier owner's. Its class keeps its identity (pipelines test
+    `type(scheduler) != FlowMatchEulerDiscreteScheduler`, as Bria's does): the class's
+    methods dispatch by instance, every other instance (a copy, one `from_config` made)
+    running its own method, and keep their signatures, which pipelines inspect."""
+    names = {name: hook for name, hook in hooks.items()
+             if callable(getattr(type(scheduler), name, None))}
+    for name in names:
+        _dispatch_from(type(scheduler), name)
+    _ROUTES[scheduler] = _Route(owner, names)
+
+
+def _dispatch_from(cls: type, name: str) -> None:
+    """Makes `cls.name` call the hook of the instance's route, where it has one (once per
+    class; a method it inherits dispatches already where the base's does)."""
+    method = getattr(cls, name)
+    if getattr(method, _DISPATCHER, False):
         return
-    # Otherwise route anew, also a scheduler made from a routed one's class (diffusers'
-    # `pipe.scheduler.__class__.from_config(...)`, a deepcopy): its class is the routed
-    # subclass, whose hooks answer only the instance they were made for.
-    # A scheduler shared by two parallelized pipelines (diffusers' from_pipe) is routed to
-    # each in turn: always from its own class, so that no earlier owner's hooks stay.
-    base = getattr(type(scheduler), "_tokpipe_base", type(scheduler))
-    instance = weakref.ref(scheduler)
 
-    def routed(name: str, hook: Hook) -> Callable[..., Any]:
-        method = getattr(base, name)
+    @functools.wraps(method)
+    def call(sched: Any, *args: Any, **kwargs: Any) -> Any:
+        original = method.__get__(sched)
+        entry = _ROUTES.get(sched)
+        hook = None if entry is None or name in entry.running else entry.hooks.get(name)
+        if hook is None:  # not routed, or within its own hook (a subclass's super().step)
+            return original(*args, **kwargs)
+        entry.running.add(name)
+        try:
+            return hook(original, *args, **kwargs)
+        finally:
+            entry.running.discard(name)
 
-        @functools.wraps(method)
-        def call(sched: Any, *args: Any, **kwargs: Any) -> Any:
-            original = method.__get__(sched)
-            return hook(original, *args, **kwargs) if sched is instance() else original(
-                *args, **kwargs)
-
-        return call
-
-    methods = {name: routed(name, hook) for name, hook in hooks.items()
-               if callable(getattr(base, name, None))}
-    scheduler.__class__ = type(base.__name__, (base,), {
-        **methods, "_tokpipe_calls": owner, "_tokpipe_base": base, "_tokpipe_instance": instance,
-        "__module__": base.__module__, "__doc__": base.__doc__})
+    setattr(call, _DISPATCHER, True)
+    setattr(cls, name, call)
 
 
 def step_arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
