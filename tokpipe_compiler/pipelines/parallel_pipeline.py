@@ -39,6 +39,7 @@ from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.dynamo_backend import TokpipeBackend
 from tokpipe_compiler.pipelines.cfg_parallel import Branches, branch_groups, check_world
 from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
+from tokpipe_compiler.pipelines.guiders import warn_hooked_guider
 from tokpipe_compiler.pipelines.marks import (
     CALLED,
     FRESH,
@@ -198,6 +199,7 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
         if getattr(self, RING, None) is not calls:  # made from this one (from_pipe)
             return cls.__call__(self, *args, **kwargs)
         _warn_replaced(self)
+        _warn_hooked_guider(self)
         generators = call_generators(cls.__call__, self, args, kwargs)
         states = random_states(generators)
         with _one_call_at_a_time(self, running), calling(calls):
@@ -241,6 +243,7 @@ def _install_fresh_start(pipe: Any) -> None:
         if getattr(self, FRESH, None) is not marker:  # a pipeline made from this one
             return cls.__call__(self, *args, **kwargs)
         _warn_replaced(self)
+        _warn_hooked_guider(self)
         with _one_call_at_a_time(self, running):
             for denoiser in find_denoisers(self).values():
                 reset_programs(denoiser)
@@ -333,6 +336,15 @@ def _summarize_graphs(pipe: Any) -> None:
 def _counted_step(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     count_step()
     return original(*args, **kwargs)
+
+
+def _warn_hooked_guider(pipe: Any) -> None:
+    """A guider that hooks the transformer for one branch, in stale or causal mode."""
+    for denoiser in find_denoisers(pipe).values():
+        parallelized = getattr(denoiser, PARALLELIZED, None)
+        if parallelized is not None:
+            warn_hooked_guider(pipe, parallelized.config.mode)
+            return
 
 
 def _warn_replaced(pipe: Any) -> None:

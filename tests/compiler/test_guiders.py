@@ -1,0 +1,76 @@
+"""diffusers' guider components (`diffusers.guiders`) and modular pipelines: a modular
+pipeline runs per call (not in the ring table) and equals the serial one in sync mode; a
+guider that hooks the transformer for one branch (perturbed-attention guidance through
+layer-skip hooks) says, in stale mode, that its numbers depend on the graphs traced before.
+
+Tolerance: 1e-5 relative to the serial pipeline's latents (float32)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import tokpipe_compiler as tp
+from tests.fixtures.pipelines import TEXT, WIDTH, _text
+from tests.fixtures.tracing import rel_error
+from tests.fixtures.zoo import ZOO
+from tests.fixtures.zoo_build import build_entry
+
+OPTIONS = {"stages": 2, "chunks": 2, "compiler": "eager", "warmup_steps": 1}
+HOOKED = "hooks the transformer for one guidance branch"
+
+
+def zimage_modular(guider):
+    """Z-Image's modular denoising blocks with `guider`, a small random transformer."""
+    import diffusers
+    from diffusers.modular_pipelines.z_image.modular_blocks_z_image import ZImageCoreDenoiseStep
+
+    pipe = ZImageCoreDenoiseStep().init_pipeline()
+    pipe.update_components(
+        transformer=build_entry("ZImageTransformer2DModel", ZOO["ZImageTransformer2DModel"]),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), guider=guider)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate(pipe) -> torch.Tensor:
+    return pipe(prompt_embeds=[_text(1, TEXT, WIDTH)],
+                negative_prompt_embeds=[_text(2, TEXT, WIDTH)], height=128, width=128,
+                num_inference_steps=3, generator=torch.Generator().manual_seed(0), output="latents")
+
+
+def perturbed():
+    from diffusers import guiders
+    from diffusers.hooks import LayerSkipConfig
+
+    return guiders.PerturbedAttentionGuidance(
+        guidance_scale=4.0, perturbed_guidance_scale=2.0, perturbed_guidance_config=LayerSkipConfig(
+            indices=[0], fqn="layers", skip_attention=False, skip_attention_scores=True))
+
+
+def test_a_modular_pipeline_runs_per_call_and_equals_serial():
+    from diffusers import guiders
+
+    serial = generate(zimage_modular(guiders.ClassifierFreeGuidance(guidance_scale=4.0)))
+    pipe = tp.parallelize(zimage_modular(guiders.ClassifierFreeGuidance(guidance_scale=4.0)),
+                          mode="sync", **OPTIONS)
+    with pytest.warns(UserWarning, match="ZImageModularPipeline runs per call"):
+        out = generate(pipe)
+    assert rel_error(out, serial) <= 1e-5
+
+
+def test_a_guider_that_hooks_a_branch_says_so_in_stale_mode():
+    pipe = tp.parallelize(zimage_modular(perturbed()), mode="stale", **OPTIONS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(pipe)
+        generate(pipe)
+    told = [str(w.message) for w in caught if HOOKED in str(w.message)]
+    assert len(told) == 1 and "PerturbedAttentionGuidance" in told[0]  # once per guider
+    synced = tp.parallelize(zimage_modular(perturbed()), mode="sync", **OPTIONS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(synced)
+    assert not [w for w in caught if HOOKED in str(w.message)]
