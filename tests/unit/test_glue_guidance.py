@@ -73,3 +73,12 @@ def test_an_unknown_combination_of_three_parts_is_refused():
     uncond, cond, perturbed = probe.chunk(3)
     with pytest.raises(GlueNotFound, match="perturbed-attention guidance"):
         _identify(3, probe, uncond * cond + perturbed)
+
+
+def test_a_negated_guided_prediction_is_refused_and_named():
+    """HiDream hands scheduler.step the guided prediction negated: no guidance form is
+    that, and the refusal names the numbers it tried and what the pipeline may have done."""
+    probe = _randn(2, 4, 6, seed=1)
+    uncond, cond = probe.chunk(2)
+    with pytest.raises(GlueNotFound, match=r"defaults to \(20, 4.5, .*negated"):
+        _identify(2, probe, -(uncond + 4.5 * (cond - uncond)))

@@ -93,9 +93,10 @@ def fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
     tried = ", ".join(f"{c:g}" for c in candidates)
     raise GlueNotFound("the prediction the pipeline passes to scheduler.step is neither the "
                        "transformer's output nor classifier-free or perturbed-attention "
-                       f"guidance over it at scales the call passed or defaults to ({tried}) "
-                       "or fitted to it (a guidance rescaled by statistics over all tokens "
-                       "cannot be chunked)")
+                       "guidance over it, at a scale fitted to it or among the numbers the "
+                       f"call passed or defaults to ({tried}): a prediction the pipeline "
+                       "transforms further (negated, as HiDream's is, or rescaled by "
+                       "statistics over all tokens) is not replayed")
 
 
 def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor,
