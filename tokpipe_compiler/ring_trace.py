@@ -48,6 +48,7 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
                            "indexed by a step's value, pass the looked-up values per step "
                            "(per_step={'alpha': table[timesteps]})"
                            f"{_advice(err, branch=False)}") from err
+    _refuse_data_dependent_sizes(traced.gm)
     for node in traced.gm.graph.nodes:
         if node.op == "call_method" and node.target in ("item", "tolist"):
             raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
@@ -55,6 +56,21 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
                                f"{user_line(node)}; keep the value a tensor (a 0-d tensor "
                                "works in the arithmetic)")
     return traced.without_arguments(values, argument_reads(step_fn, traced.gm, values))
+
+
+def _refuse_data_dependent_sizes(gm: torch.fx.GraphModule) -> None:
+    """A step with a tensor whose size depends on tensor values (Mochi's attention over
+    the text tokens its mask keeps: `query[:, :, valid_indices]`) cannot be cut into
+    chunks planned ahead; per call, Dynamo breaks the graph there and its graphs run
+    pipelined or as traced."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and free_unbacked_symbols(value):
+            raise StepGraphBreak(f"ring mode plans the step's shapes ahead, and the step "
+                                 f"computes a tensor whose size depends on tensor values "
+                                 f"({tuple(value.shape)} at {user_line(node)})")
 
 
 def _run_eagerly(step_fn: Callable[..., Any], values: dict[str, Any]) -> None:

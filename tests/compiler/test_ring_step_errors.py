@@ -12,6 +12,7 @@ from diffusers import DDIMScheduler, EulerDiscreteScheduler
 
 import tokpipe_compiler as tp
 from tests.fixtures.models import TinyDiT, dit_inputs
+from tokpipe_compiler.ring_trace import StepGraphBreak
 
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "sync", "compiler": "eager"}
 TIMESTEPS = torch.tensor([900, 500])
@@ -84,3 +85,18 @@ def test_a_carried_step_counter_points_to_per_step():
     with pytest.raises(tp.TokpipeError, match=r"carried input 'k' is fed by an output that is "
                                               r"not laid out like 'latents'.*per_step"):
         _run(step, carry=("latents", "k"), k=torch.ones(1))
+
+
+def test_a_size_that_depends_on_values_is_refused_as_a_graph_break():
+    """Mochi attends over the text tokens its mask keeps (`query[:, :, valid_indices]`):
+    a size known only from the values, which the planner's token rules crashed on (an
+    internal error). It is refused as a step Dynamo breaks is (a parallelized pipeline
+    then runs per call)."""
+    def step(latents, timestep, labels, mask):
+        kept = latents[:, :, mask.nonzero().flatten()]  # the kept rows only
+        return latents - 0.1 * MODEL(latents, timestep[None], labels) + kept.mean()
+
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[:5] = True
+    with pytest.raises(StepGraphBreak, match="size depends on tensor values"):
+        _run(step, mask=mask)
