@@ -7,14 +7,15 @@ linears dequantize theirs): serial against parallelized.
 A released-width transformer (`--layers` blocks, a 16x16 grid) inside its diffusers
 pipeline, with guidance, its random weights written to a GGUF file (Q8_0: int8 blocks of
 32 with a scale each, the 2-d weights whose rows the blocks tile) and loaded back with
-diffusers' GGUFQuantizationConfig, as a user loads a released GGUF. In one
-process, one thread: the pipeline serial, then parallelized (2 stages x 2 chunks, eager
-stages) as a ring in sync and stale mode and per call in stale mode. Each row: the resident
-set before a call (after a first call, `gc.collect()` and `malloc_trim`) and its peak during
-the call (sampled every 2 ms; the allocator makes it vary by a few hundred MB from run to
-run), and what the per-call prelude computes and hands to the stages, held for the whole
-call (exact): a pipeline that unpacked every weight ahead of its stages holds all of them
-there, against the float weights the model unpacks.
+diffusers' GGUFQuantizationConfig, as a user loads a released GGUF. One thread, each row
+in a process of its own (a row run after others would reuse their freed heap): the
+pipeline serial, then parallelized (2 stages x 2 chunks, eager stages) as a ring in sync
+and stale mode and per call in stale mode. Each row: the resident set before a call
+(after a first call, `gc.collect()` and `malloc_trim`), its peak during the call (the
+kernel's high-water mark, exact), and what the per-call prelude computes and hands to the
+stages, held for the whole call (exact): a pipeline that unpacked every weight ahead of
+its stages holds all of them there, against the float weights the model unpacks. The
+allocator's free lists make the peak vary by some 100 MB from run to run.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
+import subprocess
 import sys
 import tempfile
-import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -43,9 +44,13 @@ RUNS = {"serial": None, "sync ring": ("sync", True), "stale ring": ("stale", Tru
         "stale per call": ("stale", False)}
 
 
-def resident_mb() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096 / 1e6
+def status_mb(field: str) -> float:
+    """A /proc/self/status field (VmRSS, VmHWM) in MB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024 / 1e6
+    raise KeyError(field)
 
 
 def call_peak(pipe, kwargs: dict, steps: int) -> tuple[float, float]:
@@ -53,20 +58,11 @@ def call_peak(pipe, kwargs: dict, steps: int) -> tuple[float, float]:
     generate(pipe, kwargs, steps=steps)  # traces, plans
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    base = resident_mb()
-    peak, running = [base], [True]
-
-    def sample() -> None:
-        while running[0]:
-            peak[0] = max(peak[0], resident_mb())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # the high-water mark starts again from the resident set
+    base = status_mb("VmRSS")
     generate(pipe, kwargs, steps=steps)
-    running[0] = False
-    sampler.join()
-    return base, peak[0] - base
+    return base, status_mb("VmHWM") - base
 
 
 def prelude_held_mb(pipe) -> float:
@@ -120,28 +116,45 @@ def arguments() -> argparse.ArgumentParser:
                         help="the released transformer")
     parser.add_argument("--layers", type=positive_int, default=4, help="its blocks")
     parser.add_argument("--steps", type=positive_int, default=3, help="steps a generation")
+    parser.add_argument("--row", choices=RUNS, help="run this row alone and print it as JSON "
+                        "(what the script does for each row in a process of its own)")
     return parser
+
+
+def measure_row(args: argparse.Namespace) -> dict:
+    """One row, in this process."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as folder:
+        pipe, kwargs, unpacked = gguf_pipeline(args.model, args.layers, Path(folder))
+        how = RUNS[args.row]
+        if how is not None:
+            mode, ring = how
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a few blocks over 2 stages are unbalanced
+                tp.pipelines.parallelize(pipe, stages=2, chunks=2, mode=mode, ring=ring,
+                                         compiler="eager")
+        base, extra = call_peak(pipe, kwargs, args.steps)
+        prelude = None if how is None else prelude_held_mb(pipe)
+    return {"base": base, "extra": extra, "prelude": prelude, "unpacked": unpacked}
 
 
 def main() -> None:
     args = arguments().parse_args()
-    torch.set_num_threads(1)
+    if args.row is not None:
+        print(json.dumps(measure_row(args)))
+        return
     print(f"{args.model}, {args.layers} blocks, 16x16 grid, {args.steps} steps, guidance")
     print(f"{'run':>16} {'resident MB':>12} {'peak +MB':>9} {'prelude MB':>11}")
-    with tempfile.TemporaryDirectory() as folder:
-        for label, how in RUNS.items():
-            pipe, kwargs, unpacked = gguf_pipeline(args.model, args.layers, Path(folder))
-            if how is not None:
-                mode, ring = how
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # a few blocks over 2 stages are unbalanced
-                    tp.pipelines.parallelize(pipe, stages=2, chunks=2, mode=mode, ring=ring,
-                                             compiler="eager")
-            base, extra = call_peak(pipe, kwargs, args.steps)
-            prelude = "-" if how is None else f"{prelude_held_mb(pipe):.0f}"
-            print(f"{label:>16} {base:>12.0f} {extra:>9.0f} {prelude:>11}", flush=True)
-            del pipe, kwargs
-            gc.collect()
+    unpacked = 0
+    for label in RUNS:
+        command = [sys.executable, __file__, "--model", args.model, "--layers",
+                   str(args.layers), "--steps", str(args.steps), "--row", label]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        unpacked = row["unpacked"]
+        prelude = "-" if row["prelude"] is None else f"{row['prelude']:.0f}"
+        print(f"{label:>16} {row['base']:>12.0f} {row['extra']:>9.0f} {prelude:>11}",
+              flush=True)
     print(f"float32 weights the model unpacks: {unpacked / 1e6:.0f} MB")
 
 

@@ -14,6 +14,7 @@ import torch
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED
+from tests.fixtures.more_pipelines import MORE
 from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import generate, in_dtype
 from tests.fixtures.ranks import launch_cases, selected
@@ -21,7 +22,7 @@ from tests.fixtures.ranks import launch_cases, selected
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 pytest.importorskip("transformers")
 
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED}
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE}
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -50,6 +51,9 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
     "flux_inpaint",  # the latents blended with the noised image after every step
     "sd3_pag",  # perturbed-attention guidance: three parts of the batch, one perturbed
     pytest.param("wan_video2video", marks=pytest.mark.full),  # starts inside the schedule
+    # the latents written in place; guidance from a guider component; joint attention
+    *(pytest.param(f, marks=pytest.mark.full)
+      for f in ("kandinsky5_video", "hunyuan_image", "ovis", "skyreels_v2")),
 ])
 def test_two_ranks_equal_one_process(family, two_rank_runs):
     alone = _pipelined(family)

@@ -236,6 +236,7 @@ class PipelinedProgram:
         def env_for(step: int) -> dict:
             if step not in envs:
                 envs.clear()  # one step's values at a time: steps run in order per rank
+                self.feeds.forget()  # it holds the last step's values too
                 envs[step] = self._call_env(step_args[step])
             return envs[step]
 
