@@ -74,3 +74,25 @@ def test_a_guider_that_hooks_a_branch_says_so_in_stale_mode():
         warnings.simplefilter("always")
         generate(synced)
     assert not [w for w in caught if HOOKED in str(w.message)]
+
+
+def test_a_guider_that_changes_the_step_runs_per_call_and_equals_serial():
+    """HunyuanImage 2.1 ships AdaptiveProjectedMixGuidance (adaptive projected guidance
+    from a later step, with momentum): the ring, which replays one guidance form at every
+    step, would refuse it partway through; it runs per call, saying why. Its
+    classifier-free guider runs as a ring (test_parallelize's hunyuan_image)."""
+    from diffusers import guiders
+
+    from tests.fixtures.more_pipelines import hunyuan_image
+    from tests.fixtures.pipelines import generate as generate_with
+    from tests.fixtures.pipelines import parallelized
+
+    def make():
+        return hunyuan_image(guiders.AdaptiveProjectedMixGuidance(
+            guidance_scale=4.0, adaptive_projected_guidance_start_step=2))
+
+    serial = generate_with(*make(), steps=4)
+    with pytest.warns(UserWarning, match="its guider, AdaptiveProjectedMixGuidance, is not "
+                                         "classifier-free guidance at one scale"):
+        out = generate_with(*parallelized(make, mode="sync"), steps=4)
+    assert rel_error(out, serial) <= 1e-5
