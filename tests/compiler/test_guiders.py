@@ -96,3 +96,41 @@ def test_a_guider_that_changes_the_step_runs_per_call_and_equals_serial():
                                          "classifier-free guidance at one scale"):
         out = generate_with(*parallelized(make, mode="sync"), steps=4)
     assert rel_error(out, serial) <= 1e-5
+
+
+def wan_modular():
+    """Wan's modular denoising blocks with classifier-free guidance from its guider."""
+    import diffusers
+    from diffusers import guiders
+    from diffusers.modular_pipelines.wan.modular_blocks_wan import WanCoreDenoiseStep
+
+    pipe = WanCoreDenoiseStep().init_pipeline()
+    pipe.update_components(
+        transformer=build_entry("WanTransformer3DModel", ZOO["WanTransformer3DModel"]),
+        scheduler=diffusers.UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
+        guider=guiders.ClassifierFreeGuidance(guidance_scale=5.0))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def generate_video(pipe) -> torch.Tensor:
+    return pipe(prompt_embeds=_text(1, 1, TEXT, WIDTH),
+                negative_prompt_embeds=_text(2, 1, TEXT, WIDTH), height=64, width=64,
+                num_frames=5, num_inference_steps=3, latents=_text(7, 1, 4, 2, 8, 8),
+                output="latents")
+
+
+def test_a_modular_pipeline_in_the_table_runs_as_a_ring():
+    """Wan's modular pipeline loops over blocks, its guider batching the branches: the
+    ring finds its step as it finds the regular pipeline's (sync: the serial numbers;
+    stale: per call's)."""
+    serial = generate_video(wan_modular())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: .* runs per call")
+        synced = generate_video(tp.parallelize(wan_modular(), mode="sync", **OPTIONS))
+        stale = generate_video(tp.parallelize(wan_modular(), mode="stale", **OPTIONS))
+    per_call = generate_video(tp.parallelize(wan_modular(), mode="stale", ring=False,
+                                             **OPTIONS))
+    assert rel_error(synced, serial) <= 1e-5
+    assert rel_error(stale, per_call) <= 1e-5 and not torch.equal(stale, serial)

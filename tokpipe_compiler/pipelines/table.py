@@ -52,6 +52,7 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "Kandinsky5T2VPipeline": {},
     "BriaPipeline": {},
     "QwenImageEditPlusPipeline": {},
+    "WanModularPipeline": {},
     "ChromaPipeline": {},
     "ChromaImg2ImgPipeline": {},
     "CogView4Pipeline": {},
