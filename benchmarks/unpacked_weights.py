@@ -149,7 +149,9 @@ def main() -> None:
     for label in RUNS:
         command = [sys.executable, __file__, "--model", args.model, "--layers",
                    str(args.layers), "--steps", str(args.steps), "--row", label]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"the {label!r} row failed:\n{done.stderr}")
         row = json.loads(done.stdout.strip().splitlines()[-1])
         unpacked = row["unpacked"]
         prelude = "-" if row["prelude"] is None else f"{row['prelude']:.0f}"

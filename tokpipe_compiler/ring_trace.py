@@ -48,13 +48,13 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
                            "indexed by a step's value, pass the looked-up values per step "
                            "(per_step={'alpha': table[timesteps]})"
                            f"{_advice(err, branch=False)}") from err
-    _refuse_data_dependent_sizes(traced.gm)
     for node in traced.gm.graph.nodes:
         if node.op == "call_method" and node.target in ("item", "tolist"):
             raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
                                f"reads a Python number off a tensor (.{node.target}()) at "
                                f"{user_line(node)}; keep the value a tensor (a 0-d tensor "
                                "works in the arithmetic)")
+    _refuse_data_dependent_sizes(traced.gm)
     return traced.without_arguments(values, argument_reads(step_fn, traced.gm, values))
 
 

@@ -12,6 +12,7 @@ import pytest
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED
+from tests.fixtures.more_pipelines import MORE
 from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import generate
 from tests.fixtures.tracing import rel_error
@@ -19,14 +20,16 @@ from tests.fixtures.tracing import rel_error
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED}
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE}
 
 
-@pytest.mark.parametrize("family", ["dit", "wan", "wan22", "flux_inpaint", "flux_ip_adapter"])
+@pytest.mark.parametrize("family", ["dit", "wan", "wan22", "flux_inpaint", "flux_ip_adapter",
+                                    "kandinsky5_video"])
 def test_cfg_parallel_in_one_process_equals_serial(family):
     """cfg=2, stages=1: each guidance branch runs alone (one batch half, or one of the two
     calls), then guidance and the update combine them; in one process the branches run in
-    turn."""
+    turn. Kandinsky 5 writes its latents in place (the branches start from a copy) and
+    passes rotary positions of 2 rows for its 2 latent frames, which no branch halves."""
     make = FAMILIES[family]
     serial = generate(*make())
     pipe, kwargs = make()
@@ -36,7 +39,8 @@ def test_cfg_parallel_in_one_process_equals_serial(family):
         tp.pipelines.programs(pipe)
 
 
-@pytest.mark.parametrize("family", ["dit", pytest.param("wan22", marks=pytest.mark.full)])
+@pytest.mark.parametrize("family", ["dit", "kandinsky5_video",
+                                    pytest.param("wan22", marks=pytest.mark.full)])
 def test_hybrid_cfg_in_one_process_equals_serial(family):
     """cfg=2 x stages=2 without a process group: both branches batched in one ring, the
     generation the four ranks compute (tests/slow/test_parallelize_ranks.py)."""

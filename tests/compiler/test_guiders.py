@@ -69,6 +69,7 @@ def test_a_guider_that_hooks_a_branch_says_so_in_stale_mode():
         generate(pipe)
     told = [str(w.message) for w in caught if HOOKED in str(w.message)]
     assert len(told) == 1 and "PerturbedAttentionGuidance" in told[0]  # once per guider
+    assert "in 'stale' mode" in told[0]
     synced = tp.parallelize(zimage_modular(perturbed()), mode="sync", **OPTIONS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

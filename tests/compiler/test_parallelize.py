@@ -402,3 +402,16 @@ def test_a_call_started_again_per_call_computes_with_the_models_own_caches(monke
         out = generate(pipe, kwargs, steps=4)
     assert rel_error(out, serial) <= 1e-5
     assert all(type(t) is torch.Tensor for t in pipe.transformer.rope_embedder.freqs_cis)
+
+
+def test_the_fake_run_leaves_no_fake_tensor_in_the_models_caches():
+    """QwenImage's rotary tables are `functools.lru_cache`d methods: the ring's fake run
+    filled them with fake tensors, which the ring's own trace skips but an eager call of
+    the transformer afterwards was served (a FakeTensor result). The caches a fake run
+    fills are emptied."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    pipe, kwargs = parallelized(pipelines.qwenimage, mode="sync")
+    generate(pipe, kwargs, steps=2)
+    frames = pipe.transformer.pos_embed([(1, 4, 4)], torch.device("cpu"), max_txt_seq_len=5)
+    assert not any(is_fake(t) for t in frames)

@@ -70,11 +70,15 @@ def branch_groups(stages: int) -> Branches | None:
     return Branches(rank // stages, stage_groups[rank // stages], peer_groups[rank % stages])
 
 
-def half(inputs: dict[str, Any], branch: int, batch: int) -> dict[str, Any]:
-    """Half `branch` of every input batched over both guidance branches."""
+def half(inputs: dict[str, Any], branch: int, batch: int,
+         whole: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """Half `branch` of every input batched over both guidance branches: of `batch` rows,
+    but those in `whole` (ids of tensors both branches' calls pass as they are: Kandinsky
+    5's rotary positions, `arange(frames)`, whose 2 rows are no batch)."""
 
     def take(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch:
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch \
+                and id(value) not in whole:
             return value.chunk(2)[branch]
         return value
 
@@ -84,8 +88,8 @@ def half(inputs: dict[str, Any], branch: int, batch: int) -> dict[str, Any]:
 def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch.Tensor,
         fixed: dict[str, Any], timesteps: torch.Tensor, timeout: float,
         state: Sequence[torch.Tensor] = (), blends: dict[str, torch.Tensor] | None = None,
-        each_step: Callable[[int, torch.Tensor], None] | None = None
-        ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        each_step: Callable[[int, torch.Tensor], None] | None = None,
+        whole: frozenset[int] = frozenset()) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Every step of `table` from `sample` (and the scheduler's `state`, zeros where none is
     given), the branches split over two ranks (or run in turn in this process); returns the
     last latents and state, on every rank. blends: the per-step blends after the update
@@ -105,10 +109,11 @@ def run(forward: Callable[..., Any], glue: Glue, table: StepTable, sample: torch
         latent = model_input(glue, sample, table.input_scale[k], condition)
         inputs = {**fixed, glue.latent_arg: latent, glue.timestep_arg: per_step[k]}
         if distributed:
-            mine = first_tensor(forward(**half(inputs, dist.get_rank(), batch)))
+            mine = first_tensor(forward(**half(inputs, dist.get_rank(), batch, whole)))
             out = gather_branches(mine, None, timeout, f"step {k}")
         else:
-            out = torch.cat([first_tensor(forward(**half(inputs, r, batch))) for r in (0, 1)])
+            out = torch.cat([first_tensor(forward(**half(inputs, r, batch, whole)))
+                             for r in (0, 1)])
         noise = guide(glue, out, glue.guidance)
         sample, state = update_state(sample, noise, state, table.rows[k], table.pattern)
         state = list(state)

@@ -111,7 +111,8 @@ class DenoiserRings:
         # a copy: the ring runs after the probe steps, and a loop that writes its latents
         # in place (Kandinsky 5's `latents[..., :c] = scheduler.step(...)`) writes the
         # probes' values into the tensor it passed to the first step
-        sample = start.sample.clone()
+        start = dataclasses.replace(start, sample=start.sample.clone())
+        sample = start.sample
         fixed = self._fixed(glue, calls, sample.shape[0])
         if self.cfg == 2 and glue.combine == "none":
             raise UnpipelinedStep("the call runs no classifier-free guidance (one branch)")
@@ -119,12 +120,13 @@ class DenoiserRings:
             raise UnpipelinedStep("the call runs perturbed-attention guidance, whose "
                                   "attention processors split the guidance batch inside "
                                   "the transformer")
+        whole = passed_whole(calls)
         if self.cfg == 2 and self.config.stages == 1:
-            return self._branches_in_turn(table, start, fixed)
+            return self._branches_in_turn(table, start, fixed, whole)
         batch = sample.shape[0] * glue.copies
         branch = None if self.branches is None else self.branches.branch
         if branch is not None:
-            fixed = cfg_parallel.half(fixed, branch, batch)
+            fixed = cfg_parallel.half(fixed, branch, batch, whole)
         carried, fixed = carry_condition(glue, sample, fixed)
         tensors, spec, constants = split_fixed(fixed)
         ring = self._ring(glue, spec, constants, table, branch, blended=False)
@@ -228,9 +230,10 @@ class DenoiserRings:
             self.rings, self._shapes, self._batching, self._branch_forward = {}, {}, {}, None
         self._state = state
 
-    def _branches_in_turn(self, table: StepTable, start: Carried,
-                          fixed: dict[str, Any]) -> RunSegment:
-        """cfg=2 on one stage per branch: the whole transformer per branch (`cfg_parallel`)."""
+    def _branches_in_turn(self, table: StepTable, start: Carried, fixed: dict[str, Any],
+                          whole: frozenset[int]) -> RunSegment:
+        """cfg=2 on one stage per branch: the whole transformer per branch (`cfg_parallel`);
+        `whole`: the inputs no branch halves (`passed_whole`)."""
         forward = self._forward_per_branch()
 
         def run(final: Glue, steps: int, blends: dict[str, torch.Tensor],
@@ -238,7 +241,7 @@ class DenoiserRings:
             part = table.steps(0, steps)
             latents, state = cfg_parallel.run(forward, final, part, start.sample, fixed,
                                               part.timesteps, self.config.timeout, start.state,
-                                              blends, each_step)
+                                              blends, each_step, whole)
             return Carried(latents, state)
 
         return run
@@ -346,3 +349,13 @@ def _signature(calls: list[dict[str, Any]]) -> tuple:
               for leaf in pytree.tree_leaves(value)]
     return tuple((name, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v))
                  for name, v in leaves)
+
+
+def passed_whole(calls: list[dict[str, Any]]) -> frozenset[int]:
+    """Ids of the tensors the batched call passes as the first branch's call passed them
+    (`fixed_inputs` passes once an input both calls pass alike, neither one row nor a
+    batch of them): a branch takes them whole. None where one call ran both branches."""
+    if len(calls) != 2:
+        return frozenset()
+    return frozenset(id(leaf) for leaf in pytree.tree_leaves(calls[0])
+                     if isinstance(leaf, torch.Tensor))

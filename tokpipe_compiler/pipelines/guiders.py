@@ -9,7 +9,9 @@ from typing import Any
 
 from tokpipe_compiler.core.warn import warn
 
-# Pipelines already told about their guider (the guider object): once per guider.
+# The guider components a pipeline may have (HunyuanImage has both).
+GUIDERS = ("guider", "ocr_guider")
+# Guiders already warned of: once per guider.
 _TOLD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -29,18 +31,28 @@ def warn_hooked_guider(pipe: Any, mode: str) -> None:
     """Says once per guider that a guider hooking the transformer for one branch makes a
     stale (or causal) pipeline's numbers depend on the graphs Dynamo traced before (in
     sync mode they equal the serial pipeline's)."""
-    guider = getattr(pipe, "guider", None)
-    if mode == "sync" or guider is None or not hooks_a_branch(guider):
+    if mode == "sync":
         return
+    for component in GUIDERS:
+        guider = getattr(pipe, component, None)
+        if guider is not None and hooks_a_branch(guider) and _first_time(guider):
+            _warn(pipe, guider, mode)
+
+
+def _first_time(guider: Any) -> bool:
     try:
         if guider in _TOLD:
-            return
+            return False
         _TOLD[guider] = True
     except TypeError:  # not weakly referable: said at every call
         pass
+    return True
+
+
+def _warn(pipe: Any, guider: Any, mode: str) -> None:
     warn(f"tokpipe: {type(pipe).__name__}'s guider, {type(guider).__name__}, hooks the "
          "transformer for one guidance branch at each step, and Dynamo traces the hooked "
-         "model as other graphs partway through a generation; in {mode!r} mode each graph "
+         f"model as other graphs partway through a generation; in {mode!r} mode each graph "
          "keeps K/V per branch from the steps it has run, so the generation's numbers depend "
          "on the graphs traced before it (a later call with the same seed may differ). "
          "mode='sync' gives the serial pipeline's numbers, and guiders without hooks "

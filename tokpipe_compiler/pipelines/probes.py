@@ -8,6 +8,7 @@ every rank shares, and zeros for any other output tensor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import types
@@ -62,7 +63,7 @@ def output_structure(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
     """`forward(**call)`'s output with each tensor as a Spec, from a fake-tensor run. Where
     that fails (inputs that do not fit the transformer, an op fake tensors cannot run),
     from the real call: it raises what the pipeline's own call would raise."""
-    weights = _weights(getattr(forward, "__self__", None))
+    weights = _weights(_module_of(forward))
     try:
         out = _fake_forward(forward, call)
     except TokpipeError:
@@ -78,7 +79,7 @@ def output_structure(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
 
 def fake_run_error(forward: Callable[..., Any], call: dict[str, Any]) -> str | None:
     """Why `forward(**call)` fails on fake tensors (its first line), None if it runs."""
-    weights = _weights(getattr(forward, "__self__", None))
+    weights = _weights(_module_of(forward))
     try:
         _fake_forward(forward, call)
     except TokpipeError:
@@ -100,13 +101,61 @@ def _fake_forward(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
     eagerly: Inductor's kernels would read fake tensors' storage, which they have none of."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    attributes = _attributes(getattr(forward, "__self__", None))
+    module = _module_of(forward)
+    attributes, caches = _attributes(module), _caches(module)
     try:
         with _quiet(FAKE_TENSOR_LOG), torch.compiler.set_stance("force_eager"), \
                 FakeTensorMode(allow_non_fake_inputs=True) as mode:
             return forward(**pytree.tree_map_only(torch.Tensor, mode.from_tensor, call))
     finally:
         _restore_attributes(attributes)
+        _clear_filled(caches)
+
+
+def _module_of(forward: Callable[..., Any]) -> Any:
+    """The module whose forward `forward` is: its bound method's, or the module a diffusers
+    hook's `functools.partial(new_forward, module)` passes."""
+    module = getattr(forward, "__self__", None)
+    if module is None and isinstance(forward, functools.partial):
+        module = next((a for a in forward.args if isinstance(a, torch.nn.Module)), None)
+    return module
+
+
+Caches = list[tuple[Any, int]]
+
+
+def _caches(module: Any) -> Caches:
+    """The `functools.lru_cache`s of the methods of `module`'s modules' classes (QwenImage's
+    rotary tables; diffusers' `lru_cache_unless_export` holds one in its wrapper's
+    closure), with the misses each has had."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    found: dict[int, Any] = {}
+    for cls in {c for owner in module.modules() for c in type(owner).__mro__}:
+        for attr in vars(cls).values():
+            cells = getattr(attr, "__closure__", None) or ()
+            for candidate in (attr, *(cell.cell_contents for cell in cells
+                                      if _has_contents(cell))):
+                if callable(getattr(candidate, "cache_clear", None)) and \
+                        callable(getattr(candidate, "cache_info", None)):
+                    found[id(candidate)] = candidate
+    return [(cache, cache.cache_info().misses) for cache in found.values()]
+
+
+def _has_contents(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def _clear_filled(caches: Caches) -> None:
+    """Empties each cache a fake run added entries to: they hold fake tensors, which a
+    later real call outside Dynamo (whose trace skips diffusers' caches) would be served."""
+    for cache, misses in caches:
+        if cache.cache_info().misses != misses:
+            cache.cache_clear()
 
 
 Attributes = list[tuple[Any, dict[str, Any]]]

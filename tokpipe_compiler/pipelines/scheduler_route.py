@@ -10,9 +10,10 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import threading
+import types
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,54 +21,81 @@ import torch
 Hook = Callable[..., Any]  # hook(original bound method, *args, **kwargs)
 
 
-@dataclass
 class _Route:
-    owner: Any
-    hooks: dict[str, Hook]
-    running: set[str] = field(default_factory=set)  # hooks now running: not entered again
+    """Where one scheduler instance's routed methods go, held on that instance: a copy
+    (step tables probe copies, `copy.deepcopy`, a pickle) gets no route, and a shallow copy
+    shares this one, which answers only the instance it was made for."""
+
+    def __init__(self, instance: Any, owner: Any, hooks: dict[str, Hook]):
+        self.instance = weakref.ref(instance)
+        self.owner = owner
+        self.hooks = hooks
+        self._local = threading.local()  # the hooks running on this thread
+
+    def running(self) -> set[str]:
+        if not hasattr(self._local, "names"):
+            self._local.names = set()
+        return self._local.names
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return _no_route, ()
 
 
-# Routed scheduler instances -> their route. Keyed by the instance, not held on it: a copy
-# of the scheduler (step tables probe copies, `copy.deepcopy`) runs its own methods.
-_ROUTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _no_route() -> None:
+    return None
+
+
+_ROUTE = "_tokpipe_route"
 _DISPATCHER = "_tokpipe_dispatcher"
 
 
 def route(scheduler: Any, owner: Any, hooks: dict[str, Hook]) -> None:
-    """Route `scheduler`'s methods named in `hooks` (those it has) through the hooks of
-    `owner`, replacing an earlier owner's. Its class keeps its identity (pipelines test
-    `type(scheduler) != FlowMatchEulerDiscreteScheduler`, as Bria's does): the class's
-    methods dispatch by instance, every other instance (a copy, one `from_config` made)
-    running its own method, and keep their signatures, which pipelines inspect."""
+    """Route `scheduler`'s methods named in `hooks` (those it has as plain methods) through
+    the hooks of `owner`, replacing an earlier owner's. Its class keeps its identity
+    (pipelines test `type(scheduler) != FlowMatchEulerDiscreteScheduler`, as Bria's does):
+    the class's methods dispatch by instance, every other instance (a copy, one
+    `from_config` made) running its own method, and keep their signatures, which pipelines
+    inspect."""
     names = {name: hook for name, hook in hooks.items()
-             if callable(getattr(type(scheduler), name, None))}
-    for name in names:
-        _dispatch_from(type(scheduler), name)
-    _ROUTES[scheduler] = _Route(owner, names)
+             if _dispatch_from(type(scheduler), name)}
+    vars(scheduler)[_ROUTE] = _Route(scheduler, owner, names)
 
 
-def _dispatch_from(cls: type, name: str) -> None:
+def _route_of(sched: Any) -> _Route | None:
+    """The route made for `sched` itself (not one a shallow copy shares)."""
+    entry = vars(sched).get(_ROUTE) if hasattr(sched, "__dict__") else None
+    return entry if isinstance(entry, _Route) and entry.instance() is sched else None
+
+
+def _dispatch_from(cls: type, name: str) -> bool:
     """Makes `cls.name` call the hook of the instance's route, where it has one (once per
-    class; a method it inherits dispatches already where the base's does)."""
+    class; a method it inherits dispatches already where the base's does). False where
+    `name` is no plain method of `cls` (a static or class method is left as it is)."""
+    if not isinstance(inspect.getattr_static(cls, name, None), types.FunctionType):
+        return False
     method = getattr(cls, name)
     if getattr(method, _DISPATCHER, False):
-        return
+        return True
 
     @functools.wraps(method)
     def call(sched: Any, *args: Any, **kwargs: Any) -> Any:
         original = method.__get__(sched)
-        entry = _ROUTES.get(sched)
-        hook = None if entry is None or name in entry.running else entry.hooks.get(name)
+        entry = _route_of(sched)
+        hook = None if entry is None or name in entry.running() else entry.hooks.get(name)
         if hook is None:  # not routed, or within its own hook (a subclass's super().step)
             return original(*args, **kwargs)
-        entry.running.add(name)
+        entry.running().add(name)
         try:
             return hook(original, *args, **kwargs)
         finally:
-            entry.running.discard(name)
+            entry.running().discard(name)
 
     setattr(call, _DISPATCHER, True)
     setattr(cls, name, call)
+    return True
 
 
 def step_arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:

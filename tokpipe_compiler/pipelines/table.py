@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.autocast import autocast_state, describe
+from tokpipe_compiler.pipelines.guiders import GUIDERS
 
 RING_PIPELINES: dict[str, dict[str, Any]] = {
     "DiTPipeline": {},
@@ -111,7 +112,7 @@ def guider_reasons(pipe: Any) -> list[str]:
     momentum, statistics over all tokens, hooks on the transformer). A disabled guider
     runs one branch, which the ring takes."""
     reasons = []
-    for component in ("guider", "ocr_guider"):
+    for component in GUIDERS:
         guider = getattr(pipe, component, None)
         if guider is not None and getattr(guider, "_enabled", True):
             why = _guider_change(guider)
