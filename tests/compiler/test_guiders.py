@@ -135,3 +135,46 @@ def test_a_modular_pipeline_in_the_table_runs_as_a_ring():
                                              **OPTIONS))
     assert rel_error(synced, serial) <= 1e-5
     assert rel_error(stale, per_call) <= 1e-5 and not torch.equal(stale, serial)
+
+
+def test_a_modular_call_started_again_per_call_draws_the_same_noise():
+    """A modular pipeline's `__call__(state, output, **kwargs)` takes its `generator`
+    through **kwargs: a call whose step the ring cannot replay (here a loop block that
+    rescales the guided prediction per token) starts again per call from the generator's
+    state at the call's start, and equals the serial pipeline."""
+    import diffusers
+    from diffusers import guiders
+    from diffusers.modular_pipelines.wan.denoise import WanLoopDenoiser
+    from diffusers.modular_pipelines.wan.modular_blocks_wan import WanCoreDenoiseStep
+
+    from tests.fixtures.more_pipelines import _transformer
+
+    class Renormed(WanLoopDenoiser):
+        def __call__(self, components, block_state, i, t):
+            components, block_state = super().__call__(components, block_state, i, t)
+            norms = block_state.noise_pred.norm(dim=1, keepdim=True)
+            block_state.noise_pred = block_state.noise_pred * (norms.mean() / norms)
+            return components, block_state
+
+    def build():
+        blocks = WanCoreDenoiseStep()
+        blocks.sub_blocks["denoise"].sub_blocks["denoiser"] = Renormed()
+        pipe = blocks.init_pipeline()
+        pipe.update_components(  # 16 channels: the latents the generator draws (the VAE's)
+            transformer=_transformer("WanTransformer3DModel", in_channels=16, out_channels=16),
+            scheduler=diffusers.UniPCMultistepScheduler(
+                prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
+            guider=guiders.ClassifierFreeGuidance(guidance_scale=5.0))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def call(pipe):
+        return pipe(prompt_embeds=_text(1, 1, TEXT, WIDTH),
+                    negative_prompt_embeds=_text(2, 1, TEXT, WIDTH), height=64, width=64,
+                    num_frames=5, num_inference_steps=3, output="latents",
+                    generator=torch.Generator().manual_seed(0))
+
+    serial = call(build())
+    with pytest.warns(UserWarning, match="started again per call, from the same random state"):
+        out = call(tp.parallelize(build(), mode="sync", **OPTIONS))
+    assert rel_error(out, serial) <= 1e-5

@@ -11,11 +11,17 @@ import torch
 
 
 def call_generators(call: Any, pipe: Any, args: tuple, kwargs: dict) -> list[torch.Generator]:
-    """The torch generators a pipeline call draws from: its `generator` argument's."""
+    """The torch generators a pipeline call draws from: its `generator` argument's, named
+    or gathered by `**kwargs` (a modular pipeline's `__call__(state, output, **kwargs)`)."""
     try:
-        given = inspect.signature(call).bind(pipe, *args, **kwargs).arguments.get("generator")
+        signature = inspect.signature(call)
+        arguments = signature.bind(pipe, *args, **kwargs).arguments
     except TypeError:  # the pipeline's own call will say what is wrong
         return []
+    given = arguments.get("generator")
+    for name, parameter in signature.parameters.items():
+        if given is None and parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            given = arguments.get(name, {}).get("generator")
     found = given if isinstance(given, (list, tuple)) else [given]
     return [g for g in found if isinstance(g, torch.Generator)]
 
