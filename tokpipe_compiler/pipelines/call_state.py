@@ -13,6 +13,7 @@ import torch
 from tokpipe_compiler.pipelines.blends import Blends
 from tokpipe_compiler.pipelines.denoiser_rings import Carried, RunSegment
 from tokpipe_compiler.pipelines.glue import Glue
+from tokpipe_compiler.pipelines.guiders import GUIDERS
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.step_callbacks import StepCallbacks
 
@@ -63,7 +64,8 @@ def guidance_candidates(pipe: Any, kwargs: dict[str, Any]) -> list[float]:
     """The numbers a pipeline call may scale its guidance by: those passed, those its
     `__call__` defaults to (PixArt's guidance_scale=4.5 when none is passed; a least-squares
     fit of it in bfloat16, 4.4997, rounds the products otherwise than the pipeline), and
-    the last call's `_guidance_scale`."""
+    the last call's `_guidance_scale`, and its guider components' scales (a modular
+    pipeline's)."""
     passed = list(kwargs.values())
     try:
         parameters = inspect.signature(pipe.__call__).parameters.values()
@@ -71,5 +73,6 @@ def guidance_candidates(pipe: Any, kwargs: dict[str, Any]) -> list[float]:
     except (TypeError, ValueError):  # no signature to read
         pass
     passed.append(getattr(pipe, "_guidance_scale", 1.0) or 1.0)
+    passed += [getattr(getattr(pipe, name, None), "guidance_scale", None) for name in GUIDERS]
     numbers = [float(v) for v in passed if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return list(dict.fromkeys(numbers))

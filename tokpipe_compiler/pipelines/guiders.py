@@ -9,8 +9,9 @@ from typing import Any
 
 from tokpipe_compiler.core.warn import warn
 
-# The guider components a pipeline may have (HunyuanImage has both).
-GUIDERS = ("guider", "ocr_guider")
+# The guider components a pipeline may have (HunyuanImage's OCR guider, the guider of Wan
+# 2.2's second expert).
+GUIDERS = ("guider", "guider_2", "ocr_guider")
 # Guiders already warned of: once per guider.
 _TOLD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -52,7 +52,7 @@ from tokpipe_compiler.pipelines.marks import (
     reset_programs,
     reset_with_the_pipeline,
 )
-from tokpipe_compiler.pipelines.probes import RingUnavailable
+from tokpipe_compiler.pipelines.probes import RingUnavailable, refusals_unlogged
 from tokpipe_compiler.pipelines.random_states import (
     call_generators,
     random_states,
@@ -204,7 +204,8 @@ def _install_ring(pipe: Any, denoisers: dict[str, torch.nn.Module], options: dic
         states = random_states(generators)
         with _one_call_at_a_time(self, running), calling(calls):
             try:
-                with calls.generation_of(kwargs) as call_kwargs, _steps_counted(self):
+                with calls.generation_of(kwargs) as call_kwargs, _steps_counted(self), \
+                        refusals_unlogged():
                     return cls.__call__(self, *args, **call_kwargs)
             except RingUnavailable as err:  # only probes ran: the same call again, per call
                 restore_random_states(generators, states)

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +31,27 @@ class RingUnavailable(TokpipeError):
     """Found at a step's probes: ring mode cannot replay this call's loop. Nothing real has
     been computed yet, so the call starts again per call, from the same random state
     (`parallelize`)."""
+
+
+# diffusers' modular pipelines log every error that leaves a block, with its traceback
+_MODULAR_LOG = "diffusers.modular_pipelines.modular_pipeline"
+
+
+@contextlib.contextmanager
+def refusals_unlogged() -> Iterator[None]:
+    """Within it, diffusers' modular pipelines do not log a RingUnavailable leaving their
+    blocks (a traceback of some 120 lines ahead of the one-line warning that says the call
+    starts again per call); other errors they log as ever."""
+
+    def keep(record: logging.LogRecord) -> bool:  # logged while its except clause runs
+        return not isinstance(sys.exc_info()[1], RingUnavailable)
+
+    log = logging.getLogger(_MODULAR_LOG)
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 @dataclass(frozen=True)
