@@ -415,3 +415,26 @@ def test_the_fake_run_leaves_no_fake_tensor_in_the_models_caches():
     generate(pipe, kwargs, steps=2)
     frames = pipe.transformer.pos_embed([(1, 4, 4)], torch.device("cpu"), max_txt_seq_len=5)
     assert not any(is_fake(t) for t in frames)
+
+
+def test_a_scheduler_subclass_passing_its_arguments_on_runs_the_ring():
+    """A user's scheduler subclass whose `step(self, *args, **kwargs)` hands them to
+    `super().step`: the ring reads the step's arguments by its base's names (a bare
+    KeyError: 'model_output' before), and the scheduler keeps its class."""
+    import diffusers
+
+    class Counting(diffusers.DPMSolverMultistepScheduler):
+        def step(self, *args, **kwargs):
+            return super().step(*args, **kwargs)
+
+    def make():
+        pipe, kwargs = pixart_alpha()
+        pipe.scheduler = Counting.from_config(pipe.scheduler.config)
+        return pipe, kwargs
+
+    serial = generate(*make(), steps=3)
+    pipe, kwargs = parallelized(make, mode="sync")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: .* runs per call")
+        out = generate(pipe, kwargs, steps=3)
+    assert rel_error(out, serial) <= 1e-5 and type(pipe.scheduler) is Counting

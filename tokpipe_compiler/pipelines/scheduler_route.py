@@ -100,8 +100,25 @@ def _dispatch_from(cls: type, name: str) -> bool:
 
 def step_arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
     """(model_output, timestep, sample) as the pipeline passed them to `step`."""
-    bound = inspect.signature(original).bind(*args, **kwargs).arguments
+    bound = step_signature(original).bind(*args, **kwargs).arguments
     return bound["model_output"], bound["timestep"], bound["sample"]
+
+
+def step_signature(original: Callable[..., Any]) -> inspect.Signature:
+    """The signature of a bound `step` that names its arguments: its own, or, where it
+    takes `*args, **kwargs` (a subclass's step passing them on to `super().step`), the
+    first of its class's bases' that names `model_output`."""
+    signature = inspect.signature(original)
+    owner = getattr(original, "__self__", None)
+    if "model_output" in signature.parameters or owner is None:
+        return signature
+    for cls in type(owner).__mro__:
+        step = vars(cls).get("step")
+        if isinstance(step, types.FunctionType):
+            named = inspect.signature(step)
+            if "model_output" in named.parameters:
+                return named.replace(parameters=list(named.parameters.values())[1:])
+    return signature
 
 
 # What a pipeline hands `step` besides the step's values: none changes the update.
@@ -112,7 +129,7 @@ def step_option_reasons(original: Callable[..., Any], args: tuple, kwargs: dict)
     """Why the ring cannot replay these `step` calls: an option set to other than its
     default (DDIM's eta=0.5, which draws noise; Euler's s_churn), where the ring's step
     table was read off the scheduler's step with its defaults."""
-    signature = inspect.signature(original)
+    signature = step_signature(original)
     defaults = {name: p.default for name, p in signature.parameters.items()
                 if p.default is not inspect.Parameter.empty and name not in _PASSED_THROUGH}
     changed = [f"{name}={_shown(value)}"
