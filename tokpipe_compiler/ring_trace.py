@@ -17,8 +17,9 @@ from tokpipe_compiler.planning.capture import Captured, capture
 
 class StepGraphBreak(TokpipeError):
     """Dynamo broke the step function into several graphs (a quantizer's tensor subclass
-    it cannot trace, say): a Ring refuses it; a parallelized pipeline runs the generation
-    per call, where Dynamo's graphs run pipelined or as traced."""
+    it cannot trace, say), or the step needs a tensor's value as a Python number: a Ring
+    refuses it; a parallelized pipeline runs the generation per call, where Dynamo's
+    graphs run pipelined or as traced."""
 
 
 def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
@@ -41,19 +42,20 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
             raise
         # a Python branch on a tensor's value (`if t.item() > 0:`), or a table indexed by
         # one (`acp[t.long()]`): the graph cannot hold either
-        raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
-                           f"needs a tensor's value as a Python number{_data_dependent(err)}: "
-                           "a branch on it or an index by it; keep the value a tensor: "
-                           "torch.where(cond, a, b) for `a if cond else b`, and for a table "
-                           "indexed by a step's value, pass the looked-up values per step "
-                           "(per_step={'alpha': table[timesteps]})"
-                           f"{_advice(err, branch=False)}") from err
+        raise StepGraphBreak(f"ring mode runs the step as a graph of tensors, and the step "
+                             f"needs a tensor's value as a Python number"
+                             f"{_data_dependent(err)}: "
+                             "a branch on it or an index by it; keep the value a tensor: "
+                             "torch.where(cond, a, b) for `a if cond else b`, and for a table "
+                             "indexed by a step's value, pass the looked-up values per step "
+                             "(per_step={'alpha': table[timesteps]})"
+                             f"{_advice(err, branch=False)}") from err
     for node in traced.gm.graph.nodes:
         if node.op == "call_method" and node.target in ("item", "tolist"):
-            raise TokpipeError(f"ring mode runs the step as a graph of tensors, and the step "
-                               f"reads a Python number off a tensor (.{node.target}()) at "
-                               f"{user_line(node)}; keep the value a tensor (a 0-d tensor "
-                               "works in the arithmetic)")
+            raise StepGraphBreak(f"ring mode runs the step as a graph of tensors, and the "
+                                 f"step reads a Python number off a tensor (.{node.target}()) "
+                                 f"at {user_line(node)}; keep the value a tensor (a 0-d tensor "
+                                 "works in the arithmetic)")
     _refuse_data_dependent_sizes(traced.gm)
     return traced.without_arguments(values, argument_reads(step_fn, traced.gm, values))
 

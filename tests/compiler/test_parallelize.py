@@ -438,3 +438,22 @@ def test_a_scheduler_subclass_passing_its_arguments_on_runs_the_ring():
         warnings.filterwarnings("error", message="tokpipe: .* runs per call")
         out = generate(pipe, kwargs, steps=3)
     assert rel_error(out, serial) <= 1e-5 and type(pipe.scheduler) is Counting
+
+
+def test_a_transformer_that_reads_a_number_off_a_tensor_runs_per_call():
+    """A transformer whose forward reads a Python number off a tensor (`.item()`, as
+    HiDream's unpatchify does) cannot be a ring's graph: the parallelized pipeline runs
+    the generation per call, saying why, where it raised."""
+    def make():
+        pipe, kwargs = pixart_alpha()
+        embed = pipe.transformer.pos_embed
+        plain = embed.forward
+        embed.forward = lambda latent: plain(latent) * (latent.abs().max().item() >= 0)
+        return pipe, kwargs
+
+    serial = generate(*make(), steps=3)
+    pipe, kwargs = parallelized(make, mode="sync")
+    with pytest.warns(UserWarning, match=r"runs per call.*reads a Python number off a tensor "
+                                         r"\(\.item\(\)\)"):
+        out = generate(pipe, kwargs, steps=3)
+    assert rel_error(out, serial) <= 1e-5
