@@ -7,13 +7,14 @@ four."""
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
 
 import tokpipe_compiler as tp
 from tests.fixtures.pipelines import generate
-from tests.fixtures.released_pipelines import RELEASED
+from tests.fixtures.released_pipelines import RELEASED, released_sd3_modular
 from tokpipe_compiler.runtime.launch import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
@@ -59,6 +60,32 @@ def test_released_widths_in_their_pipeline_on_two_ranks(name):
     alone = _ring(name, "stale")
     assert not torch.equal(alone, serial)  # stale K/V after the warmup step
     for result in launch(_rank, 2, args=(name,), timeout=900):
+        assert _relative(result, alone) <= 1e-5
+
+
+def _modular(mode: str | None) -> torch.Tensor:
+    """SD3-medium's widths in the modular SD3 pipeline: serial (mode None) or parallelized."""
+    pipe, call = released_sd3_modular()
+    if mode is not None:
+        tp.pipelines.parallelize(pipe, mode=mode, **OPTIONS)
+    return call(pipe, STEPS)
+
+
+def _modular_rank(rank: int, world: int) -> torch.Tensor:
+    return _modular("stale")
+
+
+def test_a_released_width_modular_pipeline_on_two_ranks():
+    """diffusers' modular SD3 pipeline (its loop built from blocks, the guidance its
+    guider's) at SD3-medium's widths with 333 text tokens runs as a ring: sync equals
+    serial, and two gloo ranks return what one process computes in stale mode."""
+    serial = _modular(None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: .* runs per call")
+        assert _relative(_modular("sync"), serial) <= 1e-5
+        alone = _modular("stale")
+    assert not torch.equal(alone, serial)
+    for result in launch(_modular_rank, 2, timeout=900):
         assert _relative(result, alone) <= 1e-5
 
 
