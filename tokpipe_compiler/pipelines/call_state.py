@@ -13,7 +13,7 @@ import torch
 from tokpipe_compiler.pipelines.blends import Blends
 from tokpipe_compiler.pipelines.denoiser_rings import Carried, RunSegment
 from tokpipe_compiler.pipelines.glue import Glue
-from tokpipe_compiler.pipelines.guiders import GUIDERS
+from tokpipe_compiler.pipelines.guiders import guiders_of
 from tokpipe_compiler.pipelines.schedulers import StepTable
 from tokpipe_compiler.pipelines.step_callbacks import StepCallbacks
 
@@ -73,6 +73,6 @@ def guidance_candidates(pipe: Any, kwargs: dict[str, Any]) -> list[float]:
     except (TypeError, ValueError):  # no signature to read
         pass
     passed.append(getattr(pipe, "_guidance_scale", 1.0) or 1.0)
-    passed += [getattr(getattr(pipe, name, None), "guidance_scale", None) for name in GUIDERS]
+    passed += [getattr(guider, "guidance_scale", None) for _, guider in guiders_of(pipe)]
     numbers = [float(v) for v in passed if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return list(dict.fromkeys(numbers))

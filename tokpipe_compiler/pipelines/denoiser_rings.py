@@ -354,7 +354,8 @@ def _signature(calls: list[dict[str, Any]]) -> tuple:
 def passed_whole(calls: list[dict[str, Any]]) -> frozenset[int]:
     """Ids of the tensors the batched call passes as the first branch's call passed them
     (`fixed_inputs` passes once an input both calls pass alike, neither one row nor a
-    batch of them): a branch takes them whole. None where one call ran both branches."""
+    batch of them): a branch takes them whole. None (empty) where one call ran both
+    branches."""
     if len(calls) != 2:
         return frozenset()
     return frozenset(id(leaf) for leaf in pytree.tree_leaves(calls[0])

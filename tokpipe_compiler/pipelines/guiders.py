@@ -1,6 +1,6 @@
 """diffusers' guider components (`diffusers.guiders`, in modular pipelines and some
-others) that hook the transformer for one guidance branch, and what that means for stale
-K/V."""
+others): which the ring replays, and those that hook the transformer for one guidance
+branch, and what that means for stale K/V."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ from tokpipe_compiler.core.warn import warn
 GUIDERS = ("guider", "guider_2", "ocr_guider")
 # Guiders already warned of: once per guider.
 _TOLD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def guiders_of(pipe: Any) -> list[tuple[str, Any]]:
+    """(component name, guider) of each guider component `pipe` has."""
+    return [(name, getattr(pipe, name)) for name in GUIDERS
+            if getattr(pipe, name, None) is not None]
 
 
 def hooks_a_branch(guider: Any) -> bool:
@@ -34,20 +40,15 @@ def warn_hooked_guider(pipe: Any, mode: str) -> None:
     sync mode they equal the serial pipeline's)."""
     if mode == "sync":
         return
-    for component in GUIDERS:
-        guider = getattr(pipe, component, None)
-        if guider is not None and hooks_a_branch(guider) and _first_time(guider):
+    for _, guider in guiders_of(pipe):
+        if hooks_a_branch(guider) and _first_time(guider):
             _warn(pipe, guider, mode)
 
 
 def _first_time(guider: Any) -> bool:
-    try:
-        if guider in _TOLD:
-            return False
-        _TOLD[guider] = True
-    except TypeError:  # not weakly referable: said at every call
-        pass
-    return True
+    told = guider in _TOLD
+    _TOLD[guider] = True
+    return not told
 
 
 def _warn(pipe: Any, guider: Any, mode: str) -> None:
@@ -58,3 +59,32 @@ def _warn(pipe: Any, guider: Any, mode: str) -> None:
          "on the graphs traced before it (a later call with the same seed may differ). "
          "mode='sync' gives the serial pipeline's numbers, and guiders without hooks "
          "(ClassifierFreeGuidance, AdaptiveProjectedGuidance) keep stale mode reproducible")
+
+
+def guider_reasons(pipe: Any) -> list[str]:
+    """Why a pipeline's guider components (diffusers' `guiders`: HunyuanImage's `guider`
+    and `ocr_guider`) keep its calls per call: the ring replays classifier-free guidance
+    at one scale at every step, and other guiders change the step (a start/stop window,
+    momentum, statistics over all tokens, hooks on the transformer). A disabled guider
+    runs one branch, which the ring takes."""
+    reasons = []
+    for component, guider in guiders_of(pipe):
+        if getattr(guider, "_enabled", True):
+            why = _guider_change(guider)
+            if why:
+                reasons.append(f"its {component}, {type(guider).__name__}, {why}")
+    return reasons
+
+
+def _guider_change(guider: Any) -> str:
+    """How `guider` changes the step from step to step ("" where it does not)."""
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    if type(guider) is not ClassifierFreeGuidance:
+        return ("is not classifier-free guidance at one scale, the form the ring replays at "
+                "every step")
+    if guider.guidance_rescale:
+        return "rescales the guidance by statistics over all tokens (guidance_rescale)"
+    if (guider._start, guider._stop) != (0.0, 1.0):
+        return "turns the guidance on or off partway through the generation (start, stop)"
+    return ""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.autocast import autocast_state, describe
-from tokpipe_compiler.pipelines.guiders import GUIDERS
+from tokpipe_compiler.pipelines.guiders import guider_reasons
 
 RING_PIPELINES: dict[str, dict[str, Any]] = {
     "DiTPipeline": {},
@@ -118,36 +118,6 @@ def per_call_reasons(pipe: Any, kwargs: dict[str, Any]) -> list[str]:
         if option in kwargs and kwargs[option] != neutral:
             reasons.append(f"{option}={kwargs[option]!r}: {WHY[option]}")
     return reasons + guider_reasons(pipe) + _callback_reasons(kwargs.get("callback_on_step_end"))
-
-
-def guider_reasons(pipe: Any) -> list[str]:
-    """Why a pipeline's guider components (diffusers' `guiders`: HunyuanImage's `guider`
-    and `ocr_guider`) keep its calls per call: the ring replays classifier-free guidance
-    at one scale at every step, and other guiders change the step (a start/stop window,
-    momentum, statistics over all tokens, hooks on the transformer). A disabled guider
-    runs one branch, which the ring takes."""
-    reasons = []
-    for component in GUIDERS:
-        guider = getattr(pipe, component, None)
-        if guider is not None and getattr(guider, "_enabled", True):
-            why = _guider_change(guider)
-            if why:
-                reasons.append(f"its {component}, {type(guider).__name__}, {why}")
-    return reasons
-
-
-def _guider_change(guider: Any) -> str:
-    """How `guider` changes the step from step to step ("" where it does not)."""
-    from diffusers.guiders import ClassifierFreeGuidance
-
-    if type(guider) is not ClassifierFreeGuidance:
-        return ("is not classifier-free guidance at one scale, the form the ring replays at "
-                "every step")
-    if guider.guidance_rescale:
-        return "rescales the guidance by statistics over all tokens (guidance_rescale)"
-    if (guider._start, guider._stop) != (0.0, 1.0):
-        return "turns the guidance on or off partway through the generation (start, stop)"
-    return ""
 
 
 def _callback_reasons(callback: Any) -> list[str]:
