@@ -1,7 +1,8 @@
 """diffusers' guider components (`diffusers.guiders`) and modular pipelines: a modular
 pipeline runs per call (not in the ring table) and equals the serial one in sync mode; a
 guider that hooks the transformer for one branch (perturbed-attention guidance through
-layer-skip hooks) says, in stale mode, that its numbers depend on the graphs traced before.
+layer-skip hooks) keeps each branch's stale K/V apart, and says, in stale mode, that the
+first call differs from later ones.
 
 Tolerance: 1e-5 relative to the serial pipeline's latents (float32)."""
 
@@ -48,7 +49,8 @@ def perturbed():
     from diffusers.hooks import LayerSkipConfig
 
     return guiders.PerturbedAttentionGuidance(
-        guidance_scale=4.0, perturbed_guidance_scale=2.0, perturbed_guidance_config=LayerSkipConfig(
+        guidance_scale=4.0, perturbed_guidance_scale=2.0, perturbed_guidance_start=0.0,
+        perturbed_guidance_stop=1.0, perturbed_guidance_config=LayerSkipConfig(
             indices=[0], fqn="layers", skip_attention=False, skip_attention_scores=True))
 
 
@@ -63,20 +65,59 @@ def test_a_modular_pipeline_runs_per_call_and_equals_serial():
     assert rel_error(out, serial) <= 1e-5
 
 
-def test_a_guider_that_hooks_a_branch_says_so_in_stale_mode():
-    pipe = tp.parallelize(zimage_modular(perturbed()), mode="stale", **OPTIONS)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        generate(pipe)
-        generate(pipe)
-    told = [str(w.message) for w in caught if HOOKED in str(w.message)]
-    assert len(told) == 1 and "PerturbedAttentionGuidance" in told[0]  # once per guider
-    assert "in 'stale' mode" in told[0]
+def test_a_guider_that_hooks_a_branch_says_nothing_in_sync_mode():
     synced = tp.parallelize(zimage_modular(perturbed()), mode="sync", **OPTIONS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         generate(synced)
     assert not [w for w in caught if HOOKED in str(w.message)]
+
+
+def test_a_hooked_branchs_graphs_read_the_k_v_of_their_own_branch(monkeypatch):
+    """PAG hooks layer 0 for its perturbed branch: Dynamo traces the model again, split at
+    the hook, from the perturbed branch of step 1 of the first call, and runs every branch
+    through those graphs after. A graph's stale (chunked) call reads the K/V it computed
+    for the same branch at the step before, never another branch's or the last call's;
+    every call after the first (which ran other graphs first) gives the same latents. The
+    first call's difference is said once per guider."""
+    from tokpipe_compiler.pipelines.denoiser_rings import DenoiserRings
+    from tokpipe_compiler.stage_programs.generations import PIPELINE_STEPS
+    from tokpipe_compiler.stage_programs.pipelined import PipelinedProgram
+
+    where = {"steps": -1, "branch": -1}  # the model call running: its step and branch
+    runs: list[tuple[int, int, int, bool]] = []  # program, step, branch, stale
+
+    def counted(self, *args, **kwargs):
+        steps = PIPELINE_STEPS.get().steps
+        where["branch"] = where["branch"] + 1 if steps == where["steps"] else 0
+        where["steps"] = steps
+        return unpipelined(self, *args, **kwargs)
+
+    def recorded(self, *args):
+        out = call(self, *args)
+        runs.append((self.made, where["steps"], where["branch"], self.last_chunk_count > 1))
+        return out
+
+    unpipelined, call = DenoiserRings.unpipelined, PipelinedProgram._call
+    monkeypatch.setattr(DenoiserRings, "unpipelined", counted)
+    monkeypatch.setattr(PipelinedProgram, "_call", recorded)
+    pipe = tp.parallelize(zimage_modular(perturbed()), mode="stale", **OPTIONS)
+    outs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            runs.clear()
+            where["steps"] = -1
+            outs.append(generate(pipe))
+            ran = {(program, step, branch) for program, step, branch, _ in runs}
+            assert {branch for _, _, branch, _ in runs} == {0, 1, 2}
+            assert any(stale for *_, stale in runs)
+            for program, step, branch, stale in runs:
+                assert not stale or (program, step - 1, branch) in ran, (program, step, branch)
+    assert torch.equal(outs[1], outs[2])
+    told = [str(w.message) for w in caught if HOOKED in str(w.message)]
+    assert len(told) == 1 and "PerturbedAttentionGuidance" in told[0]
+    assert "in 'stale' mode" in told[0] and "differ from later calls'" in told[0]
 
 
 def test_a_guider_that_changes_the_step_runs_per_call_and_equals_serial():

@@ -36,8 +36,8 @@ def hooks_a_branch(guider: Any) -> bool:
 
 def warn_hooked_guider(pipe: Any, mode: str) -> None:
     """Says once per guider that a guider hooking the transformer for one branch makes a
-    stale (or causal) pipeline's numbers depend on the graphs Dynamo traced before (in
-    sync mode they equal the serial pipeline's)."""
+    stale (or causal) pipeline's first call differ from later ones, which ran other graphs
+    from their first step (in sync mode every call equals the serial pipeline)."""
     if mode == "sync":
         return
     for _, guider in guiders_of(pipe):
@@ -54,11 +54,12 @@ def _first_time(guider: Any) -> bool:
 def _warn(pipe: Any, guider: Any, mode: str) -> None:
     warn(f"tokpipe: {type(pipe).__name__}'s guider, {type(guider).__name__}, hooks the "
          "transformer for one guidance branch at each step, and Dynamo traces the hooked "
-         f"model as other graphs partway through a generation; in {mode!r} mode each graph "
-         "keeps K/V per branch from the steps it has run, so the generation's numbers depend "
-         "on the graphs traced before it (a later call with the same seed may differ). "
-         "mode='sync' gives the serial pipeline's numbers, and guiders without hooks "
-         "(ClassifierFreeGuidance, AdaptiveProjectedGuidance) keep stale mode reproducible")
+         "model as other graphs partway through the first call; in "
+         f"{mode!r} mode each graph keeps K/V of its own, so that call's numbers differ from "
+         "later calls' with the same seed (which agree with one another). mode='sync' gives "
+         "the serial pipeline's numbers at every call, and guiders without hooks "
+         "(ClassifierFreeGuidance, AdaptiveProjectedGuidance) one image per seed from the "
+         "first call")
 
 
 def guider_reasons(pipe: Any) -> list[str]:

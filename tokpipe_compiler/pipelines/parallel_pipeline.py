@@ -64,6 +64,7 @@ from tokpipe_compiler.pipelines.step_callbacks import interruptible
 from tokpipe_compiler.planning.compile_calls import own_recompiles
 from tokpipe_compiler.planning.graph_share import GraphTally, summary
 from tokpipe_compiler.stage_programs.generations import PIPELINE_STEPS, StepMarks, count_step
+from tokpipe_compiler.stage_programs.model_clock import ModelClock, clocked
 
 # Input signatures (resolutions, batch sizes) a transformer is compiled for per call before
 # Dynamo runs it unpipelined: PixArt's and Sana's pipelines bin resolutions into dozens of
@@ -99,9 +100,11 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
                 "others waiting `timeout`); parallelize that pipeline too (with the same "
                 "options) to run its loop as a ring")
             denoiser.compile(backend=backend, dynamic=False, **own_recompiles(RECOMPILES))
+            clock = ModelClock(denoiser.forward, config.timestep_input, backend.session)
+            per_call = clocked(denoiser._compiled_call_impl, clock)
+            object.__setattr__(denoiser, "_compiled_call_impl", per_call)
             object.__setattr__(denoiser, PARALLELIZED,
-                               Parallelized(config, denoiser._compiled_call_impl,
-                                            backend.session.graphs))
+                               Parallelized(config, per_call, backend.session.graphs))
             reset_with_the_pipeline(denoiser)
     if ring:
         hybrid = cfg == 2 and config.stages > 1

@@ -22,7 +22,9 @@ branches, and schedulers that repeat a timestep (Heun) count each step.
 Without a timestep input every call is its own step of one branch, and only `tp.reset`,
 new input shapes or a pipeline call's end start a new generation. A graph of a model split
 at graph breaks (the blocks' graph, fed `temb`, not the timestep) follows the timestep of
-the graph of its model that read one before it (`SharedTimesteps`).
+the graph of its model that read one before it (`SharedTimesteps`). Under `parallelize`
+the transformer's calls are counted once per call instead, and every program run within a
+call takes its place (`model_clock`): the graphs of a split model number alike.
 """
 
 from __future__ import annotations
@@ -123,11 +125,26 @@ class StepClock:
         self.step, self.branch = -1, 0
         self.direction = 0  # +1 rising, -1 falling; 0 until a generation's first move
         self.marks_seen = 0  # the scheduler steps counted at the last call (StepMarks)
+        # adopted from a model's clock (`adopt`): its generation, and the model's step
+        # at which this clock's generation began
+        self.adopted: tuple[int, int] | None = None
+
+    def adopt(self, generation: int, tick: Tick, timestep: float | None) -> Tick:
+        """The model call's `tick` (`model_clock`), its step counted from where this
+        clock's generation began: a program first called mid-generation warms up there."""
+        fresh = self.step < 0 or self.adopted is None or self.adopted[0] != generation
+        if fresh:
+            self.adopted = (generation, tick.step)
+        assert self.adopted is not None
+        self.step, self.branch = tick.step - self.adopted[1], tick.branch
+        self.last, self.last_inputs = timestep, ()
+        return Tick(fresh, self.step, self.branch)
 
     def tick(self, args: tuple[Any, ...]) -> Tick:
         timestep = self._timestep(args)
         marks = PIPELINE_STEPS.get()
         fresh = self.step < 0
+        self.adopted = None
         if timestep is None or self.last is None:
             self.step, self.branch = self.step + 1, 0
         elif timestep == self.last:

@@ -30,6 +30,7 @@ from tokpipe_compiler.runtime.run_stops import DeferredInterrupts
 from tokpipe_compiler.runtime.stage_feeds import StageFeeds
 from tokpipe_compiler.runtime.timeline_events import Timeline
 from tokpipe_compiler.stage_programs.generations import StepClock, Tick, timestep_index
+from tokpipe_compiler.stage_programs.model_clock import MODEL_CALL
 from tokpipe_compiler.stage_programs.outputs import (
     assemble_output,
     refusing_backward,
@@ -177,7 +178,7 @@ class PipelinedProgram:
             self.session.claim(self, self.owner)
         if torch.is_grad_enabled():
             warn_no_gradients(args, self.session.warned if self.session is not None else set())
-        tick = self.clock.tick(args)
+        tick = self._tick(args)
         if tick.new_generation:
             self._new_generation()
             self._generation_starts(args)
@@ -202,6 +203,14 @@ class PipelinedProgram:
         self._run_ends()
         self._advance(1)
         return refusing_backward(outputs, args) if torch.is_grad_enabled() else outputs
+
+    def _tick(self, args: tuple) -> Tick:
+        """Where this call falls: the model call's place where one is clocked (the
+        model's graphs numbered alike: `model_clock`), else counted by this program."""
+        model = MODEL_CALL.get()
+        if model is not None and model.session is self.session:
+            return self.clock.adopt(model.generation, model.tick, model.timestep)
+        return self.clock.tick(args)
 
     def _warn_many_branches(self, tick: Tick) -> None:
         """Calls at one timestep with other inputs each get a branch and its caches, kept
