@@ -69,7 +69,8 @@ class ModelClock:
         timestep = self._timestep(args, kwargs)
         tick = self.clock.tick((float(marks.steps) if timestep is None else timestep,))
         self.generations += tick.new_generation
-        return ModelTick(self.session, self.generations, tick, self.clock.last)
+        return ModelTick(self.session, self.generations, tick,
+                         None if timestep is None else self.clock.last)
 
     def _timestep(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         try:
