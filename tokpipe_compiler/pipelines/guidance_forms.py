@@ -17,6 +17,11 @@ from tokpipe_compiler.core.errors import TokpipeError
 
 COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both", "cond_first_rescaled",
             "perturbed", "uncond_first_perturbed")
+# Two calls a step (cond, then uncond): the pipelines' forms. cond_extrapolated is Krea 2's
+# `cond + s * (cond - uncond)`: classifier-free guidance at g = s + 1, which in bfloat16
+# rounds otherwise than `uncond + g * (cond - uncond)`. Not tried on one batched call, whose
+# batch of two it would take from a PAG pipeline (`perturbed`, the same arithmetic).
+TWO_CALL_COMBINES = ("cond_first", "cond_first_rescaled", "cond_extrapolated")
 # diffusers' PAG pipelines: (cond, perturbed) with scale s, or (uncond, cond, perturbed) with
 # scales (g, s); their attention processors split the batch inside the transformer call.
 PERTURBED = ("perturbed", "uncond_first_perturbed")
@@ -34,6 +39,8 @@ def combine(form: str, out: torch.Tensor, g: Any, calls: int) -> torch.Tensor:
     if form in PERTURBED:
         return _perturbed(form, out, g)
     first, second = out.chunk(2)
+    if form == "cond_extrapolated":
+        return first + _times(g, first - second)
     if form == "uncond_first":
         return first + _times(g, second - first)
     guided = second + _times(g, first - second)  # cond first: DiT, and the two-call pipelines
@@ -73,7 +80,7 @@ def fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
     if probe.dim() > 1 and noise_pred.dim() > 1 and probe.shape[1] != noise_pred.shape[1]:
         channels = noise_pred.shape[1]
         probe = probe[:, :channels]
-    forms = ("cond_first", "cond_first_rescaled") if calls == 2 else COMBINES
+    forms = TWO_CALL_COMBINES if calls == 2 else COMBINES
     for own in (True, False):
         best: tuple[float, Any] | None = None
         for form in forms:
@@ -94,7 +101,10 @@ def fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
     raise GlueNotFound("the prediction the pipeline passes to scheduler.step is neither the "
                        "transformer's output nor classifier-free or perturbed-attention "
                        "guidance over it, at a scale fitted to it or among the numbers the "
-                       f"call passed or defaults to ({tried}): a prediction the pipeline "
+                       f"call passed or defaults to ({tried}), each in the order of "
+                       "operations diffusers' pipelines use (the transformer's output is "
+                       f"{probe.dtype}, in which another order rounds otherwise): a "
+                       "prediction the pipeline "
                        "transforms further (negated, as HiDream's is, or rescaled by "
                        "statistics over all tokens) is not replayed")
 
@@ -127,7 +137,7 @@ def _directions(combine: str, parts: Sequence[torch.Tensor]
     """The guided prediction's base and the directions its scales multiply."""
     if combine == "uncond_first":
         return parts[0], [parts[1] - parts[0]]
-    if combine == "perturbed":
+    if combine in ("perturbed", "cond_extrapolated"):
         return parts[0], [parts[0] - parts[1]]
     if combine == "uncond_first_perturbed":
         return parts[0], [parts[1] - parts[0], parts[1] - parts[2]]
