@@ -35,9 +35,7 @@ CI_FAMILIES = ("pixart_alpha", "flux", "sana", "cogvideox", "wan", "ltx", "cogvi
 FLOAT32_ARITHMETIC = ("sana", "ltx")  # the pipeline's own guidance and update in float32
 FLOAT16_CI = ("flux", "sana")  # their blocks clip in float16
 FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
-# in bfloat16 only; not Kandinsky 5, whose released model keeps some layers in float32
-# (`pipe.to(torch.bfloat16)` fails in diffusers itself)
-BFLOAT16_ONLY = {name: make for name, make in MORE.items() if name != "kandinsky5_video"}
+BFLOAT16_ONLY = MORE  # (Kandinsky 5 keeps its time embeddings and modulations in float32)
 STEPS = 4  # Flux's second timestep rounds differently cast then divided, or divided then cast
 
 
