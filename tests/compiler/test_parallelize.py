@@ -55,14 +55,33 @@ def test_ring_equals_serial_in_sync_and_per_call_in_stale(family):
     assert torch.equal(stale, again)  # the second call is a generation of its own
 
 
+# Families that plain torch.compile (Inductor, no tokpipe) already moves past 1e-5 from
+# eager: Kandinsky 5 T2V by 3.8e-4 (3 steps).
+INDUCTOR_DRIFT = ("kandinsky5_video",)
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inductor_stages_equal_eager_stages(family):
     """The default stage compiler on every family's ring (stale: whole warmup step, then
-    chunks reading the caches): Inductor only reassociates float32 arithmetic."""
+    chunks reading the caches): Inductor only reassociates float32 arithmetic, moving the
+    output no further than it moves the serial pipeline's."""
     eager = generate(*parallelized(FAMILIES[family], mode="stale", warmup_steps=1), steps=3)
     pipe, kwargs = parallelized(FAMILIES[family], mode="stale", warmup_steps=1, compiler="inductor")
-    assert rel_error(generate(pipe, kwargs, steps=3), eager) <= 1e-5
+    bound = 1e-5
+    if family in INDUCTOR_DRIFT:
+        serial, kwargs_serial = FAMILIES[family]()
+        drift = rel_error(generate(serial, kwargs_serial, steps=3),
+                          generate(*_inductor_compiled(FAMILIES[family]()), steps=3))
+        assert drift > 1e-5  # else the family needs no entry
+        bound += 1.1 * drift
+    assert rel_error(generate(pipe, kwargs, steps=3), eager) <= bound
+
+
+def _inductor_compiled(built):
+    pipe, kwargs = built
+    pipe.transformer.compile(backend="inductor")
+    return pipe, kwargs
 
 
 @pytest.mark.parametrize("family", [
