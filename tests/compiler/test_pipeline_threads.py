@@ -95,3 +95,39 @@ def _raised(call) -> BaseException | None:
     except BaseException as err:
         return err
     return None
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "per-call"])
+def test_a_pipeline_sharing_the_running_ones_transformer_is_refused(ring):
+    """Two pipelines on one transformer (each with its scheduler), the second called from
+    another thread while the first runs: the transformer's K/V caches and step count are
+    its own, and the running call went on with the other's (2.6 relative off, or an
+    IndexError). The second now raises, naming the shared transformer, and the running
+    call computes what it computes alone."""
+    import copy
+
+    def pair():
+        pipe, kwargs = FAMILIES["flux"]()
+        sibling = type(pipe)(**{**pipe.components, "scheduler": copy.deepcopy(pipe.scheduler)})
+        options = {**OPTIONS, "mode": "stale", "warmup_steps": 1}
+        return (tp.pipelines.parallelize(pipe, ring=ring, **options),
+                tp.pipelines.parallelize(sibling, ring=ring, **options), kwargs)
+
+    first, _, kwargs = pair()
+    alone = generate(first, kwargs, steps=3)
+    pipe, sibling, kwargs = pair()
+    errors: list[BaseException] = []
+
+    def sibling_at_step_one(_: Any, i: int, t: Any, tensors: dict) -> dict:
+        if i == 1 and not errors:
+            other = threading.Thread(target=lambda: errors.append(_raised(
+                lambda: generate(sibling, kwargs, steps=3))))
+            other.start()
+            other.join(timeout=120)
+        return tensors
+
+    out = generate(pipe, {**kwargs, "callback_on_step_end": sibling_at_step_one}, steps=3)
+    assert isinstance(errors[0], tp.TokpipeError), errors
+    assert "FluxPipeline.transformer is running a call of another pipeline" in str(errors[0])
+    assert torch.equal(out, alone)
+    assert torch.equal(generate(sibling, kwargs, steps=3), alone)  # free again

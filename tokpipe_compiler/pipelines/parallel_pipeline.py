@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,10 @@ from tokpipe_compiler.stage_programs.model_clock import ModelClock, clocked
 # Dynamo runs it unpipelined: PixArt's and Sana's pipelines bin resolutions into dozens of
 # aspect ratios, and each is one recompile.
 RECOMPILES = 64
+# A parallelized transformer's lock, held by the pipeline call running it (not an attribute:
+# a copy or pickle of the transformer would fail on a lock).
+_CALLS_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = \
+    weakref.WeakKeyDictionary()
 
 
 def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -> Any:
@@ -106,6 +111,7 @@ def parallelize(pipe: Any, *, ring: bool = True, cfg: int = 1, **options: Any) -
             object.__setattr__(denoiser, PARALLELIZED,
                                Parallelized(config, per_call, backend.session.graphs))
             reset_with_the_pipeline(denoiser)
+            _CALLS_LOCKS[denoiser] = threading.RLock()
     if ring:
         hybrid = cfg == 2 and config.stages > 1
         _install_ring(pipe, denoisers, options, cfg,
@@ -269,11 +275,38 @@ def _one_call_at_a_time(pipe: Any, running: threading.Lock) -> Iterator[None]:
             "parallelized pipeline runs one call at a time, since its generation's state "
             "(ring, scheduler, K/V caches) is the pipeline's. Serialise the calls with a "
             "lock, or load a pipeline per thread")
-    setattr(pipe, CALLED, True)
     try:
-        yield
+        with _transformers_held(pipe):
+            setattr(pipe, CALLED, True)
+            yield
     finally:
         running.release()
+
+
+@contextlib.contextmanager
+def _transformers_held(pipe: Any) -> Iterator[None]:
+    """The pipeline's transformers for the call: a pipeline sharing one with this one
+    (made by from_pipe, or from its components) raises while this call runs in another
+    thread, since a transformer's K/V caches and step count are its own. In this thread
+    (a step callback calling the other pipeline) it may."""
+    held: list[threading.RLock] = []
+    try:
+        for name, denoiser in find_denoisers(pipe).items():
+            lock = _CALLS_LOCKS.get(denoiser)
+            if lock is None:  # a transformer put in after parallelize
+                continue
+            if not lock.acquire(blocking=False):
+                raise TokpipeError(
+                    f"{type(pipe).__name__}.{name} is running a call of another pipeline "
+                    "that shares it (in another thread): a parallelized transformer runs "
+                    "one pipeline's call at a time, since its K/V caches and step count "
+                    "are its own. Serialise the calls with a lock, or give each thread a "
+                    "pipeline with a transformer of its own")
+            held.append(lock)
+        yield
+    finally:
+        for lock in held:
+            lock.release()
 
 
 def _with_call(pipe: Any, call: Callable[..., Any], mark: str, owner: object,
