@@ -57,3 +57,16 @@ def test_a_program_first_called_mid_generation_starts_its_generation_there():
     assert clock.adopt(2, Tick(True, 0, 0), 1.0) == Tick(True, 0, 0)
     clock.reset()  # tp.reset mid-generation: the next call starts this program's again
     assert clock.adopt(2, Tick(False, 1, 0), 0.5) == Tick(True, 0, 0)
+
+
+def test_a_forward_without_a_signature_reads_the_timestep_by_keyword():
+    class Unsigned:
+        __signature__ = "not one"  # inspect.signature raises TypeError
+
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    clock, marks = ModelClock(Unsigned(), None, None), StepMarks()
+    assert model_ticks(clock, marks, [torch.tensor(900.0), torch.tensor(800.0)]) == [
+        (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert clock.tick((), {"timestep": torch.tensor(700.0)}, marks).timestep == 700.0

@@ -54,7 +54,10 @@ class ModelClock:
 
     def __init__(self, forward: Callable[..., Any], timestep_input: str | int | None,
                  session: Any):
-        self.signature = inspect.signature(forward)
+        try:
+            self.signature: inspect.Signature | None = inspect.signature(forward)
+        except (TypeError, ValueError):  # no signature to read: the keywords alone
+            self.signature = None
         self.names = timestep_names(timestep_input)
         self.session = session
         self.clock = StepClock(0)
@@ -74,7 +77,8 @@ class ModelClock:
 
     def _timestep(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         try:
-            bound = self.signature.bind(*args, **kwargs).arguments
+            bound = kwargs if self.signature is None else \
+                self.signature.bind(*args, **kwargs).arguments
         except TypeError:  # the call itself raises, as it would unclocked
             return None
         for name in self.names:
