@@ -197,3 +197,24 @@ def test_latents_made_outside_inference_mode_are_named_with_their_advice():
                 latents = latents - 0.1 * compiled(latents, torch.tensor([t]), labels)
     (inference,) = [said for said in retraced(list(seen)) if "dispatch key" in said]
     assert "draw the latents inside torch.inference_mode()" in inference
+
+
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "per-call"])
+def test_a_forward_reading_its_dtype_is_traced_once_across_calls(ring):
+    """Allegro's forward reads `self.dtype`, which looks for diffusers' hook registry on
+    every module; the pipeline creates the registry at the end of its first call, and the
+    second call was traced and compiled again. A refused ring (Euler ancestral draws noise)
+    runs per call."""
+    import diffusers
+
+    from tests.fixtures.more_pipelines import allegro
+    from tests.fixtures.pipelines import generate
+
+    pipe, kwargs = allegro()
+    pipe.scheduler = diffusers.EulerAncestralDiscreteScheduler.from_config(
+        pipe.scheduler.config)
+    tp.pipelines.parallelize(pipe, ring=ring, **{**OPTIONS, "mode": "sync"})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=f".*{RETRACED}")
+        for _ in range(3):
+            generate(pipe, kwargs, steps=2)

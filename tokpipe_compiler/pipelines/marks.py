@@ -115,6 +115,12 @@ def reset_with_the_pipeline(denoiser: torch.nn.Module) -> None:
     """End the generation when the pipeline call ends: DiffusionPipeline calls each
     component's `_reset_stateful_cache` there (diffusers' own stateful hooks too)."""
     own = getattr(denoiser, RESET, None)
+    if callable(own):
+        # What the end of every pipeline call does, done before the first: diffusers gives
+        # the transformer its hook registry there, which `ModelMixin.dtype` looks for; a
+        # forward that reads `self.dtype` (Allegro's, OmniGen's), traced without it, would
+        # be traced and compiled again at the second call.
+        own()
 
     def reset_caches(*args: Any, **kwargs: Any) -> None:
         if own is not None:
