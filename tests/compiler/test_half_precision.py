@@ -34,16 +34,16 @@ CI_FAMILIES = ("pixart_alpha", "flux", "sana", "cogvideox", "wan", "ltx", "cogvi
                "flux_kontext", "krea2")  # Krea 2: guidance as `cond + s * (cond - uncond)`
 FLOAT32_ARITHMETIC = ("sana", "ltx")  # the pipeline's own guidance and update in float32
 FLOAT16_CI = ("flux", "sana")  # their blocks clip in float16
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED}
-BFLOAT16_ONLY = MORE  # (Kandinsky 5 keeps its time embeddings and modulations in float32)
+# MORE's in bfloat16 only (Kandinsky 5 keeps its time embeddings in float32)
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **MORE}
 STEPS = 4  # Flux's second timestep rounds differently cast then divided, or divided then cast
 
 
 def _cases():
     cases = []
-    for name in {**FAMILIES, **BFLOAT16_ONLY}:
+    for name in FAMILIES:
         for dtype, ci in ((torch.bfloat16, CI_FAMILIES), (torch.float16, FLOAT16_CI)):
-            if dtype == torch.float16 and name in BFLOAT16_ONLY:
+            if dtype == torch.float16 and name in MORE:
                 continue
             marks = () if name in ci else pytest.mark.full
             cases.append(pytest.param(name, dtype, marks=marks,
@@ -57,7 +57,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(("family", "dtype"), _cases())
 def test_ring_in_half_precision_is_as_close_to_float32_as_the_pipeline(family, dtype):
-    make = {**FAMILIES, **BFLOAT16_ONLY}[family]
+    make = FAMILIES[family]
     exact = generate(*make(), steps=STEPS)
     serial = generate(*in_dtype(make(), dtype), steps=STEPS)
     pipe, kwargs = in_dtype(make(), dtype)

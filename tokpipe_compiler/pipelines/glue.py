@@ -55,7 +55,8 @@ class Glue:
         or `t.to(dtype) / divisor` when not divide_first, broadcast over the batch. In a
         low-precision dtype the two orders round differently, and at t = 1000 they agree,
         so a first step may leave both (later steps narrow them, before the ring runs).
-    combine: the guidance form (`guidance_forms.COMBINES`); cond_first_both is DiT's, which
+    combine: the guidance form (`guidance_forms.COMBINES`, or `TWO_CALL_COMBINES` where the
+        pipeline calls the transformer once per branch); cond_first_both is DiT's, which
         keeps the doubled latent and writes the guided prediction to both halves;
         cond_first_rescaled is QwenImage's, which rescales the guided prediction to the
         conditional one's norm over the last axis (channels, per token); perturbed and

@@ -132,10 +132,10 @@ class StepClock:
     def adopt(self, generation: int, tick: Tick, timestep: float | None) -> Tick:
         """The model call's `tick` (`model_clock`), its step counted from where this
         clock's generation began: a program first called mid-generation warms up there."""
-        fresh = self.step < 0 or self.adopted is None or self.adopted[0] != generation
+        # None after a reset, or after calls this clock counted itself
+        fresh = self.adopted is None or self.adopted[0] != generation
         if fresh:
             self.adopted = (generation, tick.step)
-        assert self.adopted is not None
         self.step, self.branch = tick.step - self.adopted[1], tick.branch
         self.last, self.last_inputs = timestep, ()
         return Tick(fresh, self.step, self.branch)

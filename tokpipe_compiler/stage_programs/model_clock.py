@@ -16,9 +16,8 @@ generation there: its first steps warm up as a generation's first steps do.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -100,16 +99,10 @@ def clocked(call: Callable[..., Any], clock: ModelClock) -> Callable[..., Any]:
         marks = PIPELINE_STEPS.get()
         if marks is None:
             return call(*args, **kwargs)
-        with _within(clock.tick(args, kwargs, marks)):
+        token = MODEL_CALL.set(clock.tick(args, kwargs, marks))
+        try:
             return call(*args, **kwargs)
+        finally:
+            MODEL_CALL.reset(token)
 
     return clocked_call
-
-
-@contextlib.contextmanager
-def _within(tick: ModelTick) -> Iterator[None]:
-    token = MODEL_CALL.set(tick)
-    try:
-        yield
-    finally:
-        MODEL_CALL.reset(token)
