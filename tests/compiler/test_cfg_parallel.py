@@ -16,11 +16,12 @@ from tests.fixtures.more_pipelines import MORE
 from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import generate
 from tests.fixtures.tracing import rel_error
+from tests.fixtures.video_pipelines import VIDEO
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE}
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO}
 
 
 @pytest.mark.parametrize("family", ["dit", "wan", "wan22", "flux_inpaint", "flux_ip_adapter",

@@ -22,6 +22,7 @@ from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED
 from tests.fixtures.more_pipelines import MORE
 from tests.fixtures.pipelines import generate, in_dtype
+from tests.fixtures.video_pipelines import VIDEO
 from tokpipe_compiler.pipelines.glue import Glue, guide, model_timesteps
 
 pytest.importorskip("diffusers")
@@ -34,8 +35,8 @@ CI_FAMILIES = ("pixart_alpha", "flux", "sana", "cogvideox", "wan", "ltx", "cogvi
                "flux_kontext", "krea2")  # Krea 2: guidance as `cond + s * (cond - uncond)`
 FLOAT32_ARITHMETIC = ("sana", "ltx")  # the pipeline's own guidance and update in float32
 FLOAT16_CI = ("flux", "sana")  # their blocks clip in float16
-# MORE's in bfloat16 only (Kandinsky 5 keeps its time embeddings in float32)
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **MORE}
+# MORE's and VIDEO's in bfloat16 only (Kandinsky 5 keeps its time embeddings in float32)
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **MORE, **VIDEO}
 STEPS = 4  # Flux's second timestep rounds differently cast then divided, or divided then cast
 
 
@@ -43,7 +44,7 @@ def _cases():
     cases = []
     for name in FAMILIES:
         for dtype, ci in ((torch.bfloat16, CI_FAMILIES), (torch.float16, FLOAT16_CI)):
-            if dtype == torch.float16 and name in MORE:
+            if dtype == torch.float16 and (name in MORE or name in VIDEO):
                 continue
             marks = () if name in ci else pytest.mark.full
             cases.append(pytest.param(name, dtype, marks=marks,

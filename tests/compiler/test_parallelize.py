@@ -19,6 +19,7 @@ from tests.fixtures.more_pipelines import MORE
 from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import SMALL_RING, generate, parallelized, pixart_alpha, sd3
 from tests.fixtures.tracing import rel_error
+from tests.fixtures.video_pipelines import VIDEO
 from tokpipe_compiler.pipelines.step_callbacks import StepCallbacks
 
 pytest.importorskip("diffusers")
@@ -30,7 +31,7 @@ CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "huny
                "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video", "qwenimage",
                "wan22", "wan22_5b", "flux_inpaint", "wan_first_last_frame", "pixart_sigma_pag",
                "flux_ip_adapter", "cogvideox_video2video", "kandinsky5_video", "bria")
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE}
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO}
 
 
 def _families():

@@ -52,6 +52,23 @@ def test_adaptive_perturbed_attention_guidance_runs_per_call_and_says_why():
     assert rel_error(out, expected) <= 1e-5
 
 
+@pytest.mark.full
+def test_temporal_reasoning_that_drops_frames_midway_runs_per_call_and_says_why():
+    """ChronoEdit's temporal reasoning keeps only the first and last frames from step k on:
+    the step changes its shape partway (a ring refuses that loudly); per call, as serial."""
+    from tests.fixtures.video_pipelines import chronoedit
+
+    def make():
+        return chronoedit(enable_temporal_reasoning=True, num_frames=9,
+                          num_temporal_reasoning_steps=2)
+
+    serial = generate(*make(), steps=4)
+    pipe, kwargs = parallelized(make, mode="sync")
+    with pytest.warns(UserWarning, match=r"runs per call .*num_temporal_reasoning_steps=2"):
+        out = generate(pipe, kwargs, steps=4)
+    assert rel_error(out, serial) <= 1e-5
+
+
 def test_a_transformer_with_a_diffusers_cache_runs_per_call_and_says_why():
     """diffusers' step caches (here First Block Cache) skip blocks by comparing whole
     tensors with earlier steps', which a ring cannot replay: per call, as the cache decides,

@@ -18,11 +18,12 @@ from tests.fixtures.more_pipelines import MORE
 from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import generate, in_dtype
 from tests.fixtures.ranks import launch_cases, selected
+from tests.fixtures.video_pipelines import VIDEO
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 pytest.importorskip("transformers")
 
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE}
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO}
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 

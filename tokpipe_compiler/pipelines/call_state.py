@@ -5,7 +5,7 @@ loop is in, what it learnt at its first step), and the guidance scales the call 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -45,6 +45,14 @@ class Generation:
     @property
     def ring(self) -> bool:
         return not self.reasons
+
+    def next_loop(self) -> None:
+        """As at the call's start, for another denoising loop of the same call (Helios'
+        windows, each with its own timesteps): what the loop before learnt dropped, the
+        call's reasons, guidance candidates and step callbacks kept."""
+        fresh = Generation(self.reasons, self.guidance_candidates, callbacks=self.callbacks)
+        for item in fields(Generation):
+            setattr(self, item.name, getattr(fresh, item.name))
 
     @property
     def probing(self) -> bool:

@@ -37,6 +37,7 @@ from tokpipe_compiler.pipelines.ring_step import (
     carry_condition,
     fixed_inputs,
     make_step,
+    same,
     split_fixed,
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable
@@ -88,7 +89,8 @@ class DenoiserRings:
         self.config = Config.from_options(options)
         self.rings: dict[Any, Ring] = {}
         self._shapes: dict[Any, Any] = {}  # call signature -> output structure (fake run)
-        self._batching: dict[Any, bool] = {}  # calls' signature -> rows_per_sample
+        # calls' signature -> rows_per_sample, the inputs passed once
+        self._batching: dict[Any, tuple[bool, frozenset[str]]] = {}
         self._branch_forward: Callable[..., Any] | None = None
         self._state: ModuleState | None = None  # the transformer's `module_state` its rings traced
         # The rings of the state before, where only the processors or settings changed
@@ -191,20 +193,32 @@ class DenoiserRings:
         key = _signature(calls)  # fake runs of the transformer: once per call signature
         if key not in self._batching:
             self._batching[key] = self._batching_of(glue, calls, batch)
-        return fixed_inputs(glue, calls, batch, rows_per_sample=self._batching[key])
+        rows_per_sample, once = self._batching[key]
+        return fixed_inputs(glue, calls, batch, rows_per_sample=rows_per_sample, once=once)
 
-    def _batching_of(self, glue: Glue, calls: list[dict[str, Any]], batch: int) -> bool:
-        """`rows_per_sample` for the batched call of `calls` (`_fixed`)."""
+    def _batching_of(self, glue: Glue, calls: list[dict[str, Any]],
+                     batch: int) -> tuple[bool, frozenset[str]]:
+        """`rows_per_sample` and the inputs passed `once` for the batched call of `calls`
+        (`_fixed`): where batching an input both calls pass alike is refused, that input
+        passed once (a row per layer, say, that a batch of one cannot tell from a row per
+        sample)."""
         forward = self.denoiser.forward
         if len(calls) != 2 or not fake_run_fits(forward, calls[0]):
-            return False  # one call, or a transformer fake tensors cannot judge
+            return False, frozenset()  # one call, or a transformer fake tensors cannot judge
         error = fake_run_error(forward, batched_call(glue, calls, fixed_inputs(glue, calls,
                                                                              batch)))
         if error is None:
-            return False
+            return False, frozenset()
         per_sample = fixed_inputs(glue, calls, batch, rows_per_sample=True)
         if fake_run_fits(forward, batched_call(glue, calls, per_sample)):
-            return True
+            return True, frozenset()
+        alike = [name for name in calls[0] if name not in (glue.latent_arg, glue.timestep_arg)
+                 and same(calls[0][name], calls[1][name])]
+        for once in [*(frozenset({name}) for name in alike), frozenset(alike)]:
+            for rows_per_sample in (False, True):
+                tried = fixed_inputs(glue, calls, batch, rows_per_sample, once)
+                if once and fake_run_fits(forward, batched_call(glue, calls, tried)):
+                    return rows_per_sample, once
         raise RingUnavailable(f"ring mode batches the two guidance branches' calls into one, "
                               f"which {type(self.denoiser).__name__} refuses ({error})")
 

@@ -150,6 +150,11 @@ class RingCalls:
             return self.denoisers[name].per_call(*args, **kwargs)
         if not gen.ring:
             return self.denoisers[name].unpipelined(*args, **kwargs)
+        if gen.finished and gen.interrupted is None:
+            # the loop ran its last step, and the pipeline calls the transformer again: a
+            # denoising loop after it in the same call (Helios' windows, each with its own
+            # set_timesteps), a ring of its own from its first step
+            gen.next_loop()
         if gen.denoiser is None:  # the loop's first call
             self._start(gen)
             if not gen.ring:

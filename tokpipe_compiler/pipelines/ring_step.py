@@ -82,12 +82,16 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
 
 
 def fixed_inputs(glue: Glue, calls: list[dict[str, Any]], batch: int,
-                 rows_per_sample: bool = False) -> dict[str, Any]:
+                 rows_per_sample: bool = False,
+                 once: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The transformer inputs that stay fixed over the generation, with the condition
     joined to the latent (`CONDITION`) where there is one; two calls (one per guidance
     branch) become one batched call, cond first. `rows_per_sample`: an input both calls
     pass alike, with rows neither 1 nor `batch`, holds rows per sample (Wan's first and
-    last frame images: 2 for one sample) and is batched too, not passed once."""
+    last frame images: 2 for one sample) and is batched too, not passed once. `once`: the
+    inputs both calls pass alike that are passed once whatever their rows (Wan VACE's
+    `control_hidden_states_scale`, one row per VACE layer: one row, like a sample's, where
+    the model has one VACE layer)."""
     names = [n for n in calls[0] if n not in (glue.latent_arg, glue.timestep_arg)]
     condition = {} if glue.condition_dim is None else \
         {CONDITION: condition_part(glue, calls[0][glue.latent_arg])}
@@ -98,6 +102,9 @@ def fixed_inputs(glue: Glue, calls: list[dict[str, Any]], batch: int,
     spread = any(_spreads(cond, uncond, batch) for cond, uncond in pairs)
     fixed = {name: torch.cat([value, value]) for name, value in condition.items()}
     for name in names:
+        if name in once and same(calls[0][name], calls[1][name]):
+            fixed[name] = calls[0][name]
+            continue
         batched = functools.partial(_batched, name, batch=batch, spread=spread,
                                     rows_per_sample=rows_per_sample)
         fixed[name] = pytree.tree_map(batched, calls[0][name], calls[1][name])

@@ -53,6 +53,10 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "Kandinsky5T2VPipeline": {},
     "BriaPipeline": {},
     "QwenImageEditPlusPipeline": {},
+    "WanVACEPipeline": {},
+    "ChronoEditPipeline": {"num_temporal_reasoning_steps": 0},
+    "MotifVideoPipeline": {},
+    "HeliosPipeline": {},
     "WanModularPipeline": {},
     "Wan22ModularPipeline": {},
     "WanImage2VideoModularPipeline": {},
@@ -92,6 +96,8 @@ WHY = {
     "use_dynamic_cfg": "dynamic guidance changes the guidance scale every step",
     "pag_adaptive_scale": "adaptive perturbed-attention guidance changes its scale every "
                           "step",
+    "num_temporal_reasoning_steps": "temporal reasoning keeps only the first and the last "
+                                    "frame from that step on",
 }
 
 
