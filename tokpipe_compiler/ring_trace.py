@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError, user_line
+from tokpipe_compiler.core.module_attributes import attributes_changed, plain_attributes
 from tokpipe_compiler.planning.argument_reads import argument_reads
 from tokpipe_compiler.planning.capture import Captured, capture
 
@@ -22,10 +23,14 @@ class StepGraphBreak(TokpipeError):
     graphs run pipelined or as traced."""
 
 
-def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
+def trace_step(step_fn: Callable[..., Any], values: dict[str, Any],
+               retried: bool = False) -> Captured:
     """The graph of one call of the step function, its example inputs and placeholders.
     Where the step itself raises (the model fails on these inputs), that error, as an
-    eager call raises it, rather than Dynamo's account of it ("Observed exception")."""
+    eager call raises it, rather than Dynamo's account of it ("Observed exception").
+    A model that fills a cache of its own at its first call, where Dynamo breaks (Z-Image
+    makes its rotary table under a device context), is traced again once the eager call
+    has filled it."""
     try:
         traced = capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1]
     except torch._dynamo.exc.TorchRuntimeError:
@@ -34,7 +39,8 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any]) -> Captured:
     except torch._dynamo.exc.Unsupported as err:
         # The step's own error (an exception it raises, a name it lacks) as Python gives it:
         # an eager call raises it, with its traceback; a step that runs has a graph break.
-        _run_eagerly(step_fn, values)
+        if _run_eagerly(step_fn, values) and not retried:
+            return trace_step(step_fn, values, retried=True)
         raise StepGraphBreak(f"ring mode needs the step function as one graph; Dynamo broke "
                              f"it: {_graph_break(err)}{_advice(err)}") from err
     except torch._dynamo.exc.UserError as err:
@@ -75,12 +81,26 @@ def _refuse_data_dependent_sizes(gm: torch.fx.GraphModule) -> None:
                                  f"({tuple(value.shape)} at {user_line(node)})")
 
 
-def _run_eagerly(step_fn: Callable[..., Any], values: dict[str, Any]) -> None:
+def _run_eagerly(step_fn: Callable[..., Any], values: dict[str, Any]) -> bool:
     """One eager call of the step, on copies of its tensors (a step writing its inputs
-    leaves the caller's): where the step itself fails, its own error, as Python gives it."""
+    leaves the caller's): where the step itself fails, its own error, as Python gives it.
+    Whether the call changed an attribute of the modules the step calls (filled a cache)."""
+    attributes = [a for m in _closure_modules(step_fn) for a in plain_attributes(m)]
     with torch.no_grad():
         step_fn(**{k: v.clone() if isinstance(v, torch.Tensor) else v
                    for k, v in values.items()})
+    return attributes_changed(attributes)
+
+
+def _closure_modules(fn: Callable[..., Any]) -> list[torch.nn.Module]:
+    """The modules `fn` holds in its closure, or whose bound methods (or a diffusers
+    hook's `partial(new_forward, module)`) it holds."""
+    found = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        candidates = [value, getattr(value, "__self__", None), *getattr(value, "args", ())]
+        found += [c for c in candidates if isinstance(c, torch.nn.Module)]
+    return found
 
 
 def _advice(err: BaseException, branch: bool = True) -> str:

@@ -75,10 +75,33 @@ def test_an_unknown_combination_of_three_parts_is_refused():
         _identify(3, probe, uncond * cond + perturbed)
 
 
-def test_a_negated_guided_prediction_is_refused_and_named():
-    """HiDream hands scheduler.step the guided prediction negated: no guidance form is
-    that, and the refusal names the numbers it tried and what the pipeline may have done."""
+@pytest.mark.parametrize("before", [True, False])
+def test_a_negated_prediction_is_replayed_bit_for_bit(before):
+    """HiDream negates the prediction before guidance, Lumina2 and Z-Image after it:
+    negation is exact, so the guided prediction negated gives either order's numbers."""
+    probe = _randn(2, 4, 6, seed=1)
+    uncond, cond = (-probe if before else probe).chunk(2)
+    guided = uncond + 4.5 * (cond - uncond)
+    noise_pred = guided if before else -guided
+    glue = _identify(2, probe, noise_pred)
+    assert (glue.combine, glue.guidance, glue.negated) == ("uncond_first", 4.5, True)
+    assert torch.equal(guide(glue, probe, glue.guidance), noise_pred)
+
+
+def test_an_unguided_negated_prediction_of_one_sample_is_replayed():
+    """Z-Image without guidance (Turbo's): one sample, the prediction negated; the forms
+    that split a batch in two are not tried on one sample."""
+    probe = _randn(1, 4, 6, seed=1)
+    glue = _identify(1, probe, -probe)
+    assert (glue.combine, glue.negated) == ("none", True)
+    assert torch.equal(guide(glue, probe, glue.guidance), -probe)
+
+
+def test_a_prediction_transformed_otherwise_is_refused_and_named():
+    """A prediction scaled by a statistic over all tokens is no guidance form, negated or
+    not: the refusal names the numbers it tried and what the pipeline may have done."""
     probe = _randn(2, 4, 6, seed=1)
     uncond, cond = probe.chunk(2)
-    with pytest.raises(GlueNotFound, match=r"defaults to \(20, 4.5, .*negated"):
-        _identify(2, probe, -(uncond + 4.5 * (cond - uncond)))
+    guided = uncond + 4.5 * (cond - uncond)
+    with pytest.raises(GlueNotFound, match=r"defaults to \(20, 4.5, .*negated or not"):
+        _identify(2, probe, guided / guided.norm())

@@ -41,3 +41,15 @@ def test_a_timestep_that_differs_between_tokens_is_refused():
     timestep[:, :2] = 0
     with pytest.raises(GlueNotFound, match="over the batch"):
         _identify(timestep)
+
+
+@pytest.mark.parametrize(("passed", "replay"), [
+    (lambda t: 1 - t / 1000, lambda t: 1 - t / 1000),  # Lumina2's
+    (lambda t: (1000 - t) / 1000, lambda t: (1000 - t) / 1000),  # Z-Image's
+])
+def test_a_rising_timestep_is_replayed_in_its_own_order(passed, replay):
+    """A timestep that rises as t falls, in the pipeline's own arithmetic (the two orders
+    round differently in float32)."""
+    glue = _identify(passed(T).expand(2))
+    timesteps = torch.tensor([800.0, 333.0, 7.0])
+    assert torch.equal(model_timesteps(glue, timesteps, 2)[:, 0], replay(timesteps))

@@ -33,6 +33,9 @@ from tokpipe_compiler.pipelines.guidance_forms import GlueNotFound, close, combi
 from tokpipe_compiler.stage_programs.generations import TIMESTEP_NAMES
 
 DIVISORS = (1.0, 1000.0)  # pipelines pass t, or t / 1000 (flow-matching transformers)
+# ... or 1 - t / 1000, rising from step to step (Lumina2: `1 - t / 1000`, Z-Image:
+# `(1000 - t) / 1000`, which round otherwise): the form (-1000.0, divide_first), see Glue.
+RISING = -1000.0
 # How the timestep passed is made from the scheduler's t: (divisor, divide_first), see Glue.
 TimestepForm = tuple[float, bool]
 # The names the condition joined to the latent (see Glue) takes among the step's fixed inputs,
@@ -52,7 +55,9 @@ class Glue:
         and cast them to the transformer's dtype).
     timestep_forms: the (divisor, divide_first) forms that agree with every timestep passed
         so far, the first one replayed: the timestep passed is `(t / divisor).to(dtype)`,
-        or `t.to(dtype) / divisor` when not divide_first, broadcast over the batch. In a
+        or `t.to(dtype) / divisor` when not divide_first, broadcast over the batch; a
+        negative divisor -d is a timestep that rises: `1 - t / d` (divide_first, Lumina2's)
+        or `(d - t) / d` (Z-Image's), in t's dtype, then cast. In a
         low-precision dtype the two orders round differently, and at t = 1000 they agree,
         so a first step may leave both (later steps narrow them, before the ring runs).
     combine: the guidance form (`guidance_forms.COMBINES`, or `TWO_CALL_COMBINES` where the
@@ -91,10 +96,14 @@ class Glue:
     channels: int | None
     guidance: float | tuple[float, float]
     calls: int
+    negated: bool = False  # the pipeline negates the (guided) prediction (HiDream, Lumina2)
     condition_dim: int | None = None
     condition_size: int = 0
     condition_positions: bool = False
     timestep_shape: tuple[int, ...] = ()
+    # Z-Image: the latent passed as a list of per-sample tensors, each with a new axis at
+    # `per_item - 1` (the stacked list's axis `per_item`), and the prediction returned so.
+    per_item: int | None = None
 
     def narrowed(self, passed: torch.Tensor, t: Any) -> Glue:
         """The glue with only the timestep forms that also give `passed` at step `t`
@@ -120,9 +129,10 @@ def identify(calls: Sequence[dict[str, Any]], probes: Sequence[torch.Tensor],
     calls' inputs. `scale`: the scheduler's input scale at this step."""
     first = calls[0]
     step_arg = timestep_arg(first)
-    latent_arg, copies, (condition_dim, condition_size) = _latent(first, sample * scale,
-                                                                  step_arg)
+    latent_arg, copies, (condition_dim, condition_size), per_item = _latent(
+        first, sample * scale, step_arg)
     forms = _timestep_forms(first[step_arg], t)
+    probes = [as_stacked(per_item, p) for p in probes]
     if len(calls) == 2:
         _check_branch_calls(calls, latent_arg, step_arg)
         copies, probe = 2, torch.cat(list(probes))
@@ -131,15 +141,17 @@ def identify(calls: Sequence[dict[str, Any]], probes: Sequence[torch.Tensor],
     else:
         raise GlueNotFound(f"the pipeline called the transformer {len(calls)} times in one "
                            "step; ring mode replays one call, or two (one per guidance branch)")
-    form, guidance_dtype, channels, guidance = fit_guidance(probe, noise_pred, len(calls),
-                                                            guidance_candidates)
+    form, guidance_dtype, channels, guidance, negated = fit_guidance(
+        probe, noise_pred, len(calls), guidance_candidates)
     # the output's axis 1 is the input's joined axis, the condition's part dropped
     positions = condition_dim == 1 and channels is not None and \
         channels + condition_size == probe.shape[1]
-    return Glue(latent_arg, step_arg, copies, first[latent_arg].dtype, forms,
+    latent = first[latent_arg]
+    latent_dtype = latent[0].dtype if per_item is not None else latent.dtype
+    return Glue(latent_arg, step_arg, copies, latent_dtype, forms,
                 first[step_arg].dtype, form, guidance_dtype, noise_pred.dtype, channels,
-                guidance, len(calls), condition_dim, condition_size, positions,
-                tuple(first[step_arg].shape[1:]))
+                guidance, len(calls), negated, condition_dim, condition_size, positions,
+                tuple(first[step_arg].shape[1:]), per_item)
 
 
 def model_input(glue: Glue, sample: torch.Tensor, scale: torch.Tensor,
@@ -147,7 +159,30 @@ def model_input(glue: Glue, sample: torch.Tensor, scale: torch.Tensor,
     """The latent as the transformer takes it (in the step function), joined with its
     `condition` where the pipeline joins one."""
     x = _copied(glue, (sample * scale).to(glue.latent_dtype))
+    if glue.per_item is not None:  # a list of per-sample tensors (Z-Image)
+        return list(x.unsqueeze(glue.per_item).unbind(0))
     return x if glue.condition_dim is None else torch.cat([x, condition], glue.condition_dim)
+
+
+def as_stacked(per_item: int | None, out: Any) -> torch.Tensor:
+    """The prediction as one tensor: a list of per-sample predictions (Z-Image's) stacked
+    over the batch, their added axis `per_item` dropped; else the first tensor of `out`."""
+    if per_item is None:
+        return first_tensor(out)
+    return torch.stack(list(out)).squeeze(per_item)
+
+
+def prediction(glue: Glue, output: Any) -> torch.Tensor:
+    """The transformer's prediction in `output` as one tensor (see `as_stacked`)."""
+    if glue.per_item is None:
+        return first_tensor(output)
+    return as_stacked(glue.per_item, _first_list(output))
+
+
+def _first_list(output: Any) -> Any:
+    while isinstance(output, tuple) or hasattr(output, "to_tuple"):
+        output = output[0]
+    return output
 
 
 def carried_input(glue: Glue, carried: torch.Tensor, scale: torch.Tensor,
@@ -188,6 +223,9 @@ def model_timesteps(glue: Glue, timesteps: torch.Tensor, batch: int) -> torch.Te
 
 def _timesteps(form: TimestepForm, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     divisor, divide_first = form
+    if divisor < 0:  # rising: 1 - t / d, or (d - t) / d
+        d = -divisor
+        return (1 - t / d).to(dtype) if divide_first else ((d - t) / d).to(dtype)
     return (t / divisor).to(dtype) if divide_first else t.to(dtype) / divisor
 
 
@@ -199,6 +237,8 @@ def guide(glue: Glue, out: torch.Tensor, guidance: torch.Tensor | float,
     if glue.channels is not None and not every_position:
         out = out[:, : glue.channels]
     guided = combine(glue.combine, out.to(glue.guidance_dtype), guidance, glue.calls)
+    if glue.negated:
+        guided = -guided
     return guided.to(glue.prediction_dtype)
 
 
@@ -212,21 +252,39 @@ def first_tensor(output: Any, leaf: type = torch.Tensor) -> Any:
 
 
 def _latent(arguments: dict[str, Any], scaled: torch.Tensor,
-            step_arg: str) -> tuple[str, int, tuple[int | None, int]]:
-    """The argument that carries the sample, how many times it is passed, and where
-    it is joined with a condition (axis and extent, see Glue)."""
+            step_arg: str) -> tuple[str, int, tuple[int | None, int], int | None]:
+    """The argument that carries the sample, how many times it is passed, where it is
+    joined with a condition (axis and extent, see Glue), and the per-item axis where it
+    is passed as a list of per-sample tensors (Glue.per_item)."""
     for name, value in arguments.items():
-        if name == step_arg or not isinstance(value, torch.Tensor):
+        if name == step_arg:
+            continue
+        per_item = _per_item(value, scaled)
+        if per_item is not None:
+            value = torch.stack(list(value)).squeeze(per_item)
+        elif not isinstance(value, torch.Tensor):
             continue
         for copies in (1, 2, 3):
             expected = torch.cat([scaled] * copies) if copies > 1 else scaled
             joined = _joined(value, expected)
-            if joined is not None:
-                return name, copies, joined
+            if joined is not None and (per_item is None or joined == (None, 0)):
+                return name, copies, joined, per_item
     raise GlueNotFound("no transformer input is the latent the pipeline passes to "
                        "scheduler.step (once, or twice for guidance, maybe joined with a "
                        "fixed condition after it): the pipeline changes the latent in a way "
                        "ring mode does not replay")
+
+
+def _per_item(value: Any, scaled: torch.Tensor) -> int | None:
+    """Where `value` is a list of same-shaped tensors, each a sample of `scaled` with one
+    axis of 1 added: that axis in the stacked list; else None."""
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(v, torch.Tensor) and v.shape == value[0].shape for v in value):
+        return None
+    if value[0].dim() != scaled.dim():
+        return None
+    return next((d + 1 for d in range(value[0].dim()) if value[0].shape[d] == 1
+                 and value[0].squeeze(d).shape == scaled.shape[1:]), None)
 
 
 def _joined(value: torch.Tensor, expected: torch.Tensor) -> tuple[int | None, int] | None:
@@ -247,13 +305,13 @@ def _joined(value: torch.Tensor, expected: torch.Tensor) -> tuple[int | None, in
 
 
 def _timestep_forms(passed: torch.Tensor, t: Any) -> tuple[TimestepForm, ...]:
-    forms = tuple((divisor, divide_first) for divisor in DIVISORS
+    forms = tuple((divisor, divide_first) for divisor in (*DIVISORS, RISING)
                   for divide_first in (True, False) if _gives((divisor, divide_first), passed, t))
     if not forms:
         t = torch.as_tensor(t)
         raise GlueNotFound(f"the transformer's timestep input {passed.flatten()[:4].tolist()} "
-                           f"is not the scheduler's t = {t.item()} (or t / 1000) over the batch "
-                           "(and tokens)")
+                           f"is not the scheduler's t = {t.item()} (or t / 1000, or "
+                           "1 - t / 1000) over the batch (and tokens)")
     return forms
 
 

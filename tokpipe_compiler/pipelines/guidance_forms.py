@@ -70,12 +70,26 @@ def _times(g: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
-                 candidates: Sequence[float]) -> tuple[str, torch.dtype, int | None, Any]:
-    """The guidance form, the dtype it is computed in, the channels kept and the scale.
-    The call's own numbers are tried in every form before fitted ones, and the form that
-    gives the pipeline's numbers most closely wins: one batch fits several forms (a batch
-    of two is classifier-free guidance at g, or PAG at s = g - 1 with the rows read the
-    other way), which differ only in rounding."""
+                 candidates: Sequence[float]) -> tuple[str, torch.dtype, int | None, Any, bool]:
+    """The guidance form, the dtype it is computed in, the channels kept, the scale, and
+    whether the pipeline negates the prediction (HiDream before guidance, Lumina2 and
+    Z-Image after it: negation is exact in floating point, so both orders give the
+    negated guided prediction bit for bit). The call's own numbers are tried in every form
+    before fitted ones, and the form that gives the pipeline's numbers most closely wins:
+    one batch fits several forms (a batch of two is classifier-free guidance at g, or PAG
+    at s = g - 1 with the rows read the other way), which differ only in rounding."""
+    try:
+        return (*_fit_guidance(probe, noise_pred, calls, candidates), False)
+    except GlueNotFound:
+        try:
+            return (*_fit_guidance(probe, -noise_pred, calls, candidates), True)
+        except GlueNotFound:
+            pass
+        raise
+
+
+def _fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
+                  candidates: Sequence[float]) -> tuple[str, torch.dtype, int | None, Any]:
     channels = None
     if probe.dim() > 1 and noise_pred.dim() > 1 and probe.shape[1] != noise_pred.shape[1]:
         channels = noise_pred.shape[1]
@@ -84,6 +98,8 @@ def fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
     for own in (True, False):
         best: tuple[float, Any] | None = None
         for form in forms:
+            if probe.shape[0] % _parts(form):
+                continue  # a batch the form does not split (one sample, unguided)
             for dtype in dict.fromkeys((probe.dtype, noise_pred.dtype)):
                 cast = probe.to(dtype)
                 for g in _scales(form, cast, noise_pred, candidates, own):
@@ -105,8 +121,8 @@ def fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
                        "operations diffusers' pipelines use (the transformer's output is "
                        f"{probe.dtype}, in which another order rounds otherwise): a "
                        "prediction the pipeline "
-                       "transforms further (negated, as HiDream's is, or rescaled by "
-                       "statistics over all tokens) is not replayed")
+                       "transforms further (rescaled by statistics over all tokens, say), "
+                       "negated or not, is not replayed")
 
 
 def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor,
@@ -116,7 +132,7 @@ def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor,
         return [1.0] if own else []
     if combine == "cond_first_rescaled":  # not linear in g: the pipeline's own values only
         return [float(c) for c in candidates] if own else []
-    parts = 3 if combine == "uncond_first_perturbed" else 2
+    parts = _parts(combine)
     if combine == "cond_first_both" and noise_pred.shape[0] == probe.shape[0]:
         target = noise_pred.chunk(2)[0]
     elif noise_pred.shape[0] * parts == probe.shape[0]:
@@ -130,6 +146,11 @@ def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor,
     near = [[float(c) for c in candidates if abs(float(c) - f) <= 1e-3 * max(1, abs(f))]
             for f in fitted]
     return near[0] if len(near) == 1 else list(itertools.product(*near))
+
+
+def _parts(form: str) -> int:
+    """The parts of the batch guidance `form` combines."""
+    return {"none": 1, "uncond_first_perturbed": 3}.get(form, 2)
 
 
 def _directions(combine: str, parts: Sequence[torch.Tensor]

@@ -12,7 +12,6 @@ import functools
 import inspect
 import logging
 import sys
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.core.module_attributes import Attributes, plain_attributes
 from tokpipe_compiler.pipelines.glue import first_tensor
 
 PROBE_SEED = 0x70C  # every rank draws the same probes
@@ -66,14 +66,39 @@ class Spec:
         return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
 
-def probe(structure: Any, step: int, call: int) -> torch.Tensor:
-    spec = first_tensor(structure, leaf=Spec)
+def probe(structure: Any, step: int, call: int) -> Any:
+    """A random answer: one tensor shaped like the first output tensor, or, where the
+    output's first value is a list of per-sample predictions (Z-Image), one per item."""
+    items = _item_list(structure)
     gen = torch.Generator().manual_seed(PROBE_SEED + 1009 * step + call)
+    if items is not None:
+        return [torch.randn(i.shape, generator=gen).to(dtype=i.dtype, device=i.device)
+                for i in items]
+    spec = first_tensor(structure, leaf=Spec)
     return torch.randn(spec.shape, generator=gen).to(dtype=spec.dtype, device=spec.device)
 
 
-def with_probe(structure: Any, answer: torch.Tensor) -> Any:
-    """The output structure with the probe as its first tensor, zeros for the rest."""
+def _item_list(structure: Any) -> list[Spec] | None:
+    """The output's first value where it is a list of same-shaped tensors."""
+    while isinstance(structure, tuple) or hasattr(structure, "to_tuple"):
+        structure = structure[0]
+    if isinstance(structure, list) and structure and all(
+            isinstance(i, Spec) and i.shape == structure[0].shape for i in structure):
+        return structure
+    return None
+
+
+def with_probe(structure: Any, answer: Any) -> Any:
+    """The output structure with the probe as its first tensor (its items, for a list
+    of per-sample predictions), zeros for the rest."""
+    if isinstance(answer, list):
+        items = _item_list(structure)
+        leaves, spec = pytree.tree_flatten(structure)
+        ids = {id(i) for i in items}
+        answers = iter(answer)
+        filled = [next(answers) if id(leaf) in ids else leaf.zeros()
+                  if isinstance(leaf, Spec) else leaf for leaf in leaves]
+        return pytree.tree_unflatten(filled, spec)
     leaves, spec = pytree.tree_flatten(structure)
     first = next(i for i, leaf in enumerate(leaves) if isinstance(leaf, Spec))
     filled = [answer if i == first else leaf.zeros() if isinstance(leaf, Spec) else leaf
@@ -124,7 +149,7 @@ def _fake_forward(forward: Callable[..., Any], call: dict[str, Any]) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     module = _module_of(forward)
-    attributes, caches = _attributes(module), _caches(module)
+    attributes, caches = plain_attributes(module), _caches(module)
     try:
         with _quiet(FAKE_TENSOR_LOG), torch.compiler.set_stance("force_eager"), \
                 FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -178,30 +203,6 @@ def _clear_filled(caches: Caches) -> None:
     for cache, misses in caches:
         if cache.cache_info().misses != misses:
             cache.cache_clear()
-
-
-Attributes = list[tuple[Any, dict[str, Any]]]
-
-
-def _attributes(module: Any) -> Attributes:
-    """The plain attributes of each module (not its parameters, buffers or submodules)
-    and of the plain objects a module holds (Z-Image's `RopeEmbedder` is no module), as
-    they are before a fake run."""
-    if not isinstance(module, torch.nn.Module):
-        return []
-    owners: list[Any] = []
-    for owner in module.modules():
-        owners.append(owner)
-        owners.extend(value for value in owner.__dict__.values() if _plain_object(value))
-    return [(owner, dict(vars(owner))) for owner in owners]
-
-
-def _plain_object(value: Any) -> bool:
-    """An instance of a Python class with attributes of its own: not a module, tensor,
-    class, function or container."""
-    return hasattr(value, "__dict__") and not isinstance(
-        value, torch.nn.Module | torch.Tensor | type | types.FunctionType | types.MethodType
-        | types.ModuleType)
 
 
 def _restore_attributes(attributes: Attributes) -> None:

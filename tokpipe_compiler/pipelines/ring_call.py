@@ -46,11 +46,12 @@ from tokpipe_compiler.pipelines.denoiser_rings import (
 )
 from tokpipe_compiler.pipelines.glue import (
     GlueNotFound,
+    as_stacked,
     condition_part,
-    first_tensor,
     guide,
     identify,
     model_timesteps,
+    prediction,
 )
 from tokpipe_compiler.pipelines.loop_schedule import (
     LoopSchedule,
@@ -333,7 +334,7 @@ class RingCalls:
         gen.reasons.append(str(err))
         self._warn_per_call(gen.reasons)
         per_call = self.denoisers[gen.denoiser].unpipelined
-        outs = [first_tensor(per_call(**call)) for call in gen.calls]
+        outs = [prediction(gen.glue, per_call(**call)) for call in gen.calls]
         noise_pred = guide(gen.glue, torch.cat(outs) if len(outs) == 2 else outs[0],
                            gen.glue.guidance)
         bound = inspect.signature(original).bind(*args, **kwargs)
@@ -361,7 +362,8 @@ class RingCalls:
             self._changed(gen, f"the condition joined to the latent in {glue.latent_arg!r}")
 
     def _check_prediction(self, gen: Generation, noise_pred: torch.Tensor) -> None:
-        probe = torch.cat(gen.probes) if len(gen.probes) == 2 else gen.probes[0]
+        probes = [as_stacked(gen.glue.per_item, p) for p in gen.probes]
+        probe = torch.cat(probes) if len(probes) == 2 else probes[0]
         if len(gen.probes) != gen.glue.calls or \
                 not same(guide(gen.glue, probe, gen.glue.guidance), noise_pred, 1e-6):
             self._changed(gen, "the guidance")

@@ -27,6 +27,7 @@ from tokpipe_compiler.pipelines.glue import (
     guide,
     latent_positions,
     model_input,
+    prediction,
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable, update_state
 from tokpipe_compiler.runtime.branch_exchange import cfg_gather
@@ -64,7 +65,7 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
             inputs[glue.latent_arg] = carried_input(glue, sample, scale, positions)
         inputs[glue.timestep_arg] = timestep
         if branch is None:
-            out = first_tensor(forward(**inputs))
+            out = prediction(glue, forward(**inputs))
         else:
             for name in (glue.latent_arg, glue.timestep_arg):
                 inputs[name] = inputs[name].chunk(2)[branch]

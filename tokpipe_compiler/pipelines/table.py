@@ -2,11 +2,13 @@
 
 A family needs no code: its loop is observed (see `glue`). An entry only names the
 options of its `__call__` under which the step stops being token-wise or stops being the
-same every step, with the value that keeps it so.
+same every step, with the value that keeps it so (or a test of the value, where several
+do), the option's default counted where the call does not pass it.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -57,6 +59,9 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "ChronoEditPipeline": {"num_temporal_reasoning_steps": 0},
     "MotifVideoPipeline": {},
     "HeliosPipeline": {},
+    # Z-Image Turbo's unguided calls; with guidance its transformer joins both branches'
+    # per-image token sequences into one (cat, then split), which ring chunks do not follow
+    "ZImagePipeline": {"guidance_scale": lambda scale: scale <= 1},
     "WanModularPipeline": {},
     "Wan22ModularPipeline": {},
     "WanImage2VideoModularPipeline": {},
@@ -96,6 +101,8 @@ WHY = {
     "use_dynamic_cfg": "dynamic guidance changes the guidance scale every step",
     "pag_adaptive_scale": "adaptive perturbed-attention guidance changes its scale every "
                           "step",
+    "guidance_scale": "Z-Image's classifier-free guidance joins both branches' tokens into "
+                      "one sequence, which ring chunks do not follow",
     "num_temporal_reasoning_steps": "temporal reasoning keeps only the first and the last "
                                     "frame from that step on",
 }
@@ -121,9 +128,16 @@ def per_call_reasons(pipe: Any, kwargs: dict[str, Any]) -> list[str]:
                 "tokpipe_compiler.pipelines.table.RING_PIPELINES lists them)"]
     reasons = []
     for option, neutral in RING_PIPELINES[name].items():
-        if option in kwargs and kwargs[option] != neutral:
-            reasons.append(f"{option}={kwargs[option]!r}: {WHY[option]}")
+        value = kwargs[option] if option in kwargs else _default(pipe, option)
+        if not (neutral(value) if callable(neutral) else value == neutral):
+            reasons.append(f"{option}={value!r}: {WHY[option]}")
     return reasons + guider_reasons(pipe) + _callback_reasons(kwargs.get("callback_on_step_end"))
+
+
+def _default(pipe: Any, option: str) -> Any:
+    """The value `pipe.__call__` gives `option` when a call does not pass it."""
+    parameter = inspect.signature(type(pipe).__call__).parameters.get(option)
+    return None if parameter is None else parameter.default
 
 
 def _callback_reasons(callback: Any) -> list[str]:
