@@ -59,6 +59,9 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "ChronoEditPipeline": {"num_temporal_reasoning_steps": 0},
     "MotifVideoPipeline": {},
     "HeliosPipeline": {},
+    "ErnieImagePipeline": {},
+    "Kandinsky5T2IPipeline": {},
+    "NucleusMoEImagePipeline": {},
     # Z-Image Turbo's unguided calls; with guidance its transformer joins both branches'
     # per-image token sequences into one (cat, then split), which ring chunks do not follow
     "ZImagePipeline": {"guidance_scale": lambda scale: scale <= 1},
