@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError, user_line
-from tokpipe_compiler.core.module_attributes import attributes_changed, plain_attributes
 from tokpipe_compiler.planning.argument_reads import argument_reads
 from tokpipe_compiler.planning.capture import Captured, capture
+from tokpipe_compiler.planning.module_attributes import attributes_changed, plain_attributes
 
 
 class StepGraphBreak(TokpipeError):

@@ -55,6 +55,10 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
     # the latents written in place; guidance from a guider component; joint attention
     *(pytest.param(f, marks=pytest.mark.full)
       for f in ("kandinsky5_video", "hunyuan_image", "ovis", "skyreels_v2")),
+    # a ring per window; VACE's control; a latent list, negated (Z-Image Turbo); the rest
+    *(pytest.param(f, marks=pytest.mark.full)
+      for f in ("helios", "wan_vace", "chronoedit", "motif_video", "zimage_turbo",
+                "ernie_image", "kandinsky5_image", "nucleus_moe_image")),
 ])
 def test_two_ranks_equal_one_process(family, two_rank_runs):
     alone = _pipelined(family)

@@ -20,8 +20,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.core.module_attributes import Attributes, plain_attributes
 from tokpipe_compiler.pipelines.glue import first_tensor
+from tokpipe_compiler.planning.module_attributes import Attributes, plain_attributes
 
 PROBE_SEED = 0x70C  # every rank draws the same probes
 FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
