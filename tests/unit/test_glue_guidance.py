@@ -105,3 +105,34 @@ def test_a_prediction_transformed_otherwise_is_refused_and_named():
     guided = uncond + 4.5 * (cond - uncond)
     with pytest.raises(GlueNotFound, match=r"defaults to \(20, 4.5, .*negated or not"):
         _identify(2, probe, guided / guided.norm())
+
+
+def _renormed(cond: torch.Tensor, uncond: torch.Tensor, g: float, clamp: bool) -> torch.Tensor:
+    """QwenImage's guidance rescaled to the conditional norm per token, or LongCat's, its
+    scale clamped to at most 1 (`enable_cfg_renorm`)."""
+    guided = uncond + g * (cond - uncond)
+    if not clamp:
+        return guided * (torch.norm(cond, dim=-1, keepdim=True) /
+                         torch.norm(guided, dim=-1, keepdim=True))
+    scale = torch.norm(cond, dim=-1, keepdim=True) / (torch.norm(guided, dim=-1, keepdim=True)
+                                                      + 1e-8)
+    return guided * scale.clamp(min=0.0, max=1.0)
+
+
+@pytest.mark.parametrize(("clamp", "form"), [(False, "cond_first_rescaled"),
+                                             (True, "cond_first_renormed")])
+def test_a_renormalisation_clamped_at_one_is_told_from_one_that_is_not(clamp, form):
+    """Two calls a step. On random probes the guided norm exceeds the conditional one at
+    every token, where the clamp never acts, and LongCat's clamped form passed for
+    QwenImage's (the ring then 4.4e-3 off). The second call's probe sits near the first's
+    on every other row, where guidance shrinks the prediction: the clamp shows."""
+    from tokpipe_compiler.pipelines.probes import Spec, probe
+
+    spec = Spec((1, 8, 6), torch.float32, torch.device("cpu"))
+    cond, uncond = probe(spec, 3, 1), probe(spec, 3, 2)
+    sample = _randn(1, 8, 6, seed=0)
+    calls = [{"hidden_states": sample, "timestep": T.expand(1)} for _ in range(2)]
+    noise_pred = _renormed(cond, uncond, 4.5, clamp)
+    glue = identify(calls, [cond, uncond], noise_pred, sample, T, 1.0, CANDIDATES)
+    assert (glue.combine, glue.guidance) == (form, 4.5)
+    assert torch.equal(guide(glue, torch.cat([cond, uncond]), glue.guidance), noise_pred)

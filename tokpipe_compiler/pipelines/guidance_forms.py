@@ -1,7 +1,8 @@
 """The guidance forms a pipeline applies to its transformer's output, and finding which
 one (and at which scales) turns the transformer's probes into what the pipeline passed to
 `scheduler.step`: classifier-free guidance (uncond first or cond first, DiT's written to
-both halves, QwenImage's rescaled to the conditional prediction's norm) and diffusers'
+both halves, QwenImage's rescaled to the conditional prediction's norm, LongCat's with
+that scale clamped to at most 1), the prediction negated or not, and diffusers'
 perturbed-attention guidance (PAG), in the pipelines' own order of operations.
 """
 
@@ -21,7 +22,11 @@ COMBINES = ("none", "uncond_first", "cond_first", "cond_first_both", "cond_first
 # `cond + s * (cond - uncond)`: classifier-free guidance at g = s + 1, which in bfloat16
 # rounds otherwise than `uncond + g * (cond - uncond)`. Not tried on one batched call, whose
 # batch of two it would take from a PAG pipeline (`perturbed`, the same arithmetic).
-TWO_CALL_COMBINES = ("cond_first", "cond_first_rescaled", "cond_extrapolated")
+TWO_CALL_COMBINES = ("cond_first", "cond_first_rescaled", "cond_extrapolated",
+                     "cond_first_renormed")
+# cond_first_renormed is LongCat-Image's `enable_cfg_renorm`: QwenImage's rescale with the
+# factor clamped to [0, 1] (cfg_renorm_min = 0) and 1e-8 added to the guided norm; the
+# second call's probe (`probes.probe`) makes the clamp tell the two apart.
 # diffusers' PAG pipelines: (cond, perturbed) with scale s, or (uncond, cond, perturbed) with
 # scales (g, s); their attention processors split the batch inside the transformer call.
 PERTURBED = ("perturbed", "uncond_first_perturbed")
@@ -47,6 +52,10 @@ def combine(form: str, out: torch.Tensor, g: Any, calls: int) -> torch.Tensor:
     if form == "cond_first_rescaled":
         return guided * (torch.norm(first, dim=-1, keepdim=True) /
                          torch.norm(guided, dim=-1, keepdim=True))
+    if form == "cond_first_renormed":
+        scale = torch.norm(first, dim=-1, keepdim=True) / (
+            torch.norm(guided, dim=-1, keepdim=True) + 1e-8)
+        return guided * scale.clamp(min=0.0, max=1.0)
     return torch.cat([guided, guided]) if form == "cond_first_both" else guided
 
 
@@ -130,7 +139,8 @@ def _scales(combine: str, probe: torch.Tensor, noise_pred: torch.Tensor,
     """Guidance scales to try: the call's own values (own), or the least-squares fit."""
     if combine == "none":
         return [1.0] if own else []
-    if combine == "cond_first_rescaled":  # not linear in g: the pipeline's own values only
+    if combine in ("cond_first_rescaled", "cond_first_renormed"):  # not linear in g: the
+        # pipeline's own values only
         return [float(c) for c in candidates] if own else []
     parts = _parts(combine)
     if combine == "cond_first_both" and noise_pred.shape[0] == probe.shape[0]:

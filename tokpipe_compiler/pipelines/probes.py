@@ -75,7 +75,18 @@ def probe(structure: Any, step: int, call: int) -> Any:
         return [torch.randn(i.shape, generator=gen).to(dtype=i.dtype, device=i.device)
                 for i in items]
     spec = first_tensor(structure, leaf=Spec)
-    return torch.randn(spec.shape, generator=gen).to(dtype=spec.dtype, device=spec.device)
+    drawn = torch.randn(spec.shape, generator=gen)
+    if call == 2 and len(spec.shape) > 1 and spec.shape[1] > 1:
+        # The second call of a step (calls count from 1; a guidance branch): its even rows
+        # along axis 1 near the first call's (1.1 x, plus noise), where guidance moves the
+        # prediction little, as a real step's does: a guided norm below the conditional
+        # one there tells a rescale clamped to 1 (LongCat's) from one that is not
+        # (QwenImage's).
+        first_gen = torch.Generator().manual_seed(PROBE_SEED + 1009 * step + 1)
+        near = 1.1 * torch.randn(spec.shape, generator=first_gen) + 0.05 * drawn
+        rows = torch.arange(spec.shape[1]) % 2 == 0
+        drawn = torch.where(rows.reshape(1, -1, *[1] * (len(spec.shape) - 2)), near, drawn)
+    return drawn.to(dtype=spec.dtype, device=spec.device)
 
 
 def _item_list(structure: Any) -> list[Spec] | None:
@@ -267,10 +278,15 @@ def bind_call(forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) 
     """The call's arguments by parameter name (**kwargs spread out), their dicts and lists
     copied: a pipeline may pass one dict to both guidance branches' calls and change it in
     between (Flux's IP-adapter embeds in `joint_attention_kwargs`), after the first call is
-    recorded but before the ring reads it."""
-    bound = inspect.signature(forward).bind(*args, **kwargs)
-    arguments = {name: _containers_copied(value) for name, value in bound.arguments.items()}
-    for name, param in inspect.signature(forward).parameters.items():
+    recorded but before the ring reads it. An argument passed as None where its
+    parameter defaults to None is left out, as a call that does not pass it (LongCat-Image
+    passes `guidance=None` to the conditional branch's call only)."""
+    signature = inspect.signature(forward)
+    bound = signature.bind(*args, **kwargs)
+    arguments = {name: _containers_copied(value) for name, value in bound.arguments.items()
+                 if not (value is None and name in signature.parameters
+                         and signature.parameters[name].default is None)}
+    for name, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
             arguments.update(arguments.pop(name))
         elif param.kind is inspect.Parameter.VAR_POSITIONAL and arguments.get(name):

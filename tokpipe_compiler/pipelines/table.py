@@ -62,6 +62,7 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "ErnieImagePipeline": {},
     "Kandinsky5T2IPipeline": {},
     "NucleusMoEImagePipeline": {},
+    "LongCatImagePipeline": {"cfg_renorm_min": 0.0},
     # Z-Image Turbo's unguided calls; with guidance its transformer joins both branches'
     # per-image token sequences into one (cat, then split), which ring chunks do not follow
     "ZImagePipeline": {"guidance_scale": lambda scale: scale <= 1},
@@ -106,6 +107,8 @@ WHY = {
                           "step",
     "guidance_scale": "Z-Image's classifier-free guidance joins both branches' tokens into "
                       "one sequence, which ring chunks do not follow",
+    "cfg_renorm_min": "a renormalisation floor above 0 clamps the guided prediction's scale "
+                      "per token from below, a form the ring does not replay",
     "num_temporal_reasoning_steps": "temporal reasoning keeps only the first and the last "
                                     "frame from that step on",
 }
