@@ -33,9 +33,13 @@ _SEED_CANDIDATES = 4  # each is a propagation over the whole graph
 
 
 def cut(info: TokenInfo, full: int, start: int, stop: int) -> TokenInfo | str:
-    """The TokenInfo of elements [start, stop) of a token axis of full size `full`."""
+    """The TokenInfo of elements [start, stop) of a token axis of full size `full`: of an
+    axis in outer blocks, whole blocks only (one sample's sequence of a batch joined)."""
     if info.outer > 1:
-        return _BLOCKED
+        block = full // info.outer
+        if start % block or stop % block or stop <= start:
+            return _BLOCKED
+        return replace(info, kind=TOKEN, outer=(stop - start) // block)
     lo, hi = info.lead, full - info.trail
     if start <= lo and stop >= hi and hi > lo:
         return replace(info, kind=TOKEN, lead=lo - start, trail=stop - hi)
@@ -59,8 +63,10 @@ def cut_sizes(info: TokenInfo, full: int, sizes: Sequence[int]) -> list[TokenInf
 
 def to_chunk(index: int, info: TokenInfo, full: int, units: int,
              segments: bool = True) -> int:
-    """A position on the full axis (a slice bound outside the chunked range) on a chunk,
-    with its segments or without them."""
+    """A position on the full axis (a slice bound outside the chunked range, or between
+    outer blocks) on a chunk, with its segments or without them."""
+    if info.outer > 1:
+        return index // (full // info.outer) * info.block(units, segments)
     if index <= info.lead:
         return index if segments else 0
     return index - full + info.extent(units) if segments else info.extent(units, False)
@@ -73,7 +79,7 @@ def joined(pieces: Sequence[tuple[TokenInfo | None, int]]) -> TokenInfo | str:
         return _BLOCKED
     chunked = [i for i, (info, _) in enumerate(pieces) if info is not None and info.per_unit]
     if len(chunked) > 1:
-        return "concatenation of two chunked token sequences along the token axis"
+        return _blocks(pieces)
     if not chunked:
         total = sum(size for _, size in pieces)
         axis = next(info.axis for info, _ in pieces if info is not None)
@@ -83,6 +89,17 @@ def joined(pieces: Sequence[tuple[TokenInfo | None, int]]) -> TokenInfo | str:
     before = sum(size for _, size in pieces[:at])
     after = sum(size for _, size in pieces[at + 1:])
     return replace(info, kind=TOKEN, lead=info.lead + before, trail=info.trail + after)
+
+
+def _blocks(pieces: Sequence[tuple[TokenInfo | None, int]]) -> TokenInfo | str:
+    """Chunked sequences of one layout and size joined end to end (Z-Image joins its
+    samples' token sequences into one, then splits them back): outer blocks, a chunk its
+    range in each."""
+    infos = {(info, size) for info, size in pieces}
+    if len(infos) != 1 or next(iter(infos))[0] is None:
+        return "concatenation of two chunked token sequences along the token axis"
+    info = pieces[0][0]
+    return replace(info, kind=TOKEN, outer=len(pieces))
 
 
 def whole(value: object) -> TokenInfo:

@@ -23,14 +23,16 @@ def test_a_call_started_again_per_call_computes_with_the_models_own_caches(monke
     (`rope_embedder.freqs_cis`): that run left fake tensors there, and the call, started
     again per call where the ring cannot replay Z-Image's step (here in the table to get
     that far), computed with them (0.34 relative from serial). The fake run's attributes
-    are put back. (With guidance, Z-Image joins both branches' tokens into one sequence,
-    which the ring's chunks do not follow: the call goes on per call from its first step.)"""
+    are put back. (Its guidance normalised over the whole image is the step the ring
+    cannot replay here.)"""
     from tokpipe_compiler.pipelines import table
 
     monkeypatch.setitem(table.RING_PIPELINES, "ZImagePipeline", {})
-    serial = generate(*pipelines.zimage(), steps=4)
-    pipe, kwargs = parallelized(pipelines.zimage, mode="sync")
-    with pytest.warns(UserWarning, match="runs per call"):
+    serial_pipe, kwargs = pipelines.zimage()
+    kwargs["cfg_normalization"] = 1.0
+    serial = generate(serial_pipe, kwargs, steps=4)
+    pipe, _ = parallelized(pipelines.zimage, mode="sync")
+    with pytest.warns(UserWarning, match="the call started again per call"):
         out = generate(pipe, kwargs, steps=4)
     assert rel_error(out, serial) <= 1e-5
     assert all(type(t) is torch.Tensor for t in pipe.transformer.rope_embedder.freqs_cis)

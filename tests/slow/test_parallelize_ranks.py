@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
       for f in ("kandinsky5_video", "hunyuan_image", "ovis", "skyreels_v2")),
     # a ring per window; VACE's control; a latent list, negated (Z-Image Turbo); the rest
     *(pytest.param(f, marks=pytest.mark.full)
-      for f in ("helios", "wan_vace", "chronoedit", "motif_video", "zimage_turbo",
+      for f in ("helios", "wan_vace", "chronoedit", "motif_video", "zimage_turbo", "zimage",
                 "ernie_image", "kandinsky5_image", "nucleus_moe_image")),
 ])
 def test_two_ranks_equal_one_process(family, two_rank_runs):

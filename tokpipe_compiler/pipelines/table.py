@@ -63,9 +63,8 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "Kandinsky5T2IPipeline": {},
     "NucleusMoEImagePipeline": {},
     "LongCatImagePipeline": {"cfg_renorm_min": 0.0},
-    # Z-Image Turbo's unguided calls; with guidance its transformer joins both branches'
-    # per-image token sequences into one (cat, then split), which ring chunks do not follow
-    "ZImagePipeline": {"guidance_scale": lambda scale: scale <= 1},
+    "ZImagePipeline": {"cfg_normalization": lambda norm: not norm,
+                       "cfg_truncation": lambda ratio: ratio is None or float(ratio) >= 1},
     "WanModularPipeline": {},
     "Wan22ModularPipeline": {},
     "WanImage2VideoModularPipeline": {},
@@ -105,8 +104,10 @@ WHY = {
     "use_dynamic_cfg": "dynamic guidance changes the guidance scale every step",
     "pag_adaptive_scale": "adaptive perturbed-attention guidance changes its scale every "
                           "step",
-    "guidance_scale": "Z-Image's classifier-free guidance joins both branches' tokens into "
-                      "one sequence, which ring chunks do not follow",
+    "cfg_normalization": "guidance normalisation clamps the guided prediction's norm over "
+                         "the whole image",
+    "cfg_truncation": "guidance truncation turns the guidance off partway through the "
+                      "generation",
     "cfg_renorm_min": "a renormalisation floor above 0 clamps the guided prediction's scale "
                       "per token from below, a form the ring does not replay",
     "num_temporal_reasoning_steps": "temporal reasoning keeps only the first and the last "
