@@ -54,9 +54,12 @@ def perturbed():
             indices=[0], fqn="layers", skip_attention=False, skip_attention_scores=True))
 
 
-def test_a_modular_pipeline_runs_per_call_and_equals_serial():
+def test_a_modular_pipeline_not_in_the_table_runs_per_call_and_equals_serial(monkeypatch):
     from diffusers import guiders
 
+    from tokpipe_compiler.pipelines import table
+
+    monkeypatch.delitem(table.RING_PIPELINES, "ZImageModularPipeline")
     serial = generate(zimage_modular(guiders.ClassifierFreeGuidance(guidance_scale=4.0)))
     pipe = tp.parallelize(zimage_modular(guiders.ClassifierFreeGuidance(guidance_scale=4.0)),
                           mode="sync", **OPTIONS)

@@ -321,13 +321,20 @@ def _gives(form: TimestepForm, passed: torch.Tensor, t: Any) -> bool:
     return passed.dim() >= 1 and torch.equal(passed, value.expand(passed.shape))
 
 
+def _equal(a: Any, b: Any) -> bool:
+    """Equal tensors, or equal lists of them (a latent passed per image)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def _check_branch_calls(calls: Sequence[dict[str, Any]], latent_arg: str, step_arg: str):
     first, second = calls
     if first.keys() != second.keys():
         raise GlueNotFound("the two transformer calls of a step take different inputs: "
                            f"{sorted(first)} and {sorted(second)}")
     for name in (latent_arg, step_arg):
-        if not torch.equal(first[name], second[name]):
+        if not _equal(first[name], second[name]):
             raise GlueNotFound(f"the two transformer calls of a step pass different {name!r}; "
                                "ring mode batches the guidance branches of one latent")
 

@@ -106,6 +106,9 @@ def fixed_inputs(glue: Glue, calls: list[dict[str, Any]], batch: int,
         if name in once and same(calls[0][name], calls[1][name]):
             fixed[name] = calls[0][name]
             continue
+        if glue.per_item is not None and _item_lists(calls[0][name], calls[1][name], batch):
+            fixed[name] = [*calls[0][name], *calls[1][name]]  # per image, as the latent
+            continue
         batched = functools.partial(_batched, name, batch=batch, spread=spread,
                                     rows_per_sample=rows_per_sample)
         fixed[name] = pytree.tree_map(batched, calls[0][name], calls[1][name])
@@ -125,6 +128,12 @@ def _spreads(cond: Any, uncond: Any, batch: int) -> bool:
     if batch == 1 or 1 not in rows or not set(rows) <= {1, batch}:
         return False
     return batch in rows or not same(cond, uncond)
+
+
+def _item_lists(cond: Any, uncond: Any, batch: int) -> bool:
+    """Whether both branches pass a list of one tensor per sample (Z-Image's text)."""
+    return all(isinstance(v, (list, tuple)) and len(v) == batch
+               and all(isinstance(t, torch.Tensor) for t in v) for v in (cond, uncond))
 
 
 def _batched(name: str, cond: Any, uncond: Any, *, batch: int, spread: bool,
@@ -154,6 +163,8 @@ def batched_call(glue: Glue, calls: list[dict[str, Any]],
         values = [c[name] for c in calls]
         joined = all(isinstance(v, torch.Tensor) and v.dim() for v in values)
         call[name] = torch.cat(values) if joined else values[0]
+    if glue.per_item is not None:  # the latent per image
+        call[glue.latent_arg] = [item for c in calls for item in c[glue.latent_arg]]
     return call
 
 

@@ -81,6 +81,7 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "LTXModularPipeline": {},
     "Krea2ModularPipeline": {},
     "ErnieImageModularPipeline": {},
+    "ZImageModularPipeline": {},
     "ChromaPipeline": {},
     "ChromaImg2ImgPipeline": {},
     "CogView4Pipeline": {},
