@@ -319,3 +319,32 @@ def test_a_tensor_asked_for_that_changes_each_step_leaves_the_ring():
     with pytest.raises(RingUnavailable, match="'noise_pred', which the pipeline derives"):
         record(None, 2, 1.0, {"latents": torch.ones(2), "prompt_embeds": fixed,
                               "noise_pred": torch.ones(2)})
+
+
+@pytest.mark.full
+def test_callbacks_see_every_window_of_an_autoregressive_video():
+    """Helios runs a denoising loop per window of frames, a ring each: the callback sees
+    each window's steps, counted from 0 in each, with the serial pipeline's latents."""
+    from tests.fixtures.tracing import rel_error
+    from tests.fixtures.video_pipelines import helios
+
+    def run(pipe: Any, kwargs: dict[str, Any]) -> list[tuple[int, float, torch.Tensor]]:
+        seen = []
+
+        def record(_: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            seen.append((i, float(t), tensors["latents"].clone()))
+            return tensors
+
+        generate(pipe, {**kwargs, "callback_on_step_end": record,
+                        "callback_on_step_end_tensor_inputs": ["latents"]}, steps=3)
+        return seen
+
+    serial = run(*helios())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: .* runs per call")
+        pipe, kwargs = helios()
+        ringed = run(tp.pipelines.parallelize(pipe, mode="sync", **OPTIONS), kwargs)
+    assert [(i, t) for i, t, _ in ringed] == [(i, t) for i, t, _ in serial]
+    assert [i for i, _, _ in serial] == [0, 1, 2, 0, 1, 2]  # two windows
+    assert all(rel_error(r, s) <= 1e-5 for (_, _, r), (_, _, s) in zip(ringed, serial,
+                                                                          strict=True))
