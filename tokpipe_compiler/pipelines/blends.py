@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.pipelines.ring_step import same
+from tokpipe_compiler.pipelines.glue import same
 
 EXACT = 1e-6  # relative: a blend replayed from the found mask gives the pipeline's latents
 

@@ -24,7 +24,7 @@ from tokpipe_compiler.config import Config
 from tokpipe_compiler.core.errors import OneUnitGrid, TokpipeError
 from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.pipelines import cfg_parallel
-from tokpipe_compiler.pipelines.glue import Glue, model_timesteps
+from tokpipe_compiler.pipelines.glue import Glue, model_timesteps, same
 from tokpipe_compiler.pipelines.guidance_forms import PERTURBED
 from tokpipe_compiler.pipelines.probes import (
     RingUnavailable,
@@ -37,7 +37,6 @@ from tokpipe_compiler.pipelines.ring_step import (
     carry_condition,
     fixed_inputs,
     make_step,
-    same,
     split_fixed,
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable
@@ -214,10 +213,12 @@ class DenoiserRings:
             return True, frozenset()
         alike = [name for name in calls[0] if name not in (glue.latent_arg, glue.timestep_arg)
                  and same(calls[0][name], calls[1][name])]
-        for once in [*(frozenset({name}) for name in alike), frozenset(alike)]:
+        # each alike input alone, then all together, in the calls' order on every rank
+        tries = dict.fromkeys([*(frozenset({name}) for name in alike), frozenset(alike)])
+        for once in [t for t in tries if t]:
             for rows_per_sample in (False, True):
                 tried = fixed_inputs(glue, calls, batch, rows_per_sample, once)
-                if once and fake_run_fits(forward, batched_call(glue, calls, tried)):
+                if fake_run_fits(forward, batched_call(glue, calls, tried)):
                     return rows_per_sample, once
         raise RingUnavailable(f"ring mode batches the two guidance branches' calls into one, "
                               f"which {type(self.denoiser).__name__} refuses ({error})")

@@ -165,21 +165,16 @@ def model_input(glue: Glue, sample: torch.Tensor, scale: torch.Tensor,
 
 
 def as_stacked(per_item: int | None, out: Any) -> torch.Tensor:
-    """The prediction as one tensor: a list of per-sample predictions (Z-Image's) stacked
-    over the batch, their added axis `per_item` dropped; else the first tensor of `out`."""
+    """The prediction in the transformer's output `out` as one tensor: its first tensor, or,
+    for a list of per-sample predictions (Z-Image's, `per_item`), the list stacked over the
+    batch, their added axis dropped."""
     if per_item is None:
         return first_tensor(out)
-    return torch.stack(list(out)).squeeze(per_item)
+    return torch.stack(list(first_value(out))).squeeze(per_item)
 
 
-def prediction(glue: Glue, output: Any) -> torch.Tensor:
-    """The transformer's prediction in `output` as one tensor (see `as_stacked`)."""
-    if glue.per_item is None:
-        return first_tensor(output)
-    return as_stacked(glue.per_item, _first_list(output))
-
-
-def _first_list(output: Any) -> Any:
+def first_value(output: Any) -> Any:
+    """The first value of a tuple or a diffusers output (itself where it is neither)."""
     while isinstance(output, tuple) or hasattr(output, "to_tuple"):
         output = output[0]
     return output
@@ -321,11 +316,26 @@ def _gives(form: TimestepForm, passed: torch.Tensor, t: Any) -> bool:
     return passed.dim() >= 1 and torch.equal(passed, value.expand(passed.shape))
 
 
-def _equal(a: Any, b: Any) -> bool:
-    """Equal tensors, or equal lists of them (a latent passed per image)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+def same(a: Any, b: Any, rtol: float = 0.0) -> bool:
+    """Equal values (tensors exactly, or within `rtol` of b's largest), through nested
+    containers."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if rtol == 0.0:
+            return bool(torch.equal(a, b))
+        scale = max(b.abs().max().item(), 1e-30)
+        return (a - b).abs().max().item() <= rtol * scale
+    if isinstance(a, (dict, list, tuple)) and type(a) is type(b):
+        la, sa = pytree.tree_flatten(a)
+        lb, sb = pytree.tree_flatten(b)
+        return sa == sb and all(same(x, y, rtol) for x, y in zip(la, lb, strict=True))
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def _check_branch_calls(calls: Sequence[dict[str, Any]], latent_arg: str, step_arg: str):
@@ -334,7 +344,7 @@ def _check_branch_calls(calls: Sequence[dict[str, Any]], latent_arg: str, step_a
         raise GlueNotFound("the two transformer calls of a step take different inputs: "
                            f"{sorted(first)} and {sorted(second)}")
     for name in (latent_arg, step_arg):
-        if not _equal(first[name], second[name]):
+        if not same(first[name], second[name]):
             raise GlueNotFound(f"the two transformer calls of a step pass different {name!r}; "
                                "ring mode batches the guidance branches of one latent")
 

@@ -87,14 +87,14 @@ def fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,
     before fitted ones, and the form that gives the pipeline's numbers most closely wins:
     one batch fits several forms (a batch of two is classifier-free guidance at g, or PAG
     at s = g - 1 with the rows read the other way), which differ only in rounding."""
-    try:
-        return (*_fit_guidance(probe, noise_pred, calls, candidates), False)
-    except GlueNotFound:
+    refusals = []
+    for negated in (False, True):
         try:
-            return (*_fit_guidance(probe, -noise_pred, calls, candidates), True)
-        except GlueNotFound:
-            pass
-        raise
+            target = -noise_pred if negated else noise_pred
+            return (*_fit_guidance(probe, target, calls, candidates), negated)
+        except GlueNotFound as refusal:
+            refusals.append(refusal)
+    raise refusals[0]
 
 
 def _fit_guidance(probe: torch.Tensor, noise_pred: torch.Tensor, calls: int,

@@ -20,7 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.core.errors import TokpipeError
-from tokpipe_compiler.pipelines.glue import first_tensor
+from tokpipe_compiler.pipelines.glue import first_tensor, first_value
 from tokpipe_compiler.planning.module_attributes import Attributes, plain_attributes
 
 PROBE_SEED = 0x70C  # every rank draws the same probes
@@ -91,8 +91,7 @@ def probe(structure: Any, step: int, call: int) -> Any:
 
 def _item_list(structure: Any) -> list[Spec] | None:
     """The output's first value where it is a list of same-shaped tensors."""
-    while isinstance(structure, tuple) or hasattr(structure, "to_tuple"):
-        structure = structure[0]
+    structure = first_value(structure)
     if isinstance(structure, list) and structure and all(
             isinstance(i, Spec) and i.shape == structure[0].shape for i in structure):
         return structure

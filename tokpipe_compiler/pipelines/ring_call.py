@@ -51,7 +51,7 @@ from tokpipe_compiler.pipelines.glue import (
     guide,
     identify,
     model_timesteps,
-    prediction,
+    same,
 )
 from tokpipe_compiler.pipelines.loop_schedule import (
     LoopSchedule,
@@ -60,7 +60,7 @@ from tokpipe_compiler.pipelines.loop_schedule import (
     step_of,
 )
 from tokpipe_compiler.pipelines.probes import RingUnavailable, bind_call, probe, with_probe
-from tokpipe_compiler.pipelines.ring_step import check_combinable, same
+from tokpipe_compiler.pipelines.ring_step import check_combinable
 from tokpipe_compiler.pipelines.scheduler_route import (
     prev_sample,
     route,
@@ -334,7 +334,7 @@ class RingCalls:
         gen.reasons.append(str(err))
         self._warn_per_call(gen.reasons)
         per_call = self.denoisers[gen.denoiser].unpipelined
-        outs = [prediction(gen.glue, per_call(**call)) for call in gen.calls]
+        outs = [as_stacked(gen.glue.per_item, per_call(**call)) for call in gen.calls]
         noise_pred = guide(gen.glue, torch.cat(outs) if len(outs) == 2 else outs[0],
                            gen.glue.guidance)
         bound = inspect.signature(original).bind(*args, **kwargs)

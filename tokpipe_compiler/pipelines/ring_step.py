@@ -21,13 +21,14 @@ from tokpipe_compiler.pipelines.glue import (
     CONDITION,
     LATENT_POSITIONS,
     Glue,
+    as_stacked,
     carried_input,
     condition_part,
     first_tensor,
     guide,
     latent_positions,
     model_input,
-    prediction,
+    same,
 )
 from tokpipe_compiler.pipelines.schedulers import StepTable, update_state
 from tokpipe_compiler.runtime.branch_exchange import cfg_gather
@@ -65,7 +66,7 @@ def make_step(forward: Callable[..., Any], glue: Glue, spec: Any, constants: lis
             inputs[glue.latent_arg] = carried_input(glue, sample, scale, positions)
         inputs[glue.timestep_arg] = timestep
         if branch is None:
-            out = prediction(glue, forward(**inputs))
+            out = as_stacked(glue.per_item, forward(**inputs))
         else:
             for name in (glue.latent_arg, glue.timestep_arg):
                 inputs[name] = inputs[name].chunk(2)[branch]
@@ -211,28 +212,6 @@ def split_fixed(fixed: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, li
         tensors[name] = value
         constants.append(TensorSlot(name))
     return tensors, spec, constants
-
-
-def same(a: Any, b: Any, rtol: float = 0.0) -> bool:
-    """Equal values (tensors exactly, or within `rtol` of b's largest), through nested
-    containers."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        if rtol == 0.0:
-            return bool(torch.equal(a, b))
-        scale = max(b.abs().max().item(), 1e-30)
-        return (a - b).abs().max().item() <= rtol * scale
-    if isinstance(a, (dict, list, tuple)) and type(a) is type(b):
-        la, sa = pytree.tree_flatten(a)
-        lb, sb = pytree.tree_flatten(b)
-        return sa == sb and all(same(x, y, rtol) for x, y in zip(la, lb, strict=True))
-    try:
-        return bool(a == b)
-    except (RuntimeError, TypeError, ValueError):
-        return False
 
 
 def check_combinable(pipeline: str, noise_pred: torch.Tensor, sample: torch.Tensor) -> None:

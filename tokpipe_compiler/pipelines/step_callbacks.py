@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from tokpipe_compiler.core.errors import TokpipeError
+from tokpipe_compiler.pipelines.glue import same
 from tokpipe_compiler.pipelines.probes import RingUnavailable
-from tokpipe_compiler.pipelines.ring_step import same
 
 # What a callback may read off the pipeline and its scheduler besides its arguments (the
 # scheduler's step index, to find the step's sigma for a preview), as the step had them:
