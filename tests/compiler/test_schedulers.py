@@ -359,3 +359,30 @@ def test_heun_in_few_steps_matches_diffusers_in_float64(make_heun, steps: int) -
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(steps))
     want = [w.to(torch.float32) for w in diffusers_loop(scheduler, steps, {}, x.double())]
     assert_matches(table_loop(scheduler, steps, {}, x), want)
+
+
+def test_a_step_that_draws_noise_says_so_before_it_fails_at_the_schedules_end():
+    """SCM (Sana Sprint) draws noise every step and reads the schedule's next entry, which
+    its last probed step has not: the refusal named that step's IndexError, not the noise."""
+    from diffusers import SCMScheduler
+
+    with pytest.raises(ValueError) as info:
+        step_table(SCMScheduler(), 4, intermediate_timesteps=None)
+    message = str(info.value)
+    assert "SCMScheduler: its step 0 is not linear per token (it draws noise" in message
+    assert "IndexError" not in message
+
+
+class FailingLateScheduler(FlowMatchEulerDiscreteScheduler):
+    """A token-wise step that raises from its third step on."""
+
+    def step(self, model_output, timestep, sample, **kwargs):
+        if self.step_index is not None and self.step_index >= 2:
+            raise RuntimeError("no third step")
+        return super().step(model_output, timestep, sample, **kwargs)
+
+
+def test_a_step_that_fails_after_token_wise_ones_names_its_failure():
+    with pytest.raises(ValueError, match=r"FailingLateScheduler: its step 2 fails on a probe "
+                                         r"tensor \(RuntimeError: no third step\)"):
+        step_table(FailingLateScheduler(), 5)

@@ -27,6 +27,16 @@ class NotTokenWise(ValueError):
     """Why a scheduler's step is not linear per token (step_table names the scheduler)."""
 
 
+class ProbeFailed(NotTokenWise):
+    """A step that raised on its probe; `scales` and `steps`: what the steps before it
+    showed, so that a replay of those can tell a likelier reason (a step that draws noise
+    and reads a schedule entry past the loop's end fails first on the entry)."""
+
+    def __init__(self, message: str, scales: list[float], steps: list[_Step]):
+        super().__init__(message)
+        self.scales, self.steps = scales, steps
+
+
 # --- probing ------------------------------------------------------------------------------
 
 
@@ -55,8 +65,8 @@ def probe_steps(sched: Any, begin: int = 0) -> tuple[list[float], list[_Step]]:
             scales.append(_input_scale(sched, t, k))
             x_next = sched.step(basis[1].clone(), t, basis[0].clone()).prev_sample
         except Exception as err:  # any failure on a probe means the step is not ours to run
-            raise NotTokenWise(f"its step {k} fails on a probe tensor "
-                                     f"({_first_line(err)})") from err
+            raise ProbeFailed(f"its step {k} fails on a probe tensor ({_first_line(err)})",
+                              scales, steps) from err
         written = _slots(sched)
         images = [x_next, *(_get_slot(sched, slot) for slot in written)]
         if any(image.shape != basis[0].shape for image in images):
@@ -198,11 +208,12 @@ def _allocate(live: list[set[Slot]]) -> list[dict[Slot, int]]:
 
 def replay(sched: Any, table: _Table, begin: int = 0) -> None:
     """Runs the scheduler's own loop on random latents and model outputs next to the table's
-    recurrence; a table that misses it means the step is not token-wise linear."""
+    recurrence (the table's steps from `begin`); a table that misses it means the step is not
+    token-wise linear."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_SHAPE, generator=gen, dtype=torch.float64)
     mine, state = x, tuple(torch.zeros_like(x) for _ in range(table.state_size))
-    for k, t in enumerate(sched.timesteps[begin:]):
+    for k, t in enumerate(sched.timesteps[begin:begin + len(table.rows)]):
         out = torch.randn(PROBE_SHAPE, generator=gen, dtype=torch.float64)
         scale = getattr(sched, "scale_model_input", None)
         # as a pipeline calls it (Euler checks that it was)

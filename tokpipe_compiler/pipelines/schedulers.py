@@ -41,6 +41,7 @@ import torch
 
 from tokpipe_compiler.pipelines.scheduler_probe import (
     NotTokenWise,
+    ProbeFailed,
     assemble,
     probe_steps,
     replay,
@@ -159,9 +160,14 @@ def step_table(scheduler: Any, num_inference_steps: int | None = None, device: A
     with torch.random.fork_rng(devices=[]):
         sched = _fresh(scheduler, *args)
         try:
-            scales, steps = probe_steps(sched, begin_index)
-            table = assemble(sched.timesteps[begin_index:], scales, steps)
-            replay(_fresh(scheduler, *args), table, begin_index)
+            try:
+                scales, steps = probe_steps(sched, begin_index)
+            except ProbeFailed as failed:
+                # the steps that did probe, replayed: a step that draws noise says so there
+                _replay(scheduler, args, sched.timesteps[begin_index:], failed.scales,
+                        failed.steps)
+                raise
+            table = _replay(scheduler, args, sched.timesteps[begin_index:], scales, steps)
         except NotTokenWise as err:
             raise unsupported(scheduler, str(err)) from None
     return StepTable(
@@ -172,6 +178,14 @@ def step_table(scheduler: Any, num_inference_steps: int | None = None, device: A
         pattern=table.pattern,
         scheduler=type(scheduler).__name__,
     )
+
+
+def _replay(scheduler: Any, args: tuple[Any, ...], timesteps: torch.Tensor,
+            scales: list[float], steps: list[Any]) -> Any:
+    """The table the probed steps make, checked by replaying a fresh copy's loop over them."""
+    table = assemble(timesteps[: len(steps)], scales, steps)
+    replay(_fresh(scheduler, *args), table, args[1])
+    return table
 
 
 def update(
