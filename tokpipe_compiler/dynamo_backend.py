@@ -30,6 +30,7 @@ from tokpipe_compiler.core.warn import warn
 from tokpipe_compiler.core.wrapped_bodies import inline_wrapped_bodies
 from tokpipe_compiler.passes.token_input import UnknownTokenInput
 from tokpipe_compiler.planning.driver import build_plan
+from tokpipe_compiler.planning.graph_head import GraphHead, plan_with_head
 from tokpipe_compiler.planning.graph_share import summary
 from tokpipe_compiler.planning.graph_tail import GraphTail, plan_with_tail
 from tokpipe_compiler.planning.pieces import origin, plan_piece
@@ -182,7 +183,7 @@ class LazyProgram:
             self.plans[key] = self._plan(args)
             if self.origin.piece and len(self.plans) == 1:  # not a new shape's plan
                 self.session.graphs.record(self.gm, self.plans[key][0] is not None, self)
-        plan, select, tail = self.plans[key]
+        plan, select, head, tail = self.plans[key]
         if plan is None:
             return self.gm.forward
         program = make_program(plan, self.session, None if owner is None else id(owner))
@@ -191,7 +192,8 @@ class LazyProgram:
         self._warn_about_timesteps(program)
         register(owner, program)
         self.pipelined.add(program)
-        body = program if select is None else lambda *a: program(*select(a))
+        body = program if head is None else functools.partial(head.run, program)
+        body = body if select is None else lambda *a: body(*select(a))
         return body if tail is None else functools.partial(tail.run, body)
 
     def _warn_about_timesteps(self, program: PipelinedProgram) -> None:
@@ -221,9 +223,11 @@ class LazyProgram:
         """Whether a graph of this model may read input `name`."""
         return name in self.parameters or "**" in self.parameters
 
-    def _plan(self, args: tuple) -> tuple[Plan | None, Any, GraphTail | None]:
+    def _plan(self, args: tuple) -> tuple[Plan | None, Any, GraphHead | None,
+                                          GraphTail | None]:
         """The plan for these input shapes (None where the graph runs unpipelined), how a
-        symbolic graph's arguments reach it, and the graph's tail that runs after it."""
+        symbolic graph's arguments reach it, the writes into its inputs that run before it
+        and the graph's tail that runs after it."""
         config = self._timestep_named(self.config_fn())
         if self.block is not None and not self._block_runs(config):
             return self._whole_model_only(config)  # before the options naming the inputs
@@ -238,8 +242,9 @@ class LazyProgram:
             if self.origin.piece else functools.partial(build_plan, config=config)
         try:
             with planned_alike(None, config.timeout):
-                plan, tail = plan_with_tail(gm, planner)
-                return plan, select, tail
+                (plan, tail), head = plan_with_head(
+                    gm, functools.partial(plan_with_tail, plan=planner))
+                return plan, select, head, tail
         except UnknownTokenInput as err:
             # Misspelt, unless this graph is one piece of several (graph breaks) and the
             # name a parameter of a function Dynamo traced for the model: another may read
@@ -254,7 +259,7 @@ class LazyProgram:
             if not config.fallback:
                 raise
             warn(f"tokpipe: running this graph unpipelined (fallback=True): {err.found}")
-        return None, None, None
+        return None, None, None, None
 
     def _timestep_named(self, config: Config) -> Config:
         """`config` with a timestep_input given as a position naming the argument there,
@@ -279,13 +284,13 @@ class LazyProgram:
             warn(self.block.warning())
         return True
 
-    def _whole_model_only(self, config: Config) -> tuple[None, None, None]:
+    def _whole_model_only(self, config: Config) -> tuple[None, None, None, None]:
         """A block traced on its own is refused (run as traced with fallback=True)."""
         err = TokpipeError(self.block.refusal())
         if not config.fallback:
             raise err
         warn(f"tokpipe: running this graph unpipelined (fallback=True): {err.found}")
-        return None, None, None
+        return None, None, None, None
 
 
 def _timestep_choice(config_fn) -> str | None:

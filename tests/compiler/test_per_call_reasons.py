@@ -284,3 +284,21 @@ def test_programs_of_a_pipeline_without_any_says_both_causes():
     with pytest.raises(tp.TokpipeError, match="not parallelized and called yet, or every "
                                               "graph of its transformer ran unpipelined"):
         tp.pipelines.programs(unparallelized)
+
+
+def test_a_transformer_that_writes_its_input_before_the_blocks_runs_per_call():
+    """GLM-Image (outside the ring table) zeroes the unconditional call's prior tokens in
+    place (`prior[drop] *= 0.0`, a graph break) in the graph its blocks are in: that graph
+    raised UnchunkableOps, in sync too. The write now runs before the pipeline: sync equals
+    the serial pipeline, stale runs."""
+    from tests.fixtures.more_pipelines import glm_image
+
+    serial = generate(*glm_image(), steps=3)
+    outputs = {}
+    for mode in ("sync", "stale"):
+        pipe, kwargs = parallelized(glm_image, mode=mode)
+        with pytest.warns(UserWarning, match="runs per call"):
+            outputs[mode] = generate(pipe, kwargs, steps=3)
+        assert tp.programs(pipe)
+    assert rel_error(outputs["sync"], serial) <= 1e-5
+    assert rel_error(outputs["stale"], serial) > 1e-5

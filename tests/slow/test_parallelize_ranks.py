@@ -14,7 +14,7 @@ import torch
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED
-from tests.fixtures.more_pipelines import MORE
+from tests.fixtures.more_pipelines import MORE, glm_image
 from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import generate, in_dtype
 from tests.fixtures.ranks import launch_cases, selected
@@ -23,7 +23,8 @@ from tests.fixtures.video_pipelines import VIDEO
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 pytest.importorskip("transformers")
 
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO}
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO,
+            "glm_image": glm_image}
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -59,6 +60,8 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
     *(pytest.param(f, marks=pytest.mark.full)
       for f in ("helios", "wan_vace", "chronoedit", "motif_video", "zimage_turbo", "zimage",
                 "ernie_image", "kandinsky5_image", "nucleus_moe_image")),
+    # per call, its prior tokens zeroed in place before the pipeline on every rank
+    pytest.param("glm_image", marks=pytest.mark.full),
 ])
 def test_two_ranks_equal_one_process(family, two_rank_runs):
     alone = _pipelined(family)
