@@ -192,8 +192,8 @@ class LazyProgram:
         self._warn_about_timesteps(program)
         register(owner, program)
         self.pipelined.add(program)
-        body = program if head is None else functools.partial(head.run, program)
-        body = body if select is None else lambda *a: body(*select(a))
+        headed = program if head is None else functools.partial(head.run, program)
+        body = headed if select is None else lambda *a: headed(*select(a))
         return body if tail is None else functools.partial(tail.run, body)
 
     def _warn_about_timesteps(self, program: PipelinedProgram) -> None:
