@@ -4,8 +4,9 @@ step(), the step's own error as an eager call raises it)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,7 +33,8 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any],
     makes its rotary table under a device context), is traced again once the eager call
     has filled it."""
     try:
-        traced = capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1]
+        with _constants_kept():
+            traced = capture(step_fn, kwargs=values, fullgraph=True, run=False)[-1]
     except torch._dynamo.exc.TorchRuntimeError:
         _run_eagerly(step_fn, values)  # the step's own error (shapes that do not fit)
         raise
@@ -64,6 +66,28 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any],
                                  "works in the arithmetic)")
     _refuse_data_dependent_sizes(traced.gm)
     return traced.without_arguments(values, argument_reads(step_fn, traced.gm, values))
+
+
+# Tensors the step builds from Python numbers alone, up to this many elements, keep their
+# values while Dynamo traces (PyTorch keeps one element): a number read back off one
+# (HiDream's patch grid, `torch.tensor([h, w]).repeat(batch, 1)`, read with `.item()` to
+# cut its output) is a constant of the graph, as the Python numbers it came from are.
+CONSTANT_ELEMENTS = 64
+
+
+@contextlib.contextmanager
+def _constants_kept() -> Iterator[None]:
+    from torch._subclasses import fake_tensor
+
+    kept = getattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", None)
+    if kept is None or kept >= CONSTANT_ELEMENTS:
+        yield
+        return
+    fake_tensor.CONSTANT_NUMEL_LIMIT = CONSTANT_ELEMENTS
+    try:
+        yield
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = kept
 
 
 def _refuse_data_dependent_sizes(gm: torch.fx.GraphModule) -> None:

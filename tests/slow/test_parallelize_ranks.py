@@ -59,7 +59,7 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
     # a ring per window; VACE's control; a latent list, negated (Z-Image Turbo); the rest
     *(pytest.param(f, marks=pytest.mark.full)
       for f in ("helios", "wan_vace", "chronoedit", "motif_video", "zimage_turbo", "zimage",
-                "ernie_image", "kandinsky5_image", "nucleus_moe_image")),
+                "ernie_image", "kandinsky5_image", "nucleus_moe_image", "hidream")),
     # per call, its prior tokens zeroed in place before the pipeline on every rank
     pytest.param("glm_image", marks=pytest.mark.full),
 ])

@@ -186,6 +186,23 @@ def test_a_tensor_the_step_closes_over_keeps_its_value():
     assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
+def test_a_number_read_off_a_tensor_of_python_numbers_is_a_constant():
+    """HiDream builds its patch grid as a tensor from Python numbers and reads it back with
+    `.item()` to cut its output: the values are the code's, not the inputs', so the ring
+    keeps them (it refused the step for reading a Python number off a tensor)."""
+    def cut(latents, timestep, c, labels):
+        b, _, h, w = latents.shape
+        grid = torch.tensor([h, w]).unsqueeze(0).repeat(b, 1)
+        rows = [latents[i, :, : grid[i, 0].item()] for i in range(b)]
+        return (torch.stack(rows) - c * MODEL(latents, timestep[None], labels),)
+
+    latents, _, labels = dit_inputs(MODEL, 8)
+    got = tp.Ring(cut, carry=["latents"], **OPTIONS).run(
+        {"latents": latents, "labels": labels}, per_step=PER_STEP)[0]
+    expected = eager_loop(cut, latents, labels)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 def test_fallback_is_refused_by_a_ring():
     with pytest.raises(tp.TokpipeError, match="fallback=True does not apply to a ring"):
         tp.Ring(guided, carry=["latents"], fallback=True, **OPTIONS)

@@ -60,6 +60,7 @@ RING_PIPELINES: dict[str, dict[str, Any]] = {
     "MotifVideoPipeline": {},
     "HeliosPipeline": {},
     "ErnieImagePipeline": {},
+    "HiDreamImagePipeline": {},
     "Kandinsky5T2IPipeline": {},
     "NucleusMoEImagePipeline": {},
     "LongCatImagePipeline": {"cfg_renorm_min": 0.0},
