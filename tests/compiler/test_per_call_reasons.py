@@ -302,3 +302,36 @@ def test_a_transformer_that_writes_its_input_before_the_blocks_runs_per_call():
         assert tp.programs(pipe)
     assert rel_error(outputs["sync"], serial) <= 1e-5
     assert rel_error(outputs["stale"], serial) > 1e-5
+
+
+def _ltx2_per_call(monkeypatch, says: str) -> None:
+    """LTX-2 with every step alike, its class in the ring table: per call, saying `says`,
+    its video and audio latents equal the serial pipeline's."""
+    from tests.fixtures.audio_video_pipelines import ltx2_alike, outputs
+
+    monkeypatch.setitem(table.RING_PIPELINES, "LTX2Pipeline", {})
+    expected = outputs(*ltx2_alike(), steps=3)
+    pipe, kwargs = parallelized(ltx2_alike, mode="sync")
+    with pytest.warns(UserWarning, match=says):
+        got = outputs(pipe, kwargs, steps=3)
+    for latents, serial in zip(got, expected, strict=True):
+        assert rel_error(latents, serial) <= 1e-5
+
+
+def test_a_second_latent_the_pipeline_steps_itself_keeps_the_call_per_call(monkeypatch):
+    """LTX-2 steps its audio latents with a copy of its scheduler, beside the video's: as
+    a ring it carried the video alone and held the audio at its first value, 0.37 from
+    the serial pipeline's, without a word. A transformer output shaped like another of
+    its float inputs is a second latent: the call runs per call."""
+    _ltx2_per_call(monkeypatch, r"runs per call .*predicts 'audio_hidden_states' too")
+
+
+def test_a_ring_refused_after_its_probes_starts_the_call_again(monkeypatch):
+    """A ring refused at planning went on per call from its probed first step, which had
+    used zeros for every output but the prediction: LTX-2's audio missed its first update
+    (8.9e-2 from serial). Where the transformer returns more than the prediction, the call
+    starts again per call."""
+    from tokpipe_compiler.pipelines.ring_call import RingCalls
+
+    monkeypatch.setattr(RingCalls, "_refuse_second_latent", lambda self, gen: None)
+    _ltx2_per_call(monkeypatch, r"runs per call .*returns 2 tensors")
