@@ -195,8 +195,12 @@ def _attention(node: torch.fx.Node, args: dict[str, Any], ctx: RuleContext) -> T
             return unsupported("an attention mask computed from the tokens, over queries, "
                                "keys and values without them")
         return _cross_attention(node, iq, (k, v))
+    if not iq.carries_tokens and ik.carries_tokens and iv.carries_tokens:
+        return unsupported("cross-attention from queries without the tokens (another "
+                           "stream: an audio track, learned queries) to keys and values "
+                           "computed from them: each of its outputs reads every chunk")
     if not (iq.carries_tokens and ik.carries_tokens and iv.carries_tokens):
-        return unsupported("self-attention whose queries, keys and values differ in token use")
+        return unsupported("attention whose queries, keys and values differ in token use")
     # their layouts: queries that another attention's output gives are laid out as keys
     iq, ik, iv = (replace(i, kind=TOKEN) for i in (iq, ik, iv))
     if len({iq, ik, iv}) == 1 and iq.axis < nd - 2:

@@ -12,6 +12,7 @@ import torch
 import tokpipe_compiler as tp
 from tests.fixtures.models import (
     ConvAcrossRows,
+    LearnedQueries,
     MaxOverTokens,
     MergesRows,
     SortOverTokens,
@@ -112,6 +113,8 @@ def test_unsupported_op_names_op_shape_and_source_line():
 @pytest.mark.parametrize(("model", "shape", "words"), [
     (ConvAcrossRows(), (1, 4, 8, 8), "reaches across chunk rows"),
     (SortOverTokens(), (1, 8, 16), "sort"),
+    (LearnedQueries(), (1, 8, 16), r"cross-attention from queries without the tokens \(another "
+                                   r"stream: an audio track, learned queries\)"),
 ])
 def test_other_token_mixers_are_rejected(model, shape, words):
     compiled = torch.compile(model.eval(), backend="tokpipe", options={"compiler": "eager"},
