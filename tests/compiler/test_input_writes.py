@@ -1,6 +1,8 @@
 """In-place writes into a graph's inputs (buffers, parameters, arguments) that nothing in the
 graph reads back: each runs once per call, as eager runs it; a write of a value computed
-from the tokens, or one that a stage reads the input before, is refused by name."""
+from the tokens runs before the pipeline where it reads only the inputs and nothing reads
+what it writes before it, and is refused by name otherwise, as is one that a stage reads
+the input before."""
 
 from __future__ import annotations
 
@@ -137,15 +139,34 @@ class WritesTokens(TinyDiT):
 
 
 @pytest.mark.parametrize("mode", ["sync", "stale"])
-@pytest.mark.parametrize(("how", "written"), [("copy", "stat"), ("add", "stat"),
-                                              ("latents", "latents")])
-def test_a_write_of_token_values_into_an_input_is_refused(mode, how, written):
-    model = WritesTokens(how).eval()
-    with pytest.raises(TokpipeError, match=rf"writes a value computed from the tokens in "
-                                           rf"place into 'l_\w*{written}_'") as refused:
+def test_a_write_of_token_values_into_an_input_is_refused(mode):
+    """The latents written after the patch embedding read them: no order of the two keeps
+    what eager computes."""
+    model = WritesTokens("latents").eval()
+    with pytest.raises(TokpipeError, match=r"writes a value computed from the tokens in "
+                                           r"place into 'l_\w*latents_'") as refused:
         _runs(model, [dit_inputs(model, 8)], mode=mode)
     # sync raised it: advising sync would send the user in a circle
     assert ("use mode='sync'" in str(refused.value)) == (mode != "sync")
+
+
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+@pytest.mark.parametrize("how", ["copy", "add"])
+def test_a_statistic_of_the_inputs_written_into_a_buffer_runs_before_the_pipeline(mode, how):
+    """A buffer written with a statistic over the tokens, computed from the inputs alone
+    (the patch embedding, a mean over every token): it was refused; it runs before the
+    pipeline, on the whole inputs (planning/graph_head.py), and the buffer holds what
+    eager writes."""
+    torch.manual_seed(0)
+    model = WritesTokens(how).eval()
+    outputs, reference = _runs(model, [dit_inputs(model, 8, seed) for seed in SEEDS],
+                               mode=mode)
+    for call, (got, expected) in enumerate(outputs):
+        if mode == "sync" or call < 2:
+            _assert_close(got, expected)
+    assert model.stat.abs().sum() > 0
+    for got, expected in zip(model.buffers(), reference.buffers(), strict=True):
+        _assert_close(got, expected)
 
 
 class WritesTokensIntoItsOwn(TinyDiT):
