@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable, Iterator
+import unittest.mock
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,19 +76,14 @@ def trace_step(step_fn: Callable[..., Any], values: dict[str, Any],
 CONSTANT_ELEMENTS = 64
 
 
-@contextlib.contextmanager
-def _constants_kept() -> Iterator[None]:
+def _constants_kept() -> contextlib.AbstractContextManager:
     from torch._subclasses import fake_tensor
 
     kept = getattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", None)
-    if kept is None or kept >= CONSTANT_ELEMENTS:
-        yield
-        return
-    fake_tensor.CONSTANT_NUMEL_LIMIT = CONSTANT_ELEMENTS
-    try:
-        yield
-    finally:
-        fake_tensor.CONSTANT_NUMEL_LIMIT = kept
+    if kept is None:  # a PyTorch without the limit: nothing to raise
+        return contextlib.nullcontext()
+    return unittest.mock.patch.object(fake_tensor, "CONSTANT_NUMEL_LIMIT",
+                                      max(kept, CONSTANT_ELEMENTS))
 
 
 def _refuse_data_dependent_sizes(gm: torch.fx.GraphModule) -> None:

@@ -31,9 +31,9 @@ def traced_once():
             traced[found] = capture_graphs(model, args, kwargs)
         return traced[found]
 
-    api.capture_graphs = once
-    yield
-    api.capture_graphs = capture_graphs
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(api, "capture_graphs", once)
+        yield
 
 
 def test_inspect_a_released_model_at_full_size_on_meta(capsys):

@@ -158,16 +158,8 @@ def step_table(scheduler: Any, num_inference_steps: int | None = None, device: A
     args = (num_inference_steps, begin_index, set_timesteps_kwargs)
     # Some steps draw noise they then scale by zero (Euler without churn): keep the user's RNG.
     with torch.random.fork_rng(devices=[]):
-        sched = _fresh(scheduler, *args)
         try:
-            try:
-                scales, steps = probe_steps(sched, begin_index)
-            except ProbeFailed as failed:
-                # the steps that did probe, replayed: a step that draws noise says so there
-                _replay(scheduler, args, sched.timesteps[begin_index:], failed.scales,
-                        failed.steps)
-                raise
-            table = _replay(scheduler, args, sched.timesteps[begin_index:], scales, steps)
+            table = _checked_table(scheduler, args)
         except NotTokenWise as err:
             raise unsupported(scheduler, str(err)) from None
     return StepTable(
@@ -178,6 +170,20 @@ def step_table(scheduler: Any, num_inference_steps: int | None = None, device: A
         pattern=table.pattern,
         scheduler=type(scheduler).__name__,
     )
+
+
+def _checked_table(scheduler: Any, args: tuple[Any, ...]) -> Any:
+    """The table probed off a fresh copy of `scheduler`, checked by replaying another's
+    loop. A step that fails on its probe has the steps before it replayed first: a step
+    that draws noise says so there, before it fails reading past the schedule's end."""
+    begin = args[1]
+    sched = _fresh(scheduler, *args)
+    try:
+        scales, steps = probe_steps(sched, begin)
+    except ProbeFailed as failed:
+        _replay(scheduler, args, sched.timesteps[begin:], failed.scales, failed.steps)
+        raise
+    return _replay(scheduler, args, sched.timesteps[begin:], scales, steps)
 
 
 def _replay(scheduler: Any, args: tuple[Any, ...], timesteps: torch.Tensor,
