@@ -331,7 +331,7 @@ def test_a_ring_refused_after_its_probes_starts_the_call_again(monkeypatch):
     used zeros for every output but the prediction: LTX-2's audio missed its first update
     (8.9e-2 from serial). Where the transformer returns more than the prediction, the call
     starts again per call."""
-    from tokpipe_compiler.pipelines.ring_call import RingCalls
+    from tokpipe_compiler.pipelines import ring_call
 
-    monkeypatch.setattr(RingCalls, "_refuse_second_latent", lambda self, gen: None)
+    monkeypatch.setattr(ring_call, "second_latent", lambda *args: None)
     _ltx2_per_call(monkeypatch, r"runs per call .*returns 2 tensors")

@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from tokpipe_compiler.core.errors import TokpipeError
 from tokpipe_compiler.core.warn import warn
@@ -60,13 +59,8 @@ from tokpipe_compiler.pipelines.loop_schedule import (
     loop_schedule,
     step_of,
 )
-from tokpipe_compiler.pipelines.probes import (
-    RingUnavailable,
-    Spec,
-    bind_call,
-    probe,
-    with_probe,
-)
+from tokpipe_compiler.pipelines.output_tensors import output_tensors, second_latent
+from tokpipe_compiler.pipelines.probes import RingUnavailable, bind_call, probe, with_probe
 from tokpipe_compiler.pipelines.ring_step import check_combinable
 from tokpipe_compiler.pipelines.scheduler_route import (
     prev_sample,
@@ -263,28 +257,12 @@ class RingCalls:
         except GlueNotFound as err:
             raise RingUnavailable(f"ring mode could not replay {type(self.pipe).__name__}'s "
                                   f"denoising step: {err}") from err
-        self._refuse_second_latent(gen)
+        why = second_latent(self._output_structure(gen), gen.calls[0], gen.glue.latent_arg)
+        if why is not None:
+            raise RingUnavailable(f"{type(self.pipe).__name__}: {why}")
 
-    def _output_tensors(self, gen: Generation) -> list[Spec]:
-        """The tensors of the transformer's output at this step's first call."""
-        structure = self.denoisers[gen.denoiser].output_structure(gen.calls[0])
-        return [leaf for leaf in pytree.tree_leaves(structure) if isinstance(leaf, Spec)]
-
-    def _refuse_second_latent(self, gen: Generation) -> None:
-        """The ring follows one latent: a transformer that also predicts another of its
-        float inputs (LTX-2's audio_hidden_states, an output of its shape) has a second
-        latent, which the pipeline steps outside the routed scheduler.step (LTX-2: a copy
-        of the scheduler) and the ring would hold at its first value."""
-        glue, call = gen.glue, gen.calls[0]
-        for spec in self._output_tensors(gen)[1:]:
-            for name, value in call.items():
-                if name != glue.latent_arg and isinstance(value, torch.Tensor) and \
-                        value.is_floating_point() and tuple(value.shape) == spec.shape:
-                    raise RingUnavailable(
-                        f"{type(self.pipe).__name__}'s transformer predicts {name!r} too (an "
-                        f"output shaped {spec.shape}): a second latent, which the pipeline "
-                        "steps outside the scheduler.step the ring replays (ring mode "
-                        f"follows one latent, {glue.latent_arg!r})")
+    def _output_structure(self, gen: Generation) -> Any:
+        return self.denoisers[gen.denoiser].output_structure(gen.calls[0])
 
     def _prepare_segment(self, gen: Generation, start: Carried) -> None:
         """Plans the ring of the segment that starts at this step, from `start`."""
@@ -359,14 +337,12 @@ class RingCalls:
     def _per_call_from_here(self, gen: Generation, original: Callable[..., Any], args: tuple,
                             kwargs: dict, err: Exception) -> Any:
         """The first step as the pipeline meant it (the transformer called for real, the
-        identified guidance applied), and the rest of the generation per call. Where the
-        transformer returns more tensors than the prediction, the step used their probe
-        stand-ins (zeros) already: the call starts again per call instead."""
-        tensors = len(self._output_tensors(gen))
+        identified guidance applied), and the rest per call; the call again per call where
+        the step used probes for outputs besides the prediction."""
+        tensors = len(output_tensors(self._output_structure(gen)))
         if tensors > 1:
             raise RingUnavailable(f"{err}; the transformer returns {tensors} tensors, whose "
-                                  "probe stand-ins the pipeline's first step used besides "
-                                  "the prediction") from err
+                                  "probes the first step used beside the prediction") from err
         gen.reasons.append(str(err))
         self._warn_per_call(gen.reasons)
         per_call = self.denoisers[gen.denoiser].unpipelined
