@@ -45,6 +45,7 @@ from tokpipe_compiler.core.ops import call_rule, op_key
 from tokpipe_compiler.passes import segments
 from tokpipe_compiler.passes.attention_patterns import fold_hand_written_attention
 from tokpipe_compiler.passes.buffer_fills import concatenate_buffer_fills
+from tokpipe_compiler.passes.dead_rows import constant_dead_rows
 from tokpipe_compiler.passes.piecewise_maps import join_piecewise_maps
 from tokpipe_compiler.passes.rule_base import Rule, RuleContext, scaled_per_unit, unsupported
 from tokpipe_compiler.passes.rules import IN_PLACE, RULES
@@ -77,6 +78,7 @@ def annotate(gm: torch.fx.GraphModule, token_input: str | int | None,
     concatenate_buffer_fills(gm)  # the written values then reach their readers in FX
     join_piecewise_maps(gm)  # feed-forward chunking: the MLP of the whole rows
     functional_slice_adds(gm)
+    constant_dead_rows(gm)  # Z-Image's padding: the last token repeated, then overwritten
     seed = find_token_input(gm, token_input)
     _static_dtypes(gm)
     seeded, ctx = _first_supported(gm, seed)
@@ -287,7 +289,15 @@ def _insert_chunk_slices(gm: torch.fx.GraphModule, scale: int) -> None:
 def _chunk_table(graph: torch.fx.Graph, table: torch.fx.Node, axis: int,
                  info: TokenInfo) -> torch.fx.Node:
     """The chunk's rows of a per-token table: chunk_slice(table), or, around text segments,
-    cat([table head, chunk_slice(middle rows), table tail])."""
+    cat([table head, chunk_slice(middle rows), table tail]); with segments in every one of
+    several blocks (Z-Image's padding after each guided branch's image), that cut in each
+    block, the blocks unflattened from the axis and flattened back."""
+    if info.segmented and info.outer > 1:
+        value = example_value(table).unflatten(axis, (info.outer, -1))
+        blocks = _add(graph, torch.unflatten, (table, axis, value.shape[axis:axis + 2]),
+                      value, INVARIANT_INFO)
+        cut = _chunk_table(graph, blocks, axis + 1, replace(info, axis=axis + 1, outer=1))
+        return _add(graph, torch.flatten, (cut, axis, axis + 1), example_value(table), info)
     if not info.segmented:
         blocks = (info.outer,) if info.outer > 1 else ()
         return _add(graph, chunk_slice, (table, axis, info.per_unit, *blocks),

@@ -114,8 +114,6 @@ def slice_operand(node: torch.fx.Node, operand: torch.fx.Node, axis: int, info: 
     `axis`: the operand's axis that lines up with the token axis of `info`, `node`'s own."""
     if not info.per_unit:
         return ""  # a segment-only value: every chunk uses the table whole
-    if info.outer > 1 and info.segmented:
-        return "a per-token table meets text segments repeated in outer blocks (batch rows)"
     table, full = node_shape(operand)[axis], node_shape(node)[info.axis]
     if table != full:
         return (f"a per-token table of {table} rows meets a token axis of {full} rows (a "

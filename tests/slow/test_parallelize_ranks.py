@@ -14,7 +14,7 @@ import torch
 import tokpipe_compiler as tp
 from tests.fixtures import pipelines
 from tests.fixtures.conditioned import CONDITIONED
-from tests.fixtures.more_pipelines import MORE, glm_image
+from tests.fixtures.more_pipelines import MORE, glm_image, zimage_padded
 from tests.fixtures.perturbed import PERTURBED
 from tests.fixtures.pipelines import generate, in_dtype
 from tests.fixtures.ranks import launch_cases, selected
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 pytest.importorskip("transformers")
 
 FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO,
-            "glm_image": glm_image}
+            "glm_image": glm_image, "zimage_padded": zimage_padded}
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
 
@@ -60,6 +60,8 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
     *(pytest.param(f, marks=pytest.mark.full)
       for f in ("helios", "wan_vace", "chronoedit", "motif_video", "zimage_turbo", "zimage",
                 "ernie_image", "kandinsky5_image", "nucleus_moe_image", "hidream")),
+    # its image tokens padded (the last one repeated, then overwritten) in both branches
+    pytest.param("zimage_padded", marks=pytest.mark.full),
     # per call, its prior tokens zeroed in place before the pipeline on every rank
     pytest.param("glm_image", marks=pytest.mark.full),
 ])
