@@ -44,15 +44,7 @@ from tokpipe_compiler.pipelines.denoiser_rings import (
     DenoiserRings,
     UnpipelinedStep,
 )
-from tokpipe_compiler.pipelines.glue import (
-    GlueNotFound,
-    as_stacked,
-    condition_part,
-    guide,
-    identify,
-    model_timesteps,
-    same,
-)
+from tokpipe_compiler.pipelines.glue import GlueNotFound, as_stacked, guide, identify, same
 from tokpipe_compiler.pipelines.loop_schedule import (
     LoopSchedule,
     announced_begin,
@@ -77,6 +69,7 @@ from tokpipe_compiler.pipelines.step_callbacks import (
     StopRing,
     interruptible,
 )
+from tokpipe_compiler.pipelines.step_checks import changed, check_call, check_prediction
 from tokpipe_compiler.pipelines.table import call_reasons
 from tokpipe_compiler.stage_programs.generations import count_step
 
@@ -171,7 +164,7 @@ class RingCalls:
             gen.glue = gen.glue.narrowed(call[gen.glue.timestep_arg], t)
             if not gen.glue.timestep_forms:
                 self._changed(gen, f"the timestep input {gen.glue.timestep_arg!r}")
-            self._check_call(gen, call, len(gen.calls))
+            check_call(self.pipe, gen, call, len(gen.calls))
         gen.calls.append(call)
         structure = self.denoisers[name].output_structure(call)
         answer = probe(structure, gen.step, len(gen.calls))
@@ -199,7 +192,7 @@ class RingCalls:
             except UnpipelinedStep as err:
                 return self._per_call_from_here(gen, original, args, kwargs, err)
         else:
-            self._check_prediction(gen, noise_pred)
+            check_prediction(self.pipe, gen, noise_pred)
         # the pipeline may keep its latents in another dtype between steps
         if gen.previous is not None and not same(sample, gen.previous.to(sample.dtype)):
             self._blended(gen, sample)
@@ -354,37 +347,8 @@ class RingCalls:
         gen.step, gen.calls, gen.probes = 1, [], []
         return original(*bound.args, **bound.kwargs)
 
-    # -- checks of the later steps ----------------------------------------------------------
-
-    def _check_call(self, gen: Generation, call: dict[str, Any], index: int) -> None:
-        glue, first = gen.glue, gen.first_calls
-        if index >= len(first) or call.keys() != first[index].keys():
-            self._changed(gen, "the transformer calls")
-        expected = model_timesteps(glue, gen.timesteps[gen.step: gen.step + 1],
-                                   call[glue.timestep_arg].shape[0])[0]
-        if not torch.equal(call[glue.timestep_arg], expected.to(call[glue.timestep_arg])):
-            self._changed(gen, f"the timestep input {glue.timestep_arg!r}")
-        for name, value in call.items():
-            if name not in (glue.latent_arg, glue.timestep_arg) and \
-                    not same(value, first[index][name]):
-                self._changed(gen, f"the transformer input {name!r}")
-        if glue.condition_dim is not None and not same(
-                condition_part(glue, call[glue.latent_arg]),
-                condition_part(glue, first[index][glue.latent_arg])):
-            self._changed(gen, f"the condition joined to the latent in {glue.latent_arg!r}")
-
-    def _check_prediction(self, gen: Generation, noise_pred: torch.Tensor) -> None:
-        probes = [as_stacked(gen.glue.per_item, p) for p in gen.probes]
-        probe = torch.cat(probes) if len(probes) == 2 else probes[0]
-        if len(gen.probes) != gen.glue.calls or \
-                not same(guide(gen.glue, probe, gen.glue.guidance), noise_pred, 1e-6):
-            self._changed(gen, "the guidance")
-
     def _changed(self, gen: Generation, what: str) -> None:
-        raise TokpipeError(f"{type(self.pipe).__name__} changed {what} at step {gen.step}; "
-                           "the ring computed every step ahead from the first step's form, so "
-                           "this generation cannot be trusted: run it per call with "
-                           "parallelize(pipe, ring=False)")
+        raise changed(self.pipe, gen.step, what)
 
     def _warn_per_call(self, reasons: list[str]) -> None:
         if self.cfg == 2:
