@@ -80,8 +80,10 @@ def _is_slice(node: torch.fx.Node) -> bool:
     """A slice of a tensor: `x[a:b]`, `x[:, a:b]`."""
     index = node.args[1] if node.target is operator.getitem else None
     items = index if isinstance(index, tuple) else (index,)
+    value = _tensor(node)
     return (node.target is operator.getitem and _tensor(node.args[0]) is not None
-            and all(isinstance(i, slice) for i in items))
+            and all(isinstance(i, slice) for i in items) and value is not None
+            and all(isinstance(size, int) for size in value.shape))  # zeros of a fixed shape
 
 
 def _overwritten(start: torch.fx.Node, order: dict[torch.fx.Node, int]) -> bool:
