@@ -21,26 +21,30 @@ from tests.fixtures.video_pipelines import VIDEO
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO}
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO,
+            **pipelines.NOISY}
 
 
 @pytest.mark.parametrize("family", ["dit", "wan", "wan22", "flux_inpaint", "flux_ip_adapter",
-                                    "kandinsky5_video"])
+                                    "kandinsky5_video", "pixart_ancestral"])
 def test_cfg_parallel_in_one_process_equals_serial(family):
     """cfg=2, stages=1: each guidance branch runs alone (one batch half, or one of the two
     calls), then guidance and the update combine them; in one process the branches run in
     turn. Kandinsky 5 writes its latents in place (the branches start from a copy) and
-    passes rotary positions of 2 rows for its 2 latent frames, which no branch halves."""
+    passes rotary positions of 2 rows for its 2 latent frames, which no branch halves.
+    Euler ancestral adds the noise each step draws, as the pipeline's step drew it."""
     make = FAMILIES[family]
     serial = generate(*make())
     pipe, kwargs = make()
     tp.pipelines.parallelize(pipe, cfg=2, stages=1, compiler="eager")
-    assert rel_error(generate(pipe, kwargs), serial) <= 1e-5
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: cfg=2")  # branches apart
+        assert rel_error(generate(pipe, kwargs), serial) <= 1e-5
     with pytest.raises(tp.TokpipeError, match="each guidance branch whole"):
         tp.pipelines.programs(pipe)
 
 
-@pytest.mark.parametrize("family", ["dit", "kandinsky5_video",
+@pytest.mark.parametrize("family", ["dit", "kandinsky5_video", "pixart_ancestral",
                                     pytest.param("wan22", marks=pytest.mark.full)])
 def test_hybrid_cfg_in_one_process_equals_serial(family):
     """cfg=2 x stages=2 without a process group: both branches batched in one ring, the
@@ -49,7 +53,9 @@ def test_hybrid_cfg_in_one_process_equals_serial(family):
     serial = generate(*make())
     pipe, kwargs = make()
     tp.pipelines.parallelize(pipe, cfg=2, stages=2, chunks=2, mode="sync", compiler="eager")
-    assert rel_error(generate(pipe, kwargs), serial) <= 1e-5
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tokpipe: cfg=2")  # branches apart
+        assert rel_error(generate(pipe, kwargs), serial) <= 1e-5
 
 
 def test_cfg_parallel_checks_its_degrees():
@@ -59,24 +65,17 @@ def test_cfg_parallel_checks_its_degrees():
         tp.pipelines.parallelize(FAMILIES["dit"]()[0], cfg=2, stages=1, ring=False)
 
 
-def _ancestral_dit():
-    from diffusers import EulerAncestralDiscreteScheduler
-
-    pipe, kwargs = FAMILIES["dit"]()
-    pipe.scheduler = EulerAncestralDiscreteScheduler.from_config(pipe.scheduler.config)
-    return pipe, kwargs
-
-
 @pytest.mark.parametrize(("make", "why"), [
     (lambda: FAMILIES["flux"](true_cfg=False), "no classifier-free guidance"),
     (PERTURBED["pixart_sigma_pag"], "perturbed-attention guidance"),
-    (_ancestral_dit, "no token-wise update for EulerAncestralDiscreteScheduler"),
-], ids=["unguided", "perturbed", "noise-drawing-scheduler"])
+    (pipelines.with_scheduler(FAMILIES["dit"], "DDPMScheduler", clip_sample=True),
+     "DDPMScheduler option clip_sample=True"),
+], ids=["unguided", "perturbed", "clamping-scheduler"])
 @pytest.mark.parametrize("stages", [1, 2])
 def test_a_call_cfg_parallelism_cannot_split_runs_whole_with_a_warning(make, why, stages):
     """A server's cfg=2 pipeline gets calls it cannot split into guidance branches: one
     without guidance, one with perturbed-attention guidance (its processors split the batch
-    inside the transformer), one whose scheduler draws noise. Each runs the whole
+    inside the transformer), one whose scheduler clamps its x0. Each runs the whole
     transformer per call (on every rank) and says so; it equals the serial pipeline, and
     the next guided call runs as the ring again."""
     serial = generate(*make(), steps=3)

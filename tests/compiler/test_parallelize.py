@@ -31,8 +31,9 @@ CI_FAMILIES = ("dit", "pixart_alpha", "flux", "wan", "chroma", "cogview4", "huny
                "flux_img2img", "wan_video2video", "flux_kontext", "wan_image2video", "qwenimage",
                "wan22", "wan22_5b", "flux_inpaint", "wan_first_last_frame", "pixart_sigma_pag",
                "flux_ip_adapter", "cogvideox_video2video", "kandinsky5_video", "bria",
-               "zimage")
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO}
+               "zimage", "pixart_ancestral", "pixart_ddpm")
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO,
+            **pipelines.NOISY}
 
 
 def _families():

@@ -203,16 +203,16 @@ def test_latents_made_outside_inference_mode_are_named_with_their_advice():
 def test_a_forward_reading_its_dtype_is_traced_once_across_calls(ring):
     """Allegro's forward reads `self.dtype`, which looks for diffusers' hook registry on
     every module; the pipeline creates the registry at the end of its first call, and the
-    second call was traced and compiled again. A refused ring (Euler ancestral draws noise)
-    runs per call."""
+    second call was traced and compiled again. A refused ring (DDPM clamps its x0) runs
+    per call."""
     import diffusers
 
     from tests.fixtures.more_pipelines import allegro
     from tests.fixtures.pipelines import generate
 
     pipe, kwargs = allegro()
-    pipe.scheduler = diffusers.EulerAncestralDiscreteScheduler.from_config(
-        pipe.scheduler.config)
+    pipe.scheduler = diffusers.DDPMScheduler.from_config(pipe.scheduler.config,
+                                                         clip_sample=True)
     tp.pipelines.parallelize(pipe, ring=ring, **{**OPTIONS, "mode": "sync"})
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=f".*{RETRACED}")

@@ -23,7 +23,7 @@ from tests.fixtures.video_pipelines import VIDEO
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 pytest.importorskip("transformers")
 
-FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO,
+FAMILIES = {**pipelines.FAMILIES, **CONDITIONED, **PERTURBED, **MORE, **VIDEO, **pipelines.NOISY,
             "glm_image": glm_image, "zimage_padded": zimage_padded}
 OPTIONS = {"stages": 2, "chunks": 2, "mode": "stale", "warmup_steps": 1, "compiler": "eager"}
 
@@ -52,6 +52,7 @@ def _rank(rank: int, world: int, family: str, dtype: torch.dtype = torch.float32
     "wan22_5b",  # the timestep passed for every token, cut per chunk like the latent
     "flux_inpaint",  # the latents blended with the noised image after every step
     "sd3_pag",  # perturbed-attention guidance: three parts of the batch, one perturbed
+    "pixart_ancestral",  # each step's noise drawn on every rank, from its own generator
     pytest.param("wan_video2video", marks=pytest.mark.full),  # starts inside the schedule
     # the latents written in place; guidance from a guider component; joint attention
     *(pytest.param(f, marks=pytest.mark.full)

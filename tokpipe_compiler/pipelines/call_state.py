@@ -37,6 +37,7 @@ class Generation:
     run: RunSegment | None = None  # the current segment's prepared ring
     previous: torch.Tensor | None = None  # the last scheduler step's latents (on probes)
     blends: Blends = field(default_factory=Blends)  # the latents blended between steps
+    noises: dict[int, torch.Tensor] = field(default_factory=dict)  # scaled, drawn by step
     carried: Carried | None = None  # the real values the current segment starts from
     callbacks: StepCallbacks | None = None  # a ring generation's stand-in for its callbacks
     finished: bool = False  # the last segment's ring has run: the loop's values are real

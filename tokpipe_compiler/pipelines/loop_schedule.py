@@ -35,7 +35,7 @@ def loop_schedule(scheduler: Any, timestep_args: tuple[tuple, dict], begin: int)
     timesteps = torch.as_tensor(scheduler.timesteps)[begin:]
     schedule = LoopSchedule(timesteps, None)
     try:
-        table = step_table(scheduler, *args, begin_index=begin, **kwargs)
+        table = step_table(scheduler, *args, begin_index=begin, noise=True, **kwargs)
         # a multistep update's longest structure: one traced ring step for any step count
         schedule.table = widened(table, scheduler, **kwargs)
     except (ValueError, TypeError) as err:

@@ -44,6 +44,7 @@ from tokpipe_compiler.pipelines.denoiser_rings import (
     DenoiserRings,
     UnpipelinedStep,
 )
+from tokpipe_compiler.pipelines.drawn_noise import drawn_noise, with_noise
 from tokpipe_compiler.pipelines.glue import GlueNotFound, as_stacked, guide, identify, same
 from tokpipe_compiler.pipelines.loop_schedule import (
     LoopSchedule,
@@ -196,7 +197,11 @@ class RingCalls:
         # the pipeline may keep its latents in another dtype between steps
         if gen.previous is not None and not same(sample, gen.previous.to(sample.dtype)):
             self._blended(gen, sample)
-        output = original(*args, **kwargs)  # the scheduler's own bookkeeping, on probes
+        # the scheduler's own bookkeeping, on probes; the noise it draws, the pipeline's
+        with drawn_noise(self.pipe.scheduler) as drawn:
+            output = original(*args, **kwargs)
+        if drawn and gen.table.noise is not None:
+            gen.noises[gen.step] = gen.table.noise[gen.step].item() * drawn[0]
         gen.previous = prev_sample(output)
         last = gen.step == len(gen.timesteps) - 1
         gen.step, gen.calls, gen.probes = gen.step + 1, [], []
@@ -278,8 +283,9 @@ class RingCalls:
         each_step = None if callbacks is None else (
             lambda k, latents: callbacks.see(begin + k, latents))
         try:
-            gen.carried = gen.run(gen.glue, steps, gen.blends.per_step(gen.begin, steps,
-                                                                       gen.previous), each_step)
+            blends = with_noise(gen.blends.per_step(gen.begin, steps, gen.previous),
+                                gen.noises, gen.begin, steps, gen.previous)
+            gen.carried = gen.run(gen.glue, steps, blends, each_step)
         except StopRing:  # a callback ended the generation (raise_error raises its error)
             gen.carried = Carried(gen.interrupted)
         gen.run = None

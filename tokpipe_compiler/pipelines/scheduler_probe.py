@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tokpipe_compiler.pipelines.drawn_noise import drawn_noise
 from tokpipe_compiler.pipelines.step_rows import Pattern, update_state
 
 PROBE_SHAPE = (2, 3, 4, 5)  # the replay's tensors: batch, channels and a spatial grid
@@ -43,11 +44,16 @@ class ProbeFailed(NotTokenWise):
 @dataclass
 class _Step:
     """What one probe of step k saw: the state slots it read and wrote, and the image of each
-    input ([x, out, *read]) in x_next and in each written slot."""
+    input ([x, out, *read, the noise it draws]) in x_next and in each written slot."""
 
     read: list[Slot]
     written: list[Slot]
-    images: torch.Tensor  # [1 + len(written), 2 + len(read)] float64
+    images: torch.Tensor  # [1 + len(written), 3 + len(read)] float64
+
+    @property
+    def noise(self) -> float:
+        """The scale of the drawn noise in x_next."""
+        return self.images[0, -1].item()
 
 
 def probe_steps(sched: Any, begin: int = 0) -> tuple[list[float], list[_Step]]:
@@ -57,13 +63,14 @@ def probe_steps(sched: Any, begin: int = 0) -> tuple[list[float], list[_Step]]:
     scales, steps = [], []
     for k, t in enumerate(sched.timesteps[begin:]):
         read = _slots(sched)
-        width = 2 + len(read)
+        width = 3 + len(read)  # x, out, the state read, the noise drawn
         basis = torch.eye(width, dtype=torch.float64).reshape(width, 1, 1, 1, width)
-        for slot, value in zip(read, basis[2:], strict=True):
+        for slot, value in zip(read, basis[2:-1], strict=True):
             _set_slot(sched, slot, value.clone())
         try:
             scales.append(_input_scale(sched, t, k))
-            x_next = sched.step(basis[1].clone(), t, basis[0].clone()).prev_sample
+            with drawn_noise(sched, lambda _shape, _kwargs, n=basis[-1]: n.clone()) as drawn:
+                x_next = sched.step(basis[1].clone(), t, basis[0].clone()).prev_sample
         except Exception as err:  # any failure on a probe means the step is not ours to run
             raise ProbeFailed(f"its step {k} fails on a probe tensor ({_first_line(err)})",
                               scales, steps) from err
@@ -71,7 +78,12 @@ def probe_steps(sched: Any, begin: int = 0) -> tuple[list[float], list[_Step]]:
         images = [x_next, *(_get_slot(sched, slot) for slot in written)]
         if any(image.shape != basis[0].shape for image in images):
             raise NotTokenWise(f"its step {k} changes the shape of the latents")
-        steps.append(_Step(read, written, torch.stack([i.reshape(width) for i in images])))
+        step = _Step(read, written, torch.stack([i.reshape(width) for i in images]))
+        if not drawn:  # no noise column, even where the step's NaN spread to it
+            step.images[:, -1] = 0
+        elif len(drawn) > 1 or step.images[1:, -1].any():
+            raise NotTokenWise(f"its step {k} draws noise more than once, or keeps it")
+        steps.append(step)
     return scales, steps
 
 
@@ -153,6 +165,7 @@ class _Table:
     rows: torch.Tensor  # float64
     state_size: int
     pattern: Pattern
+    noise: torch.Tensor  # [steps] float64: the scale of each step's drawn noise
 
 
 def assemble(timesteps: torch.Tensor, scales: list[float], steps: list[_Step]) -> _Table:
@@ -173,7 +186,8 @@ def assemble(timesteps: torch.Tensor, scales: list[float], steps: list[_Step]) -
     pattern = tuple(tuple(int(j) for j in torch.nonzero(matrices[:, i].any(dim=0)).flatten())
                     for i in range(1 + m))
     return _Table(timesteps.to(torch.float64), torch.tensor(scales, dtype=torch.float64),
-                  matrices.reshape(len(steps), -1), m, pattern)
+                  matrices.reshape(len(steps), -1), m, pattern,
+                  torch.tensor([step.noise for step in steps], dtype=torch.float64))
 
 
 def _liveness(steps: list[_Step]) -> list[set[Slot]]:
@@ -183,7 +197,7 @@ def _liveness(steps: list[_Step]) -> list[set[Slot]]:
     for k in range(len(steps) - 1, -1, -1):
         step = steps[k]
         rows = [0] + [1 + i for i, slot in enumerate(step.written) if slot in live[k + 1]]
-        used = step.images[rows, 2:].ne(0).any(dim=0)
+        used = step.images[rows, 2:-1].ne(0).any(dim=0)  # the noise drawn is no slot
         live[k] = {slot for slot, u in zip(step.read, used.tolist(), strict=True) if u}
     return live
 
@@ -222,7 +236,8 @@ def replay(sched: Any, table: _Table, begin: int = 0) -> None:
             raise NotTokenWise(f"its model input at step {k} is not the latents times "
                                      "a number")
         try:
-            x = sched.step(out, t, x).prev_sample.to(torch.float64)
+            with drawn_noise(sched) as drawn:
+                x = sched.step(out, t, x).prev_sample.to(torch.float64)
         except Exception as err:
             raise NotTokenWise(f"its step {k} fails on random latents "
                                      f"({_first_line(err)})") from err
@@ -230,6 +245,8 @@ def replay(sched: Any, table: _Table, begin: int = 0) -> None:
             raise NotTokenWise(f"its own step {k} returns NaN or inf for this config "
                                      "(e.g. a final sigma of zero that it divides by)")
         mine, state = update_state(mine, out, state, table.rows[k], table.pattern)
+        if drawn:  # one draw at most: the probes said so
+            mine = mine + table.noise[k] * drawn[0].to(torch.float64)
         error = (mine - x).abs().max() / x.abs().max().clamp(min=1e-30)
         if not error <= REPLAY_RTOL:  # not <=: NaN fails too
             raise NotTokenWise(f"its step {k} is not linear per token (it draws noise, "

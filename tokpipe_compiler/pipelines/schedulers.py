@@ -80,6 +80,12 @@ NONLINEAR_OPTIONS = (
 )
 
 
+# Of those, the options whose noise a caller that adds each step's draw takes
+# (`step_table(noise=True)`): SDE-DPM-Solver draws it with `randn_tensor`, from the step's
+# generator (stochastic_sampling draws it with `torch.randn_like`, from none).
+NOISE_OPTIONS = ("algorithm_type",)
+
+
 class UnsupportedOption(ValueError):
     """A scheduler option a ring cannot take; `allowed`: the config with one it can."""
 
@@ -101,6 +107,8 @@ class StepTable:
     pattern: per output row, the input columns that are nonzero at some step (the terms
         `update_state` computes).
     scheduler: the scheduler's class name, for messages.
+    noise: [steps] float32, the scale of the noise step k draws (`drawn_noise`), added to
+        x_next; None for a table of steps that draw none (`step_table(noise=False)`).
     """
 
     timesteps: torch.Tensor
@@ -109,6 +117,7 @@ class StepTable:
     state_size: int
     pattern: Pattern
     scheduler: str = ""
+    noise: torch.Tensor | None = None
 
     @property
     def history(self) -> bool:
@@ -118,8 +127,10 @@ class StepTable:
     def steps(self, begin: int, end: int | None = None) -> StepTable:
         """The table of steps begin..end-1 (a part of the loop one transformer takes)."""
         part = slice(begin, end)
+        noise = None if self.noise is None else self.noise[part]
         return dataclasses.replace(self, timesteps=self.timesteps[part],
-                                   input_scale=self.input_scale[part], rows=self.rows[part])
+                                   input_scale=self.input_scale[part], rows=self.rows[part],
+                                   noise=noise)
 
     @cached_property  # frozen dataclasses allow it: it writes the instance's __dict__
     def coeffs(self) -> torch.Tensor:
@@ -138,28 +149,32 @@ class StepTable:
 
 
 def step_table(scheduler: Any, num_inference_steps: int | None = None, device: Any = "cpu",
-               begin_index: int = 0, **set_timesteps_kwargs: Any) -> StepTable:
+               begin_index: int = 0, noise: bool = False,
+               **set_timesteps_kwargs: Any) -> StepTable:
     """The coefficient table of `scheduler` for `num_inference_steps` steps.
 
     begin_index: the step the loop starts at (image-to-image pipelines loop over the rest of
     the schedule, most after `scheduler.set_begin_index`); the table covers the steps from
     there, as the scheduler takes them (a multistep scheduler starts its history there).
     set_timesteps_kwargs go to `scheduler.set_timesteps` as a pipeline passes them (`mu=` for
-    dynamic shifting, custom `sigmas=` or `timesteps=`). Works on copies: the user's scheduler
+    dynamic shifting, custom `sigmas=` or `timesteps=`). noise: a step may draw noise (DDPM,
+    Euler ancestral), whose scale the table's `noise` holds, for a caller that draws it as
+    the scheduler would and adds it. Works on copies: the user's scheduler
     and the global RNG are not touched. Raises ValueError, one sentence naming the scheduler
     (and option), for a scheduler or config whose step is not token-wise linear.
     """
     try:
-        _check_config(scheduler, set_timesteps_kwargs)
+        _check_config(scheduler, set_timesteps_kwargs, noise)
     except UnsupportedOption as err:
         otherwise = _unsupported_otherwise(scheduler, err.allowed, num_inference_steps,
-                                           begin_index, set_timesteps_kwargs)
+                                           begin_index, {**set_timesteps_kwargs,
+                                                         "noise": noise})
         raise ValueError(f"{err}{otherwise}") from None
     args = (num_inference_steps, begin_index, set_timesteps_kwargs)
     # Some steps draw noise they then scale by zero (Euler without churn): keep the user's RNG.
     with torch.random.fork_rng(devices=[]):
         try:
-            table = _checked_table(scheduler, args)
+            table = _checked_table(scheduler, args, noise)
         except NotTokenWise as err:
             raise unsupported(scheduler, str(err)) from None
     return StepTable(
@@ -169,27 +184,32 @@ def step_table(scheduler: Any, num_inference_steps: int | None = None, device: A
         state_size=table.state_size,
         pattern=table.pattern,
         scheduler=type(scheduler).__name__,
+        noise=table.noise.to(device=device, dtype=torch.float32) if table.noise.any() else None,
     )
 
 
-def _checked_table(scheduler: Any, args: tuple[Any, ...]) -> Any:
+def _checked_table(scheduler: Any, args: tuple[Any, ...], noise: bool) -> Any:
     """The table probed off a fresh copy of `scheduler`, checked by replaying another's
-    loop. A step that fails on its probe has the steps before it replayed first: a step
-    that draws noise says so there, before it fails reading past the schedule's end."""
+    loop (and refused where a step draws noise and `noise` is False). A step that fails on
+    its probe has the steps before it replayed first: a step that draws noise says so
+    there, before it fails reading past the schedule's end."""
     begin = args[1]
     sched = _fresh(scheduler, *args)
     try:
         scales, steps = probe_steps(sched, begin)
     except ProbeFailed as failed:
-        _replay(scheduler, args, sched.timesteps[begin:], failed.scales, failed.steps)
+        _replay(scheduler, args, sched.timesteps[begin:], failed.scales, failed.steps, noise)
         raise
-    return _replay(scheduler, args, sched.timesteps[begin:], scales, steps)
+    return _replay(scheduler, args, sched.timesteps[begin:], scales, steps, noise)
 
 
 def _replay(scheduler: Any, args: tuple[Any, ...], timesteps: torch.Tensor,
-            scales: list[float], steps: list[Any]) -> Any:
+            scales: list[float], steps: list[Any], noise: bool) -> Any:
     """The table the probed steps make, checked by replaying a fresh copy's loop over them."""
     table = assemble(timesteps[: len(steps)], scales, steps)
+    drawing = torch.nonzero(table.noise).flatten().tolist()
+    if drawing and not noise:
+        raise NotTokenWise(f"its step {drawing[0]} draws noise")
     replay(_fresh(scheduler, *args), table, args[1])
     return table
 
@@ -225,12 +245,14 @@ def unsupported(scheduler: Any, reason: str) -> ValueError:
                       "is linear per token)")
 
 
-def _check_config(scheduler: Any, kwargs: dict[str, Any]) -> None:
+def _check_config(scheduler: Any, kwargs: dict[str, Any], noise: bool) -> None:
     name = type(scheduler).__name__
     config = getattr(scheduler, "config", None)
     if config is None or not callable(getattr(scheduler, "step", None)):
         raise unsupported(scheduler, "it is not a diffusers scheduler")
     for option, bad, why, ok, ok_value in NONLINEAR_OPTIONS:
+        if noise and option in NOISE_OPTIONS:
+            continue
         value = config.get(option)
         if value in bad and _reads(scheduler, option):
             raise UnsupportedOption(f"{name} option {option}={value!r} is not supported in "
@@ -246,15 +268,15 @@ def _check_config(scheduler: Any, kwargs: dict[str, Any]) -> None:
 
 
 def _unsupported_otherwise(scheduler: Any, options: dict[str, Any], steps: int | None,
-                           begin_index: int, set_timesteps_kwargs: dict[str, Any]) -> str:
-    """Why a ring cannot take `scheduler` with `options` set as a ring needs them (DDPM
-    draws noise whatever its clip_sample), as the end of the option's refusal; '' where it
-    can."""
+                           begin_index: int, step_table_kwargs: dict[str, Any]) -> str:
+    """Why a ring cannot take `scheduler` with `options` set as a ring needs them (the
+    public table refuses DDPM's noise whatever its clip_sample), as the end of the option's
+    refusal; '' where it can."""
     try:
         allowed = type(scheduler).from_config(scheduler.config, **options)
         if any(allowed.config.get(option) != value for option, value in options.items()):
             return ""  # the option did not take: nothing more is known
-        step_table(allowed, steps, begin_index=begin_index, **set_timesteps_kwargs)
+        step_table(allowed, steps, begin_index=begin_index, **step_table_kwargs)
     except Exception as other:  # any reason it fails is the user's next one
         return f"; but not with that either: {other}"
     return ""

@@ -63,7 +63,7 @@ def _long_structure(scheduler: Any, kwargs: dict[str, Any]) -> Structure | None:
     key = f"{type(scheduler).__name__} {dict(scheduler.config)!r} {kwargs!r}"
     if key not in _LONG:
         try:
-            long = step_table(scheduler, LONG_STEPS, **kwargs)
+            long = step_table(scheduler, LONG_STEPS, noise=True, **kwargs)
             _LONG[key] = (long.state_size, long.pattern)
         except ValueError:  # a schedule that cannot be this long: the table stays as it is
             _LONG[key] = None
