@@ -136,11 +136,13 @@ def _flux(parts: Parts) -> Built:
 
 
 def _hunyuan(parts: Parts) -> Built:
-    """DDIM rather than the released DDPM: DDPM draws fresh noise every step, which the
-    ring cannot carry (parallelize would run each call on its own)."""
+    """With the released scheduler: DDPM without clipping, its steps drawing noise."""
     d = _diffusers()
+    scheduler = d.DDPMScheduler(clip_sample=False, prediction_type="v_prediction",
+                                beta_schedule="scaled_linear", beta_start=0.00085,
+                                beta_end=0.03, steps_offset=1)
     pipe = d.HunyuanDiTPipeline(
-        transformer=parts.transformer, scheduler=d.DDIMScheduler(clip_sample=False),
+        transformer=parts.transformer, scheduler=scheduler,
         **_none("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                 "safety_checker", "feature_extractor"), requires_safety_checker=False)
     inputs = parts.spec["inputs"]
