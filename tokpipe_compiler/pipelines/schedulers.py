@@ -11,8 +11,11 @@ state: UniPC's previous data predictions and corrector sample, DPM-Solver's hist
 `step_table` reads M_k off the real diffusers scheduler instead of re-deriving its formulas:
 it steps a copy once per step on probe tensors whose last axis is the identity, so column j of
 the result is the image of input j, then replays the whole loop on random tensors to check
-that the table reproduces it (a step that draws noise, clamps or reduces over tokens fails
-that check). `update_state` applies one row of the table. The runtime feeds
+that the table reproduces it (a step that clamps or reduces over tokens fails that check).
+A step that draws noise with `randn_tensor` gets one more basis column for its draw
+(`drawn_noise`), whose image is the noise's scale: `step_table(noise=True)` returns it as
+`StepTable.noise`, for a caller that draws the noise as the step would and adds it.
+`update_state` applies one row of the table. The runtime feeds
 `latents * input_scale[k]` and `timesteps[k]` to the model and starts the state at zeros.
 
 `update` and `StepTable.coeffs` keep the older fixed layout for schedulers with at most one
