@@ -288,9 +288,9 @@ def test_a_per_call_generation_after_a_ring_warns_again():
     pipe, kwargs = parallelized(pixart_alpha, mode="sync")
     config = pipe.scheduler.config
     said = []
-    for algorithm in ("sde-dpmsolver++", "sde-dpmsolver++", "dpmsolver++", "sde-dpmsolver++"):
+    for thresholding in (True, True, False, True):  # a quantile over all tokens: per call
         pipe.scheduler = DPMSolverMultistepScheduler.from_config(config,
-                                                                 algorithm_type=algorithm)
+                                                                 thresholding=thresholding)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             generate(pipe, kwargs, steps=2)
