@@ -247,7 +247,7 @@ def _constant(node) -> torch.Tensor | None:
         return None
     try:
         found = value_of(node)
-    except _Kept:
+    except Exception:  # an op that is not a known constant, or will not run on the CPU
         return None
     return found.cpu() if isinstance(found, torch.Tensor) else None
 
