@@ -78,11 +78,11 @@ def constant_dead_rows(gm: torch.fx.GraphModule) -> int:
 
 def _is_slice(node: torch.fx.Node) -> bool:
     """A slice of a tensor: `x[a:b]`, `x[:, a:b]`."""
-    index = node.args[1] if node.target is operator.getitem else None
-    items = index if isinstance(index, tuple) else (index,)
+    if node.target is not operator.getitem or _tensor(node.args[0]) is None:
+        return False
+    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
     value = _tensor(node)
-    return (node.target is operator.getitem and _tensor(node.args[0]) is not None
-            and all(isinstance(i, slice) for i in items) and value is not None
+    return (all(isinstance(i, slice) for i in items) and value is not None
             and all(isinstance(size, int) for size in value.shape))  # zeros of a fixed shape
 
 

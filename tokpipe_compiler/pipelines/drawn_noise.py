@@ -53,9 +53,9 @@ def with_noise(blends: dict[str, torch.Tensor], noises: dict[int, torch.Tensor],
     noisy = [k for k in range(begin, begin + steps) if k in noises]
     if not noisy:
         return blends
-    ones, zeros = torch.ones_like(like), torch.zeros_like(like)
-    keep = blends.get("blend_keep", torch.stack([ones] * steps))
-    target = blends.get("blend_target", torch.stack([zeros] * steps))
+    zeros = torch.zeros_like(like)
+    keep = blends["blend_keep"] if blends else torch.ones_like(like).expand(steps, *like.shape)
+    target = blends["blend_target"] if blends else zeros.expand(steps, *like.shape)
     added = torch.stack([noises[k].to(like.dtype) if k in noises else zeros
                          for k in range(begin, begin + steps)])
     return {"blend_keep": keep, "blend_target": target + keep * added}

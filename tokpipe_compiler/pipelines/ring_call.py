@@ -198,9 +198,10 @@ class RingCalls:
         if gen.previous is not None and not same(sample, gen.previous.to(sample.dtype)):
             self._blended(gen, sample)
         # the scheduler's own bookkeeping, on probes; the noise it draws, the pipeline's
-        with drawn_noise(self.pipe.scheduler) as drawn:
+        noisy = gen.table.noise is not None
+        with drawn_noise(self.pipe.scheduler) if noisy else contextlib.nullcontext([]) as drawn:
             output = original(*args, **kwargs)
-        if drawn and gen.table.noise is not None:
+        if drawn:
             gen.noises[gen.step] = gen.table.noise[gen.step].item() * drawn[0]
         gen.previous = prev_sample(output)
         last = gen.step == len(gen.timesteps) - 1
